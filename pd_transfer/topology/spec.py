@@ -1,0 +1,167 @@
+"""What a rank's paged KV cache looks like: shared by the handshake (on the wire) and the planner.
+
+Vocabulary used throughout pd-transfer:
+
+* A **region** is one registered tensor whose leading dimension is the block index: block ``i`` starts
+  at ``base_address + i * block_stride`` and is ``block_len`` bytes long.
+* A region holds one or more **planes**: the K part, the V part, both (K then V inside each block), or
+  the MLA latent. A plane's block is ``block_len / len(kinds)`` bytes at offset
+  ``kind_index * plane_block_len`` inside the region's block.
+* Inside a plane block the elements are ``(heads, tokens, head_size)`` for layout ``HND`` or
+  ``(tokens, heads, head_size)`` for ``NHD``; ``heads`` is this rank's share of the KV heads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+KVLayout = Literal["HND", "NHD"]
+PlaneKind = Literal["k", "v", "latent"]
+
+#: Bytes per element of the dtypes a KV cache may use.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The facts two engines must agree on to share KV, whatever their parallelism or block size."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    total_num_kv_heads: int
+    head_size: int
+    use_mla: bool = False
+
+    def differences(self, other: ModelFingerprint) -> list[str]:
+        """Human-readable ``field: ours != theirs`` for every field that differs."""
+        out = []
+        for field in self.__struct_fields__:
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                out.append(f"{field}: {mine!r} != {theirs!r}")
+        return out
+
+
+class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one TP rank holds the model's KV cache."""
+
+    fingerprint: ModelFingerprint
+    tp_size: int
+    tp_rank: int
+    block_size: int  # tokens per block
+    layout: KVLayout = "HND"
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element."""
+        try:
+            return DTYPE_SIZES[self.fingerprint.dtype]
+        except KeyError:
+            raise ValueError(f"unsupported KV dtype {self.fingerprint.dtype!r}") from None
+
+    @property
+    def num_local_heads(self) -> int:
+        """KV heads held by this rank (1 for MLA; replicated heads when tp_size > total heads)."""
+        if self.fingerprint.use_mla:
+            return 1
+        return max(1, self.fingerprint.total_num_kv_heads // self.tp_size)
+
+    @property
+    def first_global_head(self) -> int:
+        """Global index of this rank's first KV head (0 for MLA)."""
+        heads = self.fingerprint.total_num_kv_heads
+        if self.fingerprint.use_mla:
+            return 0
+        if self.tp_size <= heads:
+            return self.tp_rank * (heads // self.tp_size)
+        return self.tp_rank // (self.tp_size // heads)
+
+    @property
+    def plane_block_elements(self) -> int:
+        """Elements in one block of one plane: heads * tokens * head_size."""
+        return self.num_local_heads * self.block_size * self.fingerprint.head_size
+
+    @property
+    def plane_block_bytes(self) -> int:
+        return self.plane_block_elements * self.element_size
+
+
+class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered block-indexed tensor of a rank's cache (addresses in the owner's process)."""
+
+    layer: int
+    kinds: tuple[PlaneKind, ...]  # ("k",), ("v",), ("k", "v") or ("latent",)
+    base_address: int  # bytes
+    num_blocks: int
+    block_len: int  # bytes of one block, all kinds together
+    block_stride: int  # bytes between the starts of consecutive blocks
+
+    @property
+    def plane_block_len(self) -> int:
+        return self.block_len // len(self.kinds)
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the first block's start to the last block's end."""
+        if self.num_blocks == 0:
+            return 0
+        return (self.num_blocks - 1) * self.block_stride + self.block_len
+
+
+class Plane(msgspec.Struct, frozen=True):
+    """One (layer, kind) of a cache, as an address pattern: block ``i`` of the plane starts at
+    ``base_address + i * block_stride`` and is ``block_len`` bytes."""
+
+    layer: int
+    kind: PlaneKind
+    base_address: int
+    num_blocks: int
+    block_len: int
+    block_stride: int
+
+
+def planes_of(regions: list[KVRegion]) -> list[Plane]:
+    """The planes of a cache, ordered by (layer, kind) so both sides of a transfer list them alike."""
+    planes = [
+        Plane(
+            layer=region.layer,
+            kind=kind,
+            base_address=region.base_address + index * region.plane_block_len,
+            num_blocks=region.num_blocks,
+            block_len=region.plane_block_len,
+            block_stride=region.block_stride,
+        )
+        for region in regions
+        for index, kind in enumerate(region.kinds)
+    ]
+    order = {"k": 0, "v": 1, "latent": 2}
+    planes.sort(key=lambda plane: (plane.layer, order[plane.kind]))
+    return planes
+
+
+def region_from_tensor(tensor: "torch.Tensor", layer: int, kinds: tuple[PlaneKind, ...]) -> KVRegion:  # noqa: F821
+    """Describe a tensor whose dim 0 is the block index and whose blocks are each contiguous."""
+    if tensor.dim() < 2:
+        raise ValueError(f"a KV region needs a block dimension and block contents, got shape {tuple(tensor.shape)}")
+    block = tensor[0]
+    if not block.is_contiguous():
+        raise ValueError(f"layer {layer} {kinds}: each block must be contiguous in memory (strides {tensor.stride()})")
+    element_size = tensor.element_size()
+    return KVRegion(
+        layer=layer,
+        kinds=kinds,
+        base_address=tensor.data_ptr(),
+        num_blocks=tensor.shape[0],
+        block_len=block.numel() * element_size,
+        block_stride=tensor.stride(0) * element_size,
+    )
