@@ -1,0 +1,1 @@
+"""Benchmarks behind ``pd-transfer bench``: each runs our path and its baselines side by side in one run."""

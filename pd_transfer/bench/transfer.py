@@ -1,0 +1,196 @@
+"""``pd-transfer bench transfer``: our read path against a raw NIXL READ of the same descriptors and an
+in-process copy of the same blocks, measured side by side in one run, plus idle CPU and one-block latency.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+
+from .peer import PrefillProcess, PrefillSpec
+from .verify import plane_tensors, received_correctly
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's cache and one request, as the benchmark moves it."""
+
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    request_tokens: int = 4096
+    cache_blocks: int = 512  # per side; the request uses request_tokens / block_size of them
+    layout: str = "HND"
+
+    @property
+    def request_blocks(self) -> int:
+        return -(-self.request_tokens // self.block_size)
+
+    def fingerprint(self) -> ModelFingerprint:
+        return ModelFingerprint(
+            model="bench-llama",
+            dtype=self.dtype,
+            num_layers=self.num_layers,
+            total_num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+        )
+
+    def layout_for(self, tp_size: int = 1, tp_rank: int = 0, block_size: int | None = None) -> KVCacheLayout:
+        return KVCacheLayout(
+            fingerprint=self.fingerprint(),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            block_size=block_size or self.block_size,
+            layout=self.layout,  # type: ignore[arg-type]
+        )
+
+
+QUICK_SHAPE = Shape(num_layers=4, request_tokens=1024, cache_blocks=128)
+
+
+def copy_runs_gbps(source: KVCache, target: KVCache, source_ids: list[int], target_ids: list[int]) -> float:
+    """In-process copy of the same blocks, the faster of per-run copies and per-plane gather/scatter."""
+    sources, targets = plane_tensors(source), plane_tensors(target)
+    src = np.asarray(source_ids)
+    dst = np.asarray(target_ids)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(src)]))
+    runs = [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+    nbytes = sum(plane[0].numel() * plane.element_size() for plane in sources) * len(source_ids)
+
+    started = time.perf_counter()
+    for s_plane, t_plane in zip(sources, targets, strict=True):
+        for s, t, n in runs:
+            t_plane[t : t + n].copy_(s_plane[s : s + n])
+    per_run = time.perf_counter() - started
+
+    s_index, t_index = torch.from_numpy(src), torch.from_numpy(dst)
+    started = time.perf_counter()
+    for s_plane, t_plane in zip(sources, targets, strict=True):
+        t_plane.index_copy_(0, t_index, s_plane.index_select(0, s_index))
+    gather = time.perf_counter() - started
+    return nbytes / min(per_run, gather) / 2**30
+
+
+def _case(
+    decode: DecodeRank,
+    prefill: PrefillProcess,
+    expected_prefill: list[KVCache],
+    scratch: KVCache,
+    remote_ids: list[int],
+    local_ids: list[int],
+    num_tokens: int,
+    repeats: int,
+    label: str,
+) -> dict:
+    from pd_transfer.transfer.baseline import RawNixlReader
+
+    host, port = prefill.host, prefill.port
+    engine = decode.connect(host, port)
+    plan = decode.remote_plan(host, port)
+    (source,) = plan.sources
+    local_rows, remote_rows = source.indices(remote_ids, local_ids, num_tokens)
+    spans = [(r.base_address, r.base_address + r.span_bytes) for r in decode.cache.regions]
+    raw = RawNixlReader(spans, engine.ranks[0].agent_metadata, source.local_grid, source.remote_grid)
+    try:
+        raw.read_seconds(local_rows, remote_rows)  # warm
+        ours, raws, copies = [], [], []
+        result = None
+        for index in range(repeats):
+            result = decode.pull(f"bench-{label}-{index}", host, port, remote_ids, local_ids, num_tokens)
+            ours.append(result.seconds)
+            raws.append(raw.read_seconds(local_rows, remote_rows))
+            copies.append(copy_runs_gbps(expected_prefill[0], scratch, remote_ids, local_ids))
+    finally:
+        raw.close()
+    assert result is not None
+    # what NIXL posts after merging rows adjacent on both sides
+    l_addr = source.local_grid[local_rows, 0].astype(np.int64)
+    r_addr = source.remote_grid[remote_rows, 0].astype(np.int64)
+    unit = int(source.unit_bytes)
+    merged = 1 + int(np.count_nonzero((np.diff(l_addr) != unit) | (np.diff(r_addr) != unit)))
+    seconds = statistics.median(ours)
+    raw_seconds = statistics.median(raws)
+    gbps = result.bytes / seconds / 2**30
+    raw_gbps = result.bytes / raw_seconds / 2**30
+    memcpy_gbps = statistics.median(copies)
+    verified = received_correctly(decode.cache, local_ids, expected_prefill, remote_ids, num_tokens)
+    return {
+        "bytes": result.bytes,
+        "rows": int(len(local_rows)),
+        "descriptors": merged,
+        "seconds": round(seconds, 6),
+        "gbps": round(gbps, 3),
+        "raw_nixl_seconds": round(raw_seconds, 6),
+        "raw_nixl_gbps": round(raw_gbps, 3),
+        "memcpy_gbps": round(memcpy_gbps, 3),
+        "ratio_vs_raw_nixl": round(gbps / raw_gbps, 3),
+        "ratio_vs_memcpy": round(gbps / memcpy_gbps, 3),
+        "verified": bool(verified),
+        "repeats": repeats,
+    }
+
+
+def run(shape: Shape = Shape(), *, repeats: int = 5, idle_seconds: float = 5.0, seed: int = 7) -> dict:
+    """Run the whole benchmark; returns the JSON-ready result."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    torch.set_num_threads(1)
+    layout = shape.layout_for()
+    spec = PrefillSpec(engine_id="bench-prefill", layouts=[layout], num_blocks=shape.cache_blocks, seed=seed)
+    rng = np.random.default_rng(seed)
+    n = shape.request_blocks
+    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
+    scattered = (
+        sorted(rng.choice(shape.cache_blocks, n, replace=False).tolist(), key=lambda _: rng.random()),
+        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
+    )
+    with PrefillProcess(spec) as prefill:
+        expected = spec.caches()
+        decode = DecodeRank("bench-decode", KVCache.allocate(layout, shape.cache_blocks))
+        scratch = KVCache.allocate(layout, shape.cache_blocks)
+        try:
+            started = time.perf_counter()
+            decode.connect(prefill.host, prefill.port)
+            connect_ms = (time.perf_counter() - started) * 1e3
+            results = {
+                "contiguous": _case(
+                    decode, prefill, expected, scratch, *contiguous, shape.request_tokens, repeats, "c"
+                ),
+                "scattered": _case(decode, prefill, expected, scratch, *scattered, shape.request_tokens, repeats, "s"),
+            }
+            released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
+            latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
+            # idle: both sides at once, the decode measured in this process
+            prefill._conn.send(("idle_cpu", idle_seconds))
+            cpu_start, wall_start = time.process_time(), time.perf_counter()
+            time.sleep(idle_seconds)  # measuring idle: sleeping is the workload
+            decode_idle = 100.0 * (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
+            prefill_idle = float(prefill._recv(idle_seconds + 30)[1])
+        finally:
+            decode.close()
+    one_block_bytes = layout.plane_block_bytes
+    return {
+        "shape": asdict(shape),
+        "request_bytes": results["contiguous"]["bytes"],
+        "connect_ms": round(connect_ms, 1),
+        **results,
+        "prefill_saw_notification": released == [1],
+        "idle_cpu_percent": round(max(prefill_idle, decode_idle), 3),
+        "idle_cpu_percent_prefill": round(prefill_idle, 3),
+        "idle_cpu_percent_decode": round(decode_idle, 3),
+        "one_block_bytes": one_block_bytes,
+        "one_block_p50_us": round(statistics.median(latencies) * 1e6, 1),
+        "one_block_p99_us": round(float(np.percentile(latencies, 99)) * 1e6, 1),
+    }

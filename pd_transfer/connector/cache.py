@@ -1,0 +1,69 @@
+"""A rank's paged KV cache as tensors plus their region descriptions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pd_transfer.topology.spec import KVCacheLayout, KVRegion, region_from_tensor
+
+
+@dataclass
+class KVCache:
+    """The tensors a rank registers, with ``regions[i]`` describing ``tensors[i]`` (dim 0: block)."""
+
+    layout: KVCacheLayout
+    tensors: list[torch.Tensor]
+    regions: list[KVRegion]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.regions[0].num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(region.num_blocks * region.block_len for region in self.regions)
+
+    @classmethod
+    def from_tensors(
+        cls, layout: KVCacheLayout, tensors: list[torch.Tensor], kinds: list[tuple[str, ...]], layers: list[int]
+    ) -> KVCache:
+        """Describe existing engine tensors: ``tensors[i]`` holds ``kinds[i]`` of layer ``layers[i]``."""
+        regions = [region_from_tensor(t, layer, k) for t, layer, k in zip(tensors, layers, kinds, strict=True)]  # type: ignore[arg-type]
+        return cls(layout=layout, tensors=tensors, regions=regions)
+
+    @classmethod
+    def allocate(cls, layout: KVCacheLayout, num_blocks: int, *, kv_split: bool = True) -> KVCache:
+        """A zeroed host cache shaped like an engine's: per layer, K and V as separate block-indexed
+        tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer.
+
+        Block shape: (heads, block_size, head_size) for HND, (block_size, heads, head_size) for NHD.
+        """
+        fp = layout.fingerprint
+        dtype = getattr(torch, fp.dtype)
+        heads, tokens, dim = layout.num_local_heads, layout.block_size, fp.head_size
+        block_shape = (heads, tokens, dim) if layout.layout == "HND" else (tokens, heads, dim)
+        tensors: list[torch.Tensor] = []
+        kinds: list[tuple[str, ...]] = []
+        layers: list[int] = []
+        if fp.use_mla:
+            storage = torch.zeros((fp.num_layers, num_blocks, *block_shape), dtype=dtype)
+            for layer in range(fp.num_layers):
+                tensors.append(storage[layer])
+                kinds.append(("latent",))
+                layers.append(layer)
+        elif kv_split:
+            storage = torch.zeros((fp.num_layers, 2, num_blocks, *block_shape), dtype=dtype)
+            for layer in range(fp.num_layers):
+                for index, kind in enumerate(("k", "v")):
+                    tensors.append(storage[layer, index])
+                    kinds.append((kind,))
+                    layers.append(layer)
+        else:
+            storage = torch.zeros((fp.num_layers, num_blocks, 2, *block_shape), dtype=dtype)
+            for layer in range(fp.num_layers):
+                tensors.append(storage[layer])
+                kinds.append(("k", "v"))
+                layers.append(layer)
+        return cls.from_tensors(layout, tensors, kinds, layers)

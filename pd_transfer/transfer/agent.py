@@ -1,0 +1,383 @@
+"""One NIXL agent (UCX backend) with its registered KV cache, its peers and its descriptor lists.
+
+This module and its siblings are the only places in pd-transfer that import ``nixl``. NIXL is not
+guaranteed thread-safe, so every call into it holds ``self._lock``; the progress poller takes the same
+lock for each poll, and reads hold it only while posting or checking a transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pd_transfer.topology.spec import KVRegion
+
+from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
+from .progress import AdaptivePoller
+
+os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time pool warnings are noise for users
+
+from nixl._api import nixl_agent, nixl_agent_config
+
+logger = logging.getLogger(__name__)
+
+NotificationHandler = Callable[[str, bytes], None]
+_LOCAL = "NIXL_INIT_AGENT"
+
+
+def _is_remote_disconnect(error: BaseException) -> bool:
+    return type(error).__name__ == "nixlRemoteDisconnectError"
+
+
+def _merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
+    """(start, end) byte ranges covering every region, overlapping or touching ranges merged."""
+    spans = sorted((r.base_address, r.base_address + r.span_bytes) for r in regions if r.span_bytes > 0)
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    """What one read moved and how long it took."""
+
+    bytes: int
+    descriptors: int  # rows handed to NIXL (before NIXL merges adjacent ones)
+    post_seconds: float  # building and posting the transfer
+    seconds: float  # post to DONE
+
+
+class DescriptorList:
+    """A prepared NIXL descriptor list (one side of reads): rows of (address, length, device)."""
+
+    def __init__(self, agent: TransferAgent, handle: object, peer: str, rows: np.ndarray) -> None:
+        self._agent = agent
+        self.handle = handle
+        self.peer = peer  # "" for the local side
+        self.num_rows = int(rows.shape[0])
+        self.row_lengths = rows[:, 1].astype(np.int64, copy=True)
+        self.released = False
+
+    def release(self) -> None:
+        self._agent._release_dlist(self)
+
+
+class TransferAgent:
+    """A NIXL agent without NIXL's busy progress thread.
+
+    ``on_notification(peer_name, payload)`` is called on the poller thread for every notification
+    that arrives (keep it short: hand work to another thread).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        on_notification: NotificationHandler | None = None,
+        idle_poll_interval_s: float = 0.002,
+    ) -> None:
+        self.name = name
+        self._lock = threading.RLock()
+        self._on_notification = on_notification
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        started = time.perf_counter()
+        self._nixl = nixl_agent(name, config)
+        logger.info("NIXL agent %s ready in %.0f ms", name, (time.perf_counter() - started) * 1e3)
+        self._registrations: list[object] = []
+        self._peers: set[str] = set()
+        self._dlists: list[DescriptorList] = []
+        self._unreleased_xfers: list[object] = []  # handles NIXL could not cancel yet; retried by the poller
+        self._closed = False
+        self.notifications_received = 0
+        self._poller = AdaptivePoller(name, self._poll_once, idle_interval_s=idle_poll_interval_s)
+        self._poller.start()
+
+    # ------------------------------------------------------------------ memory
+    def register_regions(self, regions: Sequence[KVRegion]) -> object:
+        """Register the memory behind ``regions`` (host DRAM), once per cache; returns the registration."""
+        registration = self.register_spans(_merged_spans(regions))
+        logger.info("agent %s registered %d regions", self.name, len(regions))
+        return registration
+
+    def register_spans(self, spans: Sequence[tuple[int, int]]) -> object:
+        """Register host memory given as (start, end) byte addresses; returns the registration."""
+        rows = [(start, end - start, 0, "") for start, end in spans if end > start]
+        if not rows:
+            raise ValueError("no memory to register: every span is empty")
+        with self._lock:
+            try:
+                registration = self._nixl.register_memory(rows, "DRAM")
+            except Exception as error:
+                raise TransferError(f"agent {self.name}: registering {len(rows)} spans failed: {error}") from error
+            self._registrations.append(registration)
+        logger.debug("agent %s registered %.1f MiB", self.name, sum(r[1] for r in rows) / 2**20)
+        return registration
+
+    def deregister(self, registration: object) -> None:
+        with self._lock:
+            if registration in self._registrations:
+                self._registrations.remove(registration)
+                try:
+                    self._nixl.deregister_memory(registration)
+                except Exception as error:
+                    logger.warning("agent %s: deregistering memory failed: %s", self.name, error)
+
+    @property
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata, for the side channel."""
+        with self._lock:
+            return bytes(self._nixl.get_agent_metadata())
+
+    # ------------------------------------------------------------------ peers
+    def add_peer(self, agent_metadata: bytes) -> str:
+        """Load a remote agent's metadata; returns its name. Re-adding a known peer refreshes it."""
+        with self._lock:
+            try:
+                name = self._nixl.add_remote_agent(agent_metadata)
+            except Exception as error:
+                raise TransferError(f"agent {self.name}: adding a remote agent failed: {error}") from error
+            peer = name.decode() if isinstance(name, bytes) else str(name)
+            self._peers.add(peer)
+        logger.info("agent %s added peer %s", self.name, peer)
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a remote agent and release every descriptor list prepared for it."""
+        with self._lock:
+            for dlist in [d for d in self._dlists if d.peer == peer]:
+                self._release_dlist(dlist)
+            if peer in self._peers:
+                self._peers.discard(peer)
+                try:
+                    self._nixl.remove_remote_agent(peer)
+                except Exception as error:
+                    logger.warning("agent %s: removing peer %s failed: %s", self.name, peer, error)
+
+    def has_peer(self, peer: str) -> bool:
+        return peer in self._peers
+
+    # ------------------------------------------------------------------ descriptor lists
+    def prepare_local(self, rows: np.ndarray) -> DescriptorList:
+        """Prepare local rows (N x 3 uint64: address, length, 0) inside registered memory."""
+        return self._prepare(_LOCAL, rows)
+
+    def prepare_remote(self, peer: str, rows: np.ndarray) -> DescriptorList:
+        """Prepare rows of a remote peer's registered memory."""
+        if peer not in self._peers:
+            raise UnknownPeer(f"agent {self.name}: no peer {peer!r}; add it first")
+        return self._prepare(peer, rows)
+
+    def _prepare(self, peer: str, rows: np.ndarray) -> DescriptorList:
+        rows = np.ascontiguousarray(rows, dtype=np.uint64)
+        if rows.ndim != 2 or rows.shape[1] != 3 or rows.shape[0] == 0:
+            raise ValueError(f"descriptor rows must be a non-empty N x 3 array, got shape {rows.shape}")
+        started = time.perf_counter()
+        with self._lock:
+            try:
+                handle = self._nixl.prep_xfer_dlist(peer, rows, "DRAM")
+            except Exception as error:
+                where = "local memory" if peer == _LOCAL else f"peer {peer}"
+                raise TransferError(
+                    f"agent {self.name}: preparing {rows.shape[0]} descriptors of {where} failed"
+                    f" (outside registered memory?): {error}"
+                ) from error
+            dlist = DescriptorList(self, handle, "" if peer == _LOCAL else peer, rows)
+            self._dlists.append(dlist)
+        logger.debug(
+            "agent %s prepared %d rows for %s in %.2f ms",
+            self.name,
+            rows.shape[0],
+            peer,
+            (time.perf_counter() - started) * 1e3,
+        )
+        return dlist
+
+    def _release_dlist(self, dlist: DescriptorList) -> None:
+        with self._lock:
+            if dlist.released:
+                return
+            dlist.released = True
+            if dlist in self._dlists:
+                self._dlists.remove(dlist)
+            try:
+                self._nixl.release_dlist_handle(dlist.handle)
+            except Exception as error:
+                logger.warning("agent %s: releasing a descriptor list failed: %s", self.name, error)
+
+    # ------------------------------------------------------------------ reads
+    def read(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        *,
+        notification: bytes = b"",
+        timeout_s: float = 30.0,
+    ) -> ReadStats:
+        """Pull ``remote[remote_indices[i]]`` into ``local[local_indices[i]]`` for every i; blocks until
+        done. NIXL merges rows adjacent on both sides into single descriptors. ``notification`` reaches
+        the remote agent after the data has been read.
+
+        Raises ``TransferTimeout`` past ``timeout_s`` (the transfer is cancelled, or its handle kept
+        until NIXL lets go of it), ``PeerDisconnected`` when the peer is gone, ``TransferError``
+        otherwise.
+        """
+        if remote.released or local.released:
+            raise TransferError(f"agent {self.name}: descriptor list for {remote.peer} was released")
+        if len(local_indices) != len(remote_indices):
+            raise ValueError(f"{len(local_indices)} local rows but {len(remote_indices)} remote rows")
+        if len(local_indices) == 0:
+            return ReadStats(bytes=0, descriptors=0, post_seconds=0.0, seconds=0.0)
+        local_indices = np.asarray(local_indices, dtype=np.int32)
+        remote_indices = np.asarray(remote_indices, dtype=np.int32)
+        peer = remote.peer
+        started = time.perf_counter()
+        deadline = started + timeout_s
+        with self._lock:
+            try:
+                handle = self._nixl.make_prepped_xfer(
+                    "READ", local.handle, local_indices, remote.handle, remote_indices, notif_msg=notification
+                )
+            except Exception as error:
+                raise self._wrap(error, f"preparing a read of {len(local_indices)} rows from {peer}") from error
+        released = False
+        try:
+            with self._lock:
+                try:
+                    state = self._nixl.transfer(handle)
+                except Exception as error:
+                    raise self._wrap(error, f"posting a read from {peer}") from error
+            posted = time.perf_counter()
+            spins = 0
+            while state == "PROC":
+                now = time.perf_counter()
+                if now >= deadline:
+                    raise TransferTimeout(f"agent {self.name}: read from {peer} not done after {timeout_s:.3f} s")
+                spins += 1
+                if spins > 64:  # tcp-emulated reads progress slowly: stop spinning, keep latency bounded
+                    time.sleep(min(0.0005, deadline - now))
+                with self._lock:
+                    try:
+                        state = self._nixl.check_xfer_state(handle)
+                    except Exception as error:
+                        raise self._wrap(error, f"reading from {peer}") from error
+            if state != "DONE":
+                raise TransferError(f"agent {self.name}: read from {peer} ended in state {state}")
+            finished = time.perf_counter()
+            num_bytes = int(local.row_lengths[local_indices].sum())
+            return ReadStats(
+                bytes=num_bytes,
+                descriptors=len(local_indices),
+                post_seconds=posted - started,
+                seconds=finished - started,
+            )
+        finally:
+            released = self._release_xfer(handle)
+            if not released:
+                logger.warning("agent %s: read from %s still owned by NIXL; releasing it later", self.name, peer)
+
+    def _release_xfer(self, handle: object) -> bool:
+        with self._lock:
+            try:
+                self._nixl.release_xfer_handle(handle)
+                return True
+            except Exception:
+                self._unreleased_xfers.append(handle)
+                return False
+
+    @property
+    def unreleased_transfers(self) -> int:
+        """Transfers that timed out and that NIXL has not let go of yet (their local buffers may still change)."""
+        return len(self._unreleased_xfers)
+
+    def _wrap(self, error: Exception, what: str) -> TransferError:
+        if _is_remote_disconnect(error):
+            return PeerDisconnected(f"agent {self.name}: {what}: peer disconnected ({error})")
+        if type(error).__name__ == "nixlNotFoundError":
+            return TransferError(f"agent {self.name}: {what}: not found (unknown peer or unregistered memory): {error}")
+        return TransferError(f"agent {self.name}: {what}: {error}")
+
+    # ------------------------------------------------------------------ notifications
+    def notify(self, peer: str, payload: bytes) -> None:
+        """Send a notification to a peer (not bound to a transfer)."""
+        with self._lock:
+            try:
+                self._nixl.send_notif(peer, payload)
+            except Exception as error:
+                raise self._wrap(error, f"notifying {peer}") from error
+
+    def wake(self) -> None:
+        """Poll fast for a while (traffic is expected)."""
+        self._poller.wake()
+
+    def _poll_once(self) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            if self._unreleased_xfers:
+                still = []
+                for handle in self._unreleased_xfers:
+                    try:
+                        self._nixl.release_xfer_handle(handle)
+                    except Exception:
+                        still.append(handle)
+                self._unreleased_xfers = still
+            notifications = self._nixl.get_new_notifs()
+        if not notifications:
+            return False
+        for peer, payloads in notifications.items():
+            peer_name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            for payload in payloads:
+                self.notifications_received += 1
+                if self._on_notification is None:
+                    logger.debug("agent %s: notification from %s dropped (no handler)", self.name, peer_name)
+                    continue
+                try:
+                    self._on_notification(peer_name, bytes(payload))
+                except Exception:
+                    logger.exception("agent %s: notification handler failed for %s", self.name, peer_name)
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def poll_count(self) -> int:
+        return self._poller.polls
+
+    def close(self) -> None:
+        """Stop polling, release every descriptor list and registration. Idempotent."""
+        if self._closed:
+            return
+        self._poller.stop()
+        with self._lock:
+            self._closed = True
+            for dlist in list(self._dlists):
+                self._release_dlist(dlist)
+            for peer in list(self._peers):
+                try:
+                    self._nixl.remove_remote_agent(peer)
+                except Exception:
+                    pass
+            self._peers.clear()
+            for registration in self._registrations:
+                try:
+                    self._nixl.deregister_memory(registration)
+                except Exception as error:
+                    logger.warning("agent %s: deregistering memory failed: %s", self.name, error)
+            self._registrations.clear()
+
+    def __enter__(self) -> TransferAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

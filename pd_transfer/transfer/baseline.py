@@ -1,0 +1,55 @@
+"""Raw NIXL reads with no pd-transfer code in the loop: the yardstick for our read path's overhead."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config
+
+
+class RawNixlReader:
+    """A bare NIXL agent (no progress thread) reading prepared rows from one peer.
+
+    The memory behind ``local_spans`` ((start, end) addresses) is registered again under this agent.
+    """
+
+    def __init__(
+        self,
+        local_spans: list[tuple[int, int]],
+        peer_metadata: bytes,
+        local_rows: np.ndarray,
+        remote_rows: np.ndarray,
+    ) -> None:
+        self._agent = nixl_agent(f"raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
+        self._registration = self._agent.register_memory(
+            [(start, end - start, 0, "") for start, end in local_spans], "DRAM"
+        )
+        peer = self._agent.add_remote_agent(peer_metadata)
+        self._peer = peer.decode() if isinstance(peer, bytes) else peer
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", np.ascontiguousarray(local_rows, np.uint64), "DRAM"
+        )
+        self._remote = self._agent.prep_xfer_dlist(self._peer, np.ascontiguousarray(remote_rows, np.uint64), "DRAM")
+
+    def read_seconds(self, local_indices: np.ndarray, remote_indices: np.ndarray) -> float:
+        """One READ of the given rows, make to release; returns post-to-DONE seconds."""
+        local_indices = np.asarray(local_indices, dtype=np.int32)
+        remote_indices = np.asarray(remote_indices, dtype=np.int32)
+        started = time.perf_counter()
+        handle = self._agent.make_prepped_xfer("READ", self._local, local_indices, self._remote, remote_indices)
+        state = self._agent.transfer(handle)
+        while state == "PROC":
+            state = self._agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - started
+        self._agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read ended in state {state}")
+        return elapsed
+
+    def close(self) -> None:
+        self._agent.release_dlist_handle(self._local)
+        self._agent.release_dlist_handle(self._remote)
+        self._agent.remove_remote_agent(self._peer)
+        self._agent.deregister_memory(self._registration)

@@ -1,0 +1,42 @@
+"""A bare TransferAgent in a child process for the transfer-layer tests (imported by the spawned child)."""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import queue
+
+import torch
+
+NUM_BLOCKS = 64
+BLOCK_WORDS = 1024  # 4 KiB blocks
+NUM_REGIONS = 4
+
+
+def pattern(region: int) -> torch.Tensor:
+    """What region ``region`` of the child holds: (NUM_BLOCKS, BLOCK_WORDS) int32, unique words."""
+    start = region * NUM_BLOCKS * BLOCK_WORDS
+    return torch.arange(start, start + NUM_BLOCKS * BLOCK_WORDS, dtype=torch.int32).view(NUM_BLOCKS, BLOCK_WORDS)
+
+
+def serve(conn: multiprocessing.connection.Connection, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    from pd_transfer.topology.spec import region_from_tensor
+    from pd_transfer.transfer.agent import TransferAgent
+
+    received: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    tensors = [pattern(r).clone() for r in range(NUM_REGIONS)]
+    agent = TransferAgent("peer-prefill", on_notification=lambda peer, msg: received.put((peer, msg)))
+    regions = [region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)]
+    agent.register_regions(regions)
+    conn.send((agent.metadata, [r.base_address for r in regions]))
+    while conn.poll(60):
+        command = conn.recv()
+        if command == "notification":
+            try:
+                conn.send(received.get(timeout=10))
+            except queue.Empty:
+                conn.send(None)
+        elif command == "stop":
+            break
+    agent.close()

@@ -1,0 +1,146 @@
+"""The transfer layer alone: a child process owns the memory, this process reads it with NIXL."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
+from pd_transfer.topology.spec import region_from_tensor
+from pd_transfer.transfer import PeerDisconnected, TransferAgent, TransferError, TransferTimeout
+
+BLOCK_BYTES = BLOCK_WORDS * 4
+
+
+class Peer:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=serve, args=(child, env or {}), daemon=True)
+        self.process.start()
+        assert self.conn.poll(60), "peer did not start"
+        self.metadata, self.bases = self.conn.recv()
+
+    def notification(self) -> tuple[str, bytes] | None:
+        self.conn.send("notification")
+        assert self.conn.poll(30)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.conn.send("stop")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def grid(bases: list[int]) -> np.ndarray:
+    """One row per (region, block): row = region * NUM_BLOCKS + block."""
+    rows = [(base + block * BLOCK_BYTES, BLOCK_BYTES, 0) for base in bases for block in range(NUM_BLOCKS)]
+    return np.array(rows, dtype=np.uint64)
+
+
+@pytest.fixture
+def local() -> tuple[TransferAgent, list[torch.Tensor]]:
+    tensors = [torch.full((NUM_BLOCKS, BLOCK_WORDS), -1, dtype=torch.int32) for _ in range(NUM_REGIONS)]
+    agent = TransferAgent("test-decode")
+    agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
+    yield agent, tensors
+    agent.close()
+
+
+def test_scattered_read_is_exact_and_notifies(local: tuple[TransferAgent, list[torch.Tensor]]) -> None:
+    agent, tensors = local
+    peer = Peer()
+    try:
+        name = agent.add_peer(peer.metadata)
+        remote = agent.prepare_remote(name, grid(peer.bases))
+        local_list = agent.prepare_local(grid([t.data_ptr() for t in tensors]))
+        rng = np.random.default_rng(3)
+        remote_blocks = rng.choice(NUM_BLOCKS, 20, replace=False)
+        local_blocks = rng.choice(NUM_BLOCKS, 20, replace=False)
+        remote_rows = np.concatenate([r * NUM_BLOCKS + remote_blocks for r in range(NUM_REGIONS)])
+        local_rows = np.concatenate([r * NUM_BLOCKS + local_blocks for r in range(NUM_REGIONS)])
+        stats = agent.read(local_list, local_rows, remote, remote_rows, notification=b"req-1 done", timeout_s=10)
+        assert stats.bytes == 20 * NUM_REGIONS * BLOCK_BYTES
+        for region, tensor in enumerate(tensors):
+            expected = pattern(region)
+            assert torch.equal(tensor[torch.from_numpy(local_blocks)], expected[torch.from_numpy(remote_blocks)])
+            untouched = np.setdiff1d(np.arange(NUM_BLOCKS), local_blocks)
+            assert bool((tensor[torch.from_numpy(untouched)] == -1).all())
+        assert peer.notification() == (agent.name, b"req-1 done")
+        # a second read on the same prepared lists (prepare once, post many)
+        agent.read(local_list, local_rows[:1], remote, remote_rows[-1:], notification=b"req-2", timeout_s=10)
+        assert peer.notification() == (agent.name, b"req-2")
+        agent.notify(name, b"standalone")
+        assert peer.notification() == (agent.name, b"standalone")
+    finally:
+        peer.close()
+
+
+def test_read_from_dead_peer_raises_quickly(local: tuple[TransferAgent, list[torch.Tensor]]) -> None:
+    agent, tensors = local
+    peer = Peer()
+    try:
+        name = agent.add_peer(peer.metadata)
+        remote = agent.prepare_remote(name, grid(peer.bases))
+        local_list = agent.prepare_local(grid([t.data_ptr() for t in tensors]))
+        agent.read(local_list, np.arange(4), remote, np.arange(4), timeout_s=10)  # connection up
+        peer.process.kill()
+        peer.process.join(10)
+        started = time.monotonic()
+        with pytest.raises(TransferError) as failure:
+            agent.read(local_list, np.arange(8), remote, np.arange(8), timeout_s=5)
+        assert time.monotonic() - started < 5
+        assert isinstance(failure.value, PeerDisconnected), failure.value
+        with pytest.raises(TransferError):
+            agent.notify(name, b"anyone?")
+    finally:
+        peer.close()
+
+
+def test_read_against_frozen_tcp_peer_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # with tcp, reads need the target's progress: a SIGSTOPped target never finishes them
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    peer = Peer(env={"UCX_TLS": "tcp"})
+    tensors = [torch.zeros((NUM_BLOCKS, BLOCK_WORDS), dtype=torch.int32) for _ in range(NUM_REGIONS)]
+    agent = TransferAgent("test-decode-tcp")
+    try:
+        agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
+        name = agent.add_peer(peer.metadata)
+        remote = agent.prepare_remote(name, grid(peer.bases))
+        local_list = agent.prepare_local(grid([t.data_ptr() for t in tensors]))
+        agent.read(local_list, np.arange(2), remote, np.arange(2), timeout_s=20)
+        os.kill(peer.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                agent.read(
+                    local_list,
+                    np.arange(NUM_BLOCKS * NUM_REGIONS),
+                    remote,
+                    np.arange(NUM_BLOCKS * NUM_REGIONS),
+                    timeout_s=0.5,
+                )
+            assert time.monotonic() - started < 3.0
+        finally:
+            os.kill(peer.process.pid, signal.SIGCONT)
+    finally:
+        agent.close()
+        peer.close()
+
+
+def test_bad_descriptors_are_refused_with_a_clear_error(local: tuple[TransferAgent, list[torch.Tensor]]) -> None:
+    agent, _ = local
+    outside = np.array([[12345, 4096, 0]], dtype=np.uint64)
+    with pytest.raises(TransferError, match="registered memory"):
+        agent.prepare_local(outside)
+    with pytest.raises(ValueError):
+        agent.prepare_local(np.zeros((0, 3), dtype=np.uint64))
