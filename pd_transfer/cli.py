@@ -76,7 +76,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         for case in ("contiguous", "scattered"):
             r = result[case]
             print(
-                f"  {case:10s} {r['gbps']:6.2f} GiB/s  raw NIXL {r['raw_nixl_gbps']:6.2f}  memcpy {r['memcpy_gbps']:6.2f}"
+                f"  {case:10s} {r['gbps']:6.2f} GiB/s  raw NIXL {r['raw_nixl_gbps']:6.2f}"
+                f"  memcpy {r['memcpy_gbps']:6.2f}"
                 f"  ratio vs raw {r['ratio_vs_raw_nixl']:.3f}  vs memcpy {r['ratio_vs_memcpy']:.3f}"
                 f"  descriptors {r['descriptors']}  verified {r['verified']}"
             )

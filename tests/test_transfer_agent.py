@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
+
 from pd_transfer.topology.spec import region_from_tensor
 from pd_transfer.transfer import PeerDisconnected, TransferAgent, TransferError, TransferTimeout
 

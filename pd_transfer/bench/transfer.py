@@ -129,7 +129,7 @@ def _case(
     verified = received_correctly(decode.cache, local_ids, expected_prefill, remote_ids, num_tokens)
     return {
         "bytes": result.bytes,
-        "rows": int(len(local_rows)),
+        "rows": len(local_rows),
         "descriptors": merged,
         "seconds": round(seconds, 6),
         "gbps": round(gbps, 3),

@@ -81,9 +81,10 @@ class Metadata(msgspec.Struct, tag="metadata", frozen=True, forbid_unknown_field
     mac: bytes = b""  # HMAC(secret, client_nonce | encoded engine): the server proves it knows the secret
 
 
-class ErrorReply(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True):
+class ErrorReply(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     code: ErrorCode
     message: str
+    fields: list[str] = []  # "incompatible": the fingerprint fields that differ (omitted on the wire when empty)
 
 
 Message = Union[Hello, Challenge, GetMetadata, Metadata, ErrorReply]

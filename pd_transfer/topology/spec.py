@@ -149,7 +149,7 @@ def planes_of(regions: list[KVRegion]) -> list[Plane]:
     return planes
 
 
-def region_from_tensor(tensor: "torch.Tensor", layer: int, kinds: tuple[PlaneKind, ...]) -> KVRegion:  # noqa: F821
+def region_from_tensor(tensor: torch.Tensor, layer: int, kinds: tuple[PlaneKind, ...]) -> KVRegion:  # noqa: F821
     """Describe a tensor whose dim 0 is the block index and whose blocks are each contiguous."""
     if tensor.dim() < 2:
         raise ValueError(f"a KV region needs a block dimension and block contents, got shape {tuple(tensor.shape)}")
