@@ -1,0 +1,316 @@
+"""The prefill side of the side channel: a ZMQ ROUTER answering ``Hello`` and ``GetMetadata``.
+
+Each request is one frame from a DEALER client; the ROUTER sees ``[identity, payload]`` and answers
+``[identity, reply]``. Nothing a peer sends can stop the serving loop: undecodable input gets
+``ErrorReply("malformed")``, unexpected failures ``ErrorReply("internal")``, and frames larger than
+``MAX_FRAME_BYTES`` are dropped by ZMQ itself (``ZMQ_MAXMSGSIZE``), which disconnects that peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+import msgspec
+import zmq
+
+from ._endpoint import is_ipv6, tcp_endpoint
+from .auth import as_secret, get_metadata_mac, new_nonce, reply_mac, verify
+from .compat import fingerprint_fields_differing
+from .messages import (
+    MAX_FRAME_BYTES,
+    Challenge,
+    EngineMetadata,
+    ErrorCode,
+    ErrorReply,
+    GetMetadata,
+    Hello,
+    Metadata,
+    decode,
+    encode,
+    encode_engine,
+)
+from .nonces import NonceBook
+from .versions import PROTOCOL_VERSION, SUPPORTED_VERSIONS
+
+logger = logging.getLogger(__name__)
+
+Reply = Challenge | Metadata | ErrorReply
+
+#: Error codes counted as refusals in ``HandshakeServer.stats`` (the peer was understood, then refused).
+_REFUSALS: frozenset[str] = frozenset(
+    {"unsupported_version", "unexpected_message", "auth_required", "auth_failed", "incompatible", "unknown_rank"}
+)
+_MAX_REASON_CHARS = 200
+_MAX_BATCH = 64  # messages handled per poll wake-up before checking for stop() again
+
+
+class HandshakeServer:
+    """Serves an engine's ``EngineMetadata`` to decode processes, in a daemon thread.
+
+    ``engine`` is the metadata itself or a callable returning it (called for every ``GetMetadata``, so it
+    may change over time). With ``secret`` set, requests must carry an HMAC over a single-use server
+    nonce (valid ``nonce_ttl_s`` seconds, at most ``max_outstanding_nonces`` kept) and replies carry
+    one back. ``stats`` counts ``challenges``, ``served``, ``refused``, ``malformed``, ``too_large``,
+    ``internal`` and ``dropped`` (replies ZMQ could not queue); it is written by the serving thread only.
+    """
+
+    def __init__(
+        self,
+        engine: EngineMetadata | Callable[[], EngineMetadata],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | str | None = None,
+        nonce_ttl_s: float = 30.0,
+        max_outstanding_nonces: int = 4096,
+        *,
+        poll_interval_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (0 <= port <= 65535):
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self._engine_source = engine
+        self._engine_id = engine.engine_id if isinstance(engine, EngineMetadata) else "?"
+        self.host = host
+        self._requested_port = port
+        self._secret = as_secret(secret)
+        self._nonces = NonceBook(nonce_ttl_s, max_outstanding_nonces, clock)
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("challenges", "served", "refused", "malformed", "too_large", "internal", "dropped"), 0
+        )
+        self._port: int | None = None
+        self._context: zmq.Context | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (after ``start()``)."""
+        if self._port is None:
+            raise RuntimeError("the handshake server is not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``tcp://host:port`` (after ``start()``)."""
+        return tcp_endpoint(self.host, self.port)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> HandshakeServer:
+        """Bind (port 0 picks a free port) and start serving in a daemon thread."""
+        if self._context is not None:
+            raise RuntimeError("the handshake server was already started")
+        context = zmq.Context()
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if is_ipv6(self.host):
+            socket.setsockopt(zmq.IPV6, 1)
+        endpoint = tcp_endpoint(self.host, self._requested_port or "*")
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            socket.close(linger=0)
+            context.term()
+            raise OSError(f"handshake server for engine {self._engine_id!r} cannot bind {endpoint}: {exc}") from exc
+        last = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._port = int(last.rsplit(":", 1)[1])
+        self._context = context
+        self._thread = threading.Thread(
+            target=self._serve, args=(socket,), name=f"handshake-server-{self._port}", daemon=True
+        )
+        self._thread.start()
+        logger.info("handshake server for engine %r listening on %s", self._engine_id, self.address)
+        return self
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop serving and close the socket; returns within about one poll interval (50 ms by default)."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("handshake server on port %s did not stop within %.3f s", self._port, timeout_s)
+            return
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+        logger.info("handshake server for engine %r on port %s stopped", self._engine_id, self._port)
+
+    def __enter__(self) -> HandshakeServer:
+        if self._context is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ serving loop
+
+    def _serve(self, socket: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                if not poller.poll(self._poll_ms):
+                    continue
+                for _ in range(_MAX_BATCH):
+                    try:
+                        frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(socket, frames)
+                    except zmq.ContextTerminated:
+                        raise
+                    except Exception:  # never let one message end the loop
+                        self.stats["internal"] += 1
+                        logger.exception("handshake server for engine %r: failed handling a message", self._engine_id)
+        except zmq.ContextTerminated:
+            pass
+        except Exception:  # a ZMQ failure outside any one message: nothing left to serve with
+            logger.exception("handshake server on port %s: serving loop failed", self._port)
+        finally:
+            socket.close(linger=0)
+
+    def _handle(self, socket: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        peer = _peer_label(identity, frames)
+        try:
+            reply = self._answer(frames[1:], peer)
+            payload = encode(reply)
+            if len(payload) > MAX_FRAME_BYTES:
+                raise ValueError(f"reply of {len(payload)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+        except Exception:
+            logger.exception("handshake server for engine %r: internal error answering %s", self._engine_id, peer)
+            self.stats["internal"] += 1
+            reply = ErrorReply("internal", f"engine {self._engine_id!r} failed to answer; see its log")
+            payload = encode(reply)
+        try:
+            socket.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats["dropped"] += 1
+            logger.warning("handshake server for engine %r: reply to %s dropped (not reading)", self._engine_id, peer)
+        except zmq.ContextTerminated:
+            raise
+        except zmq.ZMQError as exc:
+            self.stats["dropped"] += 1
+            logger.warning("handshake server for engine %r: reply to %s failed: %s", self._engine_id, peer, exc)
+
+    # ------------------------------------------------------------------ protocol
+
+    def _answer(self, frames: list[zmq.Frame], peer: str) -> Reply:
+        if len(frames) != 1:
+            return self._malformed(peer, f"expected 1 payload frame, got {len(frames)}")
+        data = frames[0].bytes
+        if not data:
+            return self._malformed(peer, "empty frame")
+        if len(data) > MAX_FRAME_BYTES:  # ZMQ_MAXMSGSIZE normally drops these first
+            self.stats["too_large"] += 1
+            return ErrorReply("too_large", f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+        try:
+            message = decode(data)
+        except Exception as exc:  # anything that does not decode is the peer's fault, never ours
+            return self._malformed(peer, f"undecodable frame: {exc}")
+        if isinstance(message, Hello):
+            return self._on_hello(message, peer)
+        if isinstance(message, GetMetadata):
+            return self._on_get_metadata(message, peer)
+        return self._refuse(peer, "unexpected_message", f"a server does not answer {type(message).__name__}")
+
+    def _on_hello(self, hello: Hello, peer: str) -> Reply:
+        refusal = self._check_version(hello.protocol_version, peer)
+        if refusal is not None:
+            return refusal
+        nonce = self._nonces.issue() if self._secret is not None else new_nonce()  # only tracked when checked
+        self.stats["challenges"] += 1
+        logger.debug("handshake server for engine %r: challenge sent to %s", self._engine_id, peer)
+        return Challenge(protocol_version=PROTOCOL_VERSION, server_nonce=nonce, auth_required=self._secret is not None)
+
+    def _on_get_metadata(self, request: GetMetadata, peer: str) -> Reply:
+        refusal = self._check_version(request.protocol_version, peer)
+        if refusal is not None:
+            return refusal
+        if self._secret is not None:
+            fresh = self._nonces.consume(request.server_nonce)  # single use, whatever happens next
+            if not request.mac:
+                return self._refuse(
+                    peer,
+                    "auth_required",
+                    f"engine {self._engine_id!r} requires authentication: configure the shared handshake secret",
+                )
+            if not fresh:
+                return self._refuse(peer, "auth_failed", "unknown, expired or already used server nonce")
+            if not verify(get_metadata_mac(self._secret, request), request.mac):
+                return self._refuse(peer, "auth_failed", "request MAC does not verify (different shared secret?)")
+
+        engine = self._current_engine()
+        fields = fingerprint_fields_differing(engine.fingerprint, request.fingerprint)
+        if fields:
+            detail = "; ".join(engine.fingerprint.differences(request.fingerprint))
+            message = f"engine {engine.engine_id!r} serves a different model (server != client): {detail}"
+            return self._refuse(peer, "incompatible", message, fields=fields)
+
+        by_rank = {rank.tp_rank: rank for rank in engine.ranks}
+        wanted = sorted(by_rank) if request.tp_ranks is None else sorted(set(request.tp_ranks))
+        missing = [tp_rank for tp_rank in wanted if tp_rank not in by_rank]
+        if missing:
+            message = f"engine {engine.engine_id!r} does not serve TP rank(s) {missing}; it serves {sorted(by_rank)}"
+            return self._refuse(peer, "unknown_rank", message)
+
+        served = msgspec.structs.replace(engine, ranks=[by_rank[tp_rank] for tp_rank in wanted])
+        mac = reply_mac(self._secret, request.client_nonce, encode_engine(served)) if self._secret else b""
+        self.stats["served"] += 1
+        logger.debug("handshake server for engine %r: ranks %s sent to %s", engine.engine_id, wanted, peer)
+        return Metadata(protocol_version=PROTOCOL_VERSION, engine=served, mac=mac)
+
+    def _current_engine(self) -> EngineMetadata:
+        source = self._engine_source
+        engine = source if isinstance(source, EngineMetadata) else source()
+        if not isinstance(engine, EngineMetadata):
+            raise TypeError(f"the engine callable returned {type(engine).__name__}, not EngineMetadata")
+        self._engine_id = engine.engine_id
+        return engine
+
+    def _check_version(self, version: int, peer: str) -> ErrorReply | None:
+        if version in SUPPORTED_VERSIONS:
+            return None
+        message = (
+            f"engine {self._engine_id!r} does not support handshake protocol version {version}; "
+            f"it speaks {PROTOCOL_VERSION} (supported: {sorted(SUPPORTED_VERSIONS)})"
+        )
+        return self._refuse(peer, "unsupported_version", message)
+
+    def _refuse(self, peer: str, code: ErrorCode, message: str, fields: list[str] | None = None) -> ErrorReply:
+        self.stats["refused"] += 1
+        logger.warning("handshake server for engine %r: refused %s (%s): %s", self._engine_id, peer, code, message)
+        return ErrorReply(code=code, message=message, fields=fields or [])
+
+    def _malformed(self, peer: str, reason: str) -> ErrorReply:
+        self.stats["malformed"] += 1
+        reason = reason[:_MAX_REASON_CHARS]
+        logger.info("handshake server for engine %r: malformed message from %s: %s", self._engine_id, peer, reason)
+        return ErrorReply(code="malformed", message=reason)
+
+
+def _peer_label(identity: bytes, frames: list[zmq.Frame]) -> str:
+    """The peer's TCP address when ZMQ knows it, and its ROUTER identity."""
+    address = "?"
+    if len(frames) > 1:
+        try:
+            address = frames[1].get("Peer-Address")
+        except Exception:  # only a log label: never fail over it
+            pass
+    return f"{address} (identity {identity.hex()})"
