@@ -68,6 +68,12 @@ class PrefillRank:
             regions=list(self.cache.regions),
         )
 
+    def expect(self, request_id: str) -> None:
+        """A request's blocks are held for decode readers: progress promptly until it is released."""
+        with self._cond:
+            self._tallies.setdefault(request_id, _ReaderTally())
+            self.agent.set_expecting_reads(True)
+
     def _on_notification(self, peer: str, payload: bytes) -> None:
         try:
             message = messages.decode(payload)
@@ -99,6 +105,8 @@ class PrefillRank:
                 del self._tallies[message.request_id]
                 self._released[message.request_id] = released
                 self._cond.notify_all()
+                if not self._tallies:
+                    self.agent.set_expecting_reads(False)
         if released is not None:
             logger.debug(
                 "prefill %s: request %s released by %d readers", self.agent.name, message.request_id, len(released)
@@ -122,6 +130,8 @@ class PrefillRank:
         with self._cond:
             self._released.pop(request_id, None)
             self._tallies.pop(request_id, None)
+            if not self._tallies:
+                self.agent.set_expecting_reads(False)
 
     def close(self) -> None:
         self.agent.close()

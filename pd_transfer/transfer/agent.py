@@ -22,6 +22,7 @@ from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPee
 from .progress import AdaptivePoller
 
 os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time pool warnings are noise for users
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")  # NIXL logs every agent and backend at INFO
 
 from nixl._api import nixl_agent, nixl_agent_config
 
@@ -84,7 +85,7 @@ class TransferAgent:
         name: str,
         *,
         on_notification: NotificationHandler | None = None,
-        idle_poll_interval_s: float = 0.002,
+        idle_poll_interval_s: float = 0.02,
     ) -> None:
         self.name = name
         self._lock = threading.RLock()
@@ -320,6 +321,10 @@ class TransferAgent:
     def wake(self) -> None:
         """Poll fast for a while (traffic is expected)."""
         self._poller.wake()
+
+    def set_expecting_reads(self, expecting: bool) -> None:
+        """Poll fast while peers are expected to read from us (blocks are held for them)."""
+        self._poller.set_expecting(expecting)
 
     def _poll_once(self) -> bool:
         with self._lock:

@@ -1,0 +1,107 @@
+"""``pd-transfer bench topology``: heterogeneous transfers against the homogeneous transfer of the same
+bytes, in one run. Prefill engines run in child processes; the decode ranks live in this process.
+
+Cases on the default model shape (32 layers, K and V apart, 8 KV heads x 128, bf16, 4096 tokens):
+``tp_2_to_1`` (prefill TP 2, each rank 4 heads -> decode TP 1) and ``block_16_to_64`` (prefill blocks
+of 16 tokens -> decode blocks of 64, regrouped after receive), each against prefill TP 1 / block 16 ->
+decode TP 1 / block 16 moving the same 512 MiB.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import asdict, replace
+
+import numpy as np
+import torch
+
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode import DecodeRank, PullStats
+
+from .peer import PrefillProcess, PrefillSpec
+from .transfer import QUICK_SHAPE, Shape
+from .verify import received_correctly
+
+
+def _measure(
+    decode: DecodeRank,
+    prefill: PrefillProcess,
+    remote_ids: list[int],
+    local_ids: list[int],
+    tokens: int,
+    label: str,
+    repeats: int,
+) -> list[PullStats]:
+    return [
+        decode.pull(f"{label}-{index}", prefill.host, prefill.port, remote_ids, local_ids, tokens)
+        for index in range(repeats)
+    ]
+
+
+def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
+    seconds = statistics.median(s.seconds for s in stats)
+    read_seconds = statistics.median(s.read_seconds for s in stats)
+    post_seconds = statistics.median(s.postprocess_seconds for s in stats)
+    homogeneous_seconds = statistics.median(s.seconds for s in homogeneous)
+    gbps = stats[0].bytes / seconds / 2**30
+    homogeneous_gbps = homogeneous[0].bytes / homogeneous_seconds / 2**30
+    return {
+        "bytes": stats[0].bytes,
+        "descriptor_rows": stats[0].descriptors,
+        "seconds": round(seconds, 6),
+        "gbps": round(gbps, 3),
+        "homogeneous_gbps": round(homogeneous_gbps, 3),
+        "ratio_vs_homogeneous": round(gbps / homogeneous_gbps, 3),
+        "read_seconds": round(read_seconds, 6),
+        "postprocess_seconds": round(post_seconds, 6),
+        "postprocess_ratio": round(post_seconds / read_seconds, 3) if read_seconds > 0 else 0.0,
+    }
+
+
+def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    torch.set_num_threads(1)
+    shape: Shape = QUICK_SHAPE if quick else Shape()
+    repeats = 3 if quick else repeats
+    tokens = shape.request_tokens
+    rng = np.random.default_rng(seed)
+    small_blocks = shape.request_blocks
+    big_block = 4 * shape.block_size
+    big_cache_blocks = shape.cache_blocks // 4
+
+    homogeneous_spec = PrefillSpec("bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed)
+    tp2_spec = PrefillSpec(
+        "bench-tp2", [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)], shape.cache_blocks, seed=seed + 1
+    )
+    remote_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
+    local_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
+    big_local_ids = rng.choice(big_cache_blocks, -(-tokens // big_block), replace=False).tolist()
+
+    with PrefillProcess(homogeneous_spec) as tp1, PrefillProcess(tp2_spec) as tp2:
+        small = DecodeRank("bench-decode-b16", KVCache.allocate(shape.layout_for(), shape.cache_blocks))
+        big = DecodeRank("bench-decode-b64", KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks))
+        try:
+            for decode, prefill in ((small, tp1), (small, tp2), (big, tp1)):
+                decode.connect(prefill.host, prefill.port)
+            tp1_caches, tp2_caches = homogeneous_spec.caches(), tp2_spec.caches()
+            homogeneous, tp_2_to_1, block_16_to_64 = [], [], []
+            checks = {"homogeneous": True, "tp_2_to_1": True, "block_16_to_64": True}
+            for index in range(repeats):  # interleaved, so drift on the machine hits every case alike
+                homogeneous += _measure(small, tp1, remote_ids, local_ids, tokens, f"homog-{index}", 1)
+                checks["homogeneous"] &= received_correctly(small.cache, local_ids, tp1_caches, remote_ids, tokens)
+                tp_2_to_1 += _measure(small, tp2, remote_ids, local_ids, tokens, f"tp21-{index}", 1)
+                checks["tp_2_to_1"] &= received_correctly(small.cache, local_ids, tp2_caches, remote_ids, tokens)
+                block_16_to_64 += _measure(big, tp1, remote_ids, big_local_ids, tokens, f"b1664-{index}", 1)
+                checks["block_16_to_64"] &= received_correctly(big.cache, big_local_ids, tp1_caches, remote_ids, tokens)
+        finally:
+            small.close()
+            big.close()
+    return {
+        "shape": asdict(replace(shape)),
+        "verified": all(checks.values()),
+        "verified_cases": checks,
+        "homogeneous": _summary(homogeneous, homogeneous),
+        "tp_2_to_1": _summary(tp_2_to_1, homogeneous),
+        "block_16_to_64": _summary(block_16_to_64, homogeneous),
+    }
