@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--secret", default=None, help="shared side-channel secret")
     demo.set_defaults(func=_demo)
 
+    model = commands.add_parser("make-model", help="build the tiny seeded Llama used by the cluster and tests")
+    from pd_transfer import tiny_model
+
+    tiny_model.add_arguments(model)
+    model.set_defaults(func=tiny_model.run)
+
     bench = commands.add_parser("bench", help="benchmarks, measured side by side with their baselines")
     which = bench.add_subparsers(dest="bench", required=True)
     transfer = which.add_parser("transfer", help="our reads vs raw NIXL vs in-process copy")

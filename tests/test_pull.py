@@ -71,7 +71,9 @@ def test_bad_block_ids_are_refused_before_any_read(prefill: PrefillProcess) -> N
 
 def test_mismatched_model_is_refused_naming_the_field(prefill: PrefillProcess) -> None:
     other = KVCacheLayout(
-        fingerprint=ModelFingerprint(model="test-llama", dtype="bfloat16", num_layers=3, total_num_kv_heads=4, head_size=32),
+        fingerprint=ModelFingerprint(
+            model="test-llama", dtype="bfloat16", num_layers=3, total_num_kv_heads=4, head_size=32
+        ),
         tp_size=1,
         tp_rank=0,
         block_size=16,

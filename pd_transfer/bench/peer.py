@@ -24,8 +24,11 @@ _REPLY_TIMEOUT_S = 120.0
 
 
 def fill_pattern(cache: KVCache, seed: int) -> None:
-    """Give every 4-byte word of the cache a value unique within (seed, rank): arange from an offset."""
-    offset = (seed * 64 + cache.layout.tp_rank) * (1 << 26)
+    """Give every 4-byte word a value unique within (seed, heads held): an arange from an offset.
+
+    Ranks holding the same heads (replicated KV heads, MLA) get identical contents, as in a real engine.
+    """
+    offset = (seed * 64 + cache.layout.first_global_head) * (1 << 26)
     for tensor in cache.tensors:
         words = tensor.view(torch.int32)
         count = words.numel()

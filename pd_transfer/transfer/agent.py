@@ -22,7 +22,7 @@ from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPee
 from .progress import AdaptivePoller
 
 os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time pool warnings are noise for users
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")  # NIXL logs every agent and backend at INFO
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
 
 from nixl._api import nixl_agent, nixl_agent_config
 

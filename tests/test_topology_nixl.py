@@ -1,0 +1,112 @@
+"""Heterogeneous transfers over real NIXL: prefill ranks in a child process, decode ranks here.
+
+Each case checks every element of every decode rank's received tokens against the prefill caches
+(through each side's own layout, not the plan), that blocks outside the request are untouched, and that
+every prefill rank is released by exactly the decode readers it should expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from pd_transfer.bench.peer import PrefillProcess, PrefillSpec
+from pd_transfer.bench.verify import received_correctly
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.topology import TopologyError
+from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+
+
+@dataclass(frozen=True)
+class Side:
+    tp: int
+    block_size: int
+    layout: str = "HND"
+    kv_split: bool = True
+
+
+def _fingerprint(heads: int, mla: bool = False) -> ModelFingerprint:
+    return ModelFingerprint(
+        model="topo-llama", dtype="bfloat16", num_layers=2, total_num_kv_heads=heads, head_size=16, use_mla=mla
+    )
+
+
+def _layouts(side: Side, fingerprint: ModelFingerprint) -> list[KVCacheLayout]:
+    return [
+        KVCacheLayout(
+            fingerprint=fingerprint, tp_size=side.tp, tp_rank=r, block_size=side.block_size, layout=side.layout
+        )  # type: ignore[arg-type]
+        for r in range(side.tp)
+    ]
+
+
+CASES = {
+    "tp_2_to_1": (Side(2, 16), Side(1, 16), 4, False),
+    "tp_1_to_2": (Side(1, 16), Side(2, 16), 4, False),
+    "replicated_tp_4_two_heads": (Side(4, 16), Side(2, 16), 2, False),
+    "replicated_to_tp_4": (Side(1, 16), Side(4, 16), 2, False),
+    "block_16_to_64": (Side(1, 16), Side(1, 64), 4, False),
+    "block_64_to_16": (Side(1, 64), Side(1, 16), 4, False),
+    "hnd_to_nhd": (Side(1, 16, "HND"), Side(1, 16, "NHD"), 4, False),
+    "nhd_kv_together_tp2_to_hnd_tp1_block_32": (Side(2, 8, "NHD", kv_split=False), Side(1, 32, "HND"), 4, False),
+    "mla_tp_2_to_4": (Side(2, 16), Side(4, 16), 1, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_heterogeneous_pull_over_nixl(case: str) -> None:
+    prefill_side, decode_side, heads, mla = CASES[case]
+    fingerprint = _fingerprint(heads, mla)
+    tokens = 150  # several blocks of every size, the last one partly filled
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    prefill_blocks = 24
+    spec = PrefillSpec(
+        f"prefill-{case}", _layouts(prefill_side, fingerprint), prefill_blocks, kv_split=prefill_side.kv_split, seed=3
+    )
+    remote_ids = rng.choice(prefill_blocks, -(-tokens // prefill_side.block_size), replace=False).tolist()
+    decode_blocks = 24
+    local_ids = rng.choice(decode_blocks, -(-tokens // decode_side.block_size), replace=False).tolist()
+    with PrefillProcess(spec) as prefill:
+        expected = spec.caches()
+        decodes = [
+            DecodeRank(f"decode-{case}", KVCache.allocate(layout, decode_blocks, kv_split=decode_side.kv_split))
+            for layout in _layouts(decode_side, fingerprint)
+        ]
+        try:
+            for decode in decodes:
+                decode.pull(case, prefill.host, prefill.port, remote_ids, local_ids, tokens)
+            for decode in decodes:
+                assert received_correctly(decode.cache, local_ids, expected, remote_ids, tokens), decode.agent.name
+                untouched = sorted(set(range(decode_blocks)) - set(local_ids))
+                for tensor in decode.cache.tensors:
+                    assert bool((tensor[untouched] == 0).all())
+            released = prefill.wait_released(case, timeout_s=10)
+            # every prefill rank some decode rank read from was released; the others never held readers
+            sources = {s.remote_rank for d in decodes for s in d.remote_plan(prefill.host, prefill.port).sources}
+            for rank, readers in enumerate(released):
+                if rank in sources:
+                    assert readers is not None and readers >= 1, (rank, released)
+                else:
+                    assert readers is None, (rank, released)
+            assert sum(r or 0 for r in released) == sum(
+                len(d.remote_plan(prefill.host, prefill.port).sources) for d in decodes
+            )
+        finally:
+            for decode in decodes:
+                decode.close()
+
+
+def test_impossible_tp_is_refused_at_handshake_naming_the_numbers() -> None:
+    fingerprint = _fingerprint(4)
+    spec = PrefillSpec("prefill-tp-3", _layouts(Side(1, 16), fingerprint), 8, seed=3)
+    with PrefillProcess(spec) as prefill:
+        layout = KVCacheLayout(fingerprint=fingerprint, tp_size=3, tp_rank=0, block_size=16)
+        decode = DecodeRank("decode-tp-3", KVCache.allocate(layout, 8))
+        try:
+            with pytest.raises(TopologyError, match="3"):
+                decode.connect(prefill.host, prefill.port)
+        finally:
+            decode.close()
