@@ -2,17 +2,22 @@
 
 Per remote engine, once: handshake (cached by the client), compatibility check, NIXL agents added,
 a transfer plan built and its descriptor lists prepared, and the connection warmed up with a one-unit
-read into a scratch buffer. Per request: the plan's row indices, one READ per prefill rank read from
-(each carrying a ``ReadDone`` notification), then the plan's postprocess on the received blocks.
+read into a scratch buffer. Per request: the plan's row indices, one READ per prefill rank read from,
+the last carrying a ``ReadDone`` notification. When the plan needs a postprocess (block-size regroup,
+layout permute), the reads go plane group by plane group and a worker thread fixes up each group while
+the next is read (CMA reads and torch kernels both release the GIL), so the fix-up mostly hides behind
+the transfer.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +35,19 @@ from .cache import KVCache
 logger = logging.getLogger(__name__)
 
 
+def _plane_groups(num_planes: int, groups: int) -> list[range]:
+    """Split planes [0, num_planes) into at most ``groups`` consecutive ranges of near-equal size."""
+    groups = max(1, min(groups, num_planes))
+    edges = [round(i * num_planes / groups) for i in range(groups + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def _timed(function: Callable[..., object], *args: object) -> float:
+    started = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - started
+
+
 @dataclass(frozen=True)
 class PullStats:
     """What one request's pull moved (bytes, seconds) and how."""
@@ -38,7 +56,8 @@ class PullStats:
     bytes: int
     descriptors: int
     read_seconds: float  # first post to last DONE
-    postprocess_seconds: float
+    postprocess_seconds: float  # fixing layouts up, summed over plane groups (overlaps the reads)
+    postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
     seconds: float  # whole pull, handshake excluded when cached
 
     @property
@@ -77,6 +96,7 @@ class DecodeRank:
         handshake_timeout_s: float = 5.0,
         read_timeout_s: float = 30.0,
         min_direct_run_bytes: int | None = None,
+        pipeline_groups: int = 8,
         agent_name: str | None = None,
     ) -> None:
         self.engine_id = engine_id
@@ -90,6 +110,8 @@ class DecodeRank:
         self._planes = plane_views(cache.tensors, cache.regions)
         self._remotes: dict[tuple[str, int], _RemoteEngine] = {}
         self._connect_lock = threading.Lock()
+        self.pipeline_groups = pipeline_groups
+        self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-transfer-postprocess")
 
     # ------------------------------------------------------------------ connecting
     def connect(self, host: str, port: int) -> EngineMetadata:
@@ -210,34 +232,49 @@ class DecodeRank:
         remote = self._remotes[(host, port)]
         timeout_s = self.read_timeout_s if timeout_s is None else timeout_s
         deadline = started + timeout_s
+        postprocess = remote.plan.postprocess
+        num_planes = len(self._planes)
+        groups = _plane_groups(num_planes, self.pipeline_groups if postprocess is not None else 1)
+        # rows of each source, split by plane group: row = (plane * num_blocks + block) * units + unit
+        reads = []
+        for source, source_plan in zip(remote.sources, remote.plan.sources, strict=True):
+            local_rows, remote_rows = source_plan.indices(remote_block_ids, local_block_ids, num_tokens)
+            rows_per_plane = source.local.num_rows // num_planes
+            plane_of_row = local_rows // rows_per_plane
+            bounds = np.searchsorted(plane_of_row, [group.start for group in groups] + [num_planes])
+            if not np.all(np.diff(plane_of_row) >= 0):  # the plan lists rows plane by plane; keep it honest
+                order = np.argsort(plane_of_row, kind="stable")
+                local_rows, remote_rows, plane_of_row = local_rows[order], remote_rows[order], plane_of_row[order]
+                bounds = np.searchsorted(plane_of_row, [group.start for group in groups] + [num_planes])
+            reads.append((source, local_rows, remote_rows, bounds))
         total_bytes = 0
         descriptors = 0
-        rank = self.cache.layout.tp_rank
-        plan_indices = [
-            source_plan.indices(remote_block_ids, local_block_ids, num_tokens) for source_plan in remote.plan.sources
-        ]
+        pending: list[Future[float]] = []
         read_started = time.perf_counter()
         try:
-            for source, (local_rows, remote_rows) in zip(remote.sources, plan_indices, strict=True):
-                done = messages.encode(
-                    messages.ReadDone(
-                        request_id=request_id,
-                        reader_engine_id=self.engine_id,
-                        reader_rank=rank,
-                        expected_readers=source.expected_readers,
+            for index, group in enumerate(groups):
+                last = index == len(groups) - 1
+                for source, local_rows, remote_rows, bounds in reads:
+                    selected = slice(bounds[index], bounds[index + 1])
+                    stats = self.agent.read(
+                        source.local,
+                        local_rows[selected],
+                        source.remote,
+                        remote_rows[selected],
+                        notification=self._done_message(request_id, source) if last else b"",
+                        timeout_s=max(0.0, deadline - time.perf_counter()),
                     )
-                )
-                stats = self.agent.read(
-                    source.local,
-                    local_rows,
-                    source.remote,
-                    remote_rows,
-                    notification=done,
-                    timeout_s=max(0.0, deadline - time.perf_counter()),
-                )
-                total_bytes += stats.bytes
-                descriptors += stats.descriptors
+                    total_bytes += stats.bytes
+                    descriptors += stats.descriptors
+                if postprocess is not None:  # fix this group up while the next one is read
+                    pending.append(
+                        self._postprocess_pool.submit(
+                            _timed, postprocess.apply, self._planes, local_block_ids, num_tokens, group
+                        )
+                    )
         except TransferError as error:
+            for future in pending:
+                future.cancel()
             self._report_failure(remote, request_id, str(error))
             if isinstance(error, PeerDisconnected):
                 self.forget(host, port)
@@ -252,17 +289,29 @@ class DecodeRank:
             )
             raise
         read_seconds = time.perf_counter() - read_started
-        post_started = time.perf_counter()
-        if remote.plan.postprocess is not None:
-            remote.plan.postprocess.apply(self._planes, local_block_ids, num_tokens)
-        postprocess_seconds = time.perf_counter() - post_started
+        reads_done = time.perf_counter()
+        postprocess_seconds = sum(
+            future.result(timeout=max(0.001, deadline - time.perf_counter())) for future in pending
+        )
+        exposed_seconds = time.perf_counter() - reads_done
         return PullStats(
             request_id=request_id,
             bytes=total_bytes,
             descriptors=descriptors,
             read_seconds=read_seconds,
             postprocess_seconds=postprocess_seconds,
+            postprocess_exposed_seconds=exposed_seconds,
             seconds=time.perf_counter() - started,
+        )
+
+    def _done_message(self, request_id: str, source: _Source) -> bytes:
+        return messages.encode(
+            messages.ReadDone(
+                request_id=request_id,
+                reader_engine_id=self.engine_id,
+                reader_rank=self.cache.layout.tp_rank,
+                expected_readers=source.expected_readers,
+            )
         )
 
     def _report_failure(self, remote: _RemoteEngine, request_id: str, reason: str) -> None:
@@ -282,5 +331,6 @@ class DecodeRank:
                 )
 
     def close(self) -> None:
+        self._postprocess_pool.shutdown(wait=True)
         self.client.close()
         self.agent.close()
