@@ -58,6 +58,18 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_heterogeneous_pull_over_nixl(case: str) -> None:
+    _pull_and_check(case)
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 1], ids=["fix-up-in-place", "one-slot-staging"])
+@pytest.mark.parametrize("case", ["block_16_to_64", "hnd_to_nhd", "nhd_kv_together_tp2_to_hnd_tp1_block_32"])
+def test_fix_up_paths(case: str, staging_bytes: int) -> None:
+    """Plans that fix layouts up: without a staging area (in place, plane group by plane group) and with a
+    one-block staging area (many chunks through both halves of the double buffer)."""
+    _pull_and_check(case, staging_bytes=staging_bytes)
+
+
+def _pull_and_check(case: str, **decode_options: int) -> None:
     prefill_side, decode_side, heads, mla = CASES[case]
     fingerprint = _fingerprint(heads, mla)
     tokens = 150  # several blocks of every size, the last one partly filled
@@ -72,12 +84,17 @@ def test_heterogeneous_pull_over_nixl(case: str) -> None:
     with PrefillProcess(spec) as prefill:
         expected = spec.caches()
         decodes = [
-            DecodeRank(f"decode-{case}", KVCache.allocate(layout, decode_blocks, kv_split=decode_side.kv_split))
+            DecodeRank(
+                f"decode-{case}",
+                KVCache.allocate(layout, decode_blocks, kv_split=decode_side.kv_split),
+                **decode_options,
+            )
             for layout in _layouts(decode_side, fingerprint)
         ]
         try:
             for decode in decodes:
-                decode.pull(case, prefill.host, prefill.port, remote_ids, local_ids, tokens)
+                stats = decode.pull(case, prefill.host, prefill.port, remote_ids, local_ids, tokens)
+                assert stats.bytes > 0
             for decode in decodes:
                 assert received_correctly(decode.cache, local_ids, expected, remote_ids, tokens), decode.agent.name
                 untouched = sorted(set(range(decode_blocks)) - set(local_ids))

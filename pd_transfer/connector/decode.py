@@ -25,7 +25,9 @@ import torch
 
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
-from pd_transfer.topology import PeerPlan, check_compatible, expected_readers, plane_views
+from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
+from pd_transfer.topology.postprocess import Restage, scatter_staged
+from pd_transfer.topology.spec import planes_of
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 
@@ -73,6 +75,7 @@ class _Source:
     local: DescriptorList
     remote: DescriptorList
     expected_readers: int
+    staging: DescriptorList | None = None  # units of the staging area, for plans that fix layouts up
 
 
 @dataclass
@@ -97,6 +100,7 @@ class DecodeRank:
         read_timeout_s: float = 30.0,
         min_direct_run_bytes: int | None = None,
         pipeline_groups: int = 8,
+        staging_bytes: int = 8 * 2**20,
         agent_name: str | None = None,
     ) -> None:
         self.engine_id = engine_id
@@ -111,6 +115,9 @@ class DecodeRank:
         self._remotes: dict[tuple[str, int], _RemoteEngine] = {}
         self._connect_lock = threading.Lock()
         self.pipeline_groups = pipeline_groups
+        self.staging_bytes = staging_bytes  # per half of the double-buffered staging area; 0: fix up in place
+        self._staging: torch.Tensor | None = None
+        self._staging_slots = 0
         self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-transfer-postprocess")
 
     # ------------------------------------------------------------------ connecting
@@ -147,7 +154,8 @@ class DecodeRank:
                 remote_list = self.agent.prepare_remote(peer, source.remote_grid)
                 local_list = self.agent.prepare_local(source.local_grid)
                 readers = expected_readers(source.remote_rank, rank.layout, local.tp_size)
-                sources.append(_Source(source.remote_rank, peer, local_list, remote_list, readers))
+                staging = self._prepare_staging(source) if plan.postprocess is not None else None
+                sources.append(_Source(source.remote_rank, peer, local_list, remote_list, readers, staging))
                 self._warm_up(peer, remote_list, source.unit_bytes)
         except Exception:
             for item in sources:
@@ -165,6 +173,27 @@ class DecodeRank:
             (time.perf_counter() - started) * 1e3,
         )
         return _RemoteEngine(engine=engine, host=host, port=port, plan=plan, sources=sources)
+
+    def _prepare_staging(self, source: SourcePlan) -> DescriptorList | None:
+        """Descriptor rows of a source's units in every slot of the staging area (allocated and registered
+        on first use): slot ``s`` holds one staged plane block, its units where the plan puts them."""
+        if self.staging_bytes <= 0:
+            return None
+        plane_block_bytes = self.cache.regions[0].plane_block_len
+        if self._staging is None:
+            self._staging_slots = max(1, self.staging_bytes // plane_block_bytes)
+            self._staging = torch.empty(2 * self._staging_slots * plane_block_bytes, dtype=torch.uint8)
+            start = self._staging.data_ptr()
+            self.agent.register_spans([(start, start + self._staging.numel())])
+        units = source.local_units_per_block
+        first_block = planes_of(list(self.cache.regions))[0].base_address
+        offsets = source.local_grid[:units, 0].astype(np.int64) - first_block  # units inside a block
+        slot_starts = self._staging.data_ptr() + np.arange(2 * self._staging_slots, dtype=np.int64) * plane_block_bytes
+        rows = np.empty((2 * self._staging_slots * units, 3), dtype=np.uint64)
+        rows[:, 0] = (slot_starts[:, None] + offsets[None, :]).ravel()
+        rows[:, 1] = source.unit_bytes
+        rows[:, 2] = 0
+        return self.agent.prepare_local(rows)
 
     def _warm_up(self, peer: str, remote_list: DescriptorList, unit_bytes: int) -> None:
         """The first read to a peer pays for connection setup (25-36 ms): pay it now, into scratch memory."""
@@ -224,57 +253,23 @@ class DecodeRank:
         """Read ``num_tokens`` tokens of KV from the prefill engine at ``host:port`` into
         ``local_block_ids``, then notify every prefill rank read from.
 
-        On failure the prefill ranks are told (``ReadFailed``) when reachable, a dead engine is
-        forgotten so the next pull handshakes afresh, and the error propagates.
+        Block ids are validated before anything is read (``ValueError``). On a transfer failure the
+        prefill ranks are told (``ReadFailed``) when reachable, a dead engine is forgotten so the next
+        pull handshakes afresh, and the error propagates.
         """
         started = time.perf_counter()
         self.connect(host, port)
         remote = self._remotes[(host, port)]
         timeout_s = self.read_timeout_s if timeout_s is None else timeout_s
         deadline = started + timeout_s
-        postprocess = remote.plan.postprocess
-        num_planes = len(self._planes)
-        groups = _plane_groups(num_planes, self.pipeline_groups if postprocess is not None else 1)
-        # rows of each source, split by plane group: row = (plane * num_blocks + block) * units + unit
-        reads = []
-        for source, source_plan in zip(remote.sources, remote.plan.sources, strict=True):
-            local_rows, remote_rows = source_plan.indices(remote_block_ids, local_block_ids, num_tokens)
-            rows_per_plane = source.local.num_rows // num_planes
-            plane_of_row = local_rows // rows_per_plane
-            bounds = np.searchsorted(plane_of_row, [group.start for group in groups] + [num_planes])
-            if not np.all(np.diff(plane_of_row) >= 0):  # the plan lists rows plane by plane; keep it honest
-                order = np.argsort(plane_of_row, kind="stable")
-                local_rows, remote_rows, plane_of_row = local_rows[order], remote_rows[order], plane_of_row[order]
-                bounds = np.searchsorted(plane_of_row, [group.start for group in groups] + [num_planes])
-            reads.append((source, local_rows, remote_rows, bounds))
-        total_bytes = 0
-        descriptors = 0
-        pending: list[Future[float]] = []
-        read_started = time.perf_counter()
+        # rows per source; validates the block ids before anything moves
+        rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
         try:
-            for index, group in enumerate(groups):
-                last = index == len(groups) - 1
-                for source, local_rows, remote_rows, bounds in reads:
-                    selected = slice(bounds[index], bounds[index + 1])
-                    stats = self.agent.read(
-                        source.local,
-                        local_rows[selected],
-                        source.remote,
-                        remote_rows[selected],
-                        notification=self._done_message(request_id, source) if last else b"",
-                        timeout_s=max(0.0, deadline - time.perf_counter()),
-                    )
-                    total_bytes += stats.bytes
-                    descriptors += stats.descriptors
-                if postprocess is not None:  # fix this group up while the next one is read
-                    pending.append(
-                        self._postprocess_pool.submit(
-                            _timed, postprocess.apply, self._planes, local_block_ids, num_tokens, group
-                        )
-                    )
+            if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
+                moved = self._read_staged(remote, request_id, rows, deadline)
+            else:
+                moved = self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)
         except TransferError as error:
-            for future in pending:
-                future.cancel()
             self._report_failure(remote, request_id, str(error))
             if isinstance(error, PeerDisconnected):
                 self.forget(host, port)
@@ -288,21 +283,139 @@ class DecodeRank:
                 error,
             )
             raise
-        read_seconds = time.perf_counter() - read_started
+        return PullStats(request_id=request_id, seconds=time.perf_counter() - started, **moved)
+
+    def _read_in_place(
+        self,
+        remote: _RemoteEngine,
+        request_id: str,
+        rows: list[tuple[np.ndarray, np.ndarray]],
+        local_block_ids: list[int],
+        num_tokens: int,
+        deadline: float,
+    ) -> dict[str, float | int]:
+        """Reads straight into the cache; a postprocess, if any, fixes up each plane group in place on the
+        worker thread while the next group is read."""
+        postprocess = remote.plan.postprocess
+        num_planes = len(self._planes)
+        groups = _plane_groups(num_planes, self.pipeline_groups if postprocess is not None else 1)
+        starts = [group.start for group in groups] + [num_planes]
+        reads = []
+        for source, (local_rows, remote_rows) in zip(remote.sources, rows, strict=True):
+            # rows are listed plane by plane: row = (plane * num_blocks + block) * units + unit
+            plane_of_row = local_rows // (source.local.num_rows // num_planes)
+            order = np.argsort(plane_of_row, kind="stable")
+            bounds = np.searchsorted(plane_of_row[order], starts)
+            reads.append((source, local_rows[order], remote_rows[order], bounds))
+        total_bytes = descriptors = 0
+        pending: list[Future[float]] = []
+        read_started = time.perf_counter()
+        for index, group in enumerate(groups):
+            last = index == len(groups) - 1
+            for source, local_rows, remote_rows, bounds in reads:
+                selected = slice(bounds[index], bounds[index + 1])
+                stats = self.agent.read(
+                    source.local,
+                    local_rows[selected],
+                    source.remote,
+                    remote_rows[selected],
+                    notification=self._done_message(request_id, source) if last else b"",
+                    timeout_s=max(0.0, deadline - time.perf_counter()),
+                )
+                total_bytes += stats.bytes
+                descriptors += stats.descriptors
+            if postprocess is not None:
+                job = (postprocess.apply, self._planes, local_block_ids, num_tokens, group)
+                pending.append(self._postprocess_pool.submit(_timed, *job))
         reads_done = time.perf_counter()
-        postprocess_seconds = sum(
-            future.result(timeout=max(0.001, deadline - time.perf_counter())) for future in pending
-        )
-        exposed_seconds = time.perf_counter() - reads_done
-        return PullStats(
-            request_id=request_id,
-            bytes=total_bytes,
-            descriptors=descriptors,
-            read_seconds=read_seconds,
-            postprocess_seconds=postprocess_seconds,
-            postprocess_exposed_seconds=exposed_seconds,
-            seconds=time.perf_counter() - started,
-        )
+        post_seconds = sum(f.result(timeout=max(0.001, deadline - time.perf_counter())) for f in pending)
+        return {
+            "bytes": total_bytes,
+            "descriptors": descriptors,
+            "read_seconds": reads_done - read_started,
+            "postprocess_seconds": post_seconds,
+            "postprocess_exposed_seconds": time.perf_counter() - reads_done,
+        }
+
+    def _read_staged(
+        self,
+        remote: _RemoteEngine,
+        request_id: str,
+        rows: list[tuple[np.ndarray, np.ndarray]],
+        deadline: float,
+    ) -> dict[str, float | int]:
+        """Reads into a small registered staging area (two halves, each ``slots`` plane blocks, kept in the
+        CPU cache) chunk by chunk, and scatters each chunk into its final place in the local layout on the
+        worker thread while the next chunk is read: the cache is written once, as by a homogeneous read."""
+        postprocess = remote.plan.postprocess
+        assert postprocess is not None and self._staging is not None
+        slots = self._staging_slots
+        num_blocks = self.cache.num_blocks
+        plane_blocks_of = [
+            local_rows // plan.local_units_per_block
+            for (local_rows, _), plan in zip(rows, remote.plan.sources, strict=True)
+        ]
+        plane_blocks = np.unique(np.concatenate(plane_blocks_of))  # (plane * num_blocks + block), sorted
+        num_chunks = -(-len(plane_blocks) // slots)
+        reads = []
+        for source, plan, (local_rows, remote_rows), mine in zip(
+            remote.sources, remote.plan.sources, rows, plane_blocks_of, strict=True
+        ):
+            units = plan.local_units_per_block
+            slot = np.searchsorted(plane_blocks, mine)
+            chunk = slot // slots
+            staging_rows = (slot % slots) * units + local_rows % units
+            order = np.argsort(chunk, kind="stable")
+            bounds = np.searchsorted(chunk[order], np.arange(num_chunks + 1))
+            reads.append((source, staging_rows[order], remote_rows[order], bounds, slots * units))
+        staged = self._staging.view(self._planes[0].dtype).view(2 * slots, -1)
+        total_bytes = descriptors = 0
+        in_flight: list[Future[float] | None] = [None, None]
+        post_seconds = 0.0
+        read_started = time.perf_counter()
+        for index in range(num_chunks):
+            half = index % 2
+            previous = in_flight[half]
+            if previous is not None:  # this half's last chunk must be scattered before it is overwritten
+                post_seconds += previous.result(timeout=max(0.001, deadline - time.perf_counter()))
+            last = index == num_chunks - 1
+            for source, staging_rows, remote_rows, bounds, half_rows in reads:
+                selected = slice(bounds[index], bounds[index + 1])
+                assert source.staging is not None
+                stats = self.agent.read(
+                    source.staging,
+                    staging_rows[selected] + half * half_rows,
+                    source.remote,
+                    remote_rows[selected],
+                    notification=self._done_message(request_id, source) if last else b"",
+                    timeout_s=max(0.0, deadline - time.perf_counter()),
+                )
+                total_bytes += stats.bytes
+                descriptors += stats.descriptors
+            chunk_blocks = plane_blocks[index * slots : (index + 1) * slots]
+            chunk_staged = staged[half * slots : half * slots + len(chunk_blocks)]
+            job = (self._scatter_chunk, postprocess.restage, chunk_blocks, chunk_staged, num_blocks)
+            in_flight[half] = self._postprocess_pool.submit(_timed, *job)
+        reads_done = time.perf_counter()
+        for future in in_flight:
+            if future is not None:
+                post_seconds += future.result(timeout=max(0.001, deadline - time.perf_counter()))
+        return {
+            "bytes": total_bytes,
+            "descriptors": descriptors,
+            "read_seconds": reads_done - read_started,
+            "postprocess_seconds": post_seconds,
+            "postprocess_exposed_seconds": time.perf_counter() - reads_done,
+        }
+
+    def _scatter_chunk(self, restage: Restage, plane_blocks: np.ndarray, staged: torch.Tensor, num_blocks: int) -> None:
+        """Scatter staged rows (one per (plane, block) in ``plane_blocks``, sorted) to their planes."""
+        planes = plane_blocks // num_blocks
+        edges = np.flatnonzero(np.diff(planes)) + 1
+        for first, end in itertools.pairwise([0, *edges.tolist(), len(planes)]):
+            plane = self._planes[int(planes[first])]
+            block_ids = torch.from_numpy(plane_blocks[first:end] % num_blocks)
+            scatter_staged(plane.view(num_blocks, -1), block_ids, staged[first:end], restage)
 
     def _done_message(self, request_id: str, source: _Source) -> bytes:
         return messages.encode(
