@@ -18,7 +18,7 @@ import torch
 
 from .grids import BlockIds, block_ids_array, build_grid, check_num_tokens
 from .mapping import HeadSource, TopologyError, check_compatible, expected_readers, head_sources
-from .postprocess import DEFAULT_CHUNK_BYTES, Restage, StagedSource, restage_blocks
+from .postprocess import Restage, StagedSource, restage_blocks
 from .spec import KVCacheLayout, KVRegion, Plane, planes_of
 from .units import BlockGeometry, UnitShape, direct_unit, staged_offsets, staged_unit, unit_grid
 
@@ -121,7 +121,7 @@ class Postprocess:
     num_planes: int
     num_blocks: int  # of the local cache
     element_size: int  # bytes
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int | None = None  # bytes of blocks restaged at a time; None: per-device default
 
     def apply(
         self,
@@ -189,7 +189,7 @@ class PeerPlan:
         *,
         min_direct_run_bytes: int = DEFAULT_MIN_DIRECT_RUN_BYTES,
         strategy: Literal["auto", "direct", "staged"] = "auto",
-        postprocess_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        postprocess_chunk_bytes: int | None = None,
     ) -> PeerPlan:
         """Plan the reads of local rank ``local_layout`` from the remote engine described by its ranks'
         layouts and regions (keyed by remote TP rank; only the ranks :func:`head_sources` names are needed).

@@ -79,20 +79,23 @@ def as_words(tensor: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """``tensor`` (num_blocks, elements) reinterpreted, without a copy, as the widest words (16, 8, 4, 2 or 1
     bytes) that divide ``row_bytes`` (the bytes of one head vector), its strides and its address: the kernels
     only move bytes, and wide words make torch's indexed copies several times faster."""
+    return as_same_words(row_bytes, tensor)[0]
+
+
+def as_same_words(row_bytes: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` all reinterpreted as the same widest word type that fits each of them (see :func:`as_words`)."""
     for dtype in _WORDS:
         width = dtype.itemsize
-        if row_bytes % width or tensor.data_ptr() % width:
+        if row_bytes % width or any(tensor.data_ptr() % width for tensor in tensors):
             continue
         try:
-            return tensor.view(dtype)
+            return [tensor.view(dtype) for tensor in tensors]
         except RuntimeError:
             continue
-    raise ValueError(f"cannot reinterpret a tensor of dtype {tensor.dtype} as bytes")
+    raise ValueError(f"cannot reinterpret tensors of dtype {tensors[0].dtype} as bytes")
 
 
-def restage_blocks(
-    plane: torch.Tensor, block_ids: torch.Tensor, spec: Restage, chunk_bytes: int | None = None
-) -> None:
+def restage_blocks(plane: torch.Tensor, block_ids: torch.Tensor, spec: Restage, chunk_bytes: int | None = None) -> None:
     """Restage blocks ``block_ids`` (int64, distinct, on ``plane``'s device) of ``plane`` in place.
 
     ``plane`` is (num_blocks, block_elements) with contiguous rows (any row stride). Blocks are processed
@@ -147,8 +150,7 @@ def scatter_staged(plane: torch.Tensor, block_ids: torch.Tensor, staged: torch.T
     if block_ids.numel() == 0:
         return
     row_bytes = spec.head_size * plane.element_size()
-    words = as_words(plane, row_bytes)
-    staged_words = as_words(staged, row_bytes)
+    words, staged_words = as_same_words(row_bytes, plane, staged)  # one word size: the spec is rescaled once
     spec = _rescaled(spec, words.shape[1])
     _scatter(_final_view(words, spec), block_ids, staged_words, spec, spec.block_size * spec.head_size)
 
