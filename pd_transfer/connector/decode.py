@@ -33,6 +33,7 @@ from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 
 from . import messages
 from .cache import KVCache
+from .errors import LeaseNotConfirmed, WrongEngine
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +103,18 @@ class DecodeRank:
         pipeline_groups: int = 8,
         staging_bytes: int = 16 * 2**20,
         agent_name: str | None = None,
+        confirm_timeout_s: float = 5.0,
     ) -> None:
         self.engine_id = engine_id
         self.cache = cache
         self.read_timeout_s = read_timeout_s
         self._min_direct_run_bytes = min_direct_run_bytes
         rank = cache.layout.tp_rank
-        self.agent = TransferAgent(agent_name or f"{engine_id}-decode-tp{rank}-{uuid.uuid4().hex[:8]}")
+        self._init_confirmations(confirm_timeout_s)
+        self.agent = TransferAgent(
+            agent_name or f"{engine_id}-decode-tp{rank}-{uuid.uuid4().hex[:8]}", on_notification=self._on_notification
+        )
+        self._reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
         self.client = HandshakeClient(cache.layout.fingerprint, secret=secret, timeout_s=handshake_timeout_s)
         self._planes = plane_views(cache.tensors, cache.regions)
@@ -311,19 +317,18 @@ class DecodeRank:
         pending: list[Future[float]] = []
         read_started = time.perf_counter()
         for index, group in enumerate(groups):
-            last = index == len(groups) - 1
-            for source, local_rows, remote_rows, bounds in reads:
-                selected = slice(bounds[index], bounds[index + 1])
-                stats = self.agent.read(
+            step = [
+                (
+                    source,
                     source.local,
-                    local_rows[selected],
-                    source.remote,
-                    remote_rows[selected],
-                    notification=self._done_message(request_id, source) if last else b"",
-                    timeout_s=max(0.0, deadline - time.perf_counter()),
+                    local_rows[bounds[index] : bounds[index + 1]],
+                    remote_rows[bounds[index] : bounds[index + 1]],
                 )
-                total_bytes += stats.bytes
-                descriptors += stats.descriptors
+                for source, local_rows, remote_rows, bounds in reads
+            ]
+            moved, rows_read = self._read_step(request_id, step, index == len(groups) - 1, deadline)
+            total_bytes += moved
+            descriptors += rows_read
             if postprocess is not None:
                 job = (postprocess.apply, self._planes, local_block_ids, num_tokens, group)
                 pending.append(self._postprocess_pool.submit(_timed, *job))
@@ -378,20 +383,18 @@ class DecodeRank:
             previous = in_flight[half]
             if previous is not None:  # this half's last chunk must be scattered before it is overwritten
                 post_seconds += previous.result(timeout=max(0.001, deadline - time.perf_counter()))
-            last = index == num_chunks - 1
-            for source, staging_rows, remote_rows, bounds, half_rows in reads:
-                selected = slice(bounds[index], bounds[index + 1])
-                assert source.staging is not None
-                stats = self.agent.read(
+            step = [
+                (
+                    source,
                     source.staging,
-                    staging_rows[selected] + half * half_rows,
-                    source.remote,
-                    remote_rows[selected],
-                    notification=self._done_message(request_id, source) if last else b"",
-                    timeout_s=max(0.0, deadline - time.perf_counter()),
+                    staging_rows[bounds[index] : bounds[index + 1]] + half * half_rows,
+                    remote_rows[bounds[index] : bounds[index + 1]],
                 )
-                total_bytes += stats.bytes
-                descriptors += stats.descriptors
+                for source, staging_rows, remote_rows, bounds, half_rows in reads
+            ]
+            moved, rows_read = self._read_step(request_id, step, index == num_chunks - 1, deadline)
+            total_bytes += moved
+            descriptors += rows_read
             chunk_blocks = plane_blocks[index * slots : (index + 1) * slots]
             chunk_staged = staged[half * slots : half * slots + len(chunk_blocks)]
             job = (self._scatter_chunk, postprocess.restage, chunk_blocks, chunk_staged, num_blocks)
@@ -407,6 +410,30 @@ class DecodeRank:
             "postprocess_seconds": post_seconds,
             "postprocess_exposed_seconds": time.perf_counter() - reads_done,
         }
+
+    def _read_step(
+        self,
+        request_id: str,
+        step: list[tuple[_Source, DescriptorList | None, np.ndarray, np.ndarray]],
+        last: bool,
+        deadline: float,
+    ) -> tuple[int, int]:
+        """One READ per source of (local list, local rows) <- remote rows; the reads of the last step carry
+        the ``ReadDone`` notifications. Returns (bytes, rows)."""
+        moved = rows = 0
+        for source, local_list, local_rows, remote_rows in step:
+            assert local_list is not None
+            stats = self.agent.read(
+                local_list,
+                local_rows,
+                source.remote,
+                remote_rows,
+                notification=self._done_message(request_id, source) if last else b"",
+                timeout_s=max(0.0, deadline - time.perf_counter()),
+            )
+            moved += stats.bytes
+            rows += stats.descriptors
+        return moved, rows
 
     def _scatter_chunk(self, restage: Restage, plane_blocks: np.ndarray, staged: torch.Tensor, num_blocks: int) -> None:
         """Scatter staged rows (one per (plane, block) in ``plane_blocks``, sorted) to their planes."""
@@ -424,6 +451,7 @@ class DecodeRank:
                 reader_engine_id=self.engine_id,
                 reader_rank=self.cache.layout.tp_rank,
                 expected_readers=source.expected_readers,
+                reply_to=self._reply_to if request_id in self._awaiting else b"",
             )
         )
 
@@ -442,6 +470,167 @@ class DecodeRank:
                 logger.info(
                     "decode %s: could not tell %s about request %s: %s", self.agent.name, source.peer, request_id, error
                 )
+
+    # ------------------------------------------------------------------ leases: read, then confirm
+    def _init_confirmations(self, confirm_timeout_s: float) -> None:
+        self.confirm_timeout_s = confirm_timeout_s
+        self._confirm_cond = threading.Condition()
+        self._awaiting: dict[str, dict[str, messages.LeaseConfirm]] = {}  # request -> prefill agent -> answer
+        self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
+        self.malformed_notifications = 0
+        self.unexpected_notifications = 0
+        self.late_confirmations = 0
+
+    def _on_notification(self, peer: str, payload: bytes) -> None:
+        try:
+            message = messages.decode(payload)
+        except Exception as error:
+            self.malformed_notifications += 1
+            logger.warning("decode %s: malformed notification from %s dropped: %s", self.agent.name, peer, error)
+            return
+        if not isinstance(message, messages.LeaseConfirm):
+            self.unexpected_notifications += 1
+            logger.warning("decode %s: unexpected %s from %s dropped", self.agent.name, type(message).__name__, peer)
+            return
+        with self._confirm_cond:
+            answers = self._awaiting.get(message.request_id)
+            if answers is None:
+                self.late_confirmations += 1
+                logger.info(
+                    "decode %s: confirmation of request %s from %s came after we stopped waiting",
+                    self.agent.name,
+                    message.request_id,
+                    peer,
+                )
+                return
+            answers[peer] = message
+            self._confirm_cond.notify_all()
+
+    def check_engine(self, host: str, port: int, engine_id: str) -> EngineMetadata:
+        """Connect to ``host:port`` and check that it serves ``engine_id`` (``WrongEngine`` otherwise)."""
+        engine = self.connect(host, port)
+        if engine.engine_id != engine_id:
+            raise WrongEngine(engine_id, engine.engine_id, host, port)
+        return engine
+
+    def pull_confirmed(
+        self,
+        request_id: str,
+        host: str,
+        port: int,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        num_tokens: int,
+        *,
+        timeout_s: float | None = None,
+        confirm_timeout_s: float | None = None,
+    ) -> PullStats:
+        """:meth:`pull`, then wait (at most ``confirm_timeout_s``) until every prefill rank read from confirms
+        that the request's blocks were still held when our ``ReadDone`` reached it.
+
+        Returns only once the KV is known good. Raises ``LeaseNotConfirmed`` if a rank refuses or stays
+        silent (the local blocks may hold stale KV: do not use them), and whatever :meth:`pull` raises.
+        On the way, decode rank 0 tells prefill ranks that no decode rank reads (``ReleaseUnread``).
+        """
+        self.connect(host, port)
+        peers = self._source_peers(host, port)
+        with self._confirm_cond:
+            self._awaiting[request_id] = {}
+            self.agent.set_expecting_reads(True)  # poll fast: the confirmations are on their way
+        try:
+            with self._pull_lock:
+                stats = self.pull(
+                    request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s=timeout_s
+                )
+            self._release_unread(request_id, host, port)
+            timeout = self.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
+            ok, reason = self.wait_confirmed(request_id, peers, timeout)
+        finally:
+            with self._confirm_cond:
+                self._awaiting.pop(request_id, None)
+                self.agent.set_expecting_reads(bool(self._awaiting))
+        if not ok:
+            logger.error("decode %s: request %s: %s", self.agent.name, request_id, reason)
+            raise LeaseNotConfirmed(request_id, reason)
+        return stats
+
+    def wait_confirmed(self, request_id: str, peers: list[str], timeout_s: float) -> tuple[bool, str]:
+        """Wait until each of ``peers`` (prefill agents) answered a ``ReadDone`` of ``request_id`` that
+        carried ``reply_to`` (only while :meth:`pull_confirmed` awaits it). Returns (True, "") when all
+        confirmed, (False, why) as soon as one refuses, or when ``timeout_s`` passes without every answer."""
+        deadline = time.monotonic() + timeout_s
+        with self._confirm_cond:
+            while True:
+                answers = self._awaiting.get(request_id, {})
+                refused = [f"{peer}: {answer.reason}" for peer, answer in answers.items() if not answer.ok]
+                if refused:
+                    return False, "refused by " + "; ".join(refused)
+                missing = [peer for peer in peers if peer not in answers]
+                if not missing:
+                    return True, ""
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False, f"no confirmation from {', '.join(missing)} within {timeout_s:g} s"
+                self._confirm_cond.wait(remaining)
+
+    def heartbeat(self, request_id: str, host: str, port: int) -> int:
+        """Tell the prefill ranks we would read ``request_id`` from that we still mean to (extends its lease).
+        Returns the number of ranks notified."""
+        self.connect(host, port)
+        sent = 0
+        for peer in self._source_peers(host, port) + self._unread_peers(host, port):
+            beat = messages.LeaseHeartbeat(
+                request_id=request_id, reader_engine_id=self.engine_id, reader_rank=self.cache.layout.tp_rank
+            )
+            try:
+                self.agent.notify(peer, messages.encode(beat))
+                sent += 1
+            except TransferError as error:
+                logger.info("decode %s: heartbeat of %s to %s failed: %s", self.agent.name, request_id, peer, error)
+        return sent
+
+    def abandon(self, request_id: str, host: str, port: int, reason: str) -> None:
+        """We will not read ``request_id`` (aborted, computed locally, or the read was refused before it
+        started): tell the prefill ranks so that they free its blocks now rather than at the lease end."""
+        self.connect(host, port)
+        remote = self._remotes.get((host, port))
+        if remote is not None:
+            self._report_failure(remote, request_id, reason)
+        self._release_unread(request_id, host, port)
+
+    def _source_peers(self, host: str, port: int) -> list[str]:
+        remote = self._remotes.get((host, port))
+        return [] if remote is None else [source.peer for source in remote.sources]
+
+    def _unread_peers(self, host: str, port: int) -> list[str]:
+        """Decode rank 0 only: the agents of the prefill ranks no decode rank of our TP size reads (their
+        heads are read from another rank holding the same ones), added as peers on first use."""
+        remote = self._remotes.get((host, port))
+        if remote is None or self.cache.layout.tp_rank != 0:
+            return []
+        peers = []
+        for rank in remote.engine.ranks:
+            if expected_readers(rank.tp_rank, rank.layout, self.cache.layout.tp_size) != 0:
+                continue
+            peers.append(
+                rank.agent_name if self.agent.has_peer(rank.agent_name) else self.agent.add_peer(rank.agent_metadata)
+            )
+        return peers
+
+    def _release_unread(self, request_id: str, host: str, port: int) -> None:
+        """Free ``request_id`` on the prefill ranks no decode rank reads (best effort: their lease frees it
+        otherwise)."""
+        try:
+            peers = self._unread_peers(host, port)
+        except Exception as error:
+            logger.info("decode %s: cannot reach unread prefill ranks for %s: %s", self.agent.name, request_id, error)
+            return
+        release = messages.encode(messages.ReleaseUnread(request_id=request_id, reader_engine_id=self.engine_id))
+        for peer in peers:
+            try:
+                self.agent.notify(peer, release)
+            except TransferError as error:
+                logger.info("decode %s: releasing %s on %s failed: %s", self.agent.name, request_id, peer, error)
 
     def close(self) -> None:
         self._postprocess_pool.shutdown(wait=True)

@@ -8,14 +8,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.errors import TransferError
 
 from . import messages
 from .cache import KVCache
+from .leases import Freed, LeaseLedger, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -23,17 +25,15 @@ logger = logging.getLogger(__name__)
 ReleaseHandler = Callable[[str, list[messages.PeerMessage]], None]
 
 
-@dataclass
-class _ReaderTally:
-    expected: int = 0
-    reports: dict[tuple[str, int], messages.PeerMessage] = field(default_factory=dict)
-
-
 class PrefillRank:
-    """One prefill TP rank: its cache registered with NIXL, counting the decode readers of each request.
+    """One prefill TP rank: its cache registered with NIXL, and the :class:`LeaseLedger` of the requests whose
+    blocks it holds for decode readers.
 
-    A request is *released* when as many distinct decode ranks as they said to expect have reported
-    (read done or given up); ``on_release`` then fires once, on the progress thread.
+    ``hold`` starts a finished request's lease; the blocks come back, once, from ``hold`` itself, from
+    ``expire`` (lease over), ``abort``, or from ``take_freed`` (every reader reported; collected on the
+    notification thread). A ``ReadDone`` carrying ``reply_to`` is answered with a ``LeaseConfirm`` sent back
+    to the reader over NIXL (on a helper thread, so the progress thread never waits for a connection).
+    ``on_release`` fires once per request when every expected reader has reported, on the progress thread.
     """
 
     def __init__(
@@ -43,20 +43,27 @@ class PrefillRank:
         *,
         on_release: ReleaseHandler | None = None,
         agent_name: str | None = None,
+        lease_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine_id = engine_id
         self.cache = cache
         self._on_release = on_release
+        self.ledger = LeaseLedger(lease_seconds, clock=clock)
+        self._cond = threading.Condition()
+        self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
+        self._reply_metadata: dict[str, bytes] = {}  # reader agent -> its connection metadata
+        self._replies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-transfer-confirm")
+        self.malformed_notifications = 0
+        self.unexpected_notifications = 0
+        self.confirms_sent = 0
+        self.confirms_failed = 0
         rank = cache.layout.tp_rank
         self.agent = TransferAgent(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
         )
         self.agent.register_regions(cache.regions)
-        self._tallies: dict[str, _ReaderTally] = {}
-        self._released: dict[str, list[messages.PeerMessage]] = {}
-        self._cond = threading.Condition()
-        self.malformed_notifications = 0
 
     @property
     def rank_metadata(self) -> RankMetadata:
@@ -68,12 +75,35 @@ class PrefillRank:
             regions=list(self.cache.regions),
         )
 
-    def expect(self, request_id: str) -> None:
-        """A request's blocks are held for decode readers: progress promptly until it is released."""
-        with self._cond:
-            self._tallies.setdefault(request_id, _ReaderTally())
-            self.agent.set_expecting_reads(True)
+    # ------------------------------------------------------------------ the engine's side
+    def hold(self, request_id: str, block_ids: list[int]) -> Freed | None:
+        """Hold a finished request's blocks for its readers; returns it freed at once if they all reported
+        already."""
+        freed = self.ledger.hold(request_id, block_ids)
+        self._after_change()
+        return freed
 
+    def heartbeat(self, request_id: str) -> bool:
+        return self.ledger.heartbeat(request_id)
+
+    def abort(self, request_id: str) -> Freed | None:
+        freed = self.ledger.abort(request_id)
+        self._after_change()
+        return freed
+
+    def expire(self) -> list[Freed]:
+        """Requests whose lease ran out (their blocks are free now)."""
+        freed = self.ledger.expire()
+        self._after_change()
+        return freed
+
+    def take_freed(self) -> list[Freed]:
+        """Requests freed by their readers' reports since the last call."""
+        with self._cond:
+            freed, self._freed = self._freed, []
+        return freed
+
+    # ------------------------------------------------------------------ readers' notifications
     def _on_notification(self, peer: str, payload: bytes) -> None:
         try:
             message = messages.decode(payload)
@@ -81,59 +111,84 @@ class PrefillRank:
             self.malformed_notifications += 1
             logger.warning("prefill %s: malformed notification from %s dropped: %s", self.agent.name, peer, error)
             return
-        released: list[messages.PeerMessage] | None = None
-        with self._cond:
-            if message.request_id in self._released:
-                logger.info(
-                    "prefill %s: late report for released request %s from %s", self.agent.name, message.request_id, peer
-                )
-                return
-            tally = self._tallies.setdefault(message.request_id, _ReaderTally())
-            tally.expected = max(tally.expected, message.expected_readers)
-            tally.reports[(message.reader_engine_id, message.reader_rank)] = message
-            if isinstance(message, messages.ReadFailed):
-                logger.warning(
-                    "prefill %s: request %s: decode %s rank %d gave up: %s",
-                    self.agent.name,
-                    message.request_id,
-                    message.reader_engine_id,
-                    message.reader_rank,
-                    message.reason,
-                )
-            if len(tally.reports) >= tally.expected:
-                released = list(tally.reports.values())
-                del self._tallies[message.request_id]
-                self._released[message.request_id] = released
+        if isinstance(message, messages.LeaseHeartbeat):
+            if not self.ledger.heartbeat(message.request_id):
+                logger.info("prefill %s: heartbeat for request %s, not held here", self.agent.name, message.request_id)
+            return
+        if isinstance(message, messages.LeaseConfirm):
+            self.unexpected_notifications += 1
+            logger.warning("prefill %s: unexpected %s from %s dropped", self.agent.name, type(message).__name__, peer)
+            return
+        reply_to = None
+        if isinstance(message, messages.ReadDone) and message.reply_to:
+            reply_to = peer
+            with self._cond:
+                self._reply_metadata[peer] = message.reply_to
+        outcome = self.ledger.report(message, reply_to=reply_to)
+        if outcome.freed is not None:
+            with self._cond:
+                self._freed.append(outcome.freed)
+        if outcome.readers_complete:
+            with self._cond:
                 self._cond.notify_all()
-                if not self._tallies:
-                    self.agent.set_expecting_reads(False)
-        if released is not None:
+            reports = self.ledger.readers_complete(message.request_id) or ()
             logger.debug(
-                "prefill %s: request %s released by %d readers", self.agent.name, message.request_id, len(released)
+                "prefill %s: request %s released by %d readers", self.agent.name, message.request_id, len(reports)
             )
             if self._on_release is not None:
-                self._on_release(message.request_id, released)
+                self._on_release(message.request_id, list(reports))
+        self._after_change()
+
+    def _after_change(self) -> None:
+        """Send queued confirmations; poll fast only while blocks are held for readers."""
+        for reply in self.ledger.take_replies():
+            try:
+                self._replies.submit(self._send_reply, reply)
+            except RuntimeError:  # closed
+                return
+        self.agent.set_expecting_reads(self.ledger.held_requests > 0)
+
+    def _send_reply(self, reply: Reply) -> None:
+        try:
+            if not self.agent.has_peer(reply.to):
+                with self._cond:
+                    metadata = self._reply_metadata.get(reply.to)
+                if metadata is None:
+                    raise TransferError(f"no connection metadata for reader {reply.to}")
+                added = self.agent.add_peer(metadata)
+                if added != reply.to:
+                    raise TransferError(f"reader {reply.to} sent the connection metadata of agent {added}")
+            self.agent.notify(reply.to, messages.encode(reply.confirm))
+            self.confirms_sent += 1
+        except Exception as error:
+            self.confirms_failed += 1
+            logger.warning(
+                "prefill %s: could not confirm request %s to %s (it will count as unconfirmed): %s",
+                self.agent.name,
+                reply.confirm.request_id,
+                reply.to,
+                error,
+            )
 
     def wait_released(self, request_id: str, timeout_s: float) -> list[messages.PeerMessage] | None:
-        """The readers' reports once ``request_id`` is released, or None after ``timeout_s``."""
+        """The readers' reports once every expected reader of ``request_id`` reported, or None after
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while request_id not in self._released:
+            while (reports := self.ledger.readers_complete(request_id)) is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._cond.wait(remaining)
-            return self._released[request_id]
+            return list(reports)
 
     def forget(self, request_id: str) -> None:
-        """Drop what is known of a request (after the engine freed its blocks)."""
-        with self._cond:
-            self._released.pop(request_id, None)
-            self._tallies.pop(request_id, None)
-            if not self._tallies:
-                self.agent.set_expecting_reads(False)
+        """Drop what is known of a request without freeing it (the engine freed its blocks)."""
+        self.ledger.forget(request_id)
+        self._after_change()
 
     def close(self) -> None:
+        self._replies.shutdown(wait=True, cancel_futures=True)
         self.agent.close()
 
 

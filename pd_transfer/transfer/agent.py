@@ -24,7 +24,7 @@ from .progress import AdaptivePoller
 os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time pool warnings are noise for users
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
 
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,18 @@ class TransferAgent:
         """This agent's NIXL metadata, for the side channel."""
         with self._lock:
             return bytes(self._nixl.get_agent_metadata())
+
+    @property
+    def connection_metadata(self) -> bytes:
+        """This agent's NIXL metadata without any memory (about 300 bytes): enough for a peer that loads it
+        with ``add_peer`` to send us notifications, not to read our memory. Falls back to ``metadata``."""
+        with self._lock:
+            try:
+                no_memory = nixlBind.nixlRegDList(self._nixl.nixl_mems["DRAM"], [])
+                return bytes(self._nixl.get_partial_agent_metadata(no_memory, True, ["UCX"]))
+            except Exception as error:
+                logger.info("agent %s: no connection-only metadata (%s); using the full metadata", self.name, error)
+                return bytes(self._nixl.get_agent_metadata())
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, agent_metadata: bytes) -> str:

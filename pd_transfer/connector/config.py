@@ -1,0 +1,104 @@
+"""The connector's settings: typed, validated, read from a dict (vLLM's ``kv_connector_extra_config``).
+
+Unknown keys and wrong types are refused with a message naming the key. The side channel's address falls
+back to the environment variables vLLM's NixlConnector uses (``VLLM_NIXL_SIDE_CHANNEL_HOST`` /
+``VLLM_NIXL_SIDE_CHANNEL_PORT``), then to their defaults (``localhost:5600``).
+
+**Failure policy** (``failure_policy``): what a decode worker reports when a request's KV could not be
+loaded, or was loaded but not confirmed (see :mod:`pd_transfer.connector.leases`):
+
+* ``"recompute"`` (default): the request's local block ids are reported as load errors; the engine
+  recomputes the prompt (from the first bad block) and the client never sees the failure. The commonest
+  failure, a lease that ran out under load, costs one local prefill instead of an error.
+* ``"fail"``: the request is reported failed (and finished); the engine ends it with an error.
+
+Either way no stale or partial KV is ever used, and nothing raises into the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+import msgspec
+
+FailurePolicy = Literal["fail", "recompute"]
+
+ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+class ConfigError(ValueError):
+    """A setting is unknown, of the wrong type or out of range; the message names it."""
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    side_channel_host: str = "localhost"  # where this engine's side channel listens (and decodes connect)
+    side_channel_port: int = 5600  # 0: any free port (tests)
+    lease_seconds: float = 30.0  # how long a prefill holds a finished request's blocks for its readers
+    heartbeat_seconds: float | None = None  # decode: how often a queued request extends its lease; None: lease / 3
+    failure_policy: FailurePolicy = "recompute"
+    secret: str | None = None  # shared HMAC secret of the side channel; None: unauthenticated
+    read_timeout_s: float = 30.0  # one request's reads
+    confirm_timeout_s: float = 5.0  # waiting for the prefill's LeaseConfirm after a read
+    handshake_timeout_s: float = 5.0  # one side-channel attempt (three attempts in all)
+    load_threads: int = 4  # decode: background threads for pulls, releases and heartbeats
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.side_channel_host.strip():
+            problems.append("side_channel_host: must not be empty")
+        if not 0 <= self.side_channel_port <= 65535:
+            problems.append(f"side_channel_port: {self.side_channel_port} is outside 0..65535")
+        for name in ("lease_seconds", "read_timeout_s", "confirm_timeout_s", "handshake_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                problems.append(f"{name}: must be positive, got {value!r}")
+        if self.heartbeat_seconds is not None and not 0 < self.heartbeat_seconds < self.lease_seconds:
+            problems.append(
+                f"heartbeat_seconds: must be positive and shorter than lease_seconds ({self.lease_seconds:g}),"
+                f" got {self.heartbeat_seconds!r}"
+            )
+        if self.load_threads < 1:
+            problems.append(f"load_threads: must be at least 1, got {self.load_threads}")
+        if self.secret is not None and not self.secret:
+            problems.append("secret: must not be empty (leave it out for no authentication)")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.lease_seconds / 3 if self.heartbeat_seconds is None else self.heartbeat_seconds
+
+    @classmethod
+    def from_dict(
+        cls, extra: Mapping[str, object] | None = None, *, env: Mapping[str, str] | None = None
+    ) -> ConnectorConfig:
+        """Settings from ``extra`` (e.g. ``kv_connector_extra_config``), then ``env`` (default: the process
+        environment) for the side channel's address, then defaults. Raises ``ConfigError``."""
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"connector settings must be a mapping, got {type(extra).__name__}")
+        environment = os.environ if env is None else env
+        known = cls.__struct_fields__
+        unknown = sorted(str(key) for key in extra if key not in known)
+        if unknown:
+            raise ConfigError(f"unknown connector setting(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        data = dict(extra)
+        host = environment.get(ENV_SIDE_CHANNEL_HOST)
+        if "side_channel_host" not in data and host is not None:
+            if not host.strip():
+                raise ConfigError(f"{ENV_SIDE_CHANNEL_HOST} is set but empty")
+            data["side_channel_host"] = host.strip()
+        port = environment.get(ENV_SIDE_CHANNEL_PORT)
+        if "side_channel_port" not in data and port is not None:
+            try:
+                data["side_channel_port"] = int(port.strip())
+            except ValueError:
+                raise ConfigError(f"{ENV_SIDE_CHANNEL_PORT}={port!r} is not an integer port") from None
+        try:
+            return msgspec.convert(data, cls, strict=True)
+        except msgspec.ValidationError as error:
+            raise ConfigError(f"connector settings: {error}") from None

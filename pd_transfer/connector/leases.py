@@ -1,0 +1,294 @@
+"""The prefill side's ledger of requests whose KV blocks are held for decode readers.
+
+When a prefill-only request finishes, the engine hands its blocks to the connector (``hold``). The blocks
+go back to the engine exactly once, for the first of:
+
+* every expected decode reader reported (``ReadDone``, ``ReadFailed``; ``ReleaseUnread`` for a rank no
+  decode rank reads): reason ``"read"``;
+* the lease ran out (``expire``; ``heartbeat`` pushes the end back): reason ``"expired"``;
+* the engine gave up on it (``abort``): reason ``"aborted"``.
+
+Readers are counted per distinct ``(reader engine, reader rank)``; how many to expect comes with their
+reports (``expected_readers``), so a request is never freed before one reader has said how many there are.
+
+**Read, then confirm.** A ``ReadDone`` carrying ``reply_to`` gets a ``LeaseConfirm`` (collected with
+``take_replies``): ``ok`` only if the blocks were held when the report was processed. Blocks are only ever
+freed by this ledger and never before the readers' reports or the lease end, so an ``ok`` proves that the
+read, which NIXL completes before delivering its notification, saw the request's live blocks.
+
+A report may arrive before ``hold`` (the engine tells its workers about finished requests on its next
+step): it is kept as *pending*, and its confirmation waits for the ``hold`` (then ``ok``: the engine owned
+the blocks all along) or for ``pending_seconds`` (then not ``ok``: unknown request).
+
+Thread-safe: every method takes one lock. Time comes from ``clock`` (inject a fake one in tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .messages import LeaseConfirm, ReadDone, ReaderReport, ReadFailed, ReleaseUnread
+
+logger = logging.getLogger(__name__)
+
+FreeReason = Literal["read", "expired", "aborted"]
+Status = Literal["held", "pending", "read", "expired", "aborted", "unknown"]
+
+
+@dataclass(frozen=True)
+class Freed:
+    """A request's blocks are the engine's again (reported exactly once per hold)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    reason: FreeReason
+    reports: tuple[ReaderReport, ...]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A confirmation to send to the reader known as ``to`` (the ``reply_to`` key given with its report)."""
+
+    to: str
+    confirm: LeaseConfirm
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    freed: Freed | None = None  # this report freed the request
+    readers_complete: bool = False  # this report was the last expected one (True once per request)
+
+
+@dataclass
+class _Entry:
+    block_ids: tuple[int, ...] | None  # None: pending (reports arrived, no hold yet)
+    deadline: float  # held: end of the lease; pending: when to stop waiting for the hold
+    expected: int = 0
+    reports: dict[tuple[str, int], ReaderReport] = field(default_factory=dict)
+    parked: list[str] = field(default_factory=list)  # reply_to keys waiting for a verdict
+    complete: bool = False
+
+
+@dataclass(frozen=True)
+class _Gone:
+    reason: Literal["read", "expired", "aborted", "unknown"]
+    reports: tuple[ReaderReport, ...]
+    complete: bool
+
+
+_GONE_REASONS = {
+    "read": "already freed: every expected reader had reported",
+    "expired": "the lease had expired and the blocks were freed",
+    "aborted": "the prefill aborted the request and freed its blocks",
+    "unknown": "unknown request: never held by this prefill rank",
+}
+
+
+class LeaseLedger:
+    """Held requests of one prefill rank: leases, reader tallies, confirmations."""
+
+    def __init__(
+        self,
+        lease_seconds: float = 30.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pending_seconds: float | None = None,
+        max_tombstones: int = 65536,
+    ) -> None:
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
+        self.lease_seconds = float(lease_seconds)
+        self.pending_seconds = self.lease_seconds if pending_seconds is None else float(pending_seconds)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._gone: OrderedDict[str, _Gone] = OrderedDict()
+        self._max_tombstones = max_tombstones
+        self._outbox: list[Reply] = []
+        self.reports_after_free = 0  # reports for requests already freed (late or stale readers)
+
+    # ------------------------------------------------------------------ events
+    def hold(self, request_id: str, block_ids: Iterable[int]) -> Freed | None:
+        """Start the lease of a finished request's blocks. Returns the request as freed at once when every
+        expected reader has already reported (reports may overtake the hold), else None."""
+        blocks = tuple(int(b) for b in block_ids)
+        with self._lock:
+            now = self._clock()
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.block_ids is not None:
+                logger.warning("request %s held twice: keeping the first blocks, extending the lease", request_id)
+                entry.deadline = max(entry.deadline, now + self.lease_seconds)
+                return None
+            if self._gone.pop(request_id, None) is not None:
+                logger.warning("request %s held again after it was freed: starting a new lease", request_id)
+            if entry is None:
+                entry = self._entries[request_id] = _Entry(block_ids=blocks, deadline=now + self.lease_seconds)
+                return None
+            # pending: readers reported before the hold; the engine owned the blocks all along
+            entry.block_ids = blocks
+            entry.deadline = now + self.lease_seconds
+            self._answer_parked(request_id, entry, ok=True, reason="held")
+            if entry.complete:
+                return self._free(request_id, entry, "read")
+            return None
+
+    def report(self, message: ReaderReport, *, reply_to: str | None = None) -> ReportOutcome:
+        """A reader's report. With ``reply_to`` (``ReadDone`` only), a ``LeaseConfirm`` for it is queued
+        now, or when the request's fate is known if the report overtook the hold."""
+        request_id = message.request_id
+        wants_reply = reply_to is not None and isinstance(message, ReadDone)
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                gone = self._gone.get(request_id)
+                if gone is not None:
+                    self.reports_after_free += 1
+                    if wants_reply:
+                        assert reply_to is not None
+                        self._reply(reply_to, request_id, ok=False, reason=_GONE_REASONS[gone.reason])
+                    return ReportOutcome()
+                entry = self._entries[request_id] = _Entry(
+                    block_ids=None, deadline=self._clock() + self.pending_seconds
+                )
+            if wants_reply:
+                assert reply_to is not None
+                if entry.block_ids is not None:
+                    self._reply(reply_to, request_id, ok=True, reason="held")
+                else:
+                    entry.parked.append(reply_to)
+            if isinstance(message, ReleaseUnread):
+                key = (message.reader_engine_id, -1)
+                entry.expected = max(entry.expected, 1)
+            else:
+                key = (message.reader_engine_id, message.reader_rank)
+                entry.expected = max(entry.expected, message.expected_readers)
+            entry.reports[key] = message
+            if isinstance(message, ReadFailed):
+                logger.warning(
+                    "request %s: decode %s rank %d gave up: %s",
+                    request_id,
+                    message.reader_engine_id,
+                    message.reader_rank,
+                    message.reason,
+                )
+            if entry.complete or len(entry.reports) < max(entry.expected, 1):
+                return ReportOutcome()
+            entry.complete = True
+            if entry.block_ids is None:
+                return ReportOutcome(readers_complete=True)
+            return ReportOutcome(freed=self._free(request_id, entry, "read"), readers_complete=True)
+
+    def heartbeat(self, request_id: str) -> bool:
+        """Extend a held request's lease to a full lease from now; False if it is not held."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.block_ids is None:
+                return False
+            entry.deadline = max(entry.deadline, self._clock() + self.lease_seconds)
+            return True
+
+    def abort(self, request_id: str) -> Freed | None:
+        """Free a held request now (readers that come later are told it is gone); None if not held."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.block_ids is None:
+                return None
+            return self._free(request_id, entry, "aborted")
+
+    def expire(self) -> list[Freed]:
+        """Free every held request whose lease ran out; drop pending reports whose hold never came."""
+        freed: list[Freed] = []
+        with self._lock:
+            now = self._clock()
+            for request_id, entry in list(self._entries.items()):
+                if entry.deadline > now:
+                    continue
+                if entry.block_ids is not None:
+                    logger.warning(
+                        "request %s: lease of %g s expired with %d of %d reader(s) reported; freeing %d block(s)",
+                        request_id,
+                        self.lease_seconds,
+                        len(entry.reports),
+                        max(entry.expected, 1),
+                        len(entry.block_ids),
+                    )
+                    freed.append(self._free(request_id, entry, "expired"))
+                else:
+                    logger.info("request %s: reported by readers but never held here; dropped", request_id)
+                    self._answer_parked(request_id, entry, ok=False, reason=_GONE_REASONS["unknown"])
+                    del self._entries[request_id]
+                    self._tombstone(request_id, _Gone("unknown", tuple(entry.reports.values()), entry.complete))
+        return freed
+
+    def take_replies(self) -> list[Reply]:
+        """Confirmations queued since the last call (each returned once)."""
+        with self._lock:
+            replies, self._outbox = self._outbox, []
+        return replies
+
+    def forget(self, request_id: str) -> None:
+        """Drop everything known of a request without freeing anything (the caller owns the blocks)."""
+        with self._lock:
+            self._entries.pop(request_id, None)
+            self._gone.pop(request_id, None)
+
+    # ------------------------------------------------------------------ queries
+    def status(self, request_id: str) -> Status:
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is not None:
+                return "held" if entry.block_ids is not None else "pending"
+            gone = self._gone.get(request_id)
+            return "unknown" if gone is None else gone.reason
+
+    def readers_complete(self, request_id: str) -> tuple[ReaderReport, ...] | None:
+        """The readers' reports once every expected reader has reported, else None."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is not None:
+                return tuple(entry.reports.values()) if entry.complete else None
+            gone = self._gone.get(request_id)
+            return gone.reports if gone is not None and gone.complete else None
+
+    @property
+    def held_requests(self) -> int:
+        with self._lock:
+            return sum(1 for entry in self._entries.values() if entry.block_ids is not None)
+
+    @property
+    def pending_requests(self) -> int:
+        with self._lock:
+            return sum(1 for entry in self._entries.values() if entry.block_ids is None)
+
+    @property
+    def blocks_held(self) -> int:
+        with self._lock:
+            return sum(len(entry.block_ids) for entry in self._entries.values() if entry.block_ids is not None)
+
+    # ------------------------------------------------------------------ internals (lock held)
+    def _free(self, request_id: str, entry: _Entry, reason: FreeReason) -> Freed:
+        assert entry.block_ids is not None
+        del self._entries[request_id]
+        reports = tuple(entry.reports.values())
+        self._tombstone(request_id, _Gone(reason, reports, entry.complete))
+        return Freed(request_id=request_id, block_ids=entry.block_ids, reason=reason, reports=reports)
+
+    def _tombstone(self, request_id: str, gone: _Gone) -> None:
+        self._gone[request_id] = gone
+        self._gone.move_to_end(request_id)
+        while len(self._gone) > self._max_tombstones:
+            self._gone.popitem(last=False)
+
+    def _reply(self, to: str, request_id: str, *, ok: bool, reason: str) -> None:
+        self._outbox.append(Reply(to=to, confirm=LeaseConfirm(request_id=request_id, ok=ok, reason=reason)))
+
+    def _answer_parked(self, request_id: str, entry: _Entry, *, ok: bool, reason: str) -> None:
+        for to in entry.parked:
+            self._reply(to, request_id, ok=ok, reason=reason)
+        entry.parked.clear()

@@ -1,0 +1,330 @@
+"""Engines without an engine, for tests and demos of the connector's request lifecycle.
+
+``PrefillEngines`` runs prefill engines in a child process (``spawn``): each is a ``SchedulerSide``, one
+``WorkerSide`` per TP rank, an ``OutputAggregator`` and a block allocator, driven over a pipe the way an
+engine drives a connector (finish a prompt, then step). Blocks are never reused, and the allocator scribbles
+over blocks when the connector hands them back, so a read of freed blocks gets garbage, as it would in a
+real engine that reused them. ``DecodeEngine`` does the same for a decode engine in the calling process.
+
+Waiting is polling with a deadline: step, look, step again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from pd_transfer.topology.spec import KVCacheLayout
+
+from .cache import KVCache
+from .config import ConnectorConfig
+
+_READY_TIMEOUT_S = 120.0
+_REPLY_TIMEOUT_S = 60.0
+_POLL_S = 0.005
+POISON = 0xA5  # every byte of a block the engine got back
+
+
+class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    layouts: list[KVCacheLayout]  # one per TP rank
+    num_blocks: int
+    lease_seconds: float = 30.0
+    seed: int = 1
+
+    def caches(self) -> list[KVCache]:
+        """The ranks' caches, filled as the child fills them (recomputed here to check what was read)."""
+        from pd_transfer.bench.peer import fill_pattern
+
+        caches = []
+        for layout in self.layouts:
+            cache = KVCache.allocate(layout, self.num_blocks)
+            fill_pattern(cache, self.seed)
+            caches.append(cache)
+        return caches
+
+
+def _scribble(caches: Sequence[KVCache], block_ids: Sequence[int]) -> None:
+    if not block_ids:
+        return
+    index = torch.tensor(list(block_ids), dtype=torch.long)
+    for cache in caches:
+        for tensor in cache.tensors:
+            tensor.view(torch.uint8)[index] = POISON
+
+
+class _PrefillEngine:
+    """One prefill engine as its scheduler and workers see it."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        from .scheduler import SchedulerSide
+        from .worker import OutputAggregator, WorkerSide
+
+        self.spec = spec
+        self.caches = spec.caches()
+        config = ConnectorConfig(side_channel_host="127.0.0.1", side_channel_port=0, lease_seconds=spec.lease_seconds)
+        self.block_size = spec.layouts[0].block_size
+        self.workers = [WorkerSide(spec.engine_id, cache, config) for cache in self.caches]
+        self.scheduler = SchedulerSide(
+            config, engine_id=spec.engine_id, block_size=self.block_size, tp_size=len(spec.layouts)
+        )
+        self.port = self.scheduler.start_side_channel([worker.rank_metadata for worker in self.workers])
+        self.aggregator = OutputAggregator(len(self.workers))
+        self.next_block = 0
+        self.lent: dict[str, tuple[int, ...]] = {}  # held by the connector until finished_sending
+        self.finished_sending: set[str] = set()
+
+    def prefill(self, request_id: str, prompt_len: int, params: object, reason: str) -> dict[str, object]:
+        matched = self.scheduler.get_num_new_matched_tokens(request_id, prompt_len, 0, params)
+        count = -(-prompt_len // self.block_size)
+        if self.next_block + count > self.spec.num_blocks:
+            raise RuntimeError(f"engine {self.spec.engine_id} is out of blocks")
+        blocks = tuple(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        self.scheduler.update_state_after_alloc(request_id, blocks, 0)
+        delay, out = self.scheduler.request_finished(
+            request_id, list(blocks), reason, params, num_computed_tokens=prompt_len
+        )
+        metadata = self.scheduler.build_step_metadata()
+        for worker in self.workers:
+            worker.start_load(metadata)
+        if delay:
+            self.lent[request_id] = blocks
+        else:
+            _scribble(self.caches, blocks)
+        return {"matched": matched, "delay_free": delay, "params": out, "block_ids": list(blocks)}
+
+    def step(self) -> None:
+        metadata = self.scheduler.build_step_metadata()
+        for worker in self.workers:
+            worker.start_load(metadata)
+        results = self.aggregator.aggregate([worker.step_output() for worker in self.workers])
+        self.scheduler.update_connector_output(results.finished_sending, results.finished_recving)
+        for request_id in results.finished_sending:
+            _scribble(self.caches, self.lent.pop(request_id, ()))
+        self.finished_sending |= results.finished_sending
+
+    def state(self, request_ids: Sequence[str]) -> dict[str, object]:
+        return {
+            "held_blocks": [worker.prefill.ledger.blocks_held for worker in self.workers],
+            "lent_blocks": sum(len(blocks) for blocks in self.lent.values()),
+            "status": {r: [worker.prefill.ledger.status(r) for worker in self.workers] for r in request_ids},
+        }
+
+    def wait_sending(self, request_ids: Sequence[str], timeout_s: float) -> dict[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.step()
+            if set(request_ids) <= self.finished_sending or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        done = sorted(set(request_ids) & self.finished_sending)
+        return {"finished_sending": done, **self.state(request_ids)}
+
+    def close(self) -> None:
+        self.scheduler.close()
+        for worker in self.workers:
+            worker.close()
+
+
+def _child(conn: multiprocessing.connection.Connection, specs: bytes) -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    engines = {spec.engine_id: _PrefillEngine(spec) for spec in msgspec.msgpack.decode(specs, type=list[EngineSpec])}
+    conn.send(("ready", {engine_id: engine.port for engine_id, engine in engines.items()}))
+    parent = os.getppid()
+    try:
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent:  # orphaned: never outlive the parent
+                    return
+                continue
+            command, engine_id, *args = conn.recv()
+            if command == "stop":
+                return
+            engine = engines.get(engine_id)
+            try:
+                if engine is None:
+                    raise KeyError(f"no engine {engine_id!r}")
+                if command == "prefill":
+                    conn.send(("ok", engine.prefill(*args)))
+                elif command == "wait_sending":
+                    conn.send(("ok", engine.wait_sending(*args)))
+                elif command == "state":
+                    engine.step()
+                    conn.send(("ok", engine.state(*args)))
+                else:
+                    conn.send(("error", f"unknown command {command!r}"))
+            except Exception as error:
+                conn.send(("error", f"{type(error).__name__}: {error}"))
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+class PrefillEngines:
+    """Prefill engines in a child process; use as a context manager."""
+
+    def __init__(self, specs: Sequence[EngineSpec]) -> None:
+        self.specs = {spec.engine_id: spec for spec in specs}
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_child, args=(child_conn, msgspec.msgpack.encode(list(specs))), daemon=True
+        )
+        self._process.start()
+        kind, ports = self._recv(_READY_TIMEOUT_S)
+        assert kind == "ready", (kind, ports)
+        self.host = "127.0.0.1"
+        self.ports: dict[str, int] = ports
+
+    def _recv(self, timeout_s: float) -> tuple:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"prefill engines (pid {self._process.pid}) did not answer within {timeout_s:.0f} s")
+        return self._conn.recv()
+
+    def _request(self, *command: object, timeout_s: float = _REPLY_TIMEOUT_S) -> dict:
+        self._conn.send(command)
+        kind, reply = self._recv(timeout_s)
+        if kind != "ok":
+            raise RuntimeError(f"prefill engines: {reply}")
+        return reply
+
+    def prefill(
+        self, engine_id: str, request_id: str, prompt_len: int, params: object = None, reason: str = "length"
+    ) -> dict:
+        """Run a prompt to completion on ``engine_id`` with ``params`` (default: ``do_remote_decode``); returns
+        ``{"params": what the decode gets, "delay_free": ..., "block_ids": ...}``."""
+        if params is None:
+            params = {"do_remote_decode": True}
+        return self._request("prefill", engine_id, request_id, prompt_len, params, reason)
+
+    def wait_sending(self, engine_id: str, request_ids: Sequence[str], timeout_s: float = 10.0) -> dict:
+        """Step the engine until every request in ``request_ids`` is finished sending (or ``timeout_s``);
+        returns the finished ids, blocks still held per rank, blocks lent to the connector, statuses."""
+        return self._request("wait_sending", engine_id, list(request_ids), timeout_s, timeout_s=timeout_s + 30)
+
+    def state(self, engine_id: str, request_ids: Sequence[str] = ()) -> dict:
+        return self._request("state", engine_id, list(request_ids))
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(("stop", ""))
+            except OSError:
+                pass
+            self._process.join(15)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+
+    def __enter__(self) -> PrefillEngines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Received:
+    """How a request's load ended, as the decode engine saw it."""
+
+    request_id: str
+    finished: bool
+    local_block_ids: list[int]
+    load_errors: set[int] = field(default_factory=set)
+    failed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and not self.failed and not (self.load_errors & set(self.local_block_ids))
+
+
+class DecodeEngine:
+    """A decode engine in this process: a scheduler side, one worker per layout, an aggregator."""
+
+    def __init__(self, engine_id: str, layouts: Sequence[KVCacheLayout], num_blocks: int, config: ConnectorConfig):
+        from .scheduler import SchedulerSide
+        from .worker import OutputAggregator, WorkerSide
+
+        self.engine_id = engine_id
+        self.block_size = layouts[0].block_size
+        self.num_blocks = num_blocks
+        self.workers = [WorkerSide(engine_id, KVCache.allocate(layout, num_blocks), config) for layout in layouts]
+        self.scheduler = SchedulerSide(config, engine_id=engine_id, block_size=self.block_size, tp_size=len(layouts))
+        self.aggregator = OutputAggregator(len(layouts))
+        self.next_block = 0
+        self.finished_recving: set[str] = set()
+        self.failed: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.blocks: dict[str, list[int]] = {}
+
+    @property
+    def caches(self) -> list[KVCache]:
+        return [worker.cache for worker in self.workers]
+
+    def allocate(self, tokens: int) -> list[int]:
+        count = -(-tokens // self.block_size)
+        if self.next_block + count > self.num_blocks:
+            raise RuntimeError(f"decode engine {self.engine_id} is out of blocks")
+        blocks = list(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        return blocks
+
+    def admit(self, request_id: str, prompt_len: int, params: object, num_computed: int = 0) -> tuple[int, bool]:
+        """Queue and schedule a request: match, allocate, and (when loading) start the load."""
+        self.scheduler.on_new_request(request_id, params, prompt_len=prompt_len)
+        tokens, load = self.scheduler.get_num_new_matched_tokens(request_id, prompt_len, num_computed, params)
+        blocks = self.allocate(max(tokens, 1))
+        self.blocks[request_id] = blocks
+        self.scheduler.update_state_after_alloc(request_id, blocks, tokens)
+        self.step()
+        return tokens, load
+
+    def step(self) -> None:
+        metadata = self.scheduler.build_step_metadata()
+        for worker in self.workers:
+            worker.start_load(metadata)
+        results = self.aggregator.aggregate([worker.step_output() for worker in self.workers])
+        self.scheduler.update_connector_output(
+            results.finished_sending, results.finished_recving, results.load_error_block_ids, results.failed_recving
+        )
+        self.finished_recving |= results.finished_recving
+        self.failed |= results.failed_recving
+        self.load_errors |= results.load_error_block_ids
+
+    def wait_received(self, request_id: str, timeout_s: float = 15.0) -> Received:
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self.finished_recving and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            self.step()
+        return Received(
+            request_id=request_id,
+            finished=request_id in self.finished_recving,
+            local_block_ids=self.blocks.get(request_id, []),
+            load_errors=set(self.load_errors),
+            failed=request_id in self.failed,
+        )
+
+    def receive(self, request_id: str, prompt_len: int, params: object, timeout_s: float = 15.0) -> Received:
+        _, load = self.admit(request_id, prompt_len, params)
+        if not load:
+            return Received(request_id=request_id, finished=False, local_block_ids=self.blocks[request_id])
+        return self.wait_received(request_id, timeout_s)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        for worker in self.workers:
+            worker.close()
+
+    def __enter__(self) -> DecodeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
