@@ -126,3 +126,32 @@ def test_dead_prefill_gives_a_clear_error_and_a_fresh_handshake_after_restart() 
             assert received_correctly(decode.cache, [3], spec.caches(), [3], 16)
     finally:
         decode.close()
+
+
+def test_a_dead_engine_does_not_stall_pulls_from_others(prefill: PrefillProcess, expected: list[KVCache]) -> None:
+    import socket
+    import threading
+
+    with socket.socket() as probe:  # a port with nobody behind it
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    decode = DecodeRank("test-decode-two-engines", KVCache.allocate(LAYOUT, NUM_BLOCKS), handshake_timeout_s=2.0)
+    failures: list[BaseException] = []
+
+    def connect_dead() -> None:
+        try:
+            decode.connect("127.0.0.1", dead_port)
+        except HandshakeTimeout as error:
+            failures.append(error)
+
+    stuck = threading.Thread(target=connect_dead, daemon=True)
+    try:
+        stuck.start()
+        started = time.monotonic()
+        decode.pull("req-beside-dead", prefill.host, prefill.port, [6], [7], 16)
+        assert time.monotonic() - started < 1.5  # not behind the dead engine's 3 x 2 s of attempts
+        assert received_correctly(decode.cache, [7], expected, [6], 16)
+        stuck.join(20)
+        assert not stuck.is_alive() and len(failures) == 1
+    finally:
+        decode.close()

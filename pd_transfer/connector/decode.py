@@ -119,7 +119,9 @@ class DecodeRank:
         self.client = HandshakeClient(cache.layout.fingerprint, secret=secret, timeout_s=handshake_timeout_s)
         self._planes = plane_views(cache.tensors, cache.regions)
         self._remotes: dict[tuple[str, int], _RemoteEngine] = {}
-        self._connect_lock = threading.Lock()
+        self._connect_lock = threading.Lock()  # guards _remotes and _engine_locks
+        self._engine_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._staging_lock = threading.Lock()
         self.pipeline_groups = pipeline_groups
         self.staging_bytes = staging_bytes  # per half of the double-buffered staging area; 0: fix up in place
         self._staging: torch.Tensor | None = None
@@ -130,11 +132,18 @@ class DecodeRank:
     def connect(self, host: str, port: int) -> EngineMetadata:
         """Handshake with the prefill engine at ``host:port`` and prepare to read from it (idempotent)."""
         key = (host, port)
-        with self._connect_lock:
+        with self._connect_lock:  # held briefly: a slow or dead engine must not stall the others
             remote = self._remotes.get(key)
+            if remote is not None:
+                return remote.engine
+            engine_lock = self._engine_locks.setdefault(key, threading.Lock())
+        with engine_lock:  # one handshake per engine at a time
+            with self._connect_lock:
+                remote = self._remotes.get(key)
             if remote is None:
                 remote = self._connect(host, port)
-                self._remotes[key] = remote
+                with self._connect_lock:
+                    self._remotes[key] = remote
             return remote.engine
 
     def _connect(self, host: str, port: int) -> _RemoteEngine:
@@ -186,11 +195,8 @@ class DecodeRank:
         if self.staging_bytes <= 0:
             return None
         plane_block_bytes = self.cache.regions[0].plane_block_len
-        if self._staging is None:
-            self._staging_slots = max(1, self.staging_bytes // plane_block_bytes)
-            self._staging = torch.empty(2 * self._staging_slots * plane_block_bytes, dtype=torch.uint8)
-            start = self._staging.data_ptr()
-            self.agent.register_spans([(start, start + self._staging.numel())])
+        with self._staging_lock:
+            self._allocate_staging(plane_block_bytes)
         units = source.local_units_per_block
         first_block = planes_of(list(self.cache.regions))[0].base_address
         offsets = source.local_grid[:units, 0].astype(np.int64) - first_block  # units inside a block
@@ -200,6 +206,15 @@ class DecodeRank:
         rows[:, 1] = source.unit_bytes
         rows[:, 2] = 0
         return self.agent.prepare_local(rows)
+
+    def _allocate_staging(self, plane_block_bytes: int) -> None:
+        """The double-buffered staging area, allocated and registered once (``_staging_lock`` held)."""
+        if self._staging is not None:
+            return
+        self._staging_slots = max(1, self.staging_bytes // plane_block_bytes)
+        self._staging = torch.empty(2 * self._staging_slots * plane_block_bytes, dtype=torch.uint8)
+        start = self._staging.data_ptr()
+        self.agent.register_spans([(start, start + self._staging.numel())])
 
     def _warm_up(self, peer: str, remote_list: DescriptorList, unit_bytes: int) -> None:
         """The first read to a peer pays for connection setup (25-36 ms): pay it now, into scratch memory."""
