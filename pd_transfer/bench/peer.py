@@ -7,7 +7,6 @@ agent, serves the side channel, and answers commands until told to stop or until
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.connection
 import os
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from pd_transfer._child import ChildProcess
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.topology.spec import KVCacheLayout
 
@@ -93,56 +93,23 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
             rank.close()
 
 
-class PrefillProcess:
+class PrefillProcess(ChildProcess):
     """Handle on a prefill engine child process; use as a context manager."""
 
     def __init__(self, spec: PrefillSpec) -> None:
         self.spec = spec
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child, args=(child_conn, msgspec.msgpack.encode(spec)), daemon=True)
-        self._process.start()
-        kind, port = self._recv(_READY_TIMEOUT_S)
-        assert kind == "ready"
+        super().__init__(_child, msgspec.msgpack.encode(spec), what="prefill process", ready_timeout_s=_READY_TIMEOUT_S)
+        kind, port = self.ready
+        assert kind == "ready", self.ready
         self.host = "127.0.0.1"
         self.port: int = port
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid or -1
-
-    def _recv(self, timeout_s: float) -> tuple:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"prefill process {self._process.pid} did not answer within {timeout_s:.0f} s")
-        return self._conn.recv()
-
     def request(self, *command: object, timeout_s: float = _REPLY_TIMEOUT_S) -> tuple:
-        self._conn.send(command)
-        return self._recv(timeout_s)
+        self.send(*command)
+        return self.receive(timeout_s)
 
     def idle_cpu_percent(self, seconds: float) -> float:
         return float(self.request("idle_cpu", seconds, timeout_s=seconds + 30)[1])
 
     def wait_released(self, request_id: str, timeout_s: float) -> list[int | None]:
         return list(self.request("wait_released", request_id, timeout_s, timeout_s=timeout_s + 30)[1])
-
-    def kill(self) -> None:
-        self._process.kill()
-        self._process.join(10)
-
-    def close(self) -> None:
-        if self._process.is_alive():
-            try:
-                self._conn.send(("stop",))
-            except OSError:
-                pass
-            self._process.join(15)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-
-    def __enter__(self) -> PrefillProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -173,11 +173,11 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, idle_seconds: float = 5.0, 
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
             latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
             # idle: both sides at once, the decode measured in this process
-            prefill._conn.send(("idle_cpu", idle_seconds))
+            prefill.send("idle_cpu", idle_seconds)
             cpu_start, wall_start = time.process_time(), time.perf_counter()
             time.sleep(idle_seconds)  # measuring idle: sleeping is the workload
             decode_idle = 100.0 * (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
-            prefill_idle = float(prefill._recv(idle_seconds + 30)[1])
+            prefill_idle = float(prefill.receive(idle_seconds + 30)[1])
         finally:
             decode.close()
     one_block_bytes = layout.plane_block_bytes

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from pd_transfer._child import ChildProcess
 from pd_transfer.topology.spec import KVCacheLayout
 
 from .cache import KVCache
@@ -168,30 +169,23 @@ def _child(conn: multiprocessing.connection.Connection, specs: bytes) -> None:
             engine.close()
 
 
-class PrefillEngines:
+class PrefillEngines(ChildProcess):
     """Prefill engines in a child process; use as a context manager."""
+
+    stop_command = ("stop", "")
 
     def __init__(self, specs: Sequence[EngineSpec]) -> None:
         self.specs = {spec.engine_id: spec for spec in specs}
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_child, args=(child_conn, msgspec.msgpack.encode(list(specs))), daemon=True
-        )
-        self._process.start()
-        kind, ports = self._recv(_READY_TIMEOUT_S)
+        payload = msgspec.msgpack.encode(list(specs))
+        super().__init__(_child, payload, what="prefill engines", ready_timeout_s=_READY_TIMEOUT_S)
+        kind, ports = self.ready
         assert kind == "ready", (kind, ports)
         self.host = "127.0.0.1"
         self.ports: dict[str, int] = ports
 
-    def _recv(self, timeout_s: float) -> tuple:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"prefill engines (pid {self._process.pid}) did not answer within {timeout_s:.0f} s")
-        return self._conn.recv()
-
     def _request(self, *command: object, timeout_s: float = _REPLY_TIMEOUT_S) -> dict:
-        self._conn.send(command)
-        kind, reply = self._recv(timeout_s)
+        self.send(*command)
+        kind, reply = self.receive(timeout_s)
         if kind != "ok":
             raise RuntimeError(f"prefill engines: {reply}")
         return reply
@@ -212,23 +206,6 @@ class PrefillEngines:
 
     def state(self, engine_id: str, request_ids: Sequence[str] = ()) -> dict:
         return self._request("state", engine_id, list(request_ids))
-
-    def close(self) -> None:
-        if self._process.is_alive():
-            try:
-                self._conn.send(("stop", ""))
-            except OSError:
-                pass
-            self._process.join(15)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-
-    def __enter__(self) -> PrefillEngines:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass

@@ -1,0 +1,63 @@
+"""A spawned child process driven over a pipe: the shared plumbing of the prefill stand-ins that the
+benchmarks, the demo and the tests run in their own OS processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+from collections.abc import Callable
+from typing import Any, Self
+
+
+class ChildProcess:
+    """Starts ``target(conn, payload)`` in a spawned process and waits for its first message (its "ready"
+    reply, kept in ``ready``). Every wait is bounded; ``close`` asks the child to stop, then kills it."""
+
+    stop_command: tuple[object, ...] = ("stop",)
+
+    def __init__(
+        self,
+        target: Callable[[multiprocessing.connection.Connection, bytes], None],
+        payload: bytes,
+        *,
+        what: str,
+        ready_timeout_s: float = 120.0,
+    ) -> None:
+        self.what = what
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=target, args=(child_conn, payload), daemon=True)
+        self._process.start()
+        self.ready: Any = self.receive(ready_timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid or -1
+
+    def send(self, *command: object) -> None:
+        self._conn.send(command)
+
+    def receive(self, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"{self.what} (pid {self.pid}) did not answer within {timeout_s:.0f} s")
+        return self._conn.recv()
+
+    def kill(self) -> None:
+        self._process.kill()
+        self._process.join(10)
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(self.stop_command)
+            except OSError:
+                pass
+            self._process.join(15)
+        if self._process.is_alive():
+            self.kill()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
