@@ -26,7 +26,6 @@ import torch
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
-from pd_transfer.topology.postprocess import Restage, scatter_staged
 from pd_transfer.topology.spec import planes_of
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
@@ -34,6 +33,7 @@ from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from . import messages
 from .cache import KVCache
 from .errors import LeaseNotConfirmed, WrongEngine
+from .staging import StagingArea
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,7 @@ class DecodeRank:
         self._staging_lock = threading.Lock()
         self.pipeline_groups = pipeline_groups
         self.staging_bytes = staging_bytes  # per half of the double-buffered staging area; 0: fix up in place
-        self._staging: torch.Tensor | None = None
-        self._staging_slots = 0
+        self._staging: StagingArea | None = None
         self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-transfer-postprocess")
 
     # ------------------------------------------------------------------ connecting
@@ -190,31 +189,16 @@ class DecodeRank:
         return _RemoteEngine(engine=engine, host=host, port=port, plan=plan, sources=sources)
 
     def _prepare_staging(self, source: SourcePlan) -> DescriptorList | None:
-        """Descriptor rows of a source's units in every slot of the staging area (allocated and registered
-        on first use): slot ``s`` holds one staged plane block, its units where the plan puts them."""
+        """Descriptor rows of a source's units in every slot of the staging area (created on first use)."""
         if self.staging_bytes <= 0:
             return None
-        plane_block_bytes = self.cache.regions[0].plane_block_len
         with self._staging_lock:
-            self._allocate_staging(plane_block_bytes)
-        units = source.local_units_per_block
+            if self._staging is None:
+                plane_block_bytes = self.cache.regions[0].plane_block_len
+                self._staging = StagingArea(self.agent, plane_block_bytes, self.staging_bytes, self._planes[0].dtype)
         first_block = planes_of(list(self.cache.regions))[0].base_address
-        offsets = source.local_grid[:units, 0].astype(np.int64) - first_block  # units inside a block
-        slot_starts = self._staging.data_ptr() + np.arange(2 * self._staging_slots, dtype=np.int64) * plane_block_bytes
-        rows = np.empty((2 * self._staging_slots * units, 3), dtype=np.uint64)
-        rows[:, 0] = (slot_starts[:, None] + offsets[None, :]).ravel()
-        rows[:, 1] = source.unit_bytes
-        rows[:, 2] = 0
-        return self.agent.prepare_local(rows)
-
-    def _allocate_staging(self, plane_block_bytes: int) -> None:
-        """The double-buffered staging area, allocated and registered once (``_staging_lock`` held)."""
-        if self._staging is not None:
-            return
-        self._staging_slots = max(1, self.staging_bytes // plane_block_bytes)
-        self._staging = torch.empty(2 * self._staging_slots * plane_block_bytes, dtype=torch.uint8)
-        start = self._staging.data_ptr()
-        self.agent.register_spans([(start, start + self._staging.numel())])
+        unit_offsets = source.local_grid[: source.local_units_per_block, 0].astype(np.int64) - first_block
+        return self.agent.prepare_local(self._staging.descriptor_rows(unit_offsets, source.unit_bytes))
 
     def _warm_up(self, peer: str, remote_list: DescriptorList, unit_bytes: int) -> None:
         """The first read to a peer pays for connection setup (25-36 ms): pay it now, into scratch memory."""
@@ -368,8 +352,9 @@ class DecodeRank:
         CPU cache) chunk by chunk, and scatters each chunk into its final place in the local layout on the
         worker thread while the next chunk is read: the cache is written once, as by a homogeneous read."""
         postprocess = remote.plan.postprocess
-        assert postprocess is not None and self._staging is not None
-        slots = self._staging_slots
+        staging = self._staging
+        assert postprocess is not None and staging is not None
+        slots = staging.slots
         num_blocks = self.cache.num_blocks
         plane_blocks_of = [
             local_rows // plan.local_units_per_block
@@ -388,7 +373,6 @@ class DecodeRank:
             order = np.argsort(chunk, kind="stable")
             bounds = np.searchsorted(chunk[order], np.arange(num_chunks + 1))
             reads.append((source, staging_rows[order], remote_rows[order], bounds, slots * units))
-        staged = self._staging.view(self._planes[0].dtype).view(2 * slots, -1)
         total_bytes = descriptors = 0
         in_flight: list[Future[float] | None] = [None, None]
         post_seconds = 0.0
@@ -411,8 +395,7 @@ class DecodeRank:
             total_bytes += moved
             descriptors += rows_read
             chunk_blocks = plane_blocks[index * slots : (index + 1) * slots]
-            chunk_staged = staged[half * slots : half * slots + len(chunk_blocks)]
-            job = (self._scatter_chunk, postprocess.restage, chunk_blocks, chunk_staged, num_blocks)
+            job = (staging.scatter, postprocess.restage, chunk_blocks, half, self._planes, num_blocks)
             in_flight[half] = self._postprocess_pool.submit(_timed, *job)
         reads_done = time.perf_counter()
         for future in in_flight:
@@ -449,15 +432,6 @@ class DecodeRank:
             moved += stats.bytes
             rows += stats.descriptors
         return moved, rows
-
-    def _scatter_chunk(self, restage: Restage, plane_blocks: np.ndarray, staged: torch.Tensor, num_blocks: int) -> None:
-        """Scatter staged rows (one per (plane, block) in ``plane_blocks``, sorted) to their planes."""
-        planes = plane_blocks // num_blocks
-        edges = np.flatnonzero(np.diff(planes)) + 1
-        for first, end in itertools.pairwise([0, *edges.tolist(), len(planes)]):
-            plane = self._planes[int(planes[first])]
-            block_ids = torch.from_numpy(plane_blocks[first:end] % num_blocks)
-            scatter_staged(plane.view(num_blocks, -1), block_ids, staged[first:end], restage)
 
     def _done_message(self, request_id: str, source: _Source) -> bytes:
         return messages.encode(
