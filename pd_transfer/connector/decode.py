@@ -25,6 +25,7 @@ import torch
 
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
+from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
 from pd_transfer.topology.spec import planes_of
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
@@ -104,8 +105,10 @@ class DecodeRank:
         staging_bytes: int = 16 * 2**20,
         agent_name: str | None = None,
         confirm_timeout_s: float = 5.0,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
         self.read_timeout_s = read_timeout_s
         self._min_direct_run_bytes = min_direct_run_bytes
@@ -287,8 +290,11 @@ class DecodeRank:
                 port,
                 error,
             )
+            self.metrics.pulls.labels("failed").inc()
             raise
-        return PullStats(request_id=request_id, seconds=time.perf_counter() - started, **moved)
+        stats = PullStats(request_id=request_id, seconds=time.perf_counter() - started, **moved)
+        self.metrics.observe_pull(stats.seconds, stats.bytes, stats.descriptors, stats.postprocess_exposed_seconds)
+        return stats
 
     def _read_in_place(
         self,
@@ -540,6 +546,7 @@ class DecodeRank:
                 self.agent.set_expecting_reads(bool(self._awaiting))
         if not ok:
             logger.error("decode %s: request %s: %s", self.agent.name, request_id, reason)
+            self.metrics.unconfirmed_reads.inc()
             raise LeaseNotConfirmed(request_id, reason)
         return stats
 

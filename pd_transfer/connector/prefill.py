@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
+from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import TransferError
 
@@ -45,8 +46,10 @@ class PrefillRank:
         agent_name: str | None = None,
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
         self._on_release = on_release
         self.ledger = LeaseLedger(lease_seconds, clock=clock)
@@ -80,7 +83,7 @@ class PrefillRank:
         """Hold a finished request's blocks for its readers; returns it freed at once if they all reported
         already."""
         freed = self.ledger.hold(request_id, block_ids)
-        self._after_change()
+        self._after_change([freed] if freed is not None else [])
         return freed
 
     def heartbeat(self, request_id: str) -> bool:
@@ -88,13 +91,13 @@ class PrefillRank:
 
     def abort(self, request_id: str) -> Freed | None:
         freed = self.ledger.abort(request_id)
-        self._after_change()
+        self._after_change([freed] if freed is not None else [])
         return freed
 
     def expire(self) -> list[Freed]:
         """Requests whose lease ran out (their blocks are free now)."""
         freed = self.ledger.expire()
-        self._after_change()
+        self._after_change(freed)
         return freed
 
     def take_freed(self) -> list[Freed]:
@@ -125,6 +128,7 @@ class PrefillRank:
             with self._cond:
                 self._reply_metadata[peer] = message.reply_to
         outcome = self.ledger.report(message, reply_to=reply_to)
+        newly_freed = [] if outcome.freed is None else [outcome.freed]
         if outcome.freed is not None:
             with self._cond:
                 self._freed.append(outcome.freed)
@@ -137,10 +141,13 @@ class PrefillRank:
             )
             if self._on_release is not None:
                 self._on_release(message.request_id, list(reports))
-        self._after_change()
+        self._after_change(newly_freed)
 
-    def _after_change(self) -> None:
-        """Send queued confirmations; poll fast only while blocks are held for readers."""
+    def _after_change(self, freed: list[Freed]) -> None:
+        """Count freed leases, send queued confirmations; poll fast only while blocks are held for readers."""
+        for item in freed:
+            self.metrics.leases_ended.labels(item.reason).inc()
+        self.metrics.blocks_held.labels(self.engine_id, str(self.cache.layout.tp_rank)).set(self.ledger.blocks_held)
         for reply in self.ledger.take_replies():
             try:
                 self._replies.submit(self._send_reply, reply)
@@ -185,7 +192,7 @@ class PrefillRank:
     def forget(self, request_id: str) -> None:
         """Drop what is known of a request without freeing it (the engine freed its blocks)."""
         self.ledger.forget(request_id)
-        self._after_change()
+        self._after_change([])
 
     def close(self) -> None:
         self._replies.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,76 @@
+"""Metrics of a real pull and a real lease, read back through the Prometheus exposition format."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_transfer.bench.peer import PrefillProcess, PrefillSpec
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.prefill import PrefillRank
+from pd_transfer.metrics import TransferMetrics
+from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+
+LAYOUT = KVCacheLayout(
+    fingerprint=ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=2, head_size=16),
+    tp_size=1,
+    tp_rank=0,
+    block_size=16,
+)
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[PrefillProcess]:
+    with PrefillProcess(PrefillSpec("metrics-prefill-engine", [LAYOUT], 16, seed=2)) as process:
+        yield process
+
+
+def samples(metrics: TransferMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_pull_metrics(prefill: PrefillProcess) -> None:
+    metrics = TransferMetrics()
+    layout = prefill.spec.layouts[0]
+    decode = DecodeRank("metrics-decode", KVCache.allocate(layout, 16), metrics=metrics)
+    try:
+        stats = decode.pull("metrics-1", prefill.host, prefill.port, [1, 2], [3, 4], 20)
+    finally:
+        decode.close()
+    got = samples(metrics)
+    assert got[("pd_transfer_pulled_bytes_total", ())] == stats.bytes > 0
+    assert got[("pd_transfer_pulls_total", (("outcome", "ok"),))] == 1
+    assert got[("pd_transfer_pull_seconds_count", ())] == 1
+    assert got[("pd_transfer_pull_descriptor_rows_sum", ())] == stats.descriptors
+
+
+def test_lease_metrics() -> None:
+    metrics = TransferMetrics()
+    now = [0.0]
+    rank = PrefillRank(
+        "metrics-prefill", KVCache.allocate(LAYOUT, 8), lease_seconds=5.0, clock=lambda: now[0], metrics=metrics
+    )
+    try:
+        rank.hold("held-then-expired", [1, 2, 3])
+        rank.hold("held-then-aborted", [4])
+        assert (
+            samples(metrics)[("pd_transfer_prefill_blocks_held", (("engine", "metrics-prefill"), ("rank", "0")))] == 4
+        )
+        rank.abort("held-then-aborted")
+        now[0] = 6.0
+        assert [freed.request_id for freed in rank.expire()] == ["held-then-expired"]
+        got = samples(metrics)
+        assert got[("pd_transfer_leases_ended_total", (("reason", "expired"),))] == 1
+        assert got[("pd_transfer_leases_ended_total", (("reason", "aborted"),))] == 1
+        assert got[("pd_transfer_prefill_blocks_held", (("engine", "metrics-prefill"), ("rank", "0")))] == 0
+    finally:
+        rank.close()
