@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_model.add_arguments(model)
     model.set_defaults(func=tiny_model.run)
 
+    from pd_transfer.proxy import cli as proxy_cli
+
+    proxy = commands.add_parser("proxy", help="the OpenAI-compatible P/D proxy in front of prefill and decode servers")
+    proxy_cli.add_arguments(proxy)
+    proxy.set_defaults(func=proxy_cli.run)
+
     bench = commands.add_parser("bench", help="benchmarks, measured side by side with their baselines")
     which = bench.add_subparsers(dest="bench", required=True)
     transfer = which.add_parser("transfer", help="our reads vs raw NIXL vs in-process copy")
@@ -122,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     topology.add_argument("--json", action="store_true", help="print one JSON object")
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
     topology.set_defaults(func=_bench_topology)
+    from pd_transfer.proxy import bench as proxy_bench
+
+    bench_proxy = which.add_parser("proxy", help="the proxy's added latency vs calling the backends directly")
+    proxy_bench.add_arguments(bench_proxy)
+    bench_proxy.set_defaults(func=proxy_bench.run)
     return parser
 
 

@@ -1,0 +1,132 @@
+"""``pd-transfer proxy``: the command line of the P/D proxy (also ``python -m pd_transfer.proxy``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from pd_transfer.proxy.routing import POLICIES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="prefill server base URL(s), e.g. http://127.0.0.1:8100 (repeatable)",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="decode server base URL(s), e.g. http://127.0.0.1:8200 (repeatable)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free port)")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="round_robin",
+        help="how to pick a backend of each role (default round_robin)",
+    )
+    parser.add_argument(
+        "--short-prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompts of fewer tokens skip the prefill hop and go to a decode server directly "
+        "(default 0: every prompt is disaggregated). Token-id prompts count exactly; text is "
+        "estimated without a tokenizer as max(1.3 x words, characters / 4), chat messages add 4 "
+        "tokens each",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between GET /health checks of every backend (default 5)",
+    )
+    parser.add_argument(
+        "--health-timeout", type=float, default=2.0, metavar="S", help="timeout of one health check (default 2)"
+    )
+    parser.add_argument(
+        "--connect-timeout", type=float, default=5.0, metavar="S", help="timeout to connect to a backend (default 5)"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=None, metavar="S", help="timeout of one hop (default: none)"
+    )
+
+
+def config_from_args(args: argparse.Namespace):  # -> ProxyConfig (imported lazily: aiohttp is an extra)
+    from pd_transfer.proxy.server import ProxyConfig
+
+    return ProxyConfig(
+        prefill=list(args.prefill),
+        decode=list(args.decode),
+        policy=args.policy,
+        short_prompt_tokens=args.short_prompt_tokens,
+        health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
+        connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from pd_transfer.proxy.server import Proxy
+
+    proxy = Proxy(config_from_args(args))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        url = await proxy.start(args.host, args.port)
+        healthy = {pool.role: len(pool.healthy()) for pool in (proxy.prefill, proxy.decode)}
+        print(
+            f"pd-transfer proxy listening on {url} ({args.policy}; healthy: "
+            f"{healthy['prefill']}/{len(proxy.prefill.backends)} prefill, "
+            f"{healthy['decode']}/{len(proxy.decode.backends)} decode)",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await proxy.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        print("the proxy needs aiohttp: pip install 'pd-transfer[proxy]'")
+        return 2
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(serve(args))
+    return 0
+
+
+def loop_factory():  # -> Callable[[], AbstractEventLoop] | None
+    """uvloop's event loop where it is installed (the ``proxy`` extra has it), asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pd_transfer.proxy", description="The P/D proxy.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return run(args)

@@ -1,0 +1,69 @@
+"""The proxy's Prometheus metrics, in a registry of its own (several proxies can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ProxyMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pd_proxy_requests",
+            "Client requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.routes = Counter(
+            "pd_proxy_routes",
+            "Requests by path: disaggregated (prefill then decode) or direct (short prompt or batch: decode only)",
+            ["path"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "pd_proxy_errors",
+            "Failures by hop (prefill, decode, client) and kind (connect, status, no_kv_transfer_params, "
+            "bad_answer, disconnect, no_backend)",
+            ["hop", "kind"],
+            registry=r,
+        )
+        self.retries = Counter("pd_proxy_retries", "Hops retried on another backend", ["hop"], registry=r)
+        self.hop_latency = Histogram(
+            "pd_proxy_hop_latency_seconds",
+            "Time of one hop, request sent to answer read (decode streams: to the end of the stream)",
+            ["hop"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "pd_proxy_request_latency_seconds",
+            "Client request, received to answered",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pd_proxy_time_to_first_token_seconds",
+            "Streaming requests: request received to the first decode chunk sent to the client",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pd_proxy_backend_in_flight", "Requests in flight per backend", ["role", "backend"], registry=r
+        )
+        self.healthy = Gauge(
+            "pd_proxy_backend_healthy",
+            "1 while a backend is in rotation, 0 while taken out",
+            ["role", "backend"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,106 @@
+"""Backends, their health and the routing policies. Runs on the proxy's event loop; no locks needed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("round_robin", "least_outstanding")
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    role: str  # "prefill" or "decode"
+    healthy: bool = True
+    in_flight: int = 0
+    reason: str = ""  # why it is out, while it is
+    changed_at: float = field(default_factory=time.monotonic)
+    served: int = 0
+
+    def state(self) -> dict[str, object]:
+        out: dict[str, object] = {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight}
+        if not self.healthy:
+            out["reason"] = self.reason
+        return out
+
+
+class Pool:
+    """The backends of one role and the policy picking among the healthy ones."""
+
+    def __init__(
+        self, role: str, urls: Iterable[str], policy: str, on_change: Callable[[Backend], None] | None = None
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
+        self.role = role
+        self.policy = policy
+        self.backends = [Backend(url.rstrip("/"), role) for url in urls]
+        if not self.backends:
+            raise ValueError(f"at least one {role} backend is needed")
+        self._next = 0
+        self._on_change = on_change
+
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.backends if b.healthy]
+
+    def pick(self, exclude: Iterable[Backend] = ()) -> Backend | None:
+        """The next backend by the policy among the healthy ones not excluded; None if there is none.
+
+        Ties under ``least_outstanding`` go round robin, so an idle pool still spreads requests.
+        """
+        excluded = set(map(id, exclude))
+        candidates = [b for b in self.backends if b.healthy and id(b) not in excluded]
+        if not candidates:
+            return None
+        start = self._next % len(candidates)
+        self._next += 1
+        if self.policy == "round_robin":
+            return candidates[start]
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda b: b.in_flight)
+
+    def set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
+        if backend.healthy == healthy:
+            if not healthy:
+                backend.reason = reason
+            return
+        backend.healthy = healthy
+        backend.reason = "" if healthy else reason
+        backend.changed_at = time.monotonic()
+        if healthy:
+            log.info("%s backend %s is back", self.role, backend.url)
+        else:
+            log.warning("%s backend %s taken out: %s", self.role, backend.url, reason)
+        if self._on_change is not None:
+            self._on_change(backend)
+
+
+class StateSignal:
+    """Wakes waiters on every backend state change (tests and tools wait on it instead of sleeping)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self, _backend: Backend | None = None) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Returns once ``predicate()`` holds; raises TimeoutError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("backend state did not reach the expected condition in time")
+            event = self._event
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except TimeoutError:
+                if not predicate():
+                    raise
