@@ -5,8 +5,24 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any, Self
+
+
+def commands(conn: multiprocessing.connection.Connection, poll_s: float = 1.0) -> Iterator[tuple[Any, ...]]:
+    """In the child: the parent's commands, until it sends ``("stop", ...)`` or dies (an orphaned child
+    never outlives its parent)."""
+    parent = os.getppid()
+    while True:
+        if not conn.poll(poll_s):
+            if os.getppid() != parent:
+                return
+            continue
+        command = conn.recv()
+        if command[0] == "stop":
+            return
+        yield command
 
 
 class ChildProcess:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from pd_transfer._child import ChildProcess
+from pd_transfer._child import ChildProcess, commands
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.topology.spec import KVCacheLayout
 
@@ -63,16 +63,8 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     ranks = [PrefillRank(spec.engine_id, cache) for cache in spec.caches()]
     server = serve_engine(spec.engine_id, [rank.rank_metadata for rank in ranks], secret=spec.secret)
     conn.send(("ready", server.port))
-    parent = os.getppid()
     try:
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent:  # orphaned: never outlive the parent
-                    return
-                continue
-            command, *args = conn.recv()
-            if command == "stop":
-                return
+        for command, *args in commands(conn):
             if command == "idle_cpu":
                 (seconds,) = args
                 cpu_start, wall_start = time.process_time(), time.perf_counter()

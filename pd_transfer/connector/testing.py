@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from pd_transfer._child import ChildProcess
+from pd_transfer._child import ChildProcess, commands
 from pd_transfer.topology.spec import KVCacheLayout
 
 from .cache import KVCache
@@ -139,16 +139,8 @@ def _child(conn: multiprocessing.connection.Connection, specs: bytes) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     engines = {spec.engine_id: _PrefillEngine(spec) for spec in msgspec.msgpack.decode(specs, type=list[EngineSpec])}
     conn.send(("ready", {engine_id: engine.port for engine_id, engine in engines.items()}))
-    parent = os.getppid()
     try:
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent:  # orphaned: never outlive the parent
-                    return
-                continue
-            command, engine_id, *args = conn.recv()
-            if command == "stop":
-                return
+        for command, engine_id, *args in commands(conn):
             engine = engines.get(engine_id)
             try:
                 if engine is None:
