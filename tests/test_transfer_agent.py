@@ -13,7 +13,7 @@ import torch
 from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
 
 from pd_transfer.topology.spec import region_from_tensor
-from pd_transfer.transfer import PeerDisconnected, TransferAgent, TransferError, TransferTimeout
+from pd_transfer.transfer import DescriptorList, PeerDisconnected, TransferAgent, TransferError, TransferTimeout
 
 BLOCK_BYTES = BLOCK_WORDS * 4
 
@@ -47,6 +47,18 @@ def grid(bases: list[int]) -> np.ndarray:
     return np.array(rows, dtype=np.uint64)
 
 
+def connect(
+    agent: TransferAgent, peer: Peer, tensors: list[torch.Tensor]
+) -> tuple[str, DescriptorList, DescriptorList]:
+    """Add the peer and prepare both sides' block grids: (peer name, remote list, local list)."""
+    name = agent.add_peer(peer.metadata)
+    return (
+        name,
+        agent.prepare_remote(name, grid(peer.bases)),
+        agent.prepare_local(grid([t.data_ptr() for t in tensors])),
+    )
+
+
 @pytest.fixture
 def local() -> tuple[TransferAgent, list[torch.Tensor]]:
     tensors = [torch.full((NUM_BLOCKS, BLOCK_WORDS), -1, dtype=torch.int32) for _ in range(NUM_REGIONS)]
@@ -60,9 +72,7 @@ def test_scattered_read_is_exact_and_notifies(local: tuple[TransferAgent, list[t
     agent, tensors = local
     peer = Peer()
     try:
-        name = agent.add_peer(peer.metadata)
-        remote = agent.prepare_remote(name, grid(peer.bases))
-        local_list = agent.prepare_local(grid([t.data_ptr() for t in tensors]))
+        name, remote, local_list = connect(agent, peer, tensors)
         rng = np.random.default_rng(3)
         remote_blocks = rng.choice(NUM_BLOCKS, 20, replace=False)
         local_blocks = rng.choice(NUM_BLOCKS, 20, replace=False)
@@ -89,9 +99,7 @@ def test_read_from_dead_peer_raises_quickly(local: tuple[TransferAgent, list[tor
     agent, tensors = local
     peer = Peer()
     try:
-        name = agent.add_peer(peer.metadata)
-        remote = agent.prepare_remote(name, grid(peer.bases))
-        local_list = agent.prepare_local(grid([t.data_ptr() for t in tensors]))
+        name, remote, local_list = connect(agent, peer, tensors)
         agent.read(local_list, np.arange(4), remote, np.arange(4), timeout_s=10)  # connection up
         peer.process.kill()
         peer.process.join(10)
@@ -114,9 +122,7 @@ def test_read_against_frozen_tcp_peer_times_out(monkeypatch: pytest.MonkeyPatch)
     agent = TransferAgent("test-decode-tcp")
     try:
         agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
-        name = agent.add_peer(peer.metadata)
-        remote = agent.prepare_remote(name, grid(peer.bases))
-        local_list = agent.prepare_local(grid([t.data_ptr() for t in tensors]))
+        _, remote, local_list = connect(agent, peer, tensors)
         agent.read(local_list, np.arange(2), remote, np.arange(2), timeout_s=20)
         os.kill(peer.process.pid, signal.SIGSTOP)
         try:
