@@ -38,7 +38,10 @@ class KVCache:
         """A zeroed host cache shaped like an engine's: per layer, K and V as separate block-indexed
         tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer.
 
-        Block shape: (heads, block_size, head_size) for HND, (block_size, heads, head_size) for NHD.
+        Block shape: (heads, block_size, head_size) for HND, (block_size, heads, head_size) for NHD. A layout
+        with a ``packing`` gets one tensor per layer (kind ``"k"``), each (block, head) of ``block_size *
+        head_size`` elements packed as the engine packs it (both K and V: ``head_size`` counts both), as vLLM's
+        CPU caches are described.
         """
         fp = layout.fingerprint
         dtype = getattr(torch, fp.dtype)
@@ -47,11 +50,11 @@ class KVCache:
         tensors: list[torch.Tensor] = []
         kinds: list[tuple[str, ...]] = []
         layers: list[int] = []
-        if fp.use_mla:
+        if fp.use_mla or layout.packing is not None:
             storage = torch.zeros((fp.num_layers, num_blocks, *block_shape), dtype=dtype)
             for layer in range(fp.num_layers):
                 tensors.append(storage[layer])
-                kinds.append(("latent",))
+                kinds.append(("latent",) if fp.use_mla else ("k",))
                 layers.append(layer)
         elif kv_split:
             storage = torch.zeros((fp.num_layers, 2, num_blocks, *block_shape), dtype=dtype)

@@ -27,6 +27,9 @@ from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
+from pd_transfer.topology.grids import block_ids_array
+from pd_transfer.topology.mapping import TopologyError
+from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.topology.spec import planes_of
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
@@ -34,6 +37,7 @@ from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from . import messages
 from .cache import KVCache
 from .errors import LeaseNotConfirmed, WrongEngine
+from .packed_staging import PackedStaging
 from .staging import StagingArea
 
 logger = logging.getLogger(__name__)
@@ -87,6 +91,7 @@ class _RemoteEngine:
     port: int
     plan: PeerPlan
     sources: list[_Source]
+    packed: PackedStaging | None = None  # packed blocks of another block size: read whole, then regrouped
 
 
 class DecodeRank:
@@ -106,7 +111,12 @@ class DecodeRank:
         agent_name: str | None = None,
         confirm_timeout_s: float = 5.0,
         metrics: TransferMetrics | None = None,
+        packed_formats: Callable[[int], PackedBlockFormat] | None = None,
+        packed_staging_bytes: int = 32 * 2**20,
     ) -> None:
+        """``packed_formats(block_size)`` gives the packing of a (block, head) for a block size, for caches whose
+        layout names a ``packing``: pulls from engines of another block size then read whole remote blocks into
+        a staging area of ``packed_staging_bytes`` and regroup them (without it, such engines are refused)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -129,6 +139,9 @@ class DecodeRank:
         self.staging_bytes = staging_bytes  # per half of the double-buffered staging area; 0: fix up in place
         self._staging: StagingArea | None = None
         self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-transfer-postprocess")
+        self._packed_formats = packed_formats
+        self.packed_staging_bytes = packed_staging_bytes
+        self._packed_staging: dict[int, PackedStaging] = {}  # remote block size -> its staging area
 
     # ------------------------------------------------------------------ connecting
     def connect(self, host: str, port: int) -> EngineMetadata:
@@ -156,9 +169,15 @@ class DecodeRank:
         for rank in engine.ranks:
             check_compatible(local, rank.layout)
         plan_kwargs = {} if self._min_direct_run_bytes is None else {"min_direct_run_bytes": self._min_direct_run_bytes}
+        remote_block_size = engine.ranks[0].layout.block_size if engine.ranks else local.block_size
+        packed = None
+        plan_layout, plan_regions = local, list(self.cache.regions)
+        if local.packing is not None and remote_block_size != local.block_size:
+            packed = self._packed_staging_for(remote_block_size)
+            plan_layout, plan_regions = packed.layout, list(packed.cache.regions)
         plan = PeerPlan.build(
-            local,
-            list(self.cache.regions),
+            plan_layout,
+            plan_regions,
             {r: by_rank[r].layout for r in by_rank},
             {r: list(by_rank[r].regions) for r in by_rank},
             **plan_kwargs,
@@ -186,10 +205,30 @@ class DecodeRank:
             port,
             engine.tp_size,
             len(sources),
-            "yes" if plan.postprocess is not None else "no",
+            "packed regroup" if packed is not None else "yes" if plan.postprocess is not None else "no",
             (time.perf_counter() - started) * 1e3,
         )
-        return _RemoteEngine(engine=engine, host=host, port=port, plan=plan, sources=sources)
+        return _RemoteEngine(engine=engine, host=host, port=port, plan=plan, sources=sources, packed=packed)
+
+    def _packed_staging_for(self, remote_block_size: int) -> PackedStaging:
+        """The staging area for packed blocks of ``remote_block_size`` tokens (created on first use)."""
+        local = self.cache.layout
+        if self._packed_formats is None:
+            raise TopologyError(
+                f"blocks packed as {local.packing!r}: a prefill of {remote_block_size}-token blocks needs a regroup"
+                f" that knows the packing, and this decode rank ({local.block_size}-token blocks) was given none"
+            )
+        with self._staging_lock:
+            staging = self._packed_staging.get(remote_block_size)
+            if staging is None:
+                staging = self._packed_staging[remote_block_size] = PackedStaging(
+                    self.agent,
+                    self.cache,
+                    self._packed_formats(remote_block_size),
+                    self._packed_formats(local.block_size),
+                    self.packed_staging_bytes,
+                )
+            return staging
 
     def _prepare_staging(self, source: SourcePlan) -> DescriptorList | None:
         """Descriptor rows of a source's units in every slot of the staging area (created on first use)."""
@@ -270,10 +309,15 @@ class DecodeRank:
         remote = self._remotes[(host, port)]
         timeout_s = self.read_timeout_s if timeout_s is None else timeout_s
         deadline = started + timeout_s
-        # rows per source; validates the block ids before anything moves
-        rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
+        if remote.packed is None:
+            # rows per source; validates the block ids before anything moves
+            rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
+        else:
+            local_ids = self._checked_packed_ids(remote, remote_block_ids, local_block_ids, num_tokens)
         try:
-            if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
+            if remote.packed is not None:
+                moved = self._read_packed(remote, request_id, remote_block_ids, local_ids, num_tokens, deadline)
+            elif remote.plan.postprocess is not None and remote.sources[0].staging is not None:
                 moved = self._read_staged(remote, request_id, rows, deadline)
             else:
                 moved = self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)
@@ -413,6 +457,60 @@ class DecodeRank:
             "read_seconds": reads_done - read_started,
             "postprocess_seconds": post_seconds,
             "postprocess_exposed_seconds": time.perf_counter() - reads_done,
+        }
+
+    def _checked_packed_ids(
+        self, remote: _RemoteEngine, remote_block_ids: list[int], local_block_ids: list[int], num_tokens: int
+    ) -> torch.Tensor:
+        """Validate a packed pull's block ids before anything moves; returns the local ids as a tensor."""
+        source = remote.plan.sources[0]
+        block_ids_array(
+            "remote_block_ids", remote_block_ids, num_tokens, source.remote_block_size, source.remote_num_blocks, False
+        )
+        local = block_ids_array(
+            "local_block_ids", local_block_ids, num_tokens, self.cache.layout.block_size, self.cache.num_blocks, True
+        )
+        return torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64))
+
+    def _read_packed(
+        self,
+        remote: _RemoteEngine,
+        request_id: str,
+        remote_block_ids: list[int],
+        local_block_ids: torch.Tensor,
+        num_tokens: int,
+        deadline: float,
+    ) -> dict[str, float | int]:
+        """Whole remote blocks into the packed staging area, a fill (whole regroup groups) at a time; each fill
+        is regrouped into the local blocks before the next is read (the staging area is one buffer)."""
+        staging = remote.packed
+        assert staging is not None
+        remote_size, local_size = remote.plan.sources[0].remote_block_size, self.cache.layout.block_size
+        chunk_tokens = staging.tokens_per_chunk
+        starts = list(range(0, num_tokens, chunk_tokens))
+        total_bytes = descriptors = 0
+        read_seconds = post_seconds = 0.0
+        for index, first in enumerate(starts):
+            tokens = min(chunk_tokens, num_tokens - first)
+            remote_ids = remote_block_ids[first // remote_size : first // remote_size + -(-tokens // remote_size)]
+            slots = list(range(len(remote_ids)))
+            step = []
+            for source, plan in zip(remote.sources, remote.plan.sources, strict=True):
+                staging_rows, remote_rows = plan.indices(remote_ids, slots, tokens)
+                step.append((source, source.local, staging_rows, remote_rows))
+            started = time.perf_counter()
+            moved, rows_read = self._read_step(request_id, step, index == len(starts) - 1, deadline)
+            read_seconds += time.perf_counter() - started
+            total_bytes += moved
+            descriptors += rows_read
+            local_ids = local_block_ids[first // local_size : first // local_size + -(-tokens // local_size)]
+            post_seconds += _timed(staging.regroup_into_place, local_ids, tokens)
+        return {
+            "bytes": total_bytes,
+            "descriptors": descriptors,
+            "read_seconds": read_seconds,
+            "postprocess_seconds": post_seconds,
+            "postprocess_exposed_seconds": post_seconds,
         }
 
     def _read_step(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.errors import TransferError
 
 from .cache import KVCache
@@ -61,8 +62,12 @@ class WorkerSide:
         config: ConnectorConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
+        packed_formats: Callable[[int], PackedBlockFormat] | None = None,
     ) -> None:
+        """``packed_formats``: for caches with a ``packing``, the (block, head) packing of a block size
+        (see :class:`DecodeRank`), so that engines of other block sizes can be read."""
         self.engine_id = engine_id
+        self._packed_formats = packed_formats
         self.cache = cache
         self.config = config
         self.rank = cache.layout.tp_rank
@@ -96,6 +101,7 @@ class WorkerSide:
                     handshake_timeout_s=self.config.handshake_timeout_s,
                     read_timeout_s=self.config.read_timeout_s,
                     confirm_timeout_s=self.config.confirm_timeout_s,
+                    packed_formats=self._packed_formats,
                 )
             return self._decode
 

@@ -24,6 +24,7 @@ from .spec import (
 )
 
 if TYPE_CHECKING:
+    from .packed import PackedBlockFormat, PackedRegroup
     from .plan import (
         DEFAULT_MIN_DIRECT_RUN_BYTES,
         PeerPlan,
@@ -44,6 +45,8 @@ _LAZY = {
     "SourceStats": ".plan",
     "Strategy": ".plan",
     "plane_views": ".plan",
+    "PackedBlockFormat": ".packed",
+    "PackedRegroup": ".packed",
     "Restage": ".postprocess",
     "StagedSource": ".postprocess",
     "restage_blocks": ".postprocess",
@@ -74,6 +77,8 @@ __all__ = [
     "KVLayout",
     "KVRegion",
     "ModelFingerprint",
+    "PackedBlockFormat",
+    "PackedRegroup",
     "PeerPlan",
     "Plane",
     "PlaneKind",

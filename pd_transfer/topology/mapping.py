@@ -78,6 +78,8 @@ def check_compatible(local: KVCacheLayout, remote: KVCacheLayout) -> None:
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:
             problems.append(f"{field} differs: decode {a!r} != prefill {b!r}")
+    if local.packing != remote.packing:
+        problems.append(f"block packing differs: decode {local.packing!r} != prefill {remote.packing!r}")
     nd, np_ = local.block_size, remote.block_size
     if nd >= 1 and np_ >= 1 and nd % np_ and np_ % nd:
         problems.append(

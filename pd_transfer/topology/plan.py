@@ -226,6 +226,12 @@ class PeerPlan:
         shapes = {(g.layout, g.block_size) for g in remote_geometry.values()}
         if len(shapes) != 1:
             raise TopologyError(f"prefill ranks disagree on their KV layout and block size: {sorted(shapes)}")
+        remote_block_size = next(iter(shapes))[1]
+        if local_layout.packing is not None and remote_block_size != local_layout.block_size:
+            raise TopologyError(
+                f"blocks packed as {local_layout.packing!r} cannot be planned across block sizes (decode"
+                f" {local_layout.block_size}, prefill {remote_block_size}): they need a PackedRegroup"
+            )
 
         chosen = _choose(strategy, sources, remote_geometry, local_geometry, min_direct_run_bytes)
         element_size = local_layout.element_size

@@ -60,6 +60,10 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_rank: int
     block_size: int  # tokens per block
     layout: KVLayout = "HND"
+    #: Set when the elements inside each (block, head) follow an engine's own packing rather than ``layout``
+    #: (e.g. ``"vllm-cpu-attn:vec"``): such blocks are copied whole between equal block sizes, and regrouped
+    #: element by element (:mod:`.packed`) when block sizes differ. Both sides must name the same packing.
+    packing: str | None = None
 
     @property
     def element_size(self) -> int:
