@@ -117,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     proxy_cli.add_arguments(proxy)
     proxy.set_defaults(func=proxy_cli.run)
 
+    from pd_transfer.cluster import serve as cluster_serve
+    from pd_transfer.cluster import up as cluster_up
+
+    serve = commands.add_parser("serve", help="run one vLLM server with PdTransferConnector (exec)")
+    cluster_serve.add_arguments(serve)
+    serve.set_defaults(func=cluster_serve.run)
+    up = commands.add_parser("up", help="a local P/D cluster: vLLM prefill and decode servers plus the proxy")
+    cluster_up.add_arguments(up)
+    up.set_defaults(func=cluster_up.run)
+
     bench = commands.add_parser("bench", help="benchmarks, measured side by side with their baselines")
     which = bench.add_subparsers(dest="bench", required=True)
     transfer = which.add_parser("transfer", help="our reads vs raw NIXL vs in-process copy")

@@ -2,7 +2,9 @@
 
 Unknown keys and wrong types are refused with a message naming the key. The side channel's address falls
 back to the environment variables vLLM's NixlConnector uses (``VLLM_NIXL_SIDE_CHANNEL_HOST`` /
-``VLLM_NIXL_SIDE_CHANNEL_PORT``), then to their defaults (``localhost:5600``).
+``VLLM_NIXL_SIDE_CHANNEL_PORT``), then to their defaults (``localhost:5600``). The shared secret is given
+either as ``secret`` or, to keep it off command lines, as ``secret_env``: the name of an environment
+variable holding it (read by ``from_dict``).
 
 **Failure policy** (``failure_policy``): what a decode worker reports when a request's KV could not be
 loaded, or was loaded but not confirmed (see :mod:`pd_transfer.connector.leases`):
@@ -40,6 +42,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     heartbeat_seconds: float | None = None  # decode: how often a queued request extends its lease; None: lease / 3
     failure_policy: FailurePolicy = "recompute"
     secret: str | None = None  # shared HMAC secret of the side channel; None: unauthenticated
+    secret_env: str | None = None  # name of an environment variable holding ``secret`` (resolved by from_dict)
     read_timeout_s: float = 30.0  # one request's reads
     confirm_timeout_s: float = 5.0  # waiting for the prefill's LeaseConfirm after a read
     handshake_timeout_s: float = 5.0  # one side-channel attempt (three attempts in all)
@@ -98,6 +101,16 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
                 data["side_channel_port"] = int(port.strip())
             except ValueError:
                 raise ConfigError(f"{ENV_SIDE_CHANNEL_PORT}={port!r} is not an integer port") from None
+        secret_env = data.get("secret_env")
+        if secret_env is not None:
+            if "secret" in data:
+                raise ConfigError("secret, secret_env: give one of them, not both")
+            if not isinstance(secret_env, str) or not secret_env:
+                raise ConfigError(f"secret_env: must be the name of an environment variable, got {secret_env!r}")
+            secret = environment.get(secret_env)
+            if not secret:
+                raise ConfigError(f"secret_env: the environment variable {secret_env} is not set or empty")
+            data["secret"] = secret
         try:
             return msgspec.convert(data, cls, strict=True)
         except msgspec.ValidationError as error:

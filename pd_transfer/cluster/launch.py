@@ -1,0 +1,158 @@
+"""The command line and environment of one vLLM OpenAI server running PdTransferConnector.
+
+Every server is ``kv_both`` (it can serve KV to a decode and pull KV from a prefill); ``role`` only names it.
+A shared side-channel secret never goes on the command line: ``secret_env`` names an environment variable
+that the connector reads (``kv_connector_extra_config.secret_env``). This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = [
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
+    "ROLES",
+    "VLLM_ENTRYPOINT",
+    "ServerSpec",
+    "kv_transfer_config",
+    "vllm_command",
+    "vllm_env",
+]
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+CONNECTOR_CLASS = "PdTransferConnector"
+CONNECTOR_MODULE = "pd_transfer.integrations.vllm"
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One vLLM server with our connector. ``cpu_bind`` is vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"``,
+    ``"0-3"``, ``"0|1"`` for two TP ranks); ``kvcache_gib`` is the KV cache size of the CPU backend."""
+
+    role: Role
+    model: str
+    port: int
+    side_channel_port: int
+    host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"
+    block_size: int | None = None
+    tp_size: int = 1
+    lease_seconds: float | None = None
+    failure_policy: str | None = None
+    secret_env: str | None = None
+    cpu_bind: str | None = None
+    kvcache_gib: float = 1.0
+    extra_args: tuple[str, ...] = ()
+    dtype: str | None = None  # vLLM's --dtype; None: vLLM's default ("auto" casts float32 weights down on CPU)
+    max_model_len: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.role not in ROLES:
+            problems.append(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        for name in ("port", "side_channel_port"):
+            value = getattr(self, name)
+            if not 1 <= value <= 65535:
+                problems.append(f"{name} {value} is outside 1..65535")
+        if self.port == self.side_channel_port:
+            problems.append(f"port and side_channel_port are both {self.port}")
+        if self.block_size is not None and self.block_size < 1:
+            problems.append(f"block_size must be positive, not {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            problems.append(f"max_model_len must be positive, not {self.max_model_len}")
+        if self.tp_size < 1:
+            problems.append(f"tp_size must be at least 1, not {self.tp_size}")
+        if self.lease_seconds is not None and not self.lease_seconds > 0:
+            problems.append(f"lease_seconds must be positive, not {self.lease_seconds}")
+        if self.failure_policy is not None and self.failure_policy not in ("recompute", "fail"):
+            problems.append(f"failure_policy must be recompute or fail, not {self.failure_policy!r}")
+        if self.secret_env is not None and not self.secret_env:
+            problems.append("secret_env must name an environment variable")
+        if not (self.kvcache_gib > 0 and math.isfinite(self.kvcache_gib)):
+            problems.append(f"kvcache_gib must be positive, not {self.kvcache_gib}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def kv_transfer_config(spec: ServerSpec) -> dict[str, object]:
+    """vLLM's ``--kv-transfer-config`` for ``spec``."""
+    extra: dict[str, object] = {
+        "side_channel_host": spec.side_channel_host,
+        "side_channel_port": spec.side_channel_port,
+    }
+    if spec.lease_seconds is not None:
+        extra["lease_seconds"] = spec.lease_seconds
+    if spec.failure_policy is not None:
+        extra["failure_policy"] = spec.failure_policy
+    if spec.secret_env is not None:
+        extra["secret_env"] = spec.secret_env
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _whole_gib(spec: ServerSpec) -> int | None:
+    return int(spec.kvcache_gib) if float(spec.kvcache_gib).is_integer() else None
+
+
+def vllm_command(spec: ServerSpec, python: str = sys.executable, *, connector: bool = True) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server ...`` serving ``spec`` (run it with ``vllm_env``).
+    ``connector=False`` leaves out ``--kv-transfer-config``: a plain server, e.g. as a reference."""
+    command = [python, "-m", VLLM_ENTRYPOINT, "--model", spec.model, "--host", spec.host, "--port", str(spec.port)]
+    for flag, value in (
+        ("--dtype", spec.dtype),
+        ("--max-model-len", spec.max_model_len),
+        ("--seed", spec.seed),
+        ("--block-size", spec.block_size),
+    ):
+        if value is not None:
+            command += [flag, str(value)]
+    if spec.tp_size != 1:
+        command += ["--tensor-parallel-size", str(spec.tp_size)]
+    if _whole_gib(spec) is None:  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
+        command += ["--kv-cache-memory-bytes", str(int(spec.kvcache_gib * GIB))]
+    if connector:
+        command += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":"))]
+    return [*command, *spec.extra_args]
+
+
+def vllm_env(spec: ServerSpec, base_env: Mapping[str, str], *, require_secret: bool = True) -> dict[str, str]:
+    """``base_env`` plus what the server needs: KV cache size, CPU binding, UCX on loopback unless told
+    otherwise, offline model hub for a local model folder, unbuffered output. Raises ``ValueError`` when
+    ``secret_env`` names a variable that ``base_env`` lacks (unless ``require_secret`` is false)."""
+    env = dict(base_env)
+    gib = _whole_gib(spec)
+    if gib is None:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+    if spec.cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
+    if spec.side_channel_host in ("127.0.0.1", "localhost", "::1"):
+        env.setdefault("UCX_NET_DEVICES", "lo")
+    if Path(spec.model).expanduser().is_dir():
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    if require_secret and spec.secret_env is not None and not env.get(spec.secret_env):
+        raise ValueError(f"secret_env: the environment variable {spec.secret_env} is not set or empty")
+    return env
