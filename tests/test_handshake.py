@@ -16,6 +16,7 @@ from pd_transfer.handshake import (
     Challenge,
     EngineMetadata,
     GetMetadata,
+    HandshakeBackoff,
     HandshakeClient,
     HandshakeError,
     HandshakeRefused,
@@ -317,15 +318,155 @@ def test_silent_server_times_out_after_all_attempts(router: tuple[zmq.Socket, in
     assert len(identities) == 3
 
 
-def test_closed_port_times_out() -> None:
+def _free_port() -> int:
+    """A port nobody listens on (until a test starts a server there)."""
     with socket.socket() as probe:
         probe.bind((HOST, 0))
-        port = probe.getsockname()[1]
-    with HandshakeClient(fake_fingerprint(), timeout_s=0.2, retries=1) as client:
+        return probe.getsockname()[1]
+
+
+def test_closed_port_is_refused_fast() -> None:
+    port = _free_port()
+    with HandshakeClient(fake_fingerprint(), timeout_s=5.0, retries=2) as client:
         start = time.monotonic()
-        with pytest.raises(HandshakeTimeout, match=f"{HOST}:{port}"):
+        with pytest.raises(HandshakeTimeout, match=f"{HOST}:{port}") as caught:
             client.fetch(HOST, port)
-    assert time.monotonic() - start <= 0.2 * 2 + 1.0
+    # refused at once on each attempt (the monitor sees it), not 3 x 5 s: only the 0.1 + 0.2 s pauses
+    assert time.monotonic() - start < 1.5
+    assert caught.value.refused and caught.value.reasons == ["connection refused"] * 3
+    assert "connection refused x3" in str(caught.value)
+
+
+# ---------------------------------------------------------------------------- fail-fast on a dead endpoint
+
+
+class Clock:
+    """Monotonic time the test moves forward (the windows are long; the network is real)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_dead_endpoint_fails_fast_then_is_retried_and_recovers() -> None:
+    port = _free_port()
+    clock = Clock()
+    with HandshakeClient(fake_fingerprint(), timeout_s=2.0, retries=2, failure_backoff_s=10.0, clock=clock) as client:
+        start = time.monotonic()
+        with pytest.raises(HandshakeTimeout) as first:
+            client.fetch(HOST, port)
+        assert time.monotonic() - start < 2.0 * 3 + 0.3 + 0.5  # within the fetch's own bound
+        assert not isinstance(first.value, HandshakeBackoff) and client.failing(HOST, port)
+
+        for tp_ranks in (None, [0]):  # any fetch from the endpoint, whatever the ranks
+            start = time.monotonic()
+            with pytest.raises(HandshakeBackoff) as fast:
+                client.fetch(HOST, port, tp_ranks)
+            assert time.monotonic() - start < 0.05
+            message = str(fast.value)
+            assert f"{HOST}:{port}" in message and "connection refused" in message
+            assert "next attempt in 10.0 s" in message and "1 failure(s) in a row" in message
+            assert fast.value.cause is first.value and fast.value.retry_in_s == pytest.approx(10.0)
+            assert isinstance(fast.value, HandshakeTimeout)  # handled like the failure it repeats
+
+        clock.now += 10.0  # the window passed: the next fetch tries again (still dead: a longer window)
+        with pytest.raises(HandshakeTimeout) as second:
+            client.fetch(HOST, port)
+        assert not isinstance(second.value, HandshakeBackoff)
+        with pytest.raises(HandshakeBackoff, match=r"next attempt in 20\.0 s \(2 failure"):
+            client.fetch(HOST, port)
+
+        with ServerProcess(port=port) as server:  # the endpoint comes back ...
+            assert server.port == port
+            with pytest.raises(HandshakeBackoff):  # ... but is not tried before its window ends
+                client.fetch(HOST, port)
+            clock.now += 20.0
+            assert client.fetch(HOST, port).engine_id == "prefill-0"
+            assert not client.failing(HOST, port) and client.handshakes_performed == 1
+
+
+def test_forget_clears_the_failure_and_windows_are_bounded() -> None:
+    port = _free_port()
+    clock = Clock()
+    with HandshakeClient(
+        fake_fingerprint(), timeout_s=1.0, retries=0, failure_backoff_s=1.0, failure_backoff_max_s=2.5, clock=clock
+    ) as client:
+        for window in (1.0, 2.0, 2.5, 2.5):  # doubling, capped
+            with pytest.raises(HandshakeTimeout):
+                client.fetch(HOST, port)
+            with pytest.raises(HandshakeBackoff) as fast:
+                client.fetch(HOST, port)
+            assert fast.value.retry_in_s == pytest.approx(window)
+            clock.now += window
+        with pytest.raises(HandshakeTimeout):
+            client.fetch(HOST, port)
+        client.forget(HOST, port)
+        assert not client.failing(HOST, port)
+        with pytest.raises(HandshakeTimeout) as again:  # tried at once, and counted from one again
+            client.fetch(HOST, port)
+        assert not isinstance(again.value, HandshakeBackoff)
+        with pytest.raises(HandshakeBackoff, match="1 failure"):
+            client.fetch(HOST, port)
+
+
+def test_zero_backoff_turns_fail_fast_off() -> None:
+    port = _free_port()
+    with HandshakeClient(fake_fingerprint(), timeout_s=1.0, retries=0, failure_backoff_s=0) as client:
+        for _ in range(2):
+            with pytest.raises(HandshakeTimeout) as caught:
+                client.fetch(HOST, port)
+            assert not isinstance(caught.value, HandshakeBackoff)
+        assert not client.failing(HOST, port)
+
+
+def test_while_a_probe_runs_other_fetches_fail_fast(router: tuple[zmq.Socket, int]) -> None:
+    sock, port = router  # connects, never answers
+    clock = Clock()
+    with HandshakeClient(fake_fingerprint(), timeout_s=0.5, retries=0, clock=clock) as client:
+        with pytest.raises(HandshakeTimeout, match=r"no Challenge in 0\.5 s"):
+            client.fetch(HOST, port)
+        assert sock.poll(1000, zmq.POLLIN)
+        sock.recv_multipart()  # the first attempt's Hello
+        clock.now += 10.0
+        errors: list[BaseException] = []
+
+        def probe() -> None:
+            try:
+                client.fetch(HOST, port)
+            except BaseException as exc:  # checked below
+                errors.append(exc)
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        try:
+            assert sock.poll(2000, zmq.POLLIN)  # the probe's Hello arrived: it is in flight
+            start = time.monotonic()
+            with pytest.raises(HandshakeBackoff):
+                client.fetch(HOST, port, [1])
+            assert time.monotonic() - start < 0.05
+        finally:
+            thread.join(5.0)
+        assert not thread.is_alive() and len(errors) == 1 and not isinstance(errors[0], HandshakeBackoff)
+
+
+def test_an_answer_clears_the_failure(router: tuple[zmq.Socket, int]) -> None:
+    sock, port = router
+    clock = Clock()
+    with HandshakeClient(fake_fingerprint(), timeout_s=0.3, retries=0, clock=clock) as client:
+        with pytest.raises(HandshakeTimeout):
+            client.fetch(HOST, port)
+        assert client.failing(HOST, port)
+        clock.now += 10.0
+        assert sock.poll(1000, zmq.POLLIN)
+        sock.recv_multipart()  # the failed attempt's Hello
+        thread = threading.Thread(target=_scripted_server, args=(sock, [b"\xc1 not msgpack"]))
+        thread.start()
+        with pytest.raises(HandshakeError, match="undecodable reply"):  # the peer is there: no fail-fast
+            client.fetch(HOST, port)
+        thread.join(5.0)
+        assert not client.failing(HOST, port)
 
 
 # ---------------------------------------------------------------------------- server lifecycle

@@ -1,7 +1,14 @@
 """Side channel: a decode process fetches a prefill engine's KV cache metadata over ZMQ (msgpack, HMAC)."""
 
 from .client import HandshakeClient
-from .errors import AuthenticationError, HandshakeError, HandshakeRefused, HandshakeTimeout, IncompatiblePeer
+from .errors import (
+    AuthenticationError,
+    HandshakeBackoff,
+    HandshakeError,
+    HandshakeRefused,
+    HandshakeTimeout,
+    IncompatiblePeer,
+)
 from .messages import (
     MAX_FRAME_BYTES,
     Challenge,
@@ -27,6 +34,7 @@ __all__ = [
     "EngineMetadata",
     "ErrorReply",
     "GetMetadata",
+    "HandshakeBackoff",
     "HandshakeClient",
     "HandshakeError",
     "HandshakeRefused",

@@ -1,7 +1,15 @@
 """The decode side of the side channel: fetch (and cache) a prefill engine's metadata.
 
 One handshake is two round trips on a fresh DEALER socket: ``Hello`` -> ``Challenge``, then
-``GetMetadata`` -> ``Metadata``. Each attempt is bounded by ``timeout_s``; only timeouts are retried.
+``GetMetadata`` -> ``Metadata``. Each attempt is bounded by ``timeout_s`` and watched through a ZMQ socket monitor,
+so a refused or dropped connection ends it at once. Retried: a refused connection (after a short pause) and an
+attempt that connected but got no answer in time; not retried: an attempt that never got a TCP connection within
+its timeout (ZMQ keeps re-sending SYNs inside an attempt already), nor any answer (refusals, auth, model).
+
+Fail-fast: after a connection-level failure (``HandshakeTimeout``) of ``host:port``, fetches from that endpoint
+raise ``HandshakeBackoff`` at once (naming the endpoint, the failure, and when it will be tried again) for
+``failure_backoff_s`` seconds, doubling with each failure in a row up to ``failure_backoff_max_s``. The first fetch
+after the window is the probe (others still fail fast while it runs); a success or ``forget()`` clears the record.
 """
 
 from __future__ import annotations
@@ -9,18 +17,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from types import TracebackType
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pd_transfer.topology.spec import ModelFingerprint
 
 from ._endpoint import is_ipv6, peer_name, tcp_endpoint
 from .auth import as_secret, get_metadata_mac, new_nonce, reply_mac, verify
 from .compat import fingerprint_fields_differing
-from .errors import AuthenticationError, HandshakeError, HandshakeRefused, HandshakeTimeout, IncompatiblePeer
+from .errors import (
+    AuthenticationError,
+    HandshakeBackoff,
+    HandshakeError,
+    HandshakeRefused,
+    HandshakeTimeout,
+    IncompatiblePeer,
+)
 from .messages import (
     MAX_FRAME_BYTES,
     Challenge,
@@ -39,10 +57,33 @@ from .versions import PROTOCOL_VERSION
 logger = logging.getLogger(__name__)
 
 CacheKey = tuple[str, int, tuple[int, ...] | None]
+Endpoint = tuple[str, int]
+
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+_REFUSED_PAUSE_S = 0.1  # before retrying a refused connection (doubling): a side channel restarting is caught
 
 
-class _AttemptTimedOut(Exception):
-    """One attempt ran out of time (internal: turned into a retry or ``HandshakeTimeout``)."""
+class _AttemptFailed(Exception):
+    """One attempt failed at the connection level (internal: turned into a retry or ``HandshakeTimeout``).
+
+    ``retry``: whether another attempt may help (not after an attempt that never connected in its whole timeout).
+    """
+
+    def __init__(self, reason: str, *, retry: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry = retry
+
+
+@dataclass
+class _Failures:
+    """What is remembered of an endpoint whose last handshake failed at the connection level."""
+
+    error: HandshakeTimeout
+    count: int  # in a row
+    failed_at: float
+    retry_at: float
+    probing: bool = False  # a fetch is trying it again now (the others keep failing fast)
 
 
 class HandshakeClient:
@@ -51,7 +92,10 @@ class HandshakeClient:
     Results are cached per ``(host, port, tp_ranks)`` and are also reachable by engine id with
     ``cached()``. Thread-safe: concurrent fetches of different peers run in parallel, and concurrent
     fetches of the same key share one handshake. ``timeout_s`` bounds each attempt (seconds);
-    ``retries`` is the number of extra attempts after a timeout.
+    ``retries`` is the number of extra attempts after a refused connection or an unanswered one, so a
+    fetch takes at most ``(retries + 1) * timeout_s`` plus 0.3 s of pauses. ``failure_backoff_s`` (0: off)
+    and ``failure_backoff_max_s`` (default 3 x ``failure_backoff_s``) set the fail-fast window after a
+    connection-level failure; ``clock`` (monotonic seconds) is for tests.
     """
 
     def __init__(
@@ -62,15 +106,28 @@ class HandshakeClient:
         retries: int = 2,
         *,
         protocol_version: int = PROTOCOL_VERSION,
+        failure_backoff_s: float = 10.0,
+        failure_backoff_max_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if failure_backoff_s < 0:
+            raise ValueError(f"failure_backoff_s must be >= 0, got {failure_backoff_s}")
+        if failure_backoff_max_s is None:
+            failure_backoff_max_s = 3 * failure_backoff_s
+        if failure_backoff_max_s < failure_backoff_s:
+            raise ValueError(f"failure_backoff_max_s {failure_backoff_max_s} < failure_backoff_s {failure_backoff_s}")
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.retries = retries
         self.protocol_version = protocol_version
+        self.failure_backoff_s = failure_backoff_s
+        self.failure_backoff_max_s = failure_backoff_max_s
+        self._clock = clock
+        self._failures: dict[Endpoint, _Failures] = {}
         self._secret = as_secret(secret)
         self._context = zmq.Context()
         self._lock = threading.Lock()
@@ -84,10 +141,13 @@ class HandshakeClient:
     def fetch(self, host: str, port: int, tp_ranks: list[int] | None = None) -> EngineMetadata:
         """The metadata of the engine at ``host:port`` for ``tp_ranks`` (``None``: every rank).
 
-        Returns the cached result when there is one. Raises ``HandshakeTimeout``, ``HandshakeRefused``
-        (``IncompatiblePeer`` for a different model), ``AuthenticationError`` or ``HandshakeError``.
+        Returns the cached result when there is one. Raises ``HandshakeTimeout`` (``HandshakeBackoff``, at
+        once, while the endpoint is in its fail-fast window), ``HandshakeRefused`` (``IncompatiblePeer`` for a
+        different model), ``AuthenticationError`` or ``HandshakeError``.
         """
         key: CacheKey = (host, int(port), None if tp_ranks is None else tuple(tp_ranks))
+        endpoint: Endpoint = (host, int(port))
+        probe = False
         with self._lock:
             if self._closed:
                 raise RuntimeError("the handshake client is closed")
@@ -97,6 +157,7 @@ class HandshakeClient:
             future = self._inflight.get(key)
             owner = future is None
             if owner:
+                probe = self._check_failures(endpoint)  # raises HandshakeBackoff inside the window
                 future = self._inflight[key] = Future()
         assert future is not None
         if not owner:
@@ -106,14 +167,56 @@ class HandshakeClient:
         except BaseException as exc:
             with self._lock:
                 del self._inflight[key]
+                self._record_failure(endpoint, exc, probe)
             future.set_exception(exc)
             raise
         with self._lock:
             del self._inflight[key]
             self._cache[key] = engine
+            self._failures.pop(endpoint, None)
             self.handshakes_performed += 1
         future.set_result(engine)
         return engine
+
+    def _check_failures(self, endpoint: Endpoint) -> bool:
+        """Under the lock, before a handshake: raises ``HandshakeBackoff`` while ``endpoint`` is in its window
+        or being probed; returns whether this handshake is the probe of a failed endpoint."""
+        failures = self._failures.get(endpoint)
+        if failures is None:
+            return False
+        now = self._clock()
+        if failures.probing or now < failures.retry_at:
+            raise HandshakeBackoff(
+                peer_name(*endpoint),
+                failures.error,
+                failures.count,
+                failed_ago_s=now - failures.failed_at,
+                retry_in_s=max(0.0, failures.retry_at - now),
+            )
+        failures.probing = True
+        return True
+
+    def _record_failure(self, endpoint: Endpoint, exc: BaseException, probe: bool) -> None:
+        """Under the lock, after a failed handshake: remember a connection-level failure (longer each time in a
+        row); any answer from the peer (a refusal, a MAC failure) proves it reachable and clears the record."""
+        failures = self._failures.get(endpoint)
+        if isinstance(exc, HandshakeTimeout) and not isinstance(exc, HandshakeBackoff):
+            if self.failure_backoff_s <= 0:
+                return
+            count = failures.count + 1 if failures is not None else 1
+            window = min(self.failure_backoff_s * 2 ** (count - 1), self.failure_backoff_max_s)
+            now = self._clock()
+            self._failures[endpoint] = _Failures(exc, count, failed_at=now, retry_at=now + window)
+            logger.warning("handshake with %s failed (%s); failing fast for %.1f s", exc.peer, exc, window)
+        elif isinstance(exc, HandshakeError) and not isinstance(exc, HandshakeBackoff):
+            self._failures.pop(endpoint, None)
+        elif probe and failures is not None:  # interrupted: let the next fetch probe
+            failures.probing = False
+
+    def failing(self, host: str, port: int) -> bool:
+        """Whether ``host:port`` is remembered as failing (fetches fail fast, or the next one probes it)."""
+        with self._lock:
+            return (host, int(port)) in self._failures
 
     def cached(self, engine_id: str) -> EngineMetadata | None:
         """Everything cached about ``engine_id``: the union of its fetched ranks, or ``None``."""
@@ -125,8 +228,9 @@ class HandshakeClient:
         return msgspec.structs.replace(found[-1], ranks=[ranks[tp_rank] for tp_rank in sorted(ranks)])
 
     def forget(self, host: str, port: int) -> None:
-        """Drop every cached result from ``host:port`` (e.g. the peer restarted)."""
+        """Drop every cached result from ``host:port`` (e.g. the peer restarted), and its remembered failure."""
         with self._lock:
+            self._failures.pop((host, int(port)), None)
             for key in [key for key in self._cache if key[0] == host and key[1] == port]:
                 del self._cache[key]
 
@@ -143,6 +247,7 @@ class HandshakeClient:
                 return
             self._closed = True
             self._cache.clear()
+            self._failures.clear()
         self._context.term()
 
     def __enter__(self) -> HandshakeClient:
@@ -158,12 +263,18 @@ class HandshakeClient:
     def _handshake(self, host: str, port: int, tp_ranks: list[int] | None) -> EngineMetadata:
         peer = peer_name(host, port)
         attempts = self.retries + 1
+        reasons: list[str] = []
         for attempt in range(1, attempts + 1):
             try:
                 return self._attempt(host, port, peer, tp_ranks)
-            except _AttemptTimedOut as exc:
-                logger.info("handshake with %s: attempt %d/%d timed out (%s)", peer, attempt, attempts, exc)
-        raise HandshakeTimeout(peer, attempts, self.timeout_s)
+            except _AttemptFailed as exc:
+                reasons.append(exc.reason)
+                logger.info("handshake with %s: attempt %d/%d failed (%s)", peer, attempt, attempts, exc.reason)
+                if not exc.retry:
+                    break
+                if exc.reason == "connection refused" and attempt < attempts:
+                    time.sleep(_REFUSED_PAUSE_S * 2 ** (attempt - 1))  # a backoff between attempts, not a sync
+        raise HandshakeTimeout(peer, len(reasons), self.timeout_s, reasons)
 
     def _attempt(self, host: str, port: int, peer: str, tp_ranks: list[int] | None) -> EngineMetadata:
         deadline = time.monotonic() + self.timeout_s
@@ -171,16 +282,19 @@ class HandshakeClient:
             socket = self._context.socket(zmq.DEALER)
         except zmq.ZMQError as exc:
             raise HandshakeError(f"handshake with {peer}: cannot open a socket ({exc}); client closed?") from exc
+        monitor: zmq.Socket | None = None
         try:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             if is_ipv6(host):
                 socket.setsockopt(zmq.IPV6, 1)
+            monitor = socket.get_monitor_socket(_MONITORED)
+            link = _Link(socket, monitor)
             socket.connect(tcp_endpoint(host, port))
             client_nonce = new_nonce()
 
             self._send(socket, Hello(protocol_version=self.protocol_version, client_nonce=client_nonce), deadline)
-            challenge = self._receive(socket, peer, deadline, "Challenge")
+            challenge = self._receive(link, peer, deadline, "Challenge")
             if not isinstance(challenge, Challenge):
                 raise self._unexpected(peer, challenge, "Challenge")
             if challenge.auth_required and self._secret is None:
@@ -204,13 +318,19 @@ class HandshakeClient:
             if self._secret is not None:
                 request = msgspec.structs.replace(request, mac=get_metadata_mac(self._secret, request))
             self._send(socket, request, deadline)
-            reply = self._receive(socket, peer, deadline, "Metadata")
+            reply = self._receive(link, peer, deadline, "Metadata")
             if not isinstance(reply, Metadata):
                 raise self._unexpected(peer, reply, "Metadata")
             return self._check(reply, peer, client_nonce, tp_ranks)
         except zmq.ContextTerminated as exc:
             raise HandshakeError(f"handshake with {peer} aborted: the client was closed") from exc
         finally:
+            if monitor is not None:
+                try:
+                    socket.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                monitor.close(linger=0)
             socket.close(linger=0)
 
     def _check(self, reply: Metadata, peer: str, client_nonce: bytes, tp_ranks: list[int] | None) -> EngineMetadata:
@@ -242,19 +362,15 @@ class HandshakeClient:
     def _send(socket: zmq.Socket, message: Message, deadline: float) -> None:
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0:
-            raise _AttemptTimedOut("no time left to send")
+            raise _AttemptFailed(f"no time left to send {type(message).__name__}")
         socket.setsockopt(zmq.SNDTIMEO, remaining_ms)
         try:
             socket.send(encode(message))
         except zmq.Again as exc:
-            raise _AttemptTimedOut(f"send of {type(message).__name__} timed out") from exc
+            raise _AttemptFailed(f"no room to send {type(message).__name__}") from exc
 
-    @staticmethod
-    def _receive(socket: zmq.Socket, peer: str, deadline: float, waiting_for: str) -> Message:
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not socket.poll(remaining_ms, zmq.POLLIN):
-            raise _AttemptTimedOut(f"no {waiting_for} received")
-        frames = socket.recv_multipart(zmq.NOBLOCK)
+    def _receive(self, link: _Link, peer: str, deadline: float, waiting_for: str) -> Message:
+        frames = link.receive(deadline, waiting_for, self.timeout_s)
         if len(frames) != 1:
             raise HandshakeError(f"handshake server {peer} sent {len(frames)} frames, expected 1")
         try:
@@ -274,3 +390,38 @@ class HandshakeClient:
                 return IncompatiblePeer(message.message, message.fields, peer=peer)
             return HandshakeRefused(message.code, message.message, peer=peer)
         return HandshakeError(f"handshake server {peer} sent {type(message).__name__}, expected {waiting_for}")
+
+
+class _Link:
+    """One attempt's DEALER socket and its monitor: waits for a reply while watching the TCP connection."""
+
+    def __init__(self, socket: zmq.Socket, monitor: zmq.Socket) -> None:
+        self.socket = socket
+        self.monitor = monitor
+        self.connected = False
+        self._poller = zmq.Poller()
+        self._poller.register(socket, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def receive(self, deadline: float, waiting_for: str, timeout_s: float) -> list[bytes]:
+        """The next reply's frames; ``_AttemptFailed`` when the connection is refused or dropped, or at the
+        deadline."""
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                if not self.connected:
+                    raise _AttemptFailed(f"no TCP connection in {timeout_s:g} s", retry=False)
+                raise _AttemptFailed(f"no {waiting_for} in {timeout_s:g} s")
+            ready = dict(self._poller.poll(remaining_ms))
+            if self.socket in ready:
+                return self.socket.recv_multipart(zmq.NOBLOCK)
+            if self.monitor in ready:
+                self._event(recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"])
+
+    def _event(self, event: int) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            self.connected = True
+        elif event == zmq.EVENT_CONNECT_RETRIED and not self.connected:
+            raise _AttemptFailed("connection refused")
+        elif event == zmq.EVENT_DISCONNECTED:
+            raise _AttemptFailed("connection closed by the peer")

@@ -74,7 +74,8 @@ def fake_engine(
 
 
 class ServerProcess:
-    """A fake engine's handshake server in a child process; ``port`` is known once constructed.
+    """A fake engine's handshake server in a child process; ``port`` (given, or 0: any free one) is known once
+    constructed.
 
     ``close()`` (or leaving the ``with`` block) closes the child's stdin, which stops it; it is killed
     if it does not exit within ``timeout_s``.
@@ -87,11 +88,12 @@ class ServerProcess:
         engine_id: str = "prefill-0",
         num_ranks: int = 2,
         head_size: int = 128,
+        port: int = 0,
         timeout_s: float = 30.0,
     ) -> None:
         self.timeout_s = timeout_s
         args = [sys.executable, "-m", __name__, "--engine-id", engine_id, "--ranks", str(num_ranks)]
-        args += ["--head-size", str(head_size)]
+        args += ["--head-size", str(head_size), "--port", str(port)]
         if secret is not None:
             args += ["--secret", secret]
         env = dict(os.environ)
