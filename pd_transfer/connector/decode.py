@@ -104,6 +104,7 @@ class DecodeRank:
         *,
         secret: bytes | str | None = None,
         handshake_timeout_s: float = 5.0,
+        handshake_failure_backoff_s: float = 10.0,
         read_timeout_s: float = 30.0,
         min_direct_run_bytes: int | None = None,
         pipeline_groups: int = 8,
@@ -129,7 +130,12 @@ class DecodeRank:
         )
         self._reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
-        self.client = HandshakeClient(cache.layout.fingerprint, secret=secret, timeout_s=handshake_timeout_s)
+        self.client = HandshakeClient(
+            cache.layout.fingerprint,
+            secret=secret,
+            timeout_s=handshake_timeout_s,
+            failure_backoff_s=handshake_failure_backoff_s,  # a dead prefill's endpoint fails fast this long
+        )
         self._planes = plane_views(cache.tensors, cache.regions)
         self._remotes: dict[tuple[str, int], _RemoteEngine] = {}
         self._connect_lock = threading.Lock()  # guards _remotes and _engine_locks
