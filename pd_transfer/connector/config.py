@@ -46,6 +46,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     read_timeout_s: float = 30.0  # one request's reads
     confirm_timeout_s: float = 5.0  # waiting for the prefill's LeaseConfirm after a read
     handshake_timeout_s: float = 5.0  # one side-channel attempt (three attempts in all)
+    # decode: after a prefill's side channel was refused or unanswered, fetches from it fail at once for this
+    # long (doubling while it stays down, up to 3x); 0: off
+    handshake_failure_backoff_s: float = 10.0
     load_threads: int = 4  # decode: background threads for pulls, releases and heartbeats
 
     def __post_init__(self) -> None:
@@ -63,6 +66,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
                 f"heartbeat_seconds: must be positive and shorter than lease_seconds ({self.lease_seconds:g}),"
                 f" got {self.heartbeat_seconds!r}"
             )
+        if not self.handshake_failure_backoff_s >= 0:
+            problems.append(f"handshake_failure_backoff_s: must be >= 0, got {self.handshake_failure_backoff_s!r}")
         if self.load_threads < 1:
             problems.append(f"load_threads: must be at least 1, got {self.load_threads}")
         if self.secret is not None and not self.secret:
