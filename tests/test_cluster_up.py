@@ -509,4 +509,5 @@ def test_interrupt_stops_every_process(cluster: tuple[Cluster, VllmServer]) -> N
     print(f"\nup stopped in {waited:.1f} s (exit {code}); its last lines:\n" + "\n".join(up.text().splitlines()[-3:]))
     assert code == 0, up.text()
     assert not any(left.values()), f"processes left behind: {left}"
-    assert up.text().rstrip().endswith("stopped")
+    assert up.text().splitlines()[-1].startswith("stopped (")
+    assert up.load_state()["state"] == "stopped"

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 __all__ = ["DemoResult", "metric_sum", "post_json", "post_stream", "run_demo"]
 
 EXTERNAL_TOKENS = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
-PULLED_BYTES = ("pd_transfer_pulled_bytes_total", {})
-PULL_SECONDS = ("pd_transfer_pull_seconds_sum", {})
-PULLS_OK = ("pd_transfer_pulls_total", {"outcome": "ok"})
+# The connector's own figures, where the server exports them (vLLM's /metrics names them vllm:pd_transfer_*).
+PD_PREFIXES = ("vllm:pd_transfer_", "pd_transfer_")
+PULLED_BYTES = "pulled_bytes_total"
+PULL_SECONDS = "pull_seconds_sum"
 REQUEST_TIMEOUT_S = 120.0
 MAX_TOKENS = 16
 
@@ -78,15 +79,11 @@ def metric_sum(text: str, name: str, labels: Mapping[str, str]) -> float:
 
 def _figures(decode_urls: Sequence[str]) -> dict[str, float]:
     texts = [get_text(f"{url}/metrics") for url in decode_urls]
-    figures = {}
-    for key, (name, labels) in {
-        "external_tokens": EXTERNAL_TOKENS,
-        "pulled_bytes": PULLED_BYTES,
-        "pull_seconds": PULL_SECONDS,
-        "pulls": PULLS_OK,
-    }.items():
-        figures[key] = sum(metric_sum(text, name, labels) for text in texts)
-    figures["has_pd_metrics"] = float(any("pd_transfer_pulls_total" in text for text in texts))
+    name, labels = EXTERNAL_TOKENS
+    figures = {"external_tokens": sum(metric_sum(text, name, labels) for text in texts)}
+    for key, suffix in (("pulled_bytes", PULLED_BYTES), ("pull_seconds", PULL_SECONDS)):
+        figures[key] = sum(metric_sum(text, prefix + suffix, {}) for text in texts for prefix in PD_PREFIXES)
+    figures["has_pd_metrics"] = float(any(prefix + PULLED_BYTES in text for text in texts for prefix in PD_PREFIXES))
     return figures
 
 

@@ -291,6 +291,16 @@ def _write_state(
     os.replace(tmp, log_dir / STATE_FILE)
 
 
+def _mark_stopped(children: Sequence[ManagedProcess]) -> None:
+    """Rewrites ``cluster.json`` (if written) to say the cluster is stopped."""
+    path = children[0].log_path.parent / STATE_FILE
+    try:
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "state": "stopped"}, indent=2) + "\n")
+    except (OSError, ValueError):
+        pass
+
+
 def _resolve_model(args: argparse.Namespace, out: _Output) -> Path:
     if args.model is not None:
         return args.model.expanduser().resolve()
@@ -343,11 +353,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             if children:
                 out.say(f"stopping {len(children)} processes ...")
+                stopping = time.monotonic()
                 left = stop_all(children)
+                _mark_stopped(children)
                 if left:
                     out.say(f"pd-transfer up: still running after SIGKILL: {', '.join(left)}")
                 else:
-                    out.say("stopped")
+                    out.say(f"stopped ({time.monotonic() - stopping:.1f} s)")
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, previous)
@@ -384,8 +396,8 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     _write_state(log_dir, "starting", proxy_url, served_name, children)
     started = time.monotonic()
     out.say(
-        f"starting {len(planned)} vLLM servers ({served_name}; logs in {log_dir}); on this 2-core test machine"
-        " they took about 2-4 minutes"
+        f"starting {len(planned)} vLLM servers ({served_name}; logs in {log_dir}); this takes a few minutes"
+        " on a small CPU machine"
     )
     for server, process in zip(planned, children, strict=True):
         out.say(f"  {server.name:<10} pid {process.pid:<7} {server.spec.url}  CPU {server.spec.cpu_bind}")
