@@ -268,6 +268,40 @@ def test_up_refuses_busy_ports(tmp_path: Path) -> None:
     assert result.returncode == 2 and f"port(s) in use: {port}" in result.stdout + result.stderr
 
 
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+def test_failed_startup_stops_everything_and_shows_the_log(tmp_path: Path) -> None:
+    """Servers not healthy within --startup-timeout: up names them, prints their log tails, stops them all."""
+    if not (Path(DEFAULT_MODEL) / "config.json").exists():
+        pytest.skip(f"no model at {DEFAULT_MODEL}")
+    base = _free_base_port()
+    logs = tmp_path / "logs"
+    started = time.monotonic()
+    result = _cli(
+        "up",
+        "--model",
+        DEFAULT_MODEL,
+        "--base-port",
+        str(base),
+        "--proxy-port",
+        str(base - 1),
+        "--log-dir",
+        str(logs),
+        "--startup-timeout",
+        "5",
+        timeout_s=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "not healthy after 5 s: prefill-0, decode-0 (--startup-timeout)" in output, output
+    assert f"--- the end of {logs / 'prefill-0.log'} ---" in output, output
+    assert output.splitlines()[-1].startswith("stopped ("), output
+    state = json.loads((logs / "cluster.json").read_text())
+    assert state["state"] == "stopped"
+    left = {p["name"]: _live_in_group(p["pgid"]) for p in state["processes"]}
+    assert not any(left.values()), f"left behind: {left}"
+    print(f"\nfailed startup reported and stopped in {time.monotonic() - started:.1f} s")
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 from vllm_servers import DEFAULT_MODEL, VllmServer, free_port, metric_value  # noqa: E402
 

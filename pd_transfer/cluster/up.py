@@ -310,7 +310,10 @@ def _resolve_model(args: argparse.Namespace, out: _Output) -> Path:
     if not (model / MARKER).is_file():
         out.say(f"building the tiny model into {model} ...")
     started = time.monotonic()
-    build_tiny_model(model, dtype="float32")
+    try:
+        build_tiny_model(model, dtype="float32")
+    except (ImportError, OSError, ValueError) as error:
+        raise StartupFailed(f"could not build the tiny model in {model}: {error}") from error
     if time.monotonic() - started > 1.0:
         out.say(f"  built in {time.monotonic() - started:.0f} s")
     return model
@@ -369,7 +372,10 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     ports = _server_ports(args.base_port, args.prefill + args.decode + (1 if args.check else 0))
     busy = _busy_ports([args.proxy_port, *ports])
     if busy:
-        print(f"pd-transfer up: port(s) in use: {', '.join(map(str, busy))} (see --base-port, --proxy-port)")
+        print(
+            f"pd-transfer up: port(s) in use: {', '.join(map(str, busy))} (see --base-port, --proxy-port)",
+            file=sys.stderr,
+        )
         return 2
     model = _resolve_model(args, out)
     served_name = model.name
@@ -438,13 +444,17 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     _print_ready(out, proxy_url, served_name, planned, children, total, log_dir, args)
 
     if args.demo:
-        from pd_transfer.cluster.demo import run_demo
+        from pd_transfer.cluster.demo import RequestFailed, run_demo
 
         reference = next((s.spec.url for s in planned if not s.connector), None)
-        results = run_demo(
-            proxy_url, decode_urls, served_name, reference_url=reference, say=out.say, block_size=args.decode_block_size
-        )
-        ok = all(r.external_tokens > 0 for r in results) and all(r.same_as_reference is not False for r in results)
+        try:
+            results = run_demo(
+                proxy_url, decode_urls, served_name, reference, say=out.say, block_size=args.decode_block_size
+            )
+            ok = all(r.external_tokens > 0 for r in results) and all(r.same_as_reference is not False for r in results)
+        except (RequestFailed, OSError, ValueError, KeyError) as error:  # HTTP errors, timeouts, odd answers
+            out.say(f"demo: a request failed: {type(error).__name__}: {error}")
+            ok = False
         if args.exit_after_demo:
             return 0 if ok else 1
         if not ok:
