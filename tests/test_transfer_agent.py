@@ -24,7 +24,12 @@ class Peer:
         self.conn, child = context.Pipe()
         self.process = context.Process(target=serve, args=(child, env or {}), daemon=True)
         self.process.start()
-        assert self.conn.poll(60), "peer did not start"
+        started = time.monotonic()
+        assert self.conn.poll(60), (
+            f"peer did not start in 60 s (alive: {self.process.is_alive()}, exit code {self.process.exitcode},"
+            f" load average {os.getloadavg()[0]:.1f}; its start costs ~3.5 s of CPU, mostly importing nixl/torch)"
+        )
+        self.start_seconds = time.monotonic() - started
         self.metadata, self.bases = self.conn.recv()
 
     def notification(self) -> tuple[str, bytes] | None:
@@ -110,6 +115,31 @@ def test_read_from_dead_peer_raises_quickly(local: tuple[TransferAgent, list[tor
         assert isinstance(failure.value, PeerDisconnected), failure.value
         with pytest.raises(TransferError):
             agent.notify(name, b"anyone?")
+    finally:
+        peer.close()
+
+
+def test_liveness_probe_after_a_failed_read_tells_dead_from_alive(
+    local: tuple[TransferAgent, list[torch.Tensor]],
+) -> None:
+    # A read that hits a peer killed moments ago may fail as nixlBackendError (UCX's I/O error) before UCX ran
+    # the endpoint's error handler; the agent then probes the peer before naming the error. The probe itself:
+    agent, tensors = local
+    peer = Peer()
+    try:
+        _, remote, local_list = connect(agent, peer, tensors)
+        agent.read(local_list, np.arange(4), remote, np.arange(4), timeout_s=10)
+        started = time.monotonic()
+        assert agent._peer_gone(local_list, remote, 5, 6) is None  # alive: the one-row read works
+        assert torch.equal(tensors[0][5], pattern(0)[6])
+        agent.read(local_list, np.arange(1), remote, np.arange(1), notification=b"after-probe", timeout_s=10)
+        assert peer.notification() == (agent.name, b"after-probe")  # the probe itself notified nobody
+        peer.process.kill()
+        peer.process.join(10)
+        gone = agent._peer_gone(local_list, remote, 5, 6)
+        assert gone is not None and "isconnect" in gone, gone
+        assert time.monotonic() - started < 5.0  # bounded (0.5 s per probe at most, plus the kill)
+        assert agent.unreleased_transfers == 0
     finally:
         peer.close()
 

@@ -257,6 +257,7 @@ class TransferAgent:
         peer = remote.peer
         started = time.perf_counter()
         deadline = started + timeout_s
+        probe = (int(local_indices[0]), int(remote_indices[0]))  # rows for a liveness probe after an error
         with self._lock:
             try:
                 handle = self._nixl.make_prepped_xfer(
@@ -270,7 +271,7 @@ class TransferAgent:
                 try:
                     state = self._nixl.transfer(handle)
                 except Exception as error:
-                    raise self._wrap(error, f"posting a read from {peer}") from error
+                    raise self._read_error(error, f"posting a read from {peer}", local, remote, probe) from error
             posted = time.perf_counter()
             spins = 0
             while state == "PROC":
@@ -284,9 +285,9 @@ class TransferAgent:
                     try:
                         state = self._nixl.check_xfer_state(handle)
                     except Exception as error:
-                        raise self._wrap(error, f"reading from {peer}") from error
+                        raise self._read_error(error, f"reading from {peer}", local, remote, probe) from error
             if state != "DONE":
-                raise TransferError(f"agent {self.name}: read from {peer} ended in state {state}")
+                raise self._read_error(None, f"read from {peer} ended in state {state}", local, remote, probe)
             finished = time.perf_counter()
             num_bytes = int(local.row_lengths[local_indices].sum())
             return ReadStats(
@@ -313,6 +314,75 @@ class TransferAgent:
     def unreleased_transfers(self) -> int:
         """Transfers that timed out and that NIXL has not let go of yet (their local buffers may still change)."""
         return len(self._unreleased_xfers)
+
+    def _read_error(
+        self,
+        error: Exception | None,
+        what: str,
+        local: DescriptorList,
+        remote: DescriptorList,
+        probe_rows: tuple[int, int],
+    ) -> TransferError:
+        """The error to raise for a failed read. NIXL reports a dead peer as a remote disconnect only once UCX
+        ran the endpoint's error handler, which happens on a progress call *after* the failed copy itself: a
+        read that hits a peer killed moments ago can fail first as ``nixlBackendError`` (UCX "Input/output
+        error") or end in state ERR. Such failures are checked before they are reported as anything but
+        ``PeerDisconnected``."""
+        wrapped = self._wrap(error, what) if error is not None else TransferError(f"agent {self.name}: {what}")
+        if isinstance(wrapped, PeerDisconnected) or (error is not None and type(error).__name__ != "nixlBackendError"):
+            return wrapped
+        gone = self._peer_gone(local, remote, *probe_rows)
+        if gone is None:
+            return wrapped
+        return PeerDisconnected(f"agent {self.name}: {what}: peer disconnected ({gone}; first reported as {wrapped})")
+
+    def _peer_gone(
+        self, local: DescriptorList, remote: DescriptorList, local_row: int, remote_row: int, budget_s: float = 0.5
+    ) -> str | None:
+        """After a failed read: progress NIXL, then read one row again without a notification (into a row the
+        failed read was writing anyway). Returns NIXL's disconnect error if the peer is gone, ``None`` if the
+        probe read worked or failed otherwise (the original error stands). Bounded by ``budget_s``."""
+        deadline = time.perf_counter() + budget_s
+        while True:
+            self._poll_once()  # runs UCX's pending endpoint error handlers (and hands out notifications)
+            outcome = self._probe_read(local, remote, local_row, remote_row, deadline)
+            if outcome != "retry" or time.perf_counter() >= deadline:
+                return outcome if outcome not in ("alive", "retry", "other") else None
+            time.sleep(0.001)  # let the progress engine see the failure before the next probe
+
+    def _probe_read(
+        self, local: DescriptorList, remote: DescriptorList, local_row: int, remote_row: int, deadline: float
+    ) -> str:
+        """One one-row read: "alive", "retry" (another backend error), "other", or a disconnect's message."""
+        rows = (np.array([local_row], np.int32), np.array([remote_row], np.int32))
+        with self._lock:
+            try:
+                handle = self._nixl.make_prepped_xfer("READ", local.handle, rows[0], remote.handle, rows[1])
+            except Exception as error:
+                if _is_remote_disconnect(error):
+                    return f"{type(error).__name__}: {error}"
+                if type(error).__name__ == "nixlNotFoundError" and remote.peer in self._peers:
+                    return f"NIXL dropped the peer after a disconnect ({error})"  # we did not remove it
+                return "other"
+        try:
+            step: Callable[[object], str] = self._nixl.transfer
+            while True:
+                with self._lock:
+                    try:
+                        state = step(handle)
+                    except Exception as error:
+                        if _is_remote_disconnect(error):
+                            return f"{type(error).__name__}: {error}"
+                        return "retry" if type(error).__name__ == "nixlBackendError" else "other"
+                step = self._nixl.check_xfer_state
+                if state == "DONE":
+                    return "alive"
+                if state != "PROC":
+                    return "retry"
+                if time.perf_counter() >= deadline:
+                    return "other"
+        finally:
+            self._release_xfer(handle)
 
     def _wrap(self, error: Exception, what: str) -> TransferError:
         if _is_remote_disconnect(error):
