@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -310,6 +311,8 @@ PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
 MAX_TOKENS = 12
 UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
 RUN_SALT = time.time_ns() % 10**9
+#: The first test using the cluster also waits for its startup (the three servers start at once).
+E2E_TIMEOUT = pytest.mark.timeout(UP_TIMEOUT_S + 900)
 
 
 def _free_base_port() -> int:
@@ -440,6 +443,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--demo", "--model", DEFAULT_MODEL]
     command += ["--base-port", str(base), "--proxy-port", str(base - 1), "--log-dir", str(work / "logs")]
     command += ["--startup-timeout", str(UP_TIMEOUT_S)]
+    # SIGTERM to pytest (e.g. from `timeout`) must still run the teardown below: up and the reference live in their
+    # own sessions and would outlive it.
+    previous = signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
     started = time.monotonic()
     reference.start()
     with open(output, "wb") as out:
@@ -471,15 +477,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
             except ProcessLookupError:
                 pass
         reference.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
+@E2E_TIMEOUT
 def test_up_demo_printed_transfers(cluster: tuple[Cluster, VllmServer]) -> None:
     up, _ = cluster
     text = up.text()
     state = up.load_state()
     assert state["state"] == "ready" and state["proxy"] == f"http://127.0.0.1:{up.base_port - 1}"
     assert [p["name"] for p in state["processes"]] == ["prefill-0", "decode-0", "proxy"]
-    assert "curl -s http://127.0.0.1:" in text
+    curl = next(line.strip() for line in text.splitlines() if line.strip().startswith("curl -s http://127.0.0.1:"))
+    if shutil.which("curl"):  # the printed example works as printed
+        answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=True)
+        assert json.loads(answer.stdout)["choices"][0]["text"], answer.stdout
     demo = [line for line in text.splitlines() if "loaded over NIXL" in line]
     assert len(demo) == 4, text
     for line in demo:
@@ -502,6 +513,7 @@ CASES = [
 ]
 
 
+@E2E_TIMEOUT
 @pytest.mark.parametrize(("name", "endpoint", "streamed", "body"), CASES, ids=[c[0] for c in CASES])
 def test_proxy_answers_equal_a_plain_vllm_server(
     cluster: tuple[Cluster, VllmServer], name: str, endpoint: str, streamed: bool, body: dict
@@ -530,6 +542,7 @@ def test_proxy_answers_equal_a_plain_vllm_server(
     assert loaded == prompt_tokens, f"{name}: the decode loaded {loaded} of {prompt_tokens} prompt tokens"
 
 
+@E2E_TIMEOUT
 def test_interrupt_stops_every_process(cluster: tuple[Cluster, VllmServer]) -> None:
     """Runs last in this module: SIGINT to up, then nothing it started may be left."""
     up, _ = cluster
