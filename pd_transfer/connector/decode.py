@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
@@ -144,7 +145,9 @@ class DecodeRank:
         self.pipeline_groups = pipeline_groups
         self.staging_bytes = staging_bytes  # per half of the double-buffered staging area; 0: fix up in place
         self._staging: StagingArea | None = None
-        self._postprocess_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-transfer-postprocess")
+        self._postprocess_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
+        )
         self._packed_formats = packed_formats
         self.packed_staging_bytes = packed_staging_bytes
         self._packed_staging: dict[int, PackedStaging] = {}  # remote block size -> its staging area

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.metrics import TransferMetrics, default_metrics
@@ -56,7 +57,9 @@ class PrefillRank:
         self._cond = threading.Condition()
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
         self._reply_metadata: dict[str, bytes] = {}  # reader agent -> its connection metadata
-        self._replies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-transfer-confirm")
+        self._replies = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpin_current_thread
+        )
         self.malformed_notifications = 0
         self.unexpected_notifications = 0
         self.confirms_sent = 0

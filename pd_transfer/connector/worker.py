@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.topology.packed import PackedBlockFormat
@@ -74,7 +75,9 @@ class WorkerSide:
         self.prefill = PrefillRank(engine_id, cache, lease_seconds=config.lease_seconds, clock=clock)
         self._decode: DecodeRank | None = None
         self._decode_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(config.load_threads, thread_name_prefix=f"pd-transfer-load-tp{self.rank}")
+        self._pool = ThreadPoolExecutor(
+            config.load_threads, thread_name_prefix=f"pd-transfer-load-tp{self.rank}", initializer=unpin_current_thread
+        )
         self._lock = threading.Lock()
         self._sending: set[str] = set()
         self._completed: list[LoadOutcome] = []

@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from pd_transfer.affinity import unpin_current_thread
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,6 +65,7 @@ class AdaptivePoller:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        unpin_current_thread()  # not starved by an engine pinned to this process's core
         interval = self._idle_interval_s
         while not self._stop.is_set():
             try:
