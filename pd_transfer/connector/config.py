@@ -50,6 +50,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # long (doubling while it stays down, up to 3x); 0: off
     handshake_failure_backoff_s: float = 10.0
     load_threads: int = 4  # decode: background threads for pulls, releases and heartbeats
+    # an engine step that schedules nothing while blocks are held for readers or loads are in flight waits this
+    # long (engines such as vLLM step back to back until then, spinning a core); 0: off
+    idle_step_sleep_s: float = 0.005
 
     def __post_init__(self) -> None:
         problems = []
@@ -68,6 +71,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
             )
         if not self.handshake_failure_backoff_s >= 0:
             problems.append(f"handshake_failure_backoff_s: must be >= 0, got {self.handshake_failure_backoff_s!r}")
+        if not 0 <= self.idle_step_sleep_s <= 1:
+            problems.append(f"idle_step_sleep_s: must be within 0..1 s, got {self.idle_step_sleep_s!r}")
         if self.load_threads < 1:
             problems.append(f"load_threads: must be at least 1, got {self.load_threads}")
         if self.secret is not None and not self.secret:

@@ -381,3 +381,10 @@ class SchedulerSide:
         """Prefill side: requests whose blocks the workers hold."""
         with self._lock:
             return len(self._holding)
+
+    @property
+    def waiting_on_transfers(self) -> bool:
+        """Blocks are held for readers (prefill side) or loads are pending (decode side): an engine with nothing
+        else to do steps only to learn when these end."""
+        with self._lock:
+            return bool(self._holding or self._remotes)
