@@ -35,12 +35,15 @@ pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""), p
 
 from vllm_servers import (  # noqa: E402
     DEFAULT_MODEL,
+    PREFILL_LEASE_S,
+    SMALL_BLOCK,
+    SMALL_LEASE_S,
     HttpError,
     VllmServer,
     completion,
     free_port,
-    kv_transfer_config,
     make_servers,
+    make_small_server,
     metric_lines,
     metric_value,
     start_all,
@@ -52,6 +55,20 @@ MAX_TOKENS = 16
 EXTERNAL = "external_kv_transfer"
 PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
 USAGE_METRIC = "vllm:kv_cache_usage_perc"
+#: ours, exported through vLLM's connector metrics hooks
+PULLS_METRIC = "vllm:pd_transfer_pull_seconds_count"
+LEASES_METRIC = "vllm:pd_transfer_leases_ended_total"
+UNCONFIRMED_METRIC = "vllm:pd_transfer_unconfirmed_reads_total"
+
+
+def _wait_metric(url: str, name: str, at_least: float, timeout_s: float = 15.0, **labels: str) -> float:
+    """Poll ``url``'s /metrics until ``name`` (summed over ``labels``) reaches ``at_least``; fails after timeout_s.
+    (Connector stats reach vLLM's /metrics with the engine's next step report, a moment after the event.)"""
+    deadline = time.monotonic() + timeout_s
+    while (value := metric_value(url, name, **labels)) < at_least:
+        assert time.monotonic() < deadline, f"{name}{labels} at {url} is {value}, expected >= {at_least}"
+        time.sleep(0.1)
+    return value
 
 
 class Servers:
@@ -123,6 +140,8 @@ def test_pd_tokens_match_reference(servers: Servers, length: int, name: str) -> 
     prompt = _prompt(length, seed=length)
     reference = tokens_of(completion(servers.reference, servers.model, prompt, MAX_TOKENS))
     before = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL)
+    pulls_before = metric_value(servers.decode, PULLS_METRIC)
+    reads_before = metric_value(servers.prefill, LEASES_METRIC, reason="read")
     first, second, timings = _pd(servers, prompt, f"pd-{length}-{time.time_ns()}")
     params = first["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == length, params
@@ -142,6 +161,9 @@ def test_pd_tokens_match_reference(servers: Servers, length: int, name: str) -> 
         f"decode counted {after - before} prompt tokens under {EXTERNAL}, expected {length}:\n"
         + "\n".join(metric_lines(servers.decode, "prompt_tokens_by_source"))
     )
+    # our own metrics on vLLM's /metrics: the decode's load, the prefill's lease ended by the read
+    _wait_metric(servers.decode, PULLS_METRIC, pulls_before + 1)
+    _wait_metric(servers.prefill, LEASES_METRIC, reads_before + 1, reason="read")
 
 
 def _wait_prefill_idle(servers: Servers, timeout_s: float) -> float:
@@ -237,57 +259,136 @@ def test_malformed_params_compute_locally_and_engine_survives(servers: Servers) 
 
 
 @pytest.fixture(scope="module")
-def prefill_block64(servers: Servers) -> Iterator[str]:
-    """A prefill server with 64-token blocks (the decode's are 128): started on demand, after the others."""
+def small_blocks(servers: Servers) -> Iterator[str]:
+    """The server of 32-token blocks (``make_small_server``): started after the others."""
     reuse = os.environ.get("PD_TRANSFER_VLLM_URLS")
     if reuse:
         urls = dict(item.split("=", 1) for item in reuse.split(","))
-        if "prefill64" in urls:
-            yield urls["prefill64"]
+        if "small" in urls:
+            yield urls["small"]
             return
     logs = Path(os.environ.get("PD_TRANSFER_VLLM_LOGS", "/tmp/pd-transfer-vllm-test"))
-    handle = VllmServer(
-        "prefill64",
-        servers.model,
-        free_port(),
-        logs / "prefill64.log",
-        cpu_bind="0",
-        kv_config=kv_transfer_config(free_port()),
-        block_size=64,
-    )
+    handle = make_small_server(servers.model, logs)
     started = time.monotonic()
     start_all([handle])
-    print(f"\nprefill (block 64) healthy after {time.monotonic() - started:.0f} s")
+    print(f"\nserver of {SMALL_BLOCK}-token blocks healthy after {time.monotonic() - started:.0f} s")
+    servers.handles.append(handle)
     try:
         yield handle.url
     finally:
         handle.stop()
 
 
-def test_block_size_mismatch_is_computed_locally(servers: Servers, prefill_block64: str) -> None:
-    """vLLM CPU packs K and V inside a block by ISA and block size: we do not regroup such blocks, so a
-    prefill of 64-token blocks is refused by a decode of 128-token blocks, and the decode computes the prompt."""
-    prompt = _prompt(3 * BLOCK + 9, seed=31)
+def _hop(prefill: str, decode: str, model: str, prompt: list[int], tag: str) -> tuple[dict, dict, float]:
+    first = completion(prefill, model, prompt, 1, kv_transfer_params={"do_remote_decode": True}, request_id=tag)
+    started = time.perf_counter()
+    second = completion(decode, model, prompt, MAX_TOKENS, kv_transfer_params=first["kv_transfer_params"])
+    return first, second, time.perf_counter() - started
+
+
+def _wait_idle(url: str, timeout_s: float) -> float:
+    """Seconds until ``url``'s KV cache usage is 0 (no blocks held); fails after ``timeout_s``."""
+    started = time.monotonic()
+    while (usage := metric_value(url, USAGE_METRIC)) > 0:
+        assert time.monotonic() - started < timeout_s, f"{url} still holds blocks (usage {usage})"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("direction", ["32 -> 128", "128 -> 32"])
+@pytest.mark.parametrize("length", [50, 3 * BLOCK + 9])
+def test_pd_across_block_sizes(servers: Servers, small_blocks: str, direction: str, length: int) -> None:
+    """vLLM CPU packs K and V inside each block by ISA and block size: the decode reads whole prefill blocks
+    and regroups them element by element. Tokens equal the reference's; every prompt token is loaded."""
+    prefill, decode = (small_blocks, servers.decode) if direction == "32 -> 128" else (servers.prefill, small_blocks)
+    prompt = _prompt(length, seed=400 + length + (direction == "128 -> 32"))
     reference = tokens_of(completion(servers.reference, servers.model, prompt, MAX_TOKENS))
-    first = completion(prefill_block64, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    before = metric_value(decode, PROMPT_METRIC, source=EXTERNAL)
+    first, second, decode_s = _hop(prefill, decode, servers.model, prompt, f"blocks-{length}-{time.time_ns()}")
     params = first["kv_transfer_params"]
-    assert params["remote_block_size"] == 64 and len(params["remote_block_ids"][0]) == 7, params
-    before = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL)
-    started = time.perf_counter()
-    second = completion(servers.decode, servers.model, prompt, MAX_TOKENS, kv_transfer_params=params)
-    elapsed = time.perf_counter() - started
-    external = metric_value(servers.decode, PROMPT_METRIC, source=EXTERNAL) - before
-    print(f"\nblock 64 -> 128: computed locally in {elapsed:.2f} s, external_kv_transfer +{external:.0f}")
+    remote_block = SMALL_BLOCK if direction == "32 -> 128" else BLOCK
+    assert params["remote_block_size"] == remote_block and len(params["remote_block_ids"][0]) == -(
+        -length // remote_block
+    ), params
+    external = metric_value(decode, PROMPT_METRIC, source=EXTERNAL) - before
+    freed = _wait_idle(prefill, timeout_s=10.0)
+    print(
+        f"\nblocks {direction}, {length} tokens: decode {decode_s * 1e3:.0f} ms, external_kv_transfer"
+        f" +{external:.0f}, equal {tokens_of(second) == reference}, prefill freed {freed:.2f} s after"
+    )
+    assert tokens_of(second) == reference, f"{tokens_of(second)}\n{reference}\n{servers.logs()}"
+    assert external == length
+
+
+def test_never_read_is_freed_at_the_lease_end(servers: Servers, small_blocks: str) -> None:
+    """A prefill whose decode never comes frees the blocks when the lease runs out, not before."""
+    _wait_idle(small_blocks, timeout_s=30.0)
+    expired_before = metric_value(small_blocks, LEASES_METRIC, reason="expired")
+    prompt = _prompt(4 * SMALL_BLOCK + 3, seed=501)
+    completion(small_blocks, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    started = time.monotonic()
+    assert metric_value(small_blocks, USAGE_METRIC) > 0, "the prefill does not hold the blocks"
+    freed = _wait_idle(small_blocks, timeout_s=SMALL_LEASE_S + 20)
+    print(f"\nnever read: freed {freed:.1f} s after the prefill answered (lease {SMALL_LEASE_S:g} s)")
+    assert time.monotonic() - started >= SMALL_LEASE_S - 2.0, "freed before the lease ran out"
+    _wait_metric(small_blocks, LEASES_METRIC, expired_before + 1, reason="expired")
+
+
+def test_decode_abort_leaves_nothing_held(servers: Servers, small_blocks: str) -> None:
+    """A decode request whose client goes away at once: nothing stays held on either side, and both serve on."""
+    prompt = _prompt(6 * SMALL_BLOCK, seed=502)
+    first = completion(small_blocks, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    try:
+        completion(
+            servers.decode, servers.model, prompt, 200, kv_transfer_params=first["kv_transfer_params"], timeout_s=0.05
+        )
+    except OSError:
+        pass  # the client gave up: the server aborts the request
+    freed = _wait_idle(small_blocks, timeout_s=SMALL_LEASE_S + 20)
+    _wait_idle(servers.decode, timeout_s=30.0)
+    print(f"\ndecode aborted: prefill freed after {freed:.2f} s")
+    fresh = _prompt(2 * SMALL_BLOCK + 1, seed=503)
+    reference = tokens_of(completion(servers.reference, servers.model, fresh, MAX_TOKENS))
+    _, second, _ = _hop(small_blocks, servers.decode, servers.model, fresh, f"after-abort-{time.time_ns()}")
     assert tokens_of(second) == reference
-    assert external == 0
-    # without remote_block_size in the params, the worker's handshake refuses it (the fingerprint names the
-    # packing and block size): the load fails, and the prompt is recomputed, still right
-    # (a prompt of its own: the decode has the first one cached now)
-    prompt = _prompt(3 * BLOCK + 9, seed=32)
+
+
+def test_read_after_the_lease_recomputes(servers: Servers, small_blocks: str) -> None:
+    """The decode comes after the lease ran out and the prefill reused the blocks for other prompts: the read
+    is not confirmed, the decode (policy ``recompute``) recomputes the prompt, and its tokens are right."""
+    prompt = _prompt(5 * SMALL_BLOCK + 7, seed=601)
     reference = tokens_of(completion(servers.reference, servers.model, prompt, MAX_TOKENS))
-    first = completion(prefill_block64, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
-    stripped = {key: value for key, value in first["kv_transfer_params"].items() if key != "remote_block_size"}
+    first = completion(small_blocks, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    _wait_idle(small_blocks, timeout_s=SMALL_LEASE_S + 20)
+    for index in range(5):  # 5 x 1900 tokens cycle the whole 256-block cache: the blocks now hold other KV
+        completion(small_blocks, servers.model, _prompt(1900, seed=610 + index), 1)
+    unconfirmed_before = metric_value(servers.decode, UNCONFIRMED_METRIC)
     started = time.perf_counter()
-    third = completion(servers.decode, servers.model, prompt, MAX_TOKENS, kv_transfer_params=stripped)
-    print(f"without remote_block_size: refused at the handshake, recomputed in {time.perf_counter() - started:.2f} s")
-    assert tokens_of(third) == reference
+    second = completion(
+        servers.decode, servers.model, prompt, MAX_TOKENS, kv_transfer_params=first["kv_transfer_params"]
+    )
+    print(f"\nstale read, recompute: answered in {time.perf_counter() - started:.2f} s")
+    assert tokens_of(second) == reference, servers.logs()
+    _wait_metric(servers.decode, UNCONFIRMED_METRIC, unconfirmed_before + 1)
+
+
+def test_read_after_the_lease_fails_clearly(servers: Servers, small_blocks: str) -> None:
+    """The same with a decode of policy ``fail``: the request ends with an error, never with stale KV."""
+    prompt = _prompt(3 * BLOCK + 7, seed=602)
+    first = completion(servers.prefill, servers.model, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    _wait_idle(servers.prefill, timeout_s=PREFILL_LEASE_S + 20)
+    started = time.perf_counter()
+    try:
+        response = completion(
+            small_blocks, servers.model, prompt, MAX_TOKENS, kv_transfer_params=first["kv_transfer_params"]
+        )
+        outcome = f"finish_reason {response['choices'][0].get('finish_reason')!r}: {response}"
+    except HttpError as error:
+        outcome = f"HTTP {error.status}: {error.body[:300]}"
+    print(f"\nstale read, fail: {outcome[:300]} in {time.perf_counter() - started:.2f} s")
+    assert "HTTP" in outcome or "'error'" in outcome, outcome
+    # and the server keeps serving
+    fresh = _prompt(40, seed=603)
+    assert tokens_of(completion(small_blocks, servers.model, fresh, MAX_TOKENS)) == tokens_of(
+        completion(servers.reference, servers.model, fresh, MAX_TOKENS)
+    )

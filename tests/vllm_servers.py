@@ -266,10 +266,10 @@ def metric_value(base_url: str, name: str, **labels: str) -> float:
 
 
 def main(argv: list[str]) -> int:
-    """Start prefill, decode and reference servers, print how to reuse them, stop on Ctrl-C / SIGTERM."""
+    """Start the test servers (prefill, decode, reference, small), print how to reuse them, stop on Ctrl-C."""
     model = argv[1] if len(argv) > 1 else DEFAULT_MODEL
     logs = Path(os.environ.get("PD_TRANSFER_VLLM_LOGS", "/tmp/pd-transfer-vllm"))
-    servers = make_servers(model, logs)
+    servers = [*make_servers(model, logs), make_small_server(model, logs)]
     started = time.monotonic()
     start_all(servers)
     print(
@@ -291,6 +291,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+#: The prefill's lease in the shared fixture: long enough for any read, short enough for tests to outwait.
+PREFILL_LEASE_S = 15.0
+
+
 def make_servers(model: str, logs: Path, block_size: int | None = None) -> list[VllmServer]:
     prefill_side = free_port()
     decode_side = free_port()
@@ -301,7 +305,7 @@ def make_servers(model: str, logs: Path, block_size: int | None = None) -> list[
             free_port(),
             logs / "prefill.log",
             cpu_bind="0",
-            kv_config=kv_transfer_config(prefill_side),
+            kv_config=kv_transfer_config(prefill_side, lease_seconds=PREFILL_LEASE_S),
             block_size=block_size,
         ),
         VllmServer(
@@ -315,6 +319,25 @@ def make_servers(model: str, logs: Path, block_size: int | None = None) -> list[
         ),
         VllmServer("reference", model, free_port(), logs / "reference.log", cpu_bind="0", block_size=block_size),
     ]
+
+
+SMALL_BLOCK = 32
+SMALL_LEASE_S = 20.0
+
+
+def make_small_server(model: str, logs: Path) -> VllmServer:
+    """A server of 32-token blocks (the others use 128), both prefill and decode: lease 20 s, failure policy
+    ``fail``, and a small cache (256 blocks) so that freed blocks are soon reused."""
+    return VllmServer(
+        "small",
+        model,
+        free_port(),
+        logs / "small.log",
+        cpu_bind="1",
+        kv_config=kv_transfer_config(free_port(), lease_seconds=SMALL_LEASE_S, failure_policy="fail"),
+        block_size=SMALL_BLOCK,
+        extra_args=("--num-gpu-blocks-override", "256"),
+    )
 
 
 if __name__ == "__main__":

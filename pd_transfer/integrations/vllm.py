@@ -24,13 +24,16 @@ engine on the side channel. ``kv_transfer_params`` use the keys of vLLM's NixlCo
 block_size, 2 * head_size]``: per (block, head), a K half then a V half, each packed in an order that depends
 on the ISA and dtype. We describe it as one plane per layer (kind ``"k"``) in ``HND`` with an effective
 head size of ``2 * head_size``, so whole (block, head) runs move byte for byte and head slicing (different TP
-sizes) stays right. Regrouping blocks of a different size would have to know the packing, which we do not:
-the packing (backend, ISA, block size) is part of the model fingerprint, so engines of different block
-sizes or ISAs are refused at the handshake, naming the difference, and the request is computed locally.
+sizes) stays right, and name the packing in the layout (``vllm-cpu-attn:<isa>``). Across block sizes the
+decode side reads whole remote (block, head) chunks into a staging area and regroups them element by element
+(:class:`~pd_transfer.topology.packed.PackedRegroup`). Where each element sits is not hard-coded: it is
+measured once per block size by running vLLM's own ``cpu_attn_reshape_and_cache`` kernel on numbered
+vectors (:func:`measure_packing`). Engines of different ISAs are refused at the handshake, naming both.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -47,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
@@ -55,6 +58,8 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.metrics import default_metrics
+from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
 
 if TYPE_CHECKING:
@@ -106,34 +111,120 @@ class PdTransferHandshakeMetadata(KVConnectorHandshakeMetadata):
     rank_metadata: bytes
 
 
+#: Counters of the worker process's own pd-transfer metrics whose per-step increments go to vLLM's /metrics
+_COUNTED = {
+    "unconfirmed_reads": ("pd_transfer_unconfirmed_reads_total", {}),
+    "leases_read": ("pd_transfer_leases_ended_total", {"reason": "read"}),
+    "leases_expired": ("pd_transfer_leases_ended_total", {"reason": "expired"}),
+    "leases_aborted": ("pd_transfer_leases_ended_total", {"reason": "aborted"}),
+}
+
+
 @dataclass
 class PdTransferStats(KVConnectorStats):
-    """Per-interval counters of the decode workers' loads (plain data: it crosses processes)."""
+    """What the workers did since their last report (plain data: it crosses processes).
+
+    ``pulls``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read]`` per loaded
+    request; ``failed_loads``; and the increments of the counters in :data:`_COUNTED`.
+    """
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"loads": 0, "failed_loads": 0, "bytes": 0, "seconds": 0.0}
+        self.data = {"pulls": [], "failed_loads": 0, **dict.fromkeys(_COUNTED, 0)}
 
     def is_empty(self) -> bool:
-        return self.data.get("loads", 0) == 0 and self.data.get("failed_loads", 0) == 0
+        return not self.data.get("pulls") and not any(self.data.get(key, 0) for key in ("failed_loads", *_COUNTED))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
-    def reduce(self) -> dict[str, int | float]:
-        loads = self.data.get("loads", 0)
-        seconds = self.data.get("seconds", 0.0)
+    def reduce(self) -> dict[str, int | float | str]:
+        pulls = self.data.get("pulls", [])
+        seconds = sum(pull[0] for pull in pulls)
         return {
-            "loads": loads,
+            "loads": len(pulls),
             "failed_loads": self.data.get("failed_loads", 0),
-            "MiB loaded": round(self.data.get("bytes", 0) / 2**20, 3),
-            "avg load ms": round(seconds / loads * 1e3, 3) if loads else 0.0,
+            "MiB loaded": round(sum(pull[1] for pull in pulls) / 2**20, 3),
+            "avg load ms": round(seconds / len(pulls) * 1e3, 3) if pulls else 0.0,
+            "unconfirmed_reads": self.data.get("unconfirmed_reads", 0),
+            "leases read/expired/aborted": "/".join(
+                str(self.data.get(key, 0)) for key in ("leases_read", "leases_expired", "leases_aborted")
+            ),
         }
+
+
+class PdTransferPromMetrics(KVConnectorPromMetrics):
+    """pd-transfer's metrics on vLLM's ``/metrics`` (``vllm:pd_transfer_*``), per engine."""
+
+    _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+    _BYTES = tuple(2.0 ** (12 + 2 * i) for i in range(12))  # 4 KiB .. 16 GiB
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any, *extra: str) -> dict[int, Any]:
+            return {engine: metric.labels(*values, *extra) for engine, values in per_engine_labelvalues.items()}
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> dict[int, Any]:
+            metric = self._histogram_cls(
+                name=name, documentation=documentation, buckets=list(buckets), labelnames=labelnames
+            )
+            return per_engine(metric)
+
+        def counter(name: str, documentation: str) -> dict[int, Any]:
+            return per_engine(self._counter_cls(name=name, documentation=documentation, labelnames=labelnames))
+
+        self.pull_seconds = histogram(
+            "vllm:pd_transfer_pull_seconds", "Seconds of a request's KV load, first read to usable KV", self._SECONDS
+        )
+        self.pull_bytes = histogram("vllm:pd_transfer_pull_bytes", "Bytes of KV loaded per request", self._BYTES)
+        self.fixup_seconds = histogram(
+            "vllm:pd_transfer_fixup_exposed_seconds",
+            "Seconds the layout fix-up (block-size regroup) added after a load's last read",
+            self._SECONDS,
+        )
+        self.pulled_bytes = counter("vllm:pd_transfer_pulled_bytes", "Bytes of KV loaded from prefill engines")
+        self.failed_loads = counter(
+            "vllm:pd_transfer_failed_loads", "KV loads that failed (the failure policy was applied)"
+        )
+        self.unconfirmed_reads = counter(
+            "vllm:pd_transfer_unconfirmed_reads",
+            "Reads the prefill did not confirm as covered by its lease: discarded, never used as KV",
+        )
+        leases = self._counter_cls(
+            name="vllm:pd_transfer_leases_ended",
+            documentation="Blocks held for decode readers, by how the hold ended: read, expired, aborted",
+            labelnames=[*labelnames, "reason"],
+        )
+        self.leases = {reason: per_engine(leases, reason) for reason in ("read", "expired", "aborted")}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data
+        for seconds, num_bytes, _rows, fixup in data.get("pulls", []):
+            self.pull_seconds[engine_idx].observe(seconds)
+            self.pull_bytes[engine_idx].observe(num_bytes)
+            self.fixup_seconds[engine_idx].observe(fixup)
+            self.pulled_bytes[engine_idx].inc(num_bytes)
+        for key, metric in (("failed_loads", self.failed_loads), ("unconfirmed_reads", self.unconfirmed_reads)):
+            if data.get(key):
+                metric[engine_idx].inc(data[key])
+        for reason, metric in self.leases.items():
+            if data.get(f"leases_{reason}"):
+                metric[engine_idx].inc(data[f"leases_{reason}"])
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -150,6 +241,41 @@ def _attention_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dt
     except Exception as error:  # private helper: keep working if it moves, but say so
         logger.warning("could not determine the CPU attention ISA (%s); fingerprint says 'unknown'", error)
         return "unknown"
+
+
+#: digits of the numbers written into probe vectors: exact in every float type the CPU cache uses
+_PROBE_BASE = 64
+
+
+def measure_packing(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> PackedBlockFormat:
+    """Where vLLM's CPU attention kernel puts each K and V element of a (block, head) of ``block_size``
+    tokens, measured: numbered vectors go through ``cpu_attn_reshape_and_cache`` into a one-block cache
+    (a digit in base 64 per pass, so the numbers stay exact in bfloat16), and their positions are read back."""
+    from vllm import _custom_ops as ops
+
+    elements = block_size * head_size
+    offsets = []
+    for half in (0, 1):  # K, then V
+        number_at = torch.zeros(elements, dtype=torch.int64)
+        passes = 1
+        while _PROBE_BASE**passes < elements:
+            passes += 1
+        for digit in range(passes):
+            numbers = ((torch.arange(elements) // _PROBE_BASE**digit) % _PROBE_BASE).to(dtype)
+            probe = numbers.view(block_size, 1, head_size)
+            zero = torch.zeros_like(probe)
+            cache = torch.full((1, 1, 2 * block_size, head_size), -1, dtype=dtype)
+            key_cache, value_cache = cache.chunk(2, dim=2)
+            key, value = (probe, zero) if half == 0 else (zero, probe)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(block_size), isa)
+            written = cache.view(-1)[half * elements : (half + 1) * elements].to(torch.int64)
+            if bool((written < 0).any()):
+                raise RuntimeError(f"the {isa} kernel left parts of a {block_size}-token block unwritten")
+            number_at += written * _PROBE_BASE**digit
+        position = torch.empty(elements, dtype=torch.int64)
+        position[number_at] = torch.arange(elements) + half * elements
+        offsets.append(position.view(block_size, head_size))
+    return PackedBlockFormat(block_size, head_size, offsets[0], offsets[1])
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -201,6 +327,7 @@ class PdTransferConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}  # request id -> locally cached tokens at the last match
         self._last_outcome: object | None = None
+        self._counted: dict[str, float] = {}  # last values of the _COUNTED counters
         if role == KVConnectorRole.SCHEDULER:
             from pd_transfer.connector.scheduler import SchedulerSide
 
@@ -224,7 +351,17 @@ class PdTransferConnector(KVConnectorBase_V1):
         from pd_transfer.connector.worker import WorkerSide
 
         layout, cache = self._describe_cache(kv_caches, get_tp_group().rank_in_group)
-        self._worker = WorkerSide(self.engine_id, cache, self.config)
+        isa = (layout.packing or "").removeprefix("vllm-cpu-attn:")
+        dtype = cache.tensors[0].dtype
+        head_size = layout.fingerprint.head_size // 2
+
+        @functools.cache
+        def packed_formats(block_size: int) -> PackedBlockFormat:
+            return measure_packing(isa, dtype, block_size, head_size)
+
+        if self._vllm_config.cache_config.cache_dtype not in (None, "auto"):
+            packed_formats = None  # type: ignore[assignment]  # quantised caches: equal block sizes only
+        self._worker = WorkerSide(self.engine_id, cache, self.config, packed_formats=packed_formats)
         logger.info(
             "pd-transfer worker tp%d/%d: %d layer(s) x %d blocks registered (%.0f MiB), fingerprint %s",
             layout.tp_rank,
@@ -256,15 +393,19 @@ class PdTransferConnector(KVConnectorBase_V1):
                 raise ValueError(f"KV cache of layer {name} differs from {names[0]}: {tensor.shape} {tensor.dtype}")
         isa = _attention_isa(first.dtype, self.block_size, head_size, self._vllm_config.cache_config.cache_dtype)
         fingerprint = ModelFingerprint(
-            # the packing inside a block is part of what both sides must agree on
-            model=f"{model.model}#cpu_attn:{isa}:block{self.block_size}",
+            model=str(model.model),
             dtype=_dtype_name(first.dtype),
             num_layers=len(tensors),
             total_num_kv_heads=int(model.get_total_num_kv_heads()),
             head_size=2 * head_size,  # K half + V half of a (block, head), moved as one
         )
         layout = KVCacheLayout(
-            fingerprint=fingerprint, tp_size=self.tp_size, tp_rank=tp_rank, block_size=self.block_size, layout="HND"
+            fingerprint=fingerprint,
+            tp_size=self.tp_size,
+            tp_rank=tp_rank,
+            block_size=self.block_size,
+            layout="HND",
+            packing=f"vllm-cpu-attn:{isa}",  # both sides must pack alike; block sizes may differ
         )
         if first.shape[1] != layout.num_local_heads:
             raise ValueError(
@@ -338,18 +479,8 @@ class PdTransferConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         try:
-            outcomes = list(self._worker.outcomes)  # bounded, newest last
-            fresh = []
-            for outcome in reversed(outcomes):
-                if outcome is self._last_outcome:
-                    break
-                fresh.append(outcome)
-            if outcomes:
-                self._last_outcome = outcomes[-1]
-            if not fresh:
-                return None
             stats = PdTransferStats()
-            for outcome in fresh:
+            for outcome in self._fresh_outcomes():
                 pulled = outcome.stats
                 logger.debug(
                     "request %s: load %s in %.2f ms%s",
@@ -361,21 +492,48 @@ class PdTransferConnector(KVConnectorBase_V1):
                     else f" ({pulled.bytes / 2**20:.2f} MiB, {pulled.descriptors} descriptors,"
                     f" read {pulled.read_seconds * 1e3:.2f} ms)",
                 )
-                if outcome.ok:
-                    stats.data["loads"] += 1
-                    stats.data["seconds"] += outcome.seconds
-                    if outcome.stats is not None:
-                        stats.data["bytes"] += outcome.stats.bytes
-                else:
+                if not outcome.ok:
                     stats.data["failed_loads"] += 1
-            return stats
+                elif pulled is not None:
+                    stats.data["pulls"].append(
+                        [outcome.seconds, pulled.bytes, pulled.descriptors, pulled.postprocess_exposed_seconds]
+                    )
+            registry = default_metrics().registry
+            for key, (sample, labels) in _COUNTED.items():
+                value = registry.get_sample_value(sample, labels) or 0.0
+                stats.data[key] = int(value - self._counted.get(key, 0.0))
+                self._counted[key] = value
+            return None if stats.is_empty() else stats
         except Exception:
             logger.exception("pd-transfer worker: stats failed")
             return None
 
+    def _fresh_outcomes(self) -> list[Any]:
+        """The worker's load outcomes since the last call, oldest first."""
+        assert self._worker is not None
+        outcomes = list(self._worker.outcomes)  # bounded, newest last
+        fresh = []
+        for outcome in reversed(outcomes):
+            if outcome is self._last_outcome:
+                break
+            fresh.append(outcome)
+        if outcomes:
+            self._last_outcome = outcomes[-1]
+        return fresh[::-1]
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return PdTransferStats(data=dict(data)) if data is not None else PdTransferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return PdTransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for closer in (self._worker, self._scheduler):
@@ -424,29 +582,7 @@ class PdTransferConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         if not params:
             return 0, False
-        try:
-            remote_block = params.get("remote_block_size") if isinstance(params, dict) else None
-            if (
-                isinstance(remote_block, int)
-                and not isinstance(remote_block, bool)
-                and params.get("do_remote_prefill") is True
-                and remote_block != self.block_size
-            ):
-                # nesting block sizes would need a regroup that knows vLLM CPU's packing: not supported
-                if request.request_id not in self._local_hits:
-                    logger.error(
-                        "request %s: remote block size %d != local %d: not supported for vLLM CPU caches;"
-                        " computing the prompt locally",
-                        request.request_id,
-                        remote_block,
-                        self.block_size,
-                    )
-                self._local_hits[request.request_id] = num_computed_tokens
-                return 0, False
-            self._local_hits[request.request_id] = num_computed_tokens
-        except Exception:
-            logger.exception("request %s: checking kv_transfer_params failed", request.request_id)
-            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
         tokens, load = self._scheduler.get_num_new_matched_tokens(
             request.request_id, _prompt_len(request), num_computed_tokens, params
         )
@@ -468,7 +604,17 @@ class PdTransferConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return PdTransferMetadata(StepMetadata())
         try:
-            return PdTransferMetadata(self._scheduler.build_step_metadata())
+            metadata = PdTransferMetadata(self._scheduler.build_step_metadata())
+            if (
+                self.config.idle_step_sleep_s > 0
+                and scheduler_output.total_num_scheduled_tokens == 0
+                and metadata.step.empty
+                and self._scheduler.waiting_on_transfers
+            ):
+                # vLLM steps back to back while requests wait on us (held blocks, loads): a core spent
+                # polling, taken from the transfers themselves on a small machine. Pace such idle steps.
+                time.sleep(self.config.idle_step_sleep_s)
+            return metadata
         except Exception:
             logger.exception("pd-transfer: building the step's metadata failed")
             return PdTransferMetadata(StepMetadata())
