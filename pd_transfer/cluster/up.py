@@ -39,17 +39,16 @@ STATE_FILE = "cluster.json"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``pd-transfer up`` (for wiring into another parser)."""
-    parser.add_argument("--demo", action="store_true", help="once up, send a few greedy requests through the proxy")
     parser.add_argument(
-        "--check",
+        "--demo",
         action="store_true",
-        help="with --demo: also start a plain vLLM server (no connector) and compare every answer with it",
+        help="once up, send a few greedy requests through the proxy, compare every answer with a plain vLLM server"
+        " (no connector, started alongside), print them with what moved, then stop everything (exit 1 on a failure)",
     )
     parser.add_argument(
-        "--exit-after-demo",
-        action="store_true",
-        help="with --demo: stop the cluster after the demo (exit 1 if it failed)",
+        "--no-check", action="store_true", help="with --demo: no plain server, no comparison (one server fewer)"
     )
+    parser.add_argument("--keep", action="store_true", help="with --demo: keep the cluster running after the demo")
     parser.add_argument(
         "--model",
         type=Path,
@@ -84,8 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> list[str]:
-    """What is wrong with the arguments, one message each (empty: fine)."""
+    """What is wrong with the arguments, one message each (empty: fine). Sets ``args.check`` and
+    ``args.exit_after_demo`` from ``--demo``, ``--no-check`` and ``--keep``."""
     problems = []
+    args.check = bool(args.demo and not args.no_check)
+    args.exit_after_demo = bool(args.demo and not args.keep)
     for name in ("prefill", "decode"):
         value = getattr(args, name)
         if not 1 <= value <= MAX_SERVERS:
@@ -103,10 +105,9 @@ def validate(args: argparse.Namespace) -> list[str]:
         problems.append(f"--max-model-len must be positive, not {args.max_model_len}")
     if not args.kvcache_gib > 0:
         problems.append(f"--kvcache-gib must be positive, not {args.kvcache_gib}")
-    if args.check and not args.demo:
-        problems.append("--check compares the demo's answers: give --demo too")
-    if args.exit_after_demo and not args.demo:
-        problems.append("--exit-after-demo needs --demo")
+    for flag in ("no_check", "keep"):
+        if getattr(args, flag) and not args.demo:
+            problems.append(f"--{flag.replace('_', '-')} goes with --demo")
     servers = max(0, args.prefill) + max(0, args.decode) + (1 if args.check else 0)
     if not 1 <= args.proxy_port <= 65535:
         problems.append(f"--proxy-port {args.proxy_port} is outside 1..65535")
@@ -152,11 +153,12 @@ def _cpu_list(cpus: Sequence[int]) -> str:
 class PlannedServer:
     name: str
     spec: ServerSpec
-    connector: bool  # False: the plain reference server of --check
+    connector: bool  # False: the plain reference server of --demo
 
 
 def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list[PlannedServer]:
-    """The servers of the cluster: prefills, decodes, then the reference (``--check``), ports and CPUs assigned."""
+    """The servers of the cluster: prefills, decodes, then the plain reference (``--demo``),
+    ports and CPUs assigned."""
     kinds = [("prefill", args.prefill_tp, args.prefill_block_size, True)] * args.prefill
     kinds += [("decode", args.decode_tp, args.decode_block_size, True)] * args.decode
     if args.check:
