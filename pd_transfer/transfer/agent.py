@@ -267,11 +267,14 @@ class TransferAgent:
                 raise self._wrap(error, f"preparing a read of {len(local_indices)} rows from {peer}") from error
         released = False
         try:
+            failure: Exception | None = None
             with self._lock:
                 try:
                     state = self._nixl.transfer(handle)
                 except Exception as error:
-                    raise self._read_error(error, f"posting a read from {peer}", local, remote, probe) from error
+                    failure = error
+            if failure is not None:  # probed outside the lock: the poller and other reads go on meanwhile
+                raise self._read_error(failure, f"posting a read from {peer}", local, remote, probe) from failure
             posted = time.perf_counter()
             spins = 0
             while state == "PROC":
@@ -285,7 +288,9 @@ class TransferAgent:
                     try:
                         state = self._nixl.check_xfer_state(handle)
                     except Exception as error:
-                        raise self._read_error(error, f"reading from {peer}", local, remote, probe) from error
+                        failure = error
+                if failure is not None:
+                    raise self._read_error(failure, f"reading from {peer}", local, remote, probe) from failure
             if state != "DONE":
                 raise self._read_error(None, f"read from {peer} ended in state {state}", local, remote, probe)
             finished = time.perf_counter()
