@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -531,8 +532,15 @@ def test_cli_arguments_make_the_config() -> None:
 def test_bench_runs_the_proxy_and_stand_ins_as_processes() -> None:
     from pd_transfer.proxy.bench import run_bench
 
-    result = run_bench(requests=40, concurrencies=(1, 8), rounds=2, warmup=4)
-    for key in ("concurrency_1", "concurrency_8"):
+    result = run_bench(
+        requests=40, concurrencies=(1, 8), rounds=2, warmup=4, requests_at_1=10, token_delay_s=0.001, saturation=False
+    )
+    for key, count in (("concurrency_1", 10), ("concurrency_8", 40)):
         r = result[key]
-        assert r["requests_each"] == 40 and r["direct_ms_p50"] > 0 and r["proxy_ms_p50"] > 0
+        assert r["requests_each"] == count and r["concurrency"] == int(key.split("_")[1])
+        assert r["direct_ms_p50"] > 8 and r["proxy_ms_p50"] > 8  # the backend delay: 20 ms prefill + 8 x 1 ms
         assert r["added_ms_p50"] == pytest.approx(r["proxy_ms_p50"] - r["direct_ms_p50"], abs=1e-3)
+    assert "saturation" not in result
+    assert result["backend_delay"]["prefill_ms"] == 20.0 and result["backend_delay"]["decode_ms_per_token"] == 1.0
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert result["pinning"]["proxy"] and result["pinning"]["client_and_stand_ins"]

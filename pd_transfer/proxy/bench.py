@@ -1,6 +1,6 @@
 """``pd-transfer bench proxy``: the latency the proxy adds per request, against calling the backends directly.
 
-Three processes: stand-in backends (one prefill, one decode, instant answers), the proxy (``python -m
+Processes: stand-in backends (one prefill and one decode in one process), the proxy (``python -m
 pd_transfer.proxy``), and this one, the client. The client times each request end to end, either
 
 - direct: the proxy's flow done by the client itself (prefill with ``kv_transfer_params.do_remote_decode``,
@@ -8,9 +8,15 @@ pd_transfer.proxy``), and this one, the client. The client times each request en
 - proxy: one request to the proxy, which does the same two hops.
 
 Both run at each concurrency in the same run, interleaved in rounds (direct then proxy, then proxy then direct,
-...), after a warm-up. ``added_ms_*`` is the proxy's percentile minus the direct one;
-``proxy_cpu_ms_per_request`` is the proxy process's CPU time over its requests (load-independent, unlike the
-latencies: at concurrency 64 the three processes saturate a 2-core machine and the proxy's CPU becomes queueing).
+...), after a warm-up; closed loop (each of ``concurrency`` workers sends its next request when the last one is
+answered). ``added_ms_*`` is the proxy's percentile minus the direct one; ``proxy_cpu_ms_per_request`` is the proxy
+process's CPU time (user + system) over its requests.
+
+The stand-ins answer after a model's latency (``BACKEND_DELAY``): real backends spend a request's time generating
+on a GPU, not on the CPU the proxy runs on, and that time sets how many requests per second 64 clients send. With
+2 or more cores the proxy is pinned to one core and the client and stand-ins to the others, as a proxy would have
+its own core(s) in a deployment. ``saturation`` repeats concurrency 64 against instant stand-ins: the rate is then
+bounded only by CPU and the proxy's CPU per request turns into queueing (a worst case, not a deployment).
 """
 
 from __future__ import annotations
@@ -33,40 +39,47 @@ import msgspec
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.cli import loop_factory
 
-PROMPT = " ".join(f"word{i}" for i in range(64))
-BODY = {"model": "standin-model", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+PROMPT = " ".join(f"word{i}" for i in range(64))  # ~83 tokens by the proxy's estimate
+TOKENS = 8
+BODY = {"model": "standin-model", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
 HEADERS = {"Content-Type": "application/json"}
+# A small model (~8B) on one current datacenter GPU under load: the prefill of a ~80-token prompt takes ~20 ms
+# (time to first token), each generated token ~10 ms (inter-token latency at batch ~64). So a request here takes
+# ~20 + 8 x 10 = 100 ms in its backends, and 64 clients send ~640 requests/s.
+BACKEND_DELAY = {"prefill_s": 0.020, "decode_token_s": 0.010}
 
 
 def run_bench(
-    requests: int = 2000, concurrencies: tuple[int, ...] = (1, 64), rounds: int = 10, warmup: int = 100
+    requests: int = 2000,
+    concurrencies: tuple[int, ...] = (1, 64),
+    rounds: int = 10,
+    warmup: int = 100,
+    *,
+    requests_at_1: int | None = None,
+    prefill_delay_s: float = BACKEND_DELAY["prefill_s"],
+    token_delay_s: float = BACKEND_DELAY["decode_token_s"],
+    saturation: bool = True,
+    pin: bool = True,
 ) -> dict[str, Any]:
-    """Measures direct vs proxied requests at each concurrency; ``requests`` of each kind per concurrency."""
+    """Direct vs proxied requests at each concurrency, ``requests`` of each kind per concurrency
+    (``requests_at_1`` at concurrency 1: default ``requests // 5``, each takes a backend round trip)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    pinning = {"proxy": cpus[:1], "client_and_stand_ins": cpus[1:]} if pin and len(cpus) >= 2 else None
+    own_affinity = set(cpus)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen[str]] = []
     try:
-        standins = _spawn([sys.executable, "-m", "pd_transfer.proxy.standin", "prefill", "decode"], env, procs)
-        urls: dict[str, str] = {}
-        deadline = time.monotonic() + 30
-        while True:
-            line = _read_line(standins, deadline)
-            if line == "ready":
-                break
-            role, url = line.split()
-            urls[role] = url
-        proxy = _spawn(
-            [sys.executable, "-m", "pd_transfer.proxy", "--prefill", urls["prefill"], "--decode", urls["decode"],
-             "--port", "0", "--health-interval", "5"],
-            env,
-            procs,
-        )  # fmt: skip
-        line = _read_line(proxy, time.monotonic() + 30)
-        proxy_url = line.split(" listening on ", 1)[1].split()[0]
+        if pinning is not None:
+            os.sched_setaffinity(0, pinning["client_and_stand_ins"])  # the client; children inherit it
+        delayed = _setup(env, procs, pinning, prefill_delay_s, token_delay_s)
+        instant = _setup(env, procs, pinning, 0.0, 0.0) if saturation else None
+        counts = {c: (requests_at_1 or max(1, requests // 5)) if c == 1 else requests for c in concurrencies}
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            result = runner.run(
-                _measure(urls["prefill"], urls["decode"], proxy_url, proxy.pid, requests, concurrencies, rounds, warmup)
-            )
+            result = runner.run(_measure(*delayed, counts, rounds, warmup))
+            if instant is not None:
+                result["saturation"] = runner.run(_measure(*instant, {max(concurrencies): requests}, rounds, warmup))
     finally:
+        os.sched_setaffinity(0, own_affinity)
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -77,15 +90,73 @@ def run_bench(
                 proc.wait()
     result.update(
         {
-            "requests_per_setting": requests,
+            "requests_per_setting": counts,
             "rounds": rounds,
+            "backend_delay": {
+                "prefill_ms": prefill_delay_s * 1e3,
+                "decode_ms_per_token": token_delay_s * 1e3,
+                "tokens": TOKENS,
+                "why": "a ~8B model on one current GPU under load: ~20 ms prefill of an ~80-token prompt, ~10 ms"
+                " per generated token; saturation: instant stand-ins (CPU-bound worst case)",
+            },
             "cpu_count": os.cpu_count(),
+            "cpus_available": len(cpus),
+            "pinning": pinning,
             "setup": "stand-in prefill + decode (one process), proxy (one process), client (this process)",
             "event_loop": "uvloop" if loop_factory() else "asyncio",
             "load_average_1m": round(os.getloadavg()[0], 2),
         }
     )
     return result
+
+
+def _setup(
+    env: dict[str, str],
+    procs: list[subprocess.Popen[str]],
+    pinning: dict[str, list[int]] | None,
+    prefill_delay_s: float,
+    token_delay_s: float,
+) -> tuple[str, str, str, int]:
+    """Stand-ins and a proxy in front of them: (prefill URL, decode URL, proxy URL, proxy pid)."""
+    standins = _spawn(
+        [sys.executable, "-m", "pd_transfer.proxy.standin", "prefill", "decode",
+         "--prefill-delay", str(prefill_delay_s), "--token-delay", str(token_delay_s)],
+        env,
+        procs,
+    )  # fmt: skip
+    urls: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while True:
+        line = _read_line(standins, deadline)
+        if line == "ready":
+            break
+        role, url = line.split()
+        urls[role] = url
+    proxy = _spawn(
+        [sys.executable, "-m", "pd_transfer.proxy", "--prefill", urls["prefill"], "--decode", urls["decode"],
+         "--port", "0", "--health-interval", "60", "--health-timeout", "30"],  # no backend out on a slow check
+        env,
+        procs,
+    )  # fmt: skip
+    if pinning is not None:
+        _pin(proxy.pid, pinning["proxy"])
+    line = _read_line(proxy, time.monotonic() + 30)
+    if pinning is not None:
+        _pin(proxy.pid, pinning["proxy"])  # again: threads started meanwhile
+    return urls["prefill"], urls["decode"], line.split(" listening on ", 1)[1].split()[0], proxy.pid
+
+
+def _pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of ``pid`` on ``cpus``."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass
 
 
 def _spawn(cmd: list[str], env: dict[str, str], procs: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
@@ -115,14 +186,7 @@ def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
 
 
 async def _measure(
-    prefill: str,
-    decode: str,
-    proxy: str,
-    proxy_pid: int,
-    requests: int,
-    concurrencies: tuple[int, ...],
-    rounds: int,
-    warmup: int,
+    prefill: str, decode: str, proxy: str, proxy_pid: int, counts: dict[int, int], rounds: int, warmup: int
 ) -> dict[str, Any]:
     import aiohttp  # the 'proxy' extra; imported here so the CLI can list this command without it
 
@@ -138,29 +202,30 @@ async def _measure(
             async with session.post(prefill + endpoint, data=payload, headers=headers) as r:
                 raw = await r.read()
                 if r.status != 200:
-                    raise RuntimeError(f"prefill answered {r.status}")
+                    raise RuntimeError(f"prefill answered {r.status}: {raw[:300].decode(errors='replace')}")
             params = flow.kv_params_from_prefill(msgspec.json.decode(raw))
             payload = msgspec.json.encode(flow.decode_body(BODY, params))
             async with session.post(decode + endpoint, data=payload, headers=headers) as r:
-                await r.read()
+                raw = await r.read()
                 if r.status != 200:
-                    raise RuntimeError(f"decode answered {r.status}")
+                    raise RuntimeError(f"decode answered {r.status}: {raw[:300].decode(errors='replace')}")
             return time.perf_counter() - started
 
         async def proxied() -> float:
             headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
             started = time.perf_counter()
             async with session.post(proxy + endpoint, data=proxied_payload, headers=headers) as r:
-                await r.read()
+                raw = await r.read()
                 if r.status != 200:
-                    raise RuntimeError(f"proxy answered {r.status}")
+                    raise RuntimeError(f"proxy answered {r.status}: {raw[:300].decode(errors='replace')}")
             return time.perf_counter() - started
 
         out: dict[str, Any] = {}
-        for concurrency in concurrencies:
-            await _batch(direct, warmup, concurrency)
-            await _batch(proxied, warmup, concurrency)
+        for concurrency, requests in counts.items():
+            await _batch(direct, min(warmup, requests), concurrency, [])
+            await _batch(proxied, min(warmup, requests), concurrency, [])
             times: dict[str, list[float]] = {"direct": [], "proxy": []}
+            failures: dict[str, list[str]] = {"direct": [], "proxy": []}
             wall = {"direct": 0.0, "proxy": 0.0}
             proxy_cpu = 0.0
             per_round = max(1, requests // rounds)
@@ -168,10 +233,13 @@ async def _measure(
                 order = (("direct", direct), ("proxy", proxied))
                 for name, fn in order if i % 2 == 0 else order[::-1]:
                     started, cpu = time.perf_counter(), _cpu_seconds(proxy_pid)
-                    times[name] += await _batch(fn, per_round, concurrency)
+                    times[name] += await _batch(fn, per_round, concurrency, failures[name])
                     wall[name] += time.perf_counter() - started
                     if name == "proxy":
                         proxy_cpu += _cpu_seconds(proxy_pid) - cpu
+            for name in ("direct", "proxy"):
+                if not times[name]:
+                    raise RuntimeError(f"every {name} request failed at concurrency {concurrency}: {failures[name][0]}")
             d = _percentiles(times["direct"])
             p = _percentiles(times["proxy"])
             out[f"concurrency_{concurrency}"] = {
@@ -183,9 +251,14 @@ async def _measure(
                 "proxy_ms_p99": p["p99"],
                 "direct_requests_per_s": round(len(times["direct"]) / wall["direct"], 1),
                 "proxy_requests_per_s": round(len(times["proxy"]) / wall["proxy"], 1),
-                "requests_each": len(times["direct"]),
+                "concurrency": concurrency,
+                "requests_each": per_round * rounds,
                 "proxy_cpu_ms_per_request": round(proxy_cpu / len(times["proxy"]) * 1e3, 3),
+                "failed": {name: len(failed) for name, failed in failures.items()},  # not in the latencies
             }
+            first = failures["direct"][:1] + failures["proxy"][:1]
+            if first:
+                out[f"concurrency_{concurrency}"]["first_failures"] = first
         return out
 
 
@@ -199,8 +272,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _batch(fn: Callable[[], Awaitable[float]], count: int, concurrency: int) -> list[float]:
-    """``count`` calls of ``fn`` with ``concurrency`` in flight (closed loop); their latencies in seconds."""
+async def _batch(fn: Callable[[], Awaitable[float]], count: int, concurrency: int, failures: list[str]) -> list[float]:
+    """``count`` calls of ``fn`` with ``concurrency`` in flight (closed loop); the latencies in seconds of those
+    that succeeded (the others' errors go to ``failures``)."""
     latencies: list[float] = []
     remaining = count
 
@@ -208,7 +282,10 @@ async def _batch(fn: Callable[[], Awaitable[float]], count: int, concurrency: in
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
-            latencies.append(await fn())
+            try:
+                latencies.append(await fn())
+            except Exception as error:  # counted and reported, not hidden
+                failures.append(f"{type(error).__name__}: {error}")
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
     return latencies
@@ -225,13 +302,28 @@ def _percentiles(seconds: list[float]) -> dict[str, float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=2000, help="requests of each kind per concurrency")
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="requests of each kind per concurrency (a fifth at concurrency 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="200 requests of each kind, for smoke checks")
+    parser.add_argument(
+        "--prefill-delay", type=float, default=BACKEND_DELAY["prefill_s"], help="stand-in prefill latency (s)"
+    )
+    parser.add_argument(
+        "--token-delay", type=float, default=BACKEND_DELAY["decode_token_s"], help="stand-in decode s per token"
+    )
+    parser.add_argument("--no-pin", action="store_true", help="do not pin the proxy and the rest to separate cores")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``pd-transfer bench proxy [--json] [--quick] [--requests N]``."""
-    result = run_bench(requests=200 if args.quick else args.requests, warmup=20 if args.quick else 100)
+    """``pd-transfer bench proxy [--json] [--quick] [--requests N] [--prefill-delay S] [--token-delay S]``."""
+    result = run_bench(
+        requests=200 if args.quick else args.requests,
+        warmup=20 if args.quick else 100,
+        prefill_delay_s=args.prefill_delay,
+        token_delay_s=args.token_delay,
+        pin=not args.no_pin,
+    )
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -12,6 +12,7 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,15 +81,16 @@ class Proxy:
         self.prefill = Pool("prefill", config.prefill, config.policy, on_change=self._state_changed)
         self.decode = Pool("decode", config.decode, config.policy, on_change=self._state_changed)
         # Label children resolved once: labels() costs a lock and a dict lookup per call on the request path.
-        self._in_flight_gauges = {id(b): self.metrics.in_flight.labels(b.role, b.url) for b in self._backends()}
         self._hop_latency = {role: self.metrics.hop_latency.labels(role) for role in ("prefill", "decode")}
         self._request_latency = {e: self.metrics.request_latency.labels(e) for e in flow.ENDPOINTS}
+        self._routes = {path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated")}
         self._requests: dict[tuple[str, int], Any] = {}
         # Parsed once: aiohttp would parse a string URL on every request.
         self._urls = {(id(b), e): yarl.URL(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
         for backend in self._backends():
             self.metrics.healthy.labels(backend.role, backend.url).set(1)
-            self._in_flight_gauges[id(backend)].set(0)
+            # Read when scraped, not set twice per hop.
+            self.metrics.in_flight.labels(backend.role, backend.url).set_function(_in_flight_of(backend))
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.router.add_post(flow.COMPLETIONS, self._completions)
         self.app.router.add_post(flow.CHAT, self._chat)
@@ -114,6 +116,7 @@ class Proxy:
             # Idle connections closed before uvicorn's (vLLM's server) 5 s keep-alive ends: never reuse one the
             # server is closing.
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0),
+            cookie_jar=aiohttp.DummyCookieJar(),  # backends set no cookies the proxy should keep
             timeout=aiohttp.ClientTimeout(
                 total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
             ),
@@ -294,10 +297,10 @@ class Proxy:
         headers = self._headers(request, rid)
         threshold = self.config.short_prompt_tokens
         if flow.is_batch(endpoint, body) or (threshold > 0 and flow.prompt_tokens(endpoint, body) < threshold):
-            self.metrics.routes.labels("direct").inc()
+            self._routes["direct"].inc()
             params = None
         else:
-            self.metrics.routes.labels("disaggregated").inc()
+            self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers)
         return await self._decode_hop(request, endpoint, flow.decode_body(body, params), headers, rid, started)
 
@@ -306,12 +309,10 @@ class Proxy:
     def _enter(self, backend: Backend) -> float:
         backend.in_flight += 1
         backend.served += 1
-        self._in_flight_gauges[id(backend)].set(backend.in_flight)
         return time.perf_counter()
 
     def _leave(self, backend: Backend, since: float) -> None:
         backend.in_flight -= 1
-        self._in_flight_gauges[id(backend)].set(backend.in_flight)
         self._hop_latency[backend.role].observe(time.perf_counter() - since)
 
     def _failed_attempt(self, failure: HopError) -> HopError:
@@ -488,6 +489,10 @@ class Proxy:
                 raise _ClientGone(response) from None
         await response.write_eof()
         return response
+
+
+def _in_flight_of(backend: Backend) -> Callable[[], float]:
+    return lambda: backend.in_flight
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -9,7 +9,9 @@ without a model. For the proxy's tests and benchmark.
   params that do not look like a prefill's answer; answers a deterministic completion echoing the prompt's words,
   streamed as SSE chunks ending in ``data: [DONE]`` when asked; records an abort when its client goes away
   mid-stream.
-- a request's ``standin_token_delay_s`` sets its pace (seconds between tokens), overriding the server's;
+- ``prefill_delay_s``: a prefill's time to compute the prompt; ``token_delay_s``: a decode's time per token
+  (between streamed chunks; all at once before a non-streamed answer). A request's ``standin_token_delay_s``
+  overrides the server's;
   ``standin_drop_after: N`` makes a decode close the connection after N streamed tokens.
 - ``/health`` (toggled with ``POST /control/health {"healthy": false}``), ``/v1/models``, ``POST /control/fail
   {"status": 500, "count": 2}`` (the next requests answer that status), ``GET /control/stats``.
@@ -54,6 +56,7 @@ class StandIn:
     model: str = "standin-model"
     default_tokens: int = 8
     token_delay_s: float = 0.0  # between streamed tokens (a decode's pace)
+    prefill_delay_s: float = 0.0  # a prefill's time to compute the prompt before answering
     side_channel_port: int = 5600  # what a prefill reports as remote_port
     keep_bodies: bool = True
     omit_kv_transfer_params: bool = False  # a prefill misconfigured without a KV connector
@@ -167,6 +170,8 @@ class StandIn:
             return _error(400, problem, rid)
         chat = endpoint == "/v1/chat/completions"
         if self.role == "prefill":
+            if self.prefill_delay_s:
+                await asyncio.sleep(self.prefill_delay_s)
             answer = self._answer(chat, body, rid, [self._word(body, 0)], "length")
             if not self.omit_kv_transfer_params:
                 answer["kv_transfer_params"] = self._prefill_params(rid, body)
@@ -334,8 +339,15 @@ def _error(status: int, message: str, rid: str) -> web.Response:
     return _json({"error": {"message": message, "type": "standin_error", "code": status}}, status, rid)
 
 
-async def _serve_forever(roles: list[str], host: str, token_delay_s: float, tokens: int) -> None:
-    servers = [StandIn(role, token_delay_s=token_delay_s, default_tokens=tokens, keep_bodies=False) for role in roles]
+async def _serve_forever(
+    roles: list[str], host: str, token_delay_s: float, prefill_delay_s: float, tokens: int
+) -> None:
+    servers = [
+        StandIn(
+            role, token_delay_s=token_delay_s, prefill_delay_s=prefill_delay_s, default_tokens=tokens, keep_bodies=False
+        )
+        for role in roles
+    ]
     for server in servers:
         await server.start(host, 0)
         print(f"{server.role} {server.url}", flush=True)
@@ -354,13 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd_transfer.proxy.standin", description=__doc__.split("\n")[0])
     parser.add_argument("roles", nargs="+", choices=ROLES)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    parser.add_argument(
+        "--token-delay", type=float, default=0.0, help="decode: seconds per generated token (streamed or not)"
+    )
+    parser.add_argument("--prefill-delay", type=float, default=0.0, help="prefill: seconds before answering")
     parser.add_argument("--tokens", type=int, default=8, help="tokens when the request sets no max_tokens")
     args = parser.parse_args(argv)
     from pd_transfer.proxy.cli import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_forever(args.roles, args.host, args.token_delay, args.tokens))
+        runner.run(_serve_forever(args.roles, args.host, args.token_delay, args.prefill_delay, args.tokens))
     return 0
 
 
