@@ -104,6 +104,7 @@ class WorkerSide:
                     handshake_timeout_s=self.config.handshake_timeout_s,
                     read_timeout_s=self.config.read_timeout_s,
                     confirm_timeout_s=self.config.confirm_timeout_s,
+                    handshake_failure_backoff_s=self.config.handshake_failure_backoff_s,
                     packed_formats=self._packed_formats,
                 )
             return self._decode
