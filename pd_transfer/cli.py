@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_proxy = which.add_parser("proxy", help="the proxy's added latency vs calling the backends directly")
     proxy_bench.add_arguments(bench_proxy)
     bench_proxy.set_defaults(func=proxy_bench.run)
+    from pd_transfer.bench import vllm_connectors
+
+    bench_vllm = which.add_parser("vllm", help="PdTransferConnector vs vLLM's NixlConnector on real vLLM servers")
+    vllm_connectors.add_arguments(bench_vllm)
+    bench_vllm.set_defaults(func=vllm_connectors.run)
     return parser
 
 
