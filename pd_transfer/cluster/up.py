@@ -343,6 +343,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = _Output()
     children: list[ManagedProcess] = []
+    # Ctrl-C must stop the cluster even when we were started with SIGINT ignored (from a background job or
+    # nohup, which Python would otherwise keep ignoring)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return _run(args, out, children)
