@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_transfer.cluster.launch import ServerSpec, vllm_command, vllm_env
-from pd_transfer.cluster.processes import ManagedProcess, stop_all
+from pd_transfer.cluster.processes import ManagedProcess, group_members, stop_all
 
 __all__ = ["add_arguments", "build_result", "render_table", "run", "run_bench", "summarize"]
 
@@ -246,6 +246,26 @@ def _wait_usage_zero(prefill_url: str, timeout_s: float) -> float | None:
     return time.monotonic() - started
 
 
+def _group_cpu_seconds(process: ManagedProcess) -> float:
+    """CPU seconds (user + system) used so far by the live processes of ``process``'s group."""
+    total = 0
+    for pid in group_members(process.pid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_percent(servers: Sequence[ManagedProcess], seconds: float = 5.0) -> dict[str, float]:
+    """Each server's CPU use (% of one core) over ``seconds`` with no request in flight."""
+    before = {s.name: _group_cpu_seconds(s) for s in servers}
+    time.sleep(seconds)
+    return {s.name: round(100 * (_group_cpu_seconds(s) - before[s.name]) / seconds, 1) for s in servers}
+
+
 # ------------------------------------------------------------------------------------------------ requests
 def make_prompt(length: int, seed: int, vocab: int) -> list[int]:
     """``length`` seeded token ids, avoiding ids 0-2 (the tiny model's specials)."""
@@ -406,6 +426,8 @@ def build_result(setup: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]
             "first_request": {k: v for k, v in (data.get("first_request") or {}).items() if k != "tokens"} or None,
             "requests": [{k: v for k, v in r.items() if k != "tokens"} for r in records],
             "robustness": data.get("robustness"),
+            "load_average_1m": data.get("load_average_1m"),
+            "idle_cpu_percent": data.get("idle_cpu_percent"),
             "error": data.get("error"),
         }
     tokens = {name: [r["tokens"] for r in data["requests"]] for name, data in runs.items()}
@@ -457,6 +479,8 @@ def render_table(result: Mapping[str, Any]) -> str:
     row("prompt tokens", "prompt_tokens", ratio=False)
     row("prefill freed after read p50", "freed_p50_s", "ms")
     row("prefill freed after read max", "freed_max_s", "ms", ratio=False)
+    idle = [connectors[c].get("idle_cpu_percent") or {} for c in names]
+    rows.append(("idle CPU % of a core (prefill, decode)", *(", ".join(map(str, i.values())) or "-" for i in idle), ""))
     first = [(connectors[c]["first_request"] or {}).get("decode_s") for c in names]
     rows.append(("first request decode (handshake)", *(_fmt(value, "ms") for value in first), ""))
     robust = [connectors[c]["robustness"] or {} for c in names]
@@ -599,8 +623,11 @@ def _measure(
     log: Callable[[str], None],
 ) -> None:
     tag = f"bench-{pair.connector}"
+    data["load_average_1m"] = {"before": round(os.getloadavg()[0], 2)}
     data["first_request"] = pd_request(pair, prompts["warmup"][0], f"{tag}-warmup-{time.time_ns()}")
     log(f"  warm-up: decode {data['first_request']['decode_s']:.2f} s")
+    data["idle_cpu_percent"] = idle_cpu_percent([pair.prefill, pair.decode])
+    log(f"  idle CPU (% of a core): {data['idle_cpu_percent']}")
     for index, prompt in enumerate(prompts["measured"]):
         record = pd_request(pair, prompt, f"{tag}-{index}-{time.time_ns()}")
         data["requests"].append(record)
@@ -609,6 +636,7 @@ def _measure(
             f" load {_fmt(record['load_s'], 'ms')}, {record['bytes']} B, external {record['external_tokens']},"
             f" freed {_fmt(record['freed_s'], 'ms')}"
         )
+    data["load_average_1m"]["after"] = round(os.getloadavg()[0], 2)
     log("  robustness: malformed remote_block_ids, then a normal request")
     data["robustness"] = robustness(pair, *prompts["robustness"], reference)
     log(f"  {data['robustness']}")
