@@ -46,3 +46,11 @@ def unpin_current_thread() -> None:
             os.sched_setaffinity(threading.get_native_id(), cpus)
     except (OSError, ValueError) as error:
         logger.warning("could not set the CPU affinity of thread %s: %s", threading.current_thread().name, error)
+
+
+def allowed_cpu(index: int) -> str:
+    """The ``index``-th CPU (wrapping around) that this process may run on, as a ``VLLM_CPU_OMP_THREADS_BIND``
+    value: CPU ids need not start at 0 or be contiguous in a container's cpuset, so "the second core" is not
+    always CPU 1."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return str(cpus[index % len(cpus)])

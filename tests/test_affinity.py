@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pd_transfer.affinity import thread_cpus
+from pd_transfer.affinity import allowed_cpu, thread_cpus
 
 CHILD = """
 import json, os, threading
@@ -47,3 +47,8 @@ def test_progress_thread_leaves_the_pinned_core(setting: str, expected: str) -> 
     poller_cpus, main_cpus = json.loads(out.stdout)
     assert main_cpus == [0]
     assert poller_cpus == ([0] if expected == "pinned" else sorted(os.sched_getaffinity(0)))
+
+
+def test_allowed_cpu_counts_only_cpus_this_process_may_use() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    assert [allowed_cpu(i) for i in range(len(allowed) + 1)] == [*map(str, allowed), str(allowed[0])]

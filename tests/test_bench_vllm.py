@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_transfer.affinity import allowed_cpu
 from pd_transfer.bench import vllm_connectors as bench
 from pd_transfer.cli import build_parser
 
@@ -68,7 +69,7 @@ def test_servers_differ_only_in_the_connector(tmp_path: Path) -> None:
     assert "--block-size" in nixl.command and nixl.command[nixl.command.index("--block-size") + 1] == "128"
     configs = [json.loads(p.command[p.command.index("--kv-transfer-config") + 1]) for p in (nixl, ours)]
     assert [c["kv_connector"] for c in configs] == ["NixlConnector", "PdTransferConnector"]
-    assert nixl.env["VLLM_CPU_OMP_THREADS_BIND"] == ours.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert nixl.env["VLLM_CPU_OMP_THREADS_BIND"] == ours.env["VLLM_CPU_OMP_THREADS_BIND"] == allowed_cpu(1)
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in nixl.env
     plain = bench.server_process(None, "reference", "/m", "py", tmp_path)
     assert "--kv-transfer-config" not in plain.command

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from pd_transfer.affinity import allowed_cpu
 from pd_transfer.cluster.launch import ServerSpec, kv_transfer_config, vllm_command, vllm_env
+from pd_transfer.cluster.processes import log_excerpt
 from pd_transfer.cluster.up import cpu_binds
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
 
@@ -106,6 +108,29 @@ def test_minimal_command_leaves_vllm_defaults_alone() -> None:
     assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": 8200}
     assert ConnectorConfig.from_dict(extra, env={}).failure_policy == "recompute"
     assert "--kv-transfer-config" not in vllm_command(_spec(), python="python", connector=False)
+
+
+def test_log_excerpt_keeps_the_root_cause_and_the_end(tmp_path: Path) -> None:
+    """vLLM's engine core logs the root cause long before the API server's own traceback ends the log."""
+    lines = [f"INFO step {i}" for i in range(100)]
+    lines[10] = "\x1b[1;31mERROR\x1b[0m EngineCore failed to start."
+    lines[11] = "ValueError: the root cause"
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(lines))
+    excerpt = log_excerpt(log, tail_lines=5, error_lines=3).splitlines()
+    assert excerpt == [
+        "ERROR EngineCore failed to start.",
+        "ValueError: the root cause",
+        "INFO step 12",
+        "[... 82 lines ...]",
+        *lines[95:],
+    ]
+    within_tail = log_excerpt(log, tail_lines=95).splitlines()  # the error lies in the tail: shown once
+    assert within_tail == [*lines[5:10], "ERROR EngineCore failed to start.", *lines[11:]]
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("\n".join(lines[20:]))
+    assert log_excerpt(quiet, tail_lines=5).splitlines() == lines[95:]
+    assert log_excerpt(tmp_path / "missing.log") == "(no log)"
 
 
 def test_vllm_env(tmp_path: Path) -> None:
@@ -432,7 +457,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         pytest.skip(f"no model at {DEFAULT_MODEL} (make it with `pd-transfer make-model`)")
     work = tmp_path_factory.mktemp("up")
     base = _free_base_port()
-    reference = VllmServer("reference", DEFAULT_MODEL, free_port(), work / "reference.log", cpu_bind="0")
+    reference = VllmServer("reference", DEFAULT_MODEL, free_port(), work / "reference.log", cpu_bind=allowed_cpu(0))
     output = work / "up.out"
     # the test brings its own reference and checks every answer itself; the cluster stays up for it
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--demo", "--no-check", "--keep"]

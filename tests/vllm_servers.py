@@ -23,6 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pd_transfer.affinity import allowed_cpu
+from pd_transfer.cluster.processes import log_excerpt
+
 VLLM_PYTHON = os.environ.get("PD_TRANSFER_VLLM_PYTHON", sys.executable)
 DEFAULT_MODEL = os.environ.get("PD_TRANSFER_VLLM_MODEL", "/work/models/tiny-llama-f32")
 STARTUP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
@@ -66,7 +69,7 @@ class VllmServer:
     model: str
     port: int
     log_path: Path
-    cpu_bind: str = "0"
+    cpu_bind: str = field(default_factory=lambda: allowed_cpu(0))
     kv_config: dict[str, object] | None = None
     block_size: int | None = None
     extra_args: Sequence[str] = ()
@@ -147,11 +150,8 @@ class VllmServer:
         return self.process is None or self.process.poll() is None
 
     def log_tail(self, lines: int = 60) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
+        """The first error block and the last ``lines`` lines of its log."""
+        return log_excerpt(self.log_path, tail_lines=lines)
 
     def log_text(self) -> str:
         try:
@@ -313,7 +313,7 @@ def make_servers(model: str, logs: Path, block_size: int | None = None) -> list[
             model,
             free_port(),
             logs / "prefill.log",
-            cpu_bind="0",
+            cpu_bind=allowed_cpu(0),
             kv_config=kv_transfer_config(prefill_side, lease_seconds=PREFILL_LEASE_S),
             block_size=block_size,
         ),
@@ -322,11 +322,13 @@ def make_servers(model: str, logs: Path, block_size: int | None = None) -> list[
             model,
             free_port(),
             logs / "decode.log",
-            cpu_bind="1",
+            cpu_bind=allowed_cpu(1),
             kv_config=kv_transfer_config(decode_side),
             block_size=block_size,
         ),
-        VllmServer("reference", model, free_port(), logs / "reference.log", cpu_bind="0", block_size=block_size),
+        VllmServer(
+            "reference", model, free_port(), logs / "reference.log", cpu_bind=allowed_cpu(0), block_size=block_size
+        ),
     ]
 
 
@@ -342,7 +344,7 @@ def make_small_server(model: str, logs: Path) -> VllmServer:
         model,
         free_port(),
         logs / "small.log",
-        cpu_bind="1",
+        cpu_bind=allowed_cpu(1),
         kv_config=kv_transfer_config(free_port(), lease_seconds=SMALL_LEASE_S, failure_policy="fail"),
         block_size=SMALL_BLOCK,
         extra_args=("--num-gpu-blocks-override", "256"),

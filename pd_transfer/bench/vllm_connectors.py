@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pd_transfer.affinity import allowed_cpu
 from pd_transfer.cluster.launch import ServerSpec, vllm_command, vllm_env
 from pd_transfer.cluster.processes import ManagedProcess, group_members, stop_all
 
@@ -49,7 +50,7 @@ CONNECTOR_NAMES = {"nixl": "NixlConnector", "ours": "PdTransferConnector"}
 DEFAULT_LENGTHS = (50, 677, 1500)
 BLOCK_SIZE = 128
 MAX_TOKENS = 16
-CPU_BIND = {"prefill": "0", "decode": "1", "reference": "0"}
+CPU_INDEX = {"prefill": 0, "decode": 1, "reference": 0}  # the n-th CPU this process may use (allowed_cpu)
 MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"
 MEMORY_PER_SERVER_GIB = 3.0  # a tiny-model server takes ~2.5 GB here; vLLM refuses to start short of memory
 REQUEST_TIMEOUT_S = 120.0
@@ -83,7 +84,7 @@ def _spec(role: str, model: str) -> ServerSpec:
         port=_free_port(),
         side_channel_port=_free_port(),
         block_size=BLOCK_SIZE,
-        cpu_bind=CPU_BIND[role],
+        cpu_bind=allowed_cpu(CPU_INDEX[role]),
         kvcache_gib=1.0,
         dtype="float32",
         max_model_len=2048,
@@ -588,7 +589,7 @@ def run_bench(
         "max_tokens": max_tokens,
         "lengths": list(lengths),
         "requests": requests,
-        "cpu_bind": CPU_BIND,
+        "cpu_bind": {role: allowed_cpu(index) for role, index in CPU_INDEX.items()},
         "order": list(order),
         "pairs": "one after the other; a plain reference server beside the first pair, stopped before measuring",
         "flags": "--dtype float32 --max-model-len 2048 --seed 0 --block-size 128, VLLM_CPU_KVCACHE_SPACE=1",

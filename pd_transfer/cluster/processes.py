@@ -14,9 +14,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ManagedProcess", "group_members", "stop_all"]
+__all__ = ["ManagedProcess", "group_members", "log_excerpt", "stop_all"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_FIRST_ERROR = re.compile(r"Traceback \(most recent call last\)|\bERROR\b")
+
+
+def log_excerpt(log_path: Path, tail_lines: int = 40, error_lines: int = 40) -> str:
+    """The part of a server's log that explains a failure: the first error block (``error_lines`` lines from the
+    first ``ERROR`` or traceback, where vLLM's engine core reports a root cause that the API server's own
+    traceback at the end only points to) and the last ``tail_lines`` lines, without terminal escapes."""
+    try:
+        text = [_ANSI.sub("", line) for line in log_path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "(no log)"
+    tail_start = max(0, len(text) - tail_lines)
+    first = next((i for i, line in enumerate(text[:tail_start]) if _FIRST_ERROR.search(line)), None)
+    if first is None:
+        return "\n".join(text[tail_start:])
+    error_end = min(first + error_lines, tail_start)
+    gap = tail_start - error_end
+    middle = [f"[... {gap} lines ...]"] if gap else []
+    return "\n".join([*text[first:error_end], *middle, *text[tail_start:]])
 
 
 def group_members(pgid: int) -> list[int]:
@@ -109,11 +128,8 @@ class ManagedProcess:
         return text if len(text) <= limit else text[: limit - 3] + "..."
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(_ANSI.sub("", line) for line in text[-lines:])
+        """The first error block and the last ``lines`` lines of its log (:func:`log_excerpt`)."""
+        return log_excerpt(self.log_path, tail_lines=lines)
 
     def members(self) -> list[int]:
         """Live processes of its group (the leader's pid is the group id)."""
