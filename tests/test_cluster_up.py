@@ -323,7 +323,7 @@ def test_failed_startup_stops_everything_and_shows_the_log(tmp_path: Path) -> No
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-from vllm_servers import DEFAULT_MODEL, VllmServer, free_port, metric_value  # noqa: E402
+from vllm_servers import DEFAULT_MODEL, KV_CACHE_BYTES, VllmServer, free_port, metric_value  # noqa: E402
 
 EXTERNAL = "external_kv_transfer"
 PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
@@ -461,7 +461,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     output = work / "up.out"
     # the test brings its own reference and checks every answer itself; the cluster stays up for it
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--demo", "--no-check", "--keep"]
-    command += ["--model", DEFAULT_MODEL]
+    command += ["--model", DEFAULT_MODEL, "--kvcache-gib", str(KV_CACHE_BYTES / 2**30)]
     command += ["--base-port", str(base), "--proxy-port", str(base - 1), "--log-dir", str(work / "logs")]
     command += ["--startup-timeout", str(UP_TIMEOUT_S)]
     # SIGTERM to pytest (e.g. from `timeout`) must still run the teardown below: up and the reference live in their

@@ -30,6 +30,10 @@ VLLM_PYTHON = os.environ.get("PD_TRANSFER_VLLM_PYTHON", sys.executable)
 DEFAULT_MODEL = os.environ.get("PD_TRANSFER_VLLM_MODEL", "/work/models/tiny-llama-f32")
 STARTUP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
 REQUEST_TIMEOUT_S = 120.0
+# KV cache per server: 256 MiB is 65536 tokens of the tiny model (4 KiB a token), far more than any test holds. vLLM's
+# CPU backend refuses to start when its NUMA node has less than this free (seen in CI with 1 GiB a server; node 0 of
+# these machines holds 14 of the 24 GiB), so the tests keep it small.
+KV_CACHE_BYTES = 256 * 2**20
 CONNECTOR_MODULE = "pd_transfer.integrations.vllm"
 CONNECTOR_CLASS = "PdTransferConnector"
 
@@ -99,6 +103,8 @@ class VllmServer:
             "float32",
             "--seed",
             "0",
+            "--kv-cache-memory-bytes",
+            str(KV_CACHE_BYTES),
         ]
         if self.block_size is not None:
             cmd += ["--block-size", str(self.block_size)]
@@ -111,13 +117,13 @@ class VllmServer:
         env.update(
             {
                 "HF_HUB_OFFLINE": "1",
-                "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": self.cpu_bind,
                 "UCX_NET_DEVICES": "lo",
                 "PYTHONUNBUFFERED": "1",
             }
         )
         env.update(self.extra_env)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
