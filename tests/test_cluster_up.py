@@ -293,7 +293,7 @@ def test_failed_startup_stops_everything_and_shows_the_log(tmp_path: Path) -> No
     """Servers not healthy within --startup-timeout: up names them, prints their log tails, stops them all."""
     if not (Path(DEFAULT_MODEL) / "config.json").exists():
         pytest.skip(f"no model at {DEFAULT_MODEL}")
-    base = _free_base_port()
+    base = free_base_port()
     logs = tmp_path / "logs"
     started = time.monotonic()
     result = _cli(
@@ -317,13 +317,21 @@ def test_failed_startup_stops_everything_and_shows_the_log(tmp_path: Path) -> No
     assert output.splitlines()[-1].startswith("stopped ("), output
     state = json.loads((logs / "cluster.json").read_text())
     assert state["state"] == "stopped"
-    left = {p["name"]: _live_in_group(p["pgid"]) for p in state["processes"]}
+    left = {p["name"]: live_in_group(p["pgid"]) for p in state["processes"]}
     assert not any(left.values()), f"left behind: {left}"
     print(f"\nfailed startup reported and stopped in {time.monotonic() - started:.1f} s")
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-from vllm_servers import DEFAULT_MODEL, KV_CACHE_BYTES, VllmServer, free_port, metric_value  # noqa: E402
+from vllm_servers import (  # noqa: E402
+    DEFAULT_MODEL,
+    KV_CACHE_BYTES,
+    VllmServer,
+    free_base_port,
+    free_port,
+    live_in_group,
+    metric_value,
+)
 
 EXTERNAL = "external_kv_transfer"
 PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
@@ -332,37 +340,6 @@ UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
 RUN_SALT = time.time_ns() % 10**9
 #: The first test using the cluster also waits for its startup (the three servers start at once).
 E2E_TIMEOUT = pytest.mark.timeout(UP_TIMEOUT_S + 900)
-
-
-def _free_base_port() -> int:
-    """A base port whose server ports (base+0..2, base+100..102) and proxy port (base-1) are free."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 40000)
-        ports = [base - 1, base, base + 1, base + 2, base + 100, base + 101, base + 102]
-        try:
-            for port in ports:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range found")
-
-
-def _live_in_group(pgid: int) -> list[int]:
-    """Pids of live (not zombie) processes in process group ``pgid`` (read from /proc, independently of up)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2 :].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                pids.append(int(entry))
-    return pids
 
 
 def _post(url: str, payload: dict, timeout_s: float = 120.0) -> dict:
@@ -456,7 +433,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     if not (Path(DEFAULT_MODEL) / "config.json").exists():
         pytest.skip(f"no model at {DEFAULT_MODEL} (make it with `pd-transfer make-model`)")
     work = tmp_path_factory.mktemp("up")
-    base = _free_base_port()
+    base = free_base_port()
     reference = VllmServer("reference", DEFAULT_MODEL, free_port(), work / "reference.log", cpu_bind=allowed_cpu(0))
     output = work / "up.out"
     # the test brings its own reference and checks every answer itself; the cluster stays up for it
@@ -568,12 +545,12 @@ def test_interrupt_stops_every_process(cluster: tuple[Cluster, VllmServer]) -> N
     """Runs last in this module: SIGINT to up, then nothing it started may be left."""
     up, _ = cluster
     pgids = up.pgids()
-    assert len(pgids) == 3 and all(_live_in_group(pgid) for pgid in pgids), up.state
+    assert len(pgids) == 3 and all(live_in_group(pgid) for pgid in pgids), up.state
     started = time.monotonic()
     up.process.send_signal(signal.SIGINT)
     code = up.process.wait(90)
     waited = time.monotonic() - started
-    left = {pgid: _live_in_group(pgid) for pgid in pgids}
+    left = {pgid: live_in_group(pgid) for pgid in pgids}
     print(f"\nup stopped in {waited:.1f} s (exit {code}); its last lines:\n" + "\n".join(up.text().splitlines()[-3:]))
     assert code == 0, up.text()
     assert not any(left.values()), f"processes left behind: {left}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,6 +52,37 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_base_port() -> int:
+    """A base port whose server ports (base+0..2, base+100..102) and proxy port (base-1) are free."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 40000)
+        ports = [base - 1, base, base + 1, base + 2, base + 100, base + 101, base + 102]
+        try:
+            for port in ports:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range found")
+
+
+def live_in_group(pgid: int) -> list[int]:
+    """Pids of live (not zombie) processes in process group ``pgid`` (read from /proc, independently of up)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2 :].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                pids.append(int(entry))
+    return pids
 
 
 def kv_transfer_config(side_channel_port: int, **extra: object) -> dict[str, object]:
