@@ -289,6 +289,10 @@ def test_config_is_checked_naming_the_setting() -> None:
         ConnectorConfig.from_dict({"failure_policy": "retry"}, env={})
     with pytest.raises(ConfigError, match="VLLM_NIXL_SIDE_CHANNEL_PORT"):
         ConnectorConfig.from_dict({}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "port"})
+    with pytest.raises(ConfigError, match=r"engine_spin_s: must be within 0..10 s, got -1"):
+        ConnectorConfig.from_dict({"engine_spin_s": -1}, env={})
+    assert ConnectorConfig.from_dict({"engine_spin_s": None}, env={}).engine_spin_s is None  # vLLM's own
+    assert ConnectorConfig.from_dict({}, env={}).engine_spin_s == 0.001
     config = ConnectorConfig.from_dict(
         {"side_channel_port": 7000},
         env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"},

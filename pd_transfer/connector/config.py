@@ -53,6 +53,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # an engine step that schedules nothing while blocks are held for readers or loads are in flight waits this
     # long (engines such as vLLM step back to back until then, spinning a core); 0: off
     idle_step_sleep_s: float = 0.005
+    # vLLM: how long an engine process's shared-memory queue readers spin after a read before they block. vLLM
+    # spins 1 s (sched_yield in a loop, taking the GIL back after each call), which starves our threads in the same
+    # process for seconds when the cores are busy; None: leave vLLM's own
+    engine_spin_s: float | None = 0.001
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,6 +77,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
             problems.append(f"handshake_failure_backoff_s: must be >= 0, got {self.handshake_failure_backoff_s!r}")
         if not 0 <= self.idle_step_sleep_s <= 1:
             problems.append(f"idle_step_sleep_s: must be within 0..1 s, got {self.idle_step_sleep_s!r}")
+        if self.engine_spin_s is not None and not 0 <= self.engine_spin_s <= 10:
+            problems.append(f"engine_spin_s: must be within 0..10 s, got {self.engine_spin_s!r}")
         if self.load_threads < 1:
             problems.append(f"load_threads: must be at least 1, got {self.load_threads}")
         if self.secret is not None and not self.secret:

@@ -292,6 +292,40 @@ def _prompt_len(request: Request) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- connector
+def limit_engine_spin(spin_s: float) -> None:
+    """Make this process's vLLM shared-memory queue readers spin at most ``spin_s`` seconds after a read before
+    they block on their notification socket (vLLM's default: 1 s).
+
+    vLLM's engine core and workers wait for each other's messages in ``SpinCondition.wait``: within the busy
+    window it calls ``os.sched_yield`` in a loop, releasing the GIL for the call and taking it straight back.
+    CPython only forces a GIL hand-over when a waiting thread saw no switch for 5 ms, and each of these
+    re-takes counts as a switch, so our threads in the same process (side-channel server, NIXL progress,
+    loads, confirmations) get the GIL only when they win a race against the spinning thread. An engine that
+    steps while blocks are held or loads are in flight re-arms the window every step. Measured on 2 cores with
+    a TP 2 side: handshakes unanswered for over 5 s and first reads stalled up to 30 s. After the window the
+    reader blocks in ``zmq.Poller.poll`` (no GIL, no CPU) and is woken by the writer's notification.
+
+    Wraps ``SpinCondition.wait`` once per process; a later call changes the limit.
+    """
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:  # another vLLM layout: leave it alone
+        logger.info("vLLM's SpinCondition not found; its readers' busy window is left as it is")
+        return
+    original = getattr(SpinCondition.wait, "_pd_transfer_original", None)
+    if original is None:
+        original = SpinCondition.wait
+
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        if getattr(self, "busy_loop_s", 0) > wait._pd_transfer_spin_s:  # type: ignore[attr-defined]
+            self.busy_loop_s = wait._pd_transfer_spin_s  # type: ignore[attr-defined]
+        return original(self, timeout_ms)
+
+    wait._pd_transfer_original = original  # type: ignore[attr-defined]
+    wait._pd_transfer_spin_s = spin_s  # type: ignore[attr-defined]
+    SpinCondition.wait = wait
+
+
 class PdTransferConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by pd-transfer (pull over NIXL, typed side channel, leases)."""
 
@@ -315,6 +349,8 @@ class PdTransferConnector(KVConnectorBase_V1):
                     self.config.failure_policy,
                 )
             transfer.kv_load_failure_policy = self.config.failure_policy
+        if self.config.engine_spin_s is not None:
+            limit_engine_spin(self.config.engine_spin_s)
         self.block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
