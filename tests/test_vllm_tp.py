@@ -95,10 +95,12 @@ def test_engine_spin_is_limited_in_this_process() -> None:
         limit_engine_spin(0.001)
         limit_engine_spin(0.002)  # a second call changes the limit, not the wrapping
         assert SpinCondition.wait._pd_transfer_original is original
-        assert wait_after_read(0.01) >= 0.04  # past 2 ms: blocks on the socket (here until the 50 ms timeout)
+        slice_s = wait_after_read(0.01)  # past 2 ms, within 1 s: sleeps a 1 ms slice on the socket, then rechecks
+        assert 0.0008 <= slice_s < 0.02, f"{slice_s * 1e3:.2f} ms"
         assert reader.busy_loop_s == 0.002
+        assert wait_after_read(2.0) >= 0.04  # idle for over 1 s: blocks on the socket (here until the 50 ms timeout)
         writer.notify()
-        assert wait_after_read(0.01) < 0.02  # a write's notification wakes it
+        assert wait_after_read(2.0) < 0.02  # a write's notification wakes it
     finally:
         SpinCondition.wait = original
         for condition in (reader, writer):

@@ -292,18 +292,26 @@ def _prompt_len(request: Request) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- connector
-def limit_engine_spin(spin_s: float) -> None:
-    """Make this process's vLLM shared-memory queue readers spin at most ``spin_s`` seconds after a read before
-    they block on their notification socket (vLLM's default: 1 s).
+VLLM_BUSY_WINDOW_S = 1.0  # vLLM's SpinCondition busy_loop_s
+BUSY_POLL_MS = 1  # after our spin limit and within vLLM's busy window: sleep-poll in slices this long
 
-    vLLM's engine core and workers wait for each other's messages in ``SpinCondition.wait``: within the busy
-    window it calls ``os.sched_yield`` in a loop, releasing the GIL for the call and taking it straight back.
-    CPython only forces a GIL hand-over when a waiting thread saw no switch for 5 ms, and each of these
-    re-takes counts as a switch, so our threads in the same process (side-channel server, NIXL progress,
-    loads, confirmations) get the GIL only when they win a race against the spinning thread. An engine that
-    steps while blocks are held or loads are in flight re-arms the window every step. Measured on 2 cores with
-    a TP 2 side: handshakes unanswered for over 5 s and first reads stalled up to 30 s. After the window the
-    reader blocks in ``zmq.Poller.poll`` (no GIL, no CPU) and is woken by the writer's notification.
+
+def limit_engine_spin(spin_s: float) -> None:
+    """Make this process's vLLM shared-memory queue readers spin at most ``spin_s`` seconds after a read.
+
+    vLLM's engine core and workers wait for each other's messages in ``SpinCondition.wait``: for 1 s after a read
+    it calls ``os.sched_yield`` in a loop, releasing the GIL for the call and taking it straight back. CPython only
+    forces a GIL hand-over when a waiting thread saw no switch for 5 ms, and each of these re-takes counts as a
+    switch, so our threads in the same process (side-channel server, NIXL progress, loads, confirmations) get the
+    GIL only when they win a race against the spinning thread. An engine that steps while blocks are held or loads
+    are in flight re-arms the window every step. Measured on 2 cores with a TP 2 side: handshakes unanswered for
+    over 5 s and first reads stalled up to 30 s.
+
+    Past ``spin_s`` and until vLLM's own 1 s window ends, the reader now waits on its notification socket in
+    slices of ``BUSY_POLL_MS`` (no GIL, no CPU while it waits) and checks the queue between slices: it does not
+    rely on the writer's notification there, which vLLM's publisher (send high-water mark 1) can drop under
+    load; a dropped one cost a 5 s recheck interval when we let readers block outright. After the 1 s window
+    the reader blocks as vLLM's does.
 
     Wraps ``SpinCondition.wait`` once per process; a later call changes the limit.
     """
@@ -317,8 +325,11 @@ def limit_engine_spin(spin_s: float) -> None:
         original = SpinCondition.wait
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
-        if getattr(self, "busy_loop_s", 0) > wait._pd_transfer_spin_s:  # type: ignore[attr-defined]
-            self.busy_loop_s = wait._pd_transfer_spin_s  # type: ignore[attr-defined]
+        limit = wait._pd_transfer_spin_s  # type: ignore[attr-defined]
+        if getattr(self, "busy_loop_s", 0) > limit:
+            self.busy_loop_s = limit
+        if time.monotonic() - getattr(self, "last_read", 0.0) < VLLM_BUSY_WINDOW_S:
+            timeout_ms = BUSY_POLL_MS if timeout_ms is None else min(timeout_ms, BUSY_POLL_MS)
         return original(self, timeout_ms)
 
     wait._pd_transfer_original = original  # type: ignore[attr-defined]
