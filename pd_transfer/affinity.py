@@ -48,9 +48,15 @@ def unpin_current_thread() -> None:
         logger.warning("could not set the CPU affinity of thread %s: %s", threading.current_thread().name, error)
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, ascending. CPU ids need not start at 0 or be contiguous in a container's
+    cpuset, so "the second core" is not always CPU 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def allowed_cpu(index: int) -> str:
-    """The ``index``-th CPU (wrapping around) that this process may run on, as a ``VLLM_CPU_OMP_THREADS_BIND``
-    value: CPU ids need not start at 0 or be contiguous in a container's cpuset, so "the second core" is not
-    always CPU 1."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    """The ``index``-th of :func:`allowed_cpus` (wrapping around), as a ``VLLM_CPU_OMP_THREADS_BIND`` value."""
+    cpus = allowed_cpus()
     return str(cpus[index % len(cpus)])

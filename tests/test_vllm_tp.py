@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_servers import DEFAULT_MODEL, KV_CACHE_BYTES, free_base_port, free_port, live_in_group, vllm_missing
+from vllm_servers import DEFAULT_MODEL, KV_CACHE_BYTES, free_base_port, live_in_group, vllm_missing
 
 UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
 DEMO_TIMEOUT_S = 600.0  # four requests, each at most a 30 s read timeout plus a recompute
@@ -37,11 +37,11 @@ def test_up_demo_across_tp_sizes(tmp_path: Path, prefill_tp: int, decode_tp: int
     if not (Path(DEFAULT_MODEL) / "config.json").exists():
         pytest.skip(f"no model at {DEFAULT_MODEL} (make it with `pd-transfer make-model`)")
     logs = tmp_path / "logs"
-    proxy_port = free_port()
+    base = free_base_port()  # servers at base + 0..2 (side channels + 100), the proxy at base - 1
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--demo", "--model", DEFAULT_MODEL]
     command += ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
-    command += ["--kvcache-gib", str(KV_CACHE_BYTES / 2**30), "--proxy-port", str(proxy_port)]
-    command += ["--base-port", str(free_base_port()), "--log-dir", str(logs), "--startup-timeout", str(UP_TIMEOUT_S)]
+    command += ["--kvcache-gib", str(KV_CACHE_BYTES / 2**30), "--proxy-port", str(base - 1)]
+    command += ["--base-port", str(base), "--log-dir", str(logs), "--startup-timeout", str(UP_TIMEOUT_S)]
     started = time.monotonic()
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

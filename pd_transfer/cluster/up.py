@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pd_transfer.affinity import allowed_cpus
 from pd_transfer.cluster.launch import ServerSpec, vllm_command, vllm_env
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
 
@@ -163,7 +164,7 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
     kinds += [("decode", args.decode_tp, args.decode_block_size, True)] * args.decode
     if args.check:
         kinds.append(("reference", 1, args.decode_block_size, False))
-    binds = cpu_binds([tp for _, tp, _, _ in kinds], sorted(os.sched_getaffinity(0)))
+    binds = cpu_binds([tp for _, tp, _, _ in kinds], allowed_cpus())
     planned, counts = [], {"prefill": 0, "decode": 0, "reference": 0}
     for k, ((kind, tp, block_size, connector), bind) in enumerate(zip(kinds, binds, strict=True)):
         name = f"{kind}-{counts[kind]}" if kind != "reference" else kind

@@ -292,7 +292,6 @@ def _prompt_len(request: Request) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- connector
-VLLM_BUSY_WINDOW_S = 1.0  # vLLM's SpinCondition busy_loop_s
 BUSY_POLL_MS = 1  # after our spin limit and within vLLM's busy window: sleep-poll in slices this long
 
 
@@ -307,11 +306,11 @@ def limit_engine_spin(spin_s: float) -> None:
     are in flight re-arms the window every step. Measured on 2 cores with a TP 2 side: handshakes unanswered for
     over 5 s and first reads stalled up to 30 s.
 
-    Past ``spin_s`` and until vLLM's own 1 s window ends, the reader now waits on its notification socket in
-    slices of ``BUSY_POLL_MS`` (no GIL, no CPU while it waits) and checks the queue between slices: it does not
-    rely on the writer's notification there, which vLLM's publisher (send high-water mark 1) can drop under
-    load; a dropped one cost a 5 s recheck interval when we let readers block outright. After the 1 s window
-    the reader blocks as vLLM's does.
+    Past ``spin_s`` and until vLLM's own window ends (1 s, kept per reader), the reader waits on its
+    notification socket in slices of ``BUSY_POLL_MS`` (no GIL, no CPU while it waits) and checks the queue
+    between slices: it does not rely on the writer's notification there, which vLLM's publisher (send high-water
+    mark 1) can drop under load; a dropped one cost a 5 s recheck interval when we let readers block outright.
+    After the window the reader blocks as vLLM's does.
 
     Wraps ``SpinCondition.wait`` once per process; a later call changes the limit.
     """
@@ -325,10 +324,11 @@ def limit_engine_spin(spin_s: float) -> None:
         original = SpinCondition.wait
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
-        limit = wait._pd_transfer_spin_s  # type: ignore[attr-defined]
-        if getattr(self, "busy_loop_s", 0) > limit:
-            self.busy_loop_s = limit
-        if time.monotonic() - getattr(self, "last_read", 0.0) < VLLM_BUSY_WINDOW_S:
+        window = self.__dict__.get("_pd_transfer_window_s")
+        if window is None:  # first wait of this reader: keep vLLM's window, spin only for our limit
+            window = self._pd_transfer_window_s = getattr(self, "busy_loop_s", 0.0)
+        self.busy_loop_s = min(window, wait._pd_transfer_spin_s)  # type: ignore[attr-defined]
+        if time.monotonic() - getattr(self, "last_read", 0.0) < window:
             timeout_ms = BUSY_POLL_MS if timeout_ms is None else min(timeout_ms, BUSY_POLL_MS)
         return original(self, timeout_ms)
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from pd_transfer.affinity import allowed_cpus
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.cli import loop_factory
 
@@ -63,7 +64,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Direct vs proxied requests at each concurrency, ``requests`` of each kind per concurrency
     (``requests_at_1`` at concurrency 1: default ``requests // 5``, each takes a backend round trip)."""
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = allowed_cpus()
     pinning = {"proxy": cpus[:1], "client_and_stand_ins": cpus[1:]} if pin and len(cpus) >= 2 else None
     own_affinity = set(cpus)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
