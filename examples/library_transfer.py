@@ -17,7 +17,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # keep UCX on loopback for this 
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 MODEL = ModelFingerprint(model="example-llama", dtype="bfloat16", num_layers=4, total_num_kv_heads=8, head_size=64)
 SECRET = "change-me"  # shared side-channel secret: a decode without it gets no metadata

@@ -13,11 +13,11 @@ import time
 def _demo(args: argparse.Namespace) -> int:
     """Two processes on loopback: a prefill engine serves its cache, this process pulls a request."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    from pd_transfer.bench.peer import PrefillProcess, PrefillSpec
     from pd_transfer.bench.transfer import Shape
-    from pd_transfer.bench.verify import received_correctly
     from pd_transfer.connector.cache import KVCache
     from pd_transfer.connector.decode import DecodeRank
+    from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+    from pd_transfer.sim.verify import received_correctly
 
     shape = Shape(num_layers=args.layers, request_tokens=args.tokens, cache_blocks=2 * -(-args.tokens // 16))
     layout = shape.layout_for()
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     topology.add_argument("--json", action="store_true", help="print one JSON object")
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
     topology.set_defaults(func=_bench_topology)
-    from pd_transfer.proxy import bench as proxy_bench
+    from pd_transfer.bench import proxy as proxy_bench
 
     bench_proxy = which.add_parser("proxy", help="the proxy's added latency vs calling the backends directly")
     proxy_bench.add_arguments(bench_proxy)

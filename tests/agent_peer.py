@@ -21,7 +21,7 @@ def pattern(region: int) -> torch.Tensor:
 
 def serve(conn: multiprocessing.connection.Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
-    from pd_transfer.topology.spec import region_from_tensor
+    from pd_transfer.spec import region_from_tensor
     from pd_transfer.transfer.agent import TransferAgent
 
     received: queue.Queue[tuple[str, bytes]] = queue.Queue()

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.testing import DecodeEngine, EngineSpec, PrefillEngines
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.sim.engines import DecodeEngine, EngineSpec, PrefillEngines
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 FINGERPRINT = ModelFingerprint(
     model="lifecycle-llama", dtype="bfloat16", num_layers=2, total_num_kv_heads=4, head_size=16

@@ -15,8 +15,8 @@ import time
 import pytest
 from conftest import FINGERPRINT, ONE_HEAD, SHORT_LEASE_S, decode_config, layouts
 
-from pd_transfer.bench.verify import received_correctly
-from pd_transfer.connector.testing import DecodeEngine, PrefillEngines
+from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
+from pd_transfer.sim.verify import received_correctly
 
 
 def _assert_freed(sent: dict, request_ids: list[str], status: str, ranks: int) -> None:

@@ -229,7 +229,7 @@ def get_json(url: str) -> dict[str, object]:
 
 def test_client_through_the_proxy_and_stand_in_backends() -> None:
     pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
-    standins = Process([sys.executable, "-m", "pd_transfer.proxy.standin", "prefill", "decode"])
+    standins = Process([sys.executable, "-m", "pd_transfer.sim.http_standin", "prefill", "decode"])
     try:
         prefill = standins.wait_for(r"^prefill (http://\S+)")[1]
         decode = standins.wait_for(r"^decode (http://\S+)")[1]

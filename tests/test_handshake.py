@@ -31,7 +31,7 @@ from pd_transfer.handshake import (
 )
 from pd_transfer.handshake.auth import get_metadata_mac, new_nonce, reply_mac, request_mac, verify
 from pd_transfer.handshake.nonces import NonceBook
-from pd_transfer.handshake.testing import RawPeer, ServerProcess, fake_engine, fake_fingerprint
+from pd_transfer.sim.handshake_server import RawPeer, ServerProcess, fake_engine, fake_fingerprint
 
 HOST = "127.0.0.1"
 SECRET = "correct horse battery staple"

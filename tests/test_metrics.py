@@ -8,12 +8,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_transfer.bench.peer import PrefillProcess, PrefillSpec
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.prefill import PrefillRank
 from pd_transfer.metrics import TransferMetrics
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 LAYOUT = KVCacheLayout(
     fingerprint=ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=2, head_size=16),

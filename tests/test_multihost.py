@@ -1,5 +1,5 @@
 """The P/D path across hosts: the proxy on this host, KV-moving stand-in prefill and decode servers
-(``pd_transfer.proxy.kv_standin``: real KV caches, real NIXL reads, real ZMQ side channel) in two network
+(``pd_transfer.sim.kv_standin``: real KV caches, real NIXL reads, real ZMQ side channel) in two network
 namespaces, each with its own address on a bridge, as separate machines on one network would be.
 
 UCX is forced onto TCP over each namespace's veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``): the namespaces
@@ -80,7 +80,7 @@ class Server:
 
 
 def start_standin(role: str, log: Path, env: dict[str, str], args: list[str], netns: str | None = None) -> Server:
-    command = [sys.executable, "-m", "pd_transfer.proxy.kv_standin", "--role", role, "--engine-id", f"{role}-0", *args]
+    command = [sys.executable, "-m", "pd_transfer.sim.kv_standin", "--role", role, "--engine-id", f"{role}-0", *args]
     if netns is not None:
         command = ["ip", "netns", "exec", netns, *command]
     with log.open("wb") as err:

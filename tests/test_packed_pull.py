@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pd_transfer.bench.peer import PrefillProcess, PrefillSpec
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology import TopologyError
 from pd_transfer.topology.packed import PackedBlockFormat
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 

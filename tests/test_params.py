@@ -22,8 +22,8 @@ from pd_transfer.connector.params import (
     remote_prefill_params,
 )
 from pd_transfer.connector.scheduler import SchedulerSide
-from pd_transfer.connector.testing import DecodeEngine, PrefillEngines
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
 
 GOOD = {
     "do_remote_prefill": True,

@@ -19,7 +19,7 @@ aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' ext
 from pd_transfer.proxy import flow  # noqa: E402
 from pd_transfer.proxy.cli import add_arguments, config_from_args  # noqa: E402
 from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
-from pd_transfer.proxy.standin import StandIn  # noqa: E402
+from pd_transfer.sim.http_standin import StandIn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -530,7 +530,7 @@ def test_cli_arguments_make_the_config() -> None:
 
 
 def test_bench_runs_the_proxy_and_stand_ins_as_processes() -> None:
-    from pd_transfer.proxy.bench import run_bench
+    from pd_transfer.bench.proxy import run_bench
 
     result = run_bench(
         requests=40, concurrencies=(1, 8), rounds=2, warmup=4, requests_at_1=10, token_delay_s=0.001, saturation=False

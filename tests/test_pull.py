@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from pd_transfer.bench.peer import PrefillProcess, PrefillSpec
-from pd_transfer.bench.verify import received_correctly
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.handshake.errors import AuthenticationError, HandshakeTimeout, IncompatiblePeer
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.verify import received_correctly
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.errors import TransferError
 
 FINGERPRINT = ModelFingerprint(model="test-llama", dtype="bfloat16", num_layers=3, total_num_kv_heads=4, head_size=16)

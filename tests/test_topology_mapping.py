@@ -8,9 +8,9 @@ import msgspec
 import pytest
 from topology_sim import fingerprint
 
+from pd_transfer.spec import KVCacheLayout
 from pd_transfer.topology import (
     HeadSource,
-    KVCacheLayout,
     TopologyError,
     check_compatible,
     expected_readers,

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from pd_transfer.bench.peer import PrefillProcess, PrefillSpec
-from pd_transfer.bench.verify import received_correctly
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.verify import received_correctly
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology import TopologyError
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,8 @@ import pytest
 import torch
 from topology_sim import LOCAL_SENTINEL, RankCache, build_cache, fingerprint
 
-from pd_transfer.topology import (
-    KVCacheLayout,
-    PeerPlan,
-    TopologyError,
-    plane_views,
-    planes_of,
-)
+from pd_transfer.spec import KVCacheLayout, planes_of
+from pd_transfer.topology import PeerPlan, TopologyError, plane_views
 
 
 def make(**kwargs) -> PeerPlan:

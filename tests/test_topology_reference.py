@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from topology_sim import Scenario, fingerprint, run_scenario
 
-from pd_transfer.topology import KVCacheLayout, expected_readers
+from pd_transfer.spec import KVCacheLayout
+from pd_transfer.topology import expected_readers
 
 POW2 = [1, 2, 4, 8]
 BLOCKS = [4, 8, 16, 32, 64]

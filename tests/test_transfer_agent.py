@@ -12,7 +12,7 @@ import pytest
 import torch
 from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
 
-from pd_transfer.topology.spec import region_from_tensor
+from pd_transfer.spec import region_from_tensor
 from pd_transfer.transfer import DescriptorList, PeerDisconnected, TransferAgent, TransferError, TransferTimeout
 
 BLOCK_BYTES = BLOCK_WORDS * 4

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.topology import KVCacheLayout, KVRegion, ModelFingerprint, PeerPlan, plane_views, planes_of
-from pd_transfer.topology.spec import region_from_tensor
+from pd_transfer.spec import KVCacheLayout, KVRegion, ModelFingerprint, planes_of, region_from_tensor
+from pd_transfer.topology import PeerPlan, plane_views
 
 KIND_INDEX = {"k": 0, "v": 1, "latent": 2}
 MAX_TOKENS = 4096

@@ -18,10 +18,10 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.verify import received_correctly
 
-from .peer import PrefillProcess, PrefillSpec
 from .transfer import QUICK_SHAPE, Shape
-from .verify import received_correctly
 
 
 def _measure(

@@ -14,10 +14,9 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
-
-from .peer import PrefillProcess, PrefillSpec
-from .verify import plane_tensors, received_correctly
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.verify import plane_tensors, received_correctly
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 
 @dataclass(frozen=True)

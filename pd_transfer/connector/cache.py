@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pd_transfer.topology.spec import KVCacheLayout, KVRegion, region_from_tensor
+from pd_transfer.spec import KVCacheLayout, KVRegion, region_from_tensor
 
 
 @dataclass

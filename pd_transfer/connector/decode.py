@@ -27,11 +27,11 @@ from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.spec import planes_of
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.topology.mapping import TopologyError
 from pd_transfer.topology.packed import PackedBlockFormat
-from pd_transfer.topology.spec import planes_of
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 

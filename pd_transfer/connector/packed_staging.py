@@ -11,8 +11,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from pd_transfer.spec import KVCacheLayout
 from pd_transfer.topology.packed import PackedBlockFormat, PackedRegroup
-from pd_transfer.topology.spec import KVCacheLayout
 from pd_transfer.transfer.agent import TransferAgent
 
 from .cache import KVCache

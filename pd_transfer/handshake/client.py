@@ -26,11 +26,11 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pd_transfer.topology.spec import ModelFingerprint
+from pd_transfer.spec import ModelFingerprint
 
-from ._endpoint import is_ipv6, peer_name, tcp_endpoint
 from .auth import as_secret, get_metadata_mac, new_nonce, reply_mac, verify
 from .compat import fingerprint_fields_differing
+from .endpoints import is_ipv6, peer_name, tcp_endpoint
 from .errors import (
     AuthenticationError,
     HandshakeBackoff,

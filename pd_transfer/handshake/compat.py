@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pd_transfer.topology.spec import ModelFingerprint
+from pd_transfer.spec import ModelFingerprint
 
 
 def fingerprint_fields_differing(a: ModelFingerprint, b: ModelFingerprint) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from pd_transfer.topology.spec import KVCacheLayout, KVRegion, ModelFingerprint
+from pd_transfer.spec import KVCacheLayout, KVRegion, ModelFingerprint
 
 from .versions import PROTOCOL_VERSION
 

@@ -17,9 +17,9 @@ from types import TracebackType
 import msgspec
 import zmq
 
-from ._endpoint import is_ipv6, tcp_endpoint
 from .auth import as_secret, get_metadata_mac, new_nonce, reply_mac, verify
 from .compat import fingerprint_fields_differing
+from .endpoints import is_ipv6, tcp_endpoint
 from .messages import (
     MAX_FRAME_BYTES,
     Challenge,

@@ -59,8 +59,8 @@ from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.metrics import default_metrics
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology.packed import PackedBlockFormat
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

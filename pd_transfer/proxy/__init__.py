@@ -36,6 +36,6 @@ upstream connection: the decode server sees the disconnect and aborts the reques
 ``pd_proxy_backend_healthy{role,backend}``.
 
 Modules: ``server`` (``Proxy``, ``ProxyConfig``), ``flow`` (validation and the bodies of both hops, no HTTP),
-``routing`` (backends, policies), ``metrics``, ``standin`` (stand-in vLLM-like backends for tests and the
-benchmark), ``bench`` (the proxy's added latency), ``cli`` (``pd-transfer proxy`` / ``python -m pd_transfer.proxy``).
+``routing`` (backends, policies), ``metrics``, ``cli`` (``pd-transfer proxy`` / ``python -m pd_transfer.proxy``).
+Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy`.
 """

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .spec import Plane
+from pd_transfer.spec import Plane
 
 #: What callers may pass as a list of block ids.
 BlockIds = Sequence[int] | np.ndarray

@@ -1,6 +1,6 @@
 """Which prefill (remote) ranks a decode (local) rank reads which KV heads from.
 
-Head assignment (see :class:`~pd_transfer.topology.spec.KVCacheLayout`): with ``H`` KV heads and TP size
+Head assignment (see :class:`~pd_transfer.spec.KVCacheLayout`): with ``H`` KV heads and TP size
 ``tp``, rank ``r`` holds heads ``[r * H/tp, (r + 1) * H/tp)`` when ``tp <= H`` (``H % tp == 0``), and the single
 head ``r // (tp/H)`` when ``tp > H`` (``tp % H == 0``, heads replicated ``tp/H`` times). With MLA every rank
 holds the same single latent "head".
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 
 class TopologyError(ValueError):

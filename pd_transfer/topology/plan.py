@@ -16,10 +16,11 @@ from typing import Literal
 import numpy as np
 import torch
 
+from pd_transfer.spec import KVCacheLayout, KVRegion, Plane, planes_of
+
 from .grids import BlockIds, block_ids_array, build_grid, check_num_tokens
 from .mapping import HeadSource, TopologyError, check_compatible, expected_readers, head_sources
 from .postprocess import Restage, StagedSource, restage_blocks
-from .spec import KVCacheLayout, KVRegion, Plane, planes_of
 from .units import BlockGeometry, UnitShape, direct_unit, staged_offsets, staged_unit, unit_grid
 
 Strategy = Literal["direct", "staged"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import KVLayout
+from pd_transfer.spec import KVLayout
 
 #: Default bytes of blocks restaged at a time on the CPU: large enough to amortise the per-call cost, small
 #: enough for the scratch buffer to stay in cache between the gather and the permuted scatter (measured best

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .spec import KVCacheLayout, KVLayout
+from pd_transfer.spec import KVCacheLayout, KVLayout
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pd_transfer.topology.spec import KVRegion
+from pd_transfer.spec import KVRegion
 
 from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
 from .progress import AdaptivePoller

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.topology.spec import planes_of
+from pd_transfer.spec import planes_of
 
 
 def plane_tensors(cache: KVCache) -> list[torch.Tensor]:

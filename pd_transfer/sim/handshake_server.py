@@ -1,6 +1,6 @@
 """Test helpers: a fake engine's metadata, and a handshake server running in its own OS process.
 
-``python -m pd_transfer.handshake.testing [--secret S] [--ranks N] [--head-size H]`` serves a fake
+``python -m pd_transfer.sim.handshake_server [--secret S] [--ranks N] [--head-size H]`` serves a fake
 engine, prints ``{"port": N}`` on stdout, and stops when its stdin closes (so it never outlives its parent).
 """
 
@@ -20,11 +20,10 @@ from types import TracebackType
 
 import zmq
 
-from pd_transfer.topology.spec import KVCacheLayout, KVRegion, ModelFingerprint
-
-from ._endpoint import tcp_endpoint
-from .messages import EngineMetadata, Message, RankMetadata, decode
-from .server import HandshakeServer
+from pd_transfer.handshake.endpoints import tcp_endpoint
+from pd_transfer.handshake.messages import EngineMetadata, Message, RankMetadata, decode
+from pd_transfer.handshake.server import HandshakeServer
+from pd_transfer.spec import KVCacheLayout, KVRegion, ModelFingerprint
 
 
 def fake_fingerprint(**overrides: object) -> ModelFingerprint:

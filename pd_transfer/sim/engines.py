@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from pd_transfer._child import ChildProcess, commands
-from pd_transfer.topology.spec import KVCacheLayout
-
-from .cache import KVCache
-from .config import ConnectorConfig
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.sim.child import ChildProcess, commands
+from pd_transfer.spec import KVCacheLayout
 
 _READY_TIMEOUT_S = 120.0
 _REPLY_TIMEOUT_S = 60.0
@@ -42,7 +41,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def caches(self) -> list[KVCache]:
         """The ranks' caches, filled as the child fills them (recomputed here to check what was read)."""
-        from pd_transfer.bench.peer import fill_pattern
+        from pd_transfer.sim.peer import fill_pattern
 
         caches = []
         for layout in self.layouts:
@@ -65,8 +64,8 @@ class _PrefillEngine:
     """One prefill engine as its scheduler and workers see it."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        from .scheduler import SchedulerSide
-        from .worker import OutputAggregator, WorkerSide
+        from pd_transfer.connector.scheduler import SchedulerSide
+        from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 
         self.spec = spec
         self.caches = spec.caches()
@@ -219,8 +218,8 @@ class DecodeEngine:
     """A decode engine in this process: a scheduler side, one worker per layout, an aggregator."""
 
     def __init__(self, engine_id: str, layouts: Sequence[KVCacheLayout], num_blocks: int, config: ConnectorConfig):
-        from .scheduler import SchedulerSide
-        from .worker import OutputAggregator, WorkerSide
+        from pd_transfer.connector.scheduler import SchedulerSide
+        from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 
         self.engine_id = engine_id
         self.block_size = layouts[0].block_size

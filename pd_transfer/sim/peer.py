@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from pd_transfer._child import ChildProcess, commands
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.topology.spec import KVCacheLayout
+from pd_transfer.sim.child import ChildProcess, commands
+from pd_transfer.spec import KVCacheLayout
 
 _READY_TIMEOUT_S = 120.0
 _REPLY_TIMEOUT_S = 120.0

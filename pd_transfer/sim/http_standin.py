@@ -126,22 +126,24 @@ class StandIn:
     # ---- control ----
 
     async def _health(self, _request: web.Request) -> web.Response:
-        return _json({"status": "ok" if self.healthy else "down"}, 200 if self.healthy else 503)
+        return json_response({"status": "ok" if self.healthy else "down"}, 200 if self.healthy else 503)
 
     async def _control_health(self, request: web.Request) -> web.Response:
         self.healthy = bool((await request.json()).get("healthy", True))
-        return _json({"healthy": self.healthy})
+        return json_response({"healthy": self.healthy})
 
     async def _control_fail(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.fail_next(int(body.get("status", 500)), int(body.get("count", 1)))
-        return _json({"pending_failures": len(self._fail)})
+        return json_response({"pending_failures": len(self._fail)})
 
     async def _control_stats(self, _request: web.Request) -> web.Response:
-        return _json({"role": self.role, "requests": len(self.records), "aborts": list(self.aborts)})
+        return json_response({"role": self.role, "requests": len(self.records), "aborts": list(self.aborts)})
 
     async def _models(self, _request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "pd-transfer"}]})
+        return json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "pd-transfer"}]}
+        )
 
     # ---- inference ----
 
@@ -156,18 +158,18 @@ class StandIn:
         try:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError:
-            return _error(400, "invalid JSON", rid)
+            return error_response(400, "invalid JSON", rid)
         if not isinstance(body, dict):
-            return _error(400, "body must be an object", rid)
+            return error_response(400, "body must be an object", rid)
         params = body.get("kv_transfer_params")
         record = Record(rid, endpoint, params, body if self.keep_bodies else {})
         self.records.append(record)
         self._fire()
         if self._fail:
-            return _error(self._fail.pop(0), f"injected failure of stand-in {self.role}", rid)
+            return error_response(self._fail.pop(0), f"injected failure of stand-in {self.role}", rid)
         problem = self._check(body, params)
         if problem:
-            return _error(400, problem, rid)
+            return error_response(400, problem, rid)
         chat = endpoint == "/v1/chat/completions"
         if self.role == "prefill":
             if self.prefill_delay_s:
@@ -176,7 +178,7 @@ class StandIn:
             if not self.omit_kv_transfer_params:
                 answer["kv_transfer_params"] = self._prefill_params(rid, body)
             record.finished = True
-            return _json(answer, rid=rid)
+            return json_response(answer, rid=rid)
         limit = body.get("max_completion_tokens") if chat else None
         limit = limit or body.get("max_tokens") or self.default_tokens
         words = [self._word(body, i) for i in range(int(limit))]
@@ -187,7 +189,7 @@ class StandIn:
                 await asyncio.sleep(delay * len(words))
             record.finished = True
             self._fire()
-            return _json(self._answer(chat, body, rid, words, "length"), rid=rid)
+            return json_response(self._answer(chat, body, rid, words, "length"), rid=rid)
         return await self._stream(request, chat, body, rid, words, record, delay)
 
     def _check(self, body: dict[str, Any], params: Any) -> str:
@@ -207,7 +209,7 @@ class StandIn:
         return ""
 
     def _prefill_params(self, rid: str, body: dict[str, Any]) -> dict[str, Any]:
-        tokens = max(1, len(_prompt_text(body).split()))
+        tokens = max(1, len(prompt_text(body).split()))
         blocks = -(-tokens // 16)
         first = self._next_block
         self._next_block += blocks
@@ -224,12 +226,12 @@ class StandIn:
         }
 
     def _word(self, body: dict[str, Any], i: int) -> str:
-        words = _prompt_text(body).split() or ["token"]
+        words = prompt_text(body).split() or ["token"]
         return words[i % len(words)]
 
     def _answer(self, chat: bool, body: dict[str, Any], rid: str, words: list[str], finish: str) -> dict[str, Any]:
         text = "".join(" " + w for w in words)
-        prompt_tokens = len(_prompt_text(body).split())
+        prompt_tokens = len(prompt_text(body).split())
         base = {
             "id": ("chatcmpl-" if chat else "cmpl-") + (rid or _digest(body)),
             "created": int(time.time()),
@@ -308,7 +310,7 @@ class StandIn:
         return response
 
 
-def _prompt_text(body: dict[str, Any]) -> str:
+def prompt_text(body: dict[str, Any]) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
@@ -328,15 +330,15 @@ def _digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(msgspec.json.encode(body)).hexdigest()[:16]
 
 
-def _json(body: Any, status: int = 200, rid: str | None = None) -> web.Response:
+def json_response(body: Any, status: int = 200, rid: str | None = None) -> web.Response:
     headers = {"Content-Type": "application/json"}
     if rid:
         headers[REQUEST_ID] = rid
     return web.Response(body=msgspec.json.encode(body), status=status, headers=headers)
 
 
-def _error(status: int, message: str, rid: str) -> web.Response:
-    return _json({"error": {"message": message, "type": "standin_error", "code": status}}, status, rid)
+def error_response(status: int, message: str, rid: str) -> web.Response:
+    return json_response({"error": {"message": message, "type": "standin_error", "code": status}}, status, rid)
 
 
 async def _serve_forever(
@@ -362,8 +364,8 @@ async def _serve_forever(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pd_transfer.proxy.standin prefill decode``: serves the stand-ins, prints ``ROLE URL`` each."""
-    parser = argparse.ArgumentParser(prog="pd_transfer.proxy.standin", description=__doc__.split("\n")[0])
+    """``python -m pd_transfer.sim.http_standin prefill decode``: serves the stand-ins, prints ``ROLE URL`` each."""
+    parser = argparse.ArgumentParser(prog="pd_transfer.sim.http_standin", description=__doc__.split("\n")[0])
     parser.add_argument("roles", nargs="+", choices=ROLES)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument(

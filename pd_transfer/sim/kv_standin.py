@@ -1,4 +1,4 @@
-"""Stand-in prefill and decode servers that move real KV: :mod:`pd_transfer.proxy.standin`'s HTTP surface and
+"""Stand-in prefill and decode servers that move real KV: :mod:`pd_transfer.sim.http_standin`'s HTTP surface and
 ``kv_transfer_params`` flow, with a real KV cache, real NIXL reads and a real ZMQ side channel. For tests and demos
 of the whole P/D path (proxy included) without a model, on one host or across hosts.
 
@@ -15,7 +15,7 @@ of the whole P/D path (proxy included) without a model, on one host or across ho
 - ``GET /control/kv``: the engine's state (blocks free and held, pulls, bytes moved).
 
 Tokens: a prompt of token ids is used as is; text is split on whitespace and each word hashed (CRC-32).
-``python -m pd_transfer.proxy.kv_standin --role prefill|decode --port N --side-channel-host H
+``python -m pd_transfer.sim.kv_standin --role prefill|decode --port N --side-channel-host H
 --side-channel-port N`` prints ``kv-standin ROLE URL`` once it serves.
 """
 
@@ -39,7 +39,6 @@ import msgspec
 import torch
 from aiohttp import web
 
-from pd_transfer.bench.verify import logical, plane_tensors
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.decode import DecodeRank
@@ -47,8 +46,9 @@ from pd_transfer.connector.params import InvalidTransferParams, RemotePrefill, p
 from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 from pd_transfer.proxy.server import REQUEST_ID
-from pd_transfer.proxy.standin import StandIn, _error, _json, _prompt_text
-from pd_transfer.topology.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.sim.http_standin import StandIn, error_response, json_response, prompt_text
+from pd_transfer.sim.verify import logical, plane_tensors
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def prompt_tokens(body: dict[str, Any]) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return [int(t) & 0x7FFFFFFF for t in prompt]
-    return [zlib.crc32(word.encode()) & 0x7FFFFFFF for word in _prompt_text(body).split()]
+    return [zlib.crc32(word.encode()) & 0x7FFFFFFF for word in prompt_text(body).split()]
 
 
 def kv_pattern(layout: KVCacheLayout, tokens: Sequence[int]) -> torch.Tensor:
@@ -120,7 +120,7 @@ def write_pattern(cache: KVCache, block_ids: Sequence[int], pattern: torch.Tenso
 
 def holds_pattern(cache: KVCache, block_ids: Sequence[int], pattern: torch.Tensor) -> bool:
     """True when ``block_ids`` hold ``pattern`` bit for bit, read through the cache's own layout
-    (:func:`pd_transfer.bench.verify.logical`, not the transfer plan)."""
+    (:func:`pd_transfer.sim.verify.logical`, not the transfer plan)."""
     got = logical(cache, list(block_ids), pattern.shape[1]).contiguous().view(torch.int32)
     return torch.equal(got, pattern)
 
@@ -326,7 +326,7 @@ class KVStandIn(StandIn):
             await asyncio.sleep(_STEP_S)
 
     async def _control_kv(self, _request: web.Request) -> web.Response:
-        return _json({"role": self.role, "engine_id": self.engine_id, **self.engine.state()})
+        return json_response({"role": self.role, "engine_id": self.engine_id, **self.engine.state()})
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         if not isinstance(self.engine, DecodeKV):
@@ -343,24 +343,24 @@ class KVStandIn(StandIn):
         try:
             remote = engine.parse(body["kv_transfer_params"], tokens)
         except InvalidTransferParams as error:
-            return _error(400, f"kv-standin decode: {error}", rid)
+            return error_response(400, f"kv-standin decode: {error}", rid)
         blocks = engine.pool.take(-(-(remote.num_tokens or len(tokens)) // engine.layout.block_size))
         if blocks is None:
-            return _error(503, f"kv-standin decode: out of blocks ({engine.pool.free} free)", rid)
+            return error_response(503, f"kv-standin decode: out of blocks ({engine.pool.free} free)", rid)
         try:
             report = await asyncio.to_thread(engine.pull, rid or uuid.uuid4().hex, remote, tokens, blocks)
         except Exception as error:
             engine.failures += 1
             message = f"kv-standin decode: pulling the KV of {remote.engine_id} failed: {type(error).__name__}: {error}"
             logger.error("%s", message)
-            return _error(500, message, rid)
+            return error_response(500, message, rid)
         finally:
             engine.pool.give(blocks)
         engine.reports.append(report)
         del engine.reports[:-100]
         if not report["verified"]:
             engine.failures += 1
-            return _error(
+            return error_response(
                 500,
                 f"kv-standin decode: the KV pulled from {remote.engine_id} ({report['bytes']} bytes) is not the"
                 " prompt's: verification failed",
@@ -430,7 +430,7 @@ async def _serve_forever(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pd_transfer.proxy.kv_standin", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="pd_transfer.sim.kv_standin", description=__doc__.split("\n")[0])
     defaults = KVModel()
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")

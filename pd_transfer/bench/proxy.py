@@ -120,7 +120,7 @@ def _setup(
 ) -> tuple[str, str, str, int]:
     """Stand-ins and a proxy in front of them: (prefill URL, decode URL, proxy URL, proxy pid)."""
     standins = _spawn(
-        [sys.executable, "-m", "pd_transfer.proxy.standin", "prefill", "decode",
+        [sys.executable, "-m", "pd_transfer.sim.http_standin", "prefill", "decode",
          "--prefill-delay", str(prefill_delay_s), "--token-delay", str(token_delay_s)],
         env,
         procs,
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pd_transfer.proxy.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pd_transfer.bench.proxy", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
