@@ -13,9 +13,12 @@ Vocabulary used throughout pd-transfer:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    import torch
 
 KVLayout = Literal["HND", "NHD"]
 PlaneKind = Literal["k", "v", "latent"]
@@ -153,7 +156,7 @@ def planes_of(regions: list[KVRegion]) -> list[Plane]:
     return planes
 
 
-def region_from_tensor(tensor: torch.Tensor, layer: int, kinds: tuple[PlaneKind, ...]) -> KVRegion:  # noqa: F821
+def region_from_tensor(tensor: torch.Tensor, layer: int, kinds: tuple[PlaneKind, ...]) -> KVRegion:
     """Describe a tensor whose dim 0 is the block index and whose blocks are each contiguous."""
     if tensor.dim() < 2:
         raise ValueError(f"a KV region needs a block dimension and block contents, got shape {tuple(tensor.shape)}")

@@ -31,6 +31,11 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: `make-model` needs the vllm extra's tokenizers
+    import torch
+    from tokenizers import Tokenizer
 
 __all__ = ["DTYPES", "MODEL_CONFIG", "build_tiny_model", "main", "synthetic_corpus"]
 
@@ -250,7 +255,7 @@ def _json_bytes(obj: object) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _train_tokenizer():
+def _train_tokenizer() -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -312,17 +317,17 @@ def _tokenizer_files() -> dict[str, bytes]:
     }
 
 
-def _weights(seed: int, dtype: str) -> dict[str, object]:
+def _weights(seed: int, dtype: str) -> dict[str, torch.Tensor]:
     import torch
 
     generator = torch.Generator(device="cpu").manual_seed(seed)
     target = getattr(torch, dtype)
 
-    def normal(*shape: int):
+    def normal(*shape: int) -> torch.Tensor:
         # Drawn in float32 so every dtype comes from the same numbers.
         return torch.empty(shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=generator).to(target)
 
-    def ones(*shape: int):
+    def ones(*shape: int) -> torch.Tensor:
         return torch.ones(shape, dtype=target)
 
     q_out, kv_out = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM

@@ -1,10 +1,13 @@
 """``python -m pd_transfer.cluster up|serve ...``: the same as ``pd-transfer up|serve ...``."""
 
+import logging
 import sys
 
-from pd_transfer.cli import main
+from pd_transfer.cluster import serve, up
 
-if len(sys.argv) < 2 or sys.argv[1] not in ("up", "serve"):
+commands = {"up": up.main, "serve": serve.main}
+if len(sys.argv) < 2 or sys.argv[1] not in commands:
     print("usage: python -m pd_transfer.cluster up|serve [ARGS]  (see pd-transfer up --help)", file=sys.stderr)
     sys.exit(2)
-sys.exit(main(sys.argv[1:]))
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+sys.exit(commands[sys.argv[1]](sys.argv[2:]))

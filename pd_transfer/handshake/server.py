@@ -123,7 +123,7 @@ class HandshakeServer:
             socket.close(linger=0)
             context.term()
             raise OSError(f"handshake server for engine {self._engine_id!r} cannot bind {endpoint}: {exc}") from exc
-        last = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        last = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._port = int(last.rsplit(":", 1)[1])
         self._context = context
         self._thread = threading.Thread(
@@ -310,7 +310,7 @@ def _peer_label(identity: bytes, frames: list[zmq.Frame]) -> str:
     address = "?"
     if len(frames) > 1:
         try:
-            address = frames[1].get("Peer-Address")
+            address = str(frames[1].get("Peer-Address"))
         except Exception:  # only a log label: never fail over it
             pass
     return f"{address} (identity {identity.hex()})"

@@ -6,8 +6,13 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pd_transfer.proxy.routing import POLICIES
+
+if TYPE_CHECKING:  # aiohttp is an extra: the server module is imported when the proxy runs
+    from pd_transfer.proxy.server import ProxyConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace):  # -> ProxyConfig (imported lazily: aiohttp is an extra)
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     from pd_transfer.proxy.server import ProxyConfig
 
     return ProxyConfig(
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def loop_factory():  # -> Callable[[], AbstractEventLoop] | None
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop where it is installed (the ``proxy`` extra has it), asyncio's otherwise."""
     try:
         import uvloop

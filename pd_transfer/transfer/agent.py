@@ -8,32 +8,24 @@ lock for each poll, and reads hold it only while posting or checking a transfer.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_transfer.spec import KVRegion
 
 from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
+from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, quiet_native_logs
 from .progress import AdaptivePoller
-
-os.environ.setdefault("UCX_LOG_LEVEL", "error")  # UCX's exit-time pool warnings are noise for users
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
-
-from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
 logger = logging.getLogger(__name__)
 
 NotificationHandler = Callable[[str, bytes], None]
 _LOCAL = "NIXL_INIT_AGENT"
-
-
-def _is_remote_disconnect(error: BaseException) -> bool:
-    return type(error).__name__ == "nixlRemoteDisconnectError"
 
 
 def _merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
@@ -90,6 +82,7 @@ class TransferAgent:
         self.name = name
         self._lock = threading.RLock()
         self._on_notification = on_notification
+        quiet_native_logs()
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         started = time.perf_counter()
         self._nixl = nixl_agent(name, config)
@@ -145,7 +138,7 @@ class TransferAgent:
         with ``add_peer`` to send us notifications, not to read our memory. Falls back to ``metadata``."""
         with self._lock:
             try:
-                no_memory = nixlBind.nixlRegDList(self._nixl.nixl_mems["DRAM"], [])
+                no_memory = NixlRegDList(self._nixl.nixl_mems["DRAM"], [])
                 return bytes(self._nixl.get_partial_agent_metadata(no_memory, True, ["UCX"]))
             except Exception as error:
                 logger.info("agent %s: no connection-only metadata (%s); using the full metadata", self.name, error)
@@ -334,7 +327,7 @@ class TransferAgent:
         error") or end in state ERR. Such failures are checked before they are reported as anything but
         ``PeerDisconnected``."""
         wrapped = self._wrap(error, what) if error is not None else TransferError(f"agent {self.name}: {what}")
-        if isinstance(wrapped, PeerDisconnected) or (error is not None and type(error).__name__ != "nixlBackendError"):
+        if isinstance(wrapped, PeerDisconnected) or (error is not None and not isinstance(error, NixlBackendError)):
             return wrapped
         gone = self._peer_gone(local, remote, *probe_rows)
         if gone is None:
@@ -364,9 +357,9 @@ class TransferAgent:
             try:
                 handle = self._nixl.make_prepped_xfer("READ", local.handle, rows[0], remote.handle, rows[1])
             except Exception as error:
-                if _is_remote_disconnect(error):
+                if isinstance(error, NixlRemoteDisconnectError):
                     return f"{type(error).__name__}: {error}"
-                if type(error).__name__ == "nixlNotFoundError" and remote.peer in self._peers:
+                if isinstance(error, NixlNotFoundError) and remote.peer in self._peers:
                     return f"NIXL dropped the peer after a disconnect ({error})"  # we did not remove it
                 return "other"
         try:
@@ -376,9 +369,9 @@ class TransferAgent:
                     try:
                         state = step(handle)
                     except Exception as error:
-                        if _is_remote_disconnect(error):
+                        if isinstance(error, NixlRemoteDisconnectError):
                             return f"{type(error).__name__}: {error}"
-                        return "retry" if type(error).__name__ == "nixlBackendError" else "other"
+                        return "retry" if isinstance(error, NixlBackendError) else "other"
                 step = self._nixl.check_xfer_state
                 if state == "DONE":
                     return "alive"
@@ -390,9 +383,9 @@ class TransferAgent:
             self._release_xfer(handle)
 
     def _wrap(self, error: Exception, what: str) -> TransferError:
-        if _is_remote_disconnect(error):
+        if isinstance(error, NixlRemoteDisconnectError):
             return PeerDisconnected(f"agent {self.name}: {what}: peer disconnected ({error})")
-        if type(error).__name__ == "nixlNotFoundError":
+        if isinstance(error, NixlNotFoundError):
             return TransferError(f"agent {self.name}: {what}: not found (unknown peer or unregistered memory): {error}")
         return TransferError(f"agent {self.name}: {what}: {error}")
 

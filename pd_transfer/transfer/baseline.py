@@ -8,6 +8,8 @@ import uuid
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
+from .native import quiet_native_logs
+
 
 class RawNixlReader:
     """A bare NIXL agent (no progress thread) reading prepared rows from one peer.
@@ -22,6 +24,7 @@ class RawNixlReader:
         local_rows: np.ndarray,
         remote_rows: np.ndarray,
     ) -> None:
+        quiet_native_logs()
         self._agent = nixl_agent(f"raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
         self._registration = self._agent.register_memory(
             [(start, end - start, 0, "") for start, end in local_spans], "DRAM"
