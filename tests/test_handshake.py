@@ -15,6 +15,7 @@ from pd_transfer.handshake import (
     AuthenticationError,
     Challenge,
     EngineMetadata,
+    ErrorReply,
     GetMetadata,
     HandshakeBackoff,
     HandshakeClient,
@@ -562,16 +563,94 @@ def test_request_and_reply_macs_are_domain_separated() -> None:
         request_mac(b"", nonce, payload)
 
 
-def test_nonce_book_is_single_use_expiring_and_bounded() -> None:
+def test_nonce_book_is_single_use_and_expiring() -> None:
     now = [100.0]
     book = NonceBook(ttl_s=10.0, capacity=2, clock=lambda: now[0])
     first = book.issue()
-    assert book.consume(first) and not book.consume(first)
-    old, newer = book.issue(), book.issue()
-    newest = book.issue()  # evicts ``old``
-    assert len(book) == 2 and book.evicted == 1
-    assert not book.consume(old) and book.consume(newer)
+    assert book.consume(first) == "ok" and book.consume(first) == "reused"
+    assert book.consume(new_nonce()) == "unknown"  # not issued here
+    assert book.consume(NonceBook(10.0, 2, clock=lambda: now[0]).issue()) == "unknown"  # another server's key
+    tampered = bytearray(book.issue())
+    tampered[0] ^= 1  # an earlier issue time under the same tag
+    assert book.consume(bytes(tampered)) == "unknown"
+    late = book.issue()
     now[0] += 10.0
-    assert not book.consume(newest)  # expired
-    book.issue()
-    assert len(book) == 1
+    assert book.consume(late) == "expired"
+
+
+def test_issuing_stores_nothing_so_a_hello_flood_evicts_no_nonce() -> None:
+    """Before: 4,096 outstanding nonces were kept and the oldest evicted, so a Hello flood made a slow client's
+    GetMetadata fail. Now a nonce is verified from its own bytes."""
+    book = NonceBook(ttl_s=30.0, capacity=4096)
+    legitimate = book.issue()
+    for _ in range(50_000):
+        book.issue()
+    assert len(book) == 0
+    assert book.consume(legitimate) == "ok"
+
+
+def test_used_nonces_are_bounded_and_a_full_store_refuses_rather_than_forgets() -> None:
+    now = [0.0]
+    book = NonceBook(ttl_s=10.0, capacity=2, clock=lambda: now[0])
+    first, second, third = book.issue(), book.issue(), book.issue()
+    assert book.consume(first) == "ok" and book.consume(second) == "ok"
+    assert book.consume(third) == "busy" and book.refused_busy == 1 and len(book) == 2
+    assert book.consume(first) == "reused"  # still remembered: no replay while full
+    now[0] = 10.5
+    fresh = book.issue()
+    assert book.consume(fresh) == "ok" and len(book) == 1  # the expired ones were purged
+
+
+def test_a_wrong_mac_does_not_use_up_the_nonce() -> None:
+    with HandshakeServer(fake_engine(), secret=SECRET) as server, RawPeer(HOST, server.port) as raw:
+        challenge = raw.request(encode(Hello()))
+        assert isinstance(challenge, Challenge)
+        request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+        forged = msgspec.structs.replace(request, mac=get_metadata_mac("not the secret", request))
+        refused = raw.request(encode(forged))
+        assert isinstance(refused, ErrorReply) and "MAC" in refused.message
+        signed = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request))
+        assert isinstance(raw.request(encode(signed)), Metadata)
+        replayed = raw.request(encode(signed))
+        assert isinstance(replayed, ErrorReply) and "already used" in replayed.message
+
+
+def _hello_flood(port: int, seconds: float, sent: list[int]) -> None:
+    """Send Hello as fast as one socket can for ``seconds``, never reading the challenges."""
+    context = zmq.Context()
+    flood = context.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.setsockopt(zmq.SNDHWM, 100_000)
+    flood.connect(f"tcp://{HOST}:{port}")
+    frame, deadline = encode(Hello()), time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            for _ in range(500):
+                try:
+                    flood.send(frame, zmq.NOBLOCK)
+                    sent[0] += 1
+                except zmq.Again:
+                    break
+    finally:
+        flood.close(linger=0)
+        context.term()
+
+
+def test_a_hello_flood_does_not_fail_a_slow_legitimate_handshake(secret_server: ServerProcess) -> None:
+    sent = [0]
+    flood = threading.Thread(target=_hello_flood, args=(secret_server.port, 4.0, sent), daemon=True)
+    flood.start()
+    try:
+        with RawPeer(HOST, secret_server.port) as raw:
+            outcomes = []
+            for _ in range(8):
+                challenge = raw.request(encode(Hello()), timeout_s=10.0)
+                assert isinstance(challenge, Challenge)
+                time.sleep(0.2)  # a slow client (not synchronisation): the flood runs between its two messages
+                request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+                request = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request))
+                outcomes.append(type(raw.request(encode(request), timeout_s=10.0)).__name__)
+    finally:
+        flood.join(10.0)
+    assert sent[0] > 4096, f"the flood sent only {sent[0]} Hellos"
+    assert outcomes == ["Metadata"] * 8

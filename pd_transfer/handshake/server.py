@@ -44,6 +44,12 @@ Reply = Challenge | Metadata | ErrorReply
 _REFUSALS: frozenset[str] = frozenset(
     {"unsupported_version", "unexpected_message", "auth_required", "auth_failed", "incompatible", "unknown_rank"}
 )
+_NONCE_REFUSALS: dict[str, str] = {
+    "unknown": "unknown server nonce (not issued by this server): send Hello first",
+    "expired": "expired server nonce: send Hello again",
+    "reused": "server nonce already used",
+    "busy": "too many authenticated handshakes within the nonce lifetime: retry shortly",
+}
 _MAX_REASON_CHARS = 200
 _MAX_BATCH = 64  # messages handled per poll wake-up before checking for stop() again
 
@@ -53,7 +59,7 @@ class HandshakeServer:
 
     ``engine`` is the metadata itself or a callable returning it (called for every ``GetMetadata``, so it
     may change over time). With ``secret`` set, requests must carry an HMAC over a single-use server
-    nonce (valid ``nonce_ttl_s`` seconds, at most ``max_outstanding_nonces`` kept) and replies carry
+    nonce (valid ``nonce_ttl_s`` seconds; at most ``max_outstanding_nonces`` used ones remembered) and replies carry
     one back. ``stats`` counts ``challenges``, ``served``, ``refused``, ``malformed``, ``too_large``,
     ``internal`` and ``dropped`` (replies ZMQ could not queue); it is written by the serving thread only.
     """
@@ -234,7 +240,7 @@ class HandshakeServer:
         refusal = self._check_version(hello.protocol_version, peer)
         if refusal is not None:
             return refusal
-        nonce = self._nonces.issue() if self._secret is not None else new_nonce()  # only tracked when checked
+        nonce = self._nonces.issue() if self._secret is not None else new_nonce()  # checked only with a secret
         self.stats["challenges"] += 1
         logger.debug("handshake server for engine %r: challenge sent to %s", self._engine_id, peer)
         return Challenge(protocol_version=PROTOCOL_VERSION, server_nonce=nonce, auth_required=self._secret is not None)
@@ -244,17 +250,9 @@ class HandshakeServer:
         if refusal is not None:
             return refusal
         if self._secret is not None:
-            fresh = self._nonces.consume(request.server_nonce)  # single use, whatever happens next
-            if not request.mac:
-                return self._refuse(
-                    peer,
-                    "auth_required",
-                    f"engine {self._engine_id!r} requires authentication: configure the shared handshake secret",
-                )
-            if not fresh:
-                return self._refuse(peer, "auth_failed", "unknown, expired or already used server nonce")
-            if not verify(get_metadata_mac(self._secret, request), request.mac):
-                return self._refuse(peer, "auth_failed", "request MAC does not verify (different shared secret?)")
+            refusal = self._authenticate(request, self._secret, peer)
+            if refusal is not None:
+                return refusal
 
         engine = self._current_engine()
         fields = fingerprint_fields_differing(engine.fingerprint, request.fingerprint)
@@ -275,6 +273,21 @@ class HandshakeServer:
         self.stats["served"] += 1
         logger.debug("handshake server for engine %r: ranks %s sent to %s", engine.engine_id, wanted, peer)
         return Metadata(protocol_version=PROTOCOL_VERSION, engine=served, mac=mac)
+
+    def _authenticate(self, request: GetMetadata, secret: bytes, peer: str) -> ErrorReply | None:
+        """Refuse a request without a valid MAC over a nonce of ours that is fresh and unused. The MAC is checked
+        before the nonce is marked used, so a peer without the secret cannot use up anyone's nonce."""
+        if not request.mac:
+            message = f"engine {self._engine_id!r} requires authentication: configure the shared handshake secret"
+            return self._refuse(peer, "auth_required", message)
+        if self._nonces.check(request.server_nonce) == "ok" and not verify(
+            get_metadata_mac(secret, request), request.mac
+        ):
+            return self._refuse(peer, "auth_failed", "request MAC does not verify (different shared secret?)")
+        outcome = self._nonces.consume(request.server_nonce)
+        if outcome != "ok":
+            return self._refuse(peer, "auth_failed", _NONCE_REFUSALS[outcome])
+        return None
 
     def _current_engine(self) -> EngineMetadata:
         source = self._engine_source
