@@ -13,12 +13,22 @@ Vocabulary used throughout pd-transfer:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
 if TYPE_CHECKING:
     import torch
+
+#: Longest text a peer may send in a name field (bytes of UTF-8 are at most 4x this); enforced when decoding.
+MAX_NAME_CHARS = 4096
+#: Longest rendering of a peer's value in an error message or a log line.
+MAX_ECHO_CHARS = 80
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+ShortName = Annotated[str, msgspec.Meta(max_length=64)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit in 63 bits
 
 KVLayout = Literal["HND", "NHD"]
 PlaneKind = Literal["k", "v", "latent"]
@@ -38,11 +48,11 @@ DTYPE_SIZES: dict[str, int] = {
 class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The facts two engines must agree on to share KV, whatever their parallelism or block size."""
 
-    model: str
-    dtype: str
-    num_layers: int
-    total_num_kv_heads: int
-    head_size: int
+    model: Name
+    dtype: ShortName
+    num_layers: Count
+    total_num_kv_heads: Count
+    head_size: Count
     use_mla: bool = False
 
     def differences(self, other: ModelFingerprint) -> list[str]:
@@ -51,22 +61,30 @@ class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for field in self.__struct_fields__:
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
-                out.append(f"{field}: {mine!r} != {theirs!r}")
+                out.append(f"{field}: {clipped(mine)} != {clipped(theirs)}")
         return out
+
+
+def clipped(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters, saying how long it was: for echoing a peer's value safely."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
 
 
 class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How one TP rank holds the model's KV cache."""
 
     fingerprint: ModelFingerprint
-    tp_size: int
-    tp_rank: int
-    block_size: int  # tokens per block
+    tp_size: Count
+    tp_rank: Count
+    block_size: Count  # tokens per block
     layout: KVLayout = "HND"
     #: Set when the elements inside each (block, head) follow an engine's own packing rather than ``layout``
     #: (e.g. ``"vllm-cpu-attn:vec"``): such blocks are copied whole between equal block sizes, and regrouped
     #: element by element (:mod:`.packed`) when block sizes differ. Both sides must name the same packing.
-    packing: str | None = None
+    packing: ShortName | None = None
 
     @property
     def element_size(self) -> int:
@@ -106,12 +124,12 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One registered block-indexed tensor of a rank's cache (addresses in the owner's process)."""
 
-    layer: int
-    kinds: tuple[PlaneKind, ...]  # ("k",), ("v",), ("k", "v") or ("latent",)
-    base_address: int  # bytes
-    num_blocks: int
-    block_len: int  # bytes of one block, all kinds together
-    block_stride: int  # bytes between the starts of consecutive blocks
+    layer: Count
+    kinds: Annotated[tuple[PlaneKind, ...], msgspec.Meta(max_length=3)]  # ("k",), ("v",), ("k", "v"), ("latent",)
+    base_address: Address  # bytes
+    num_blocks: Count
+    block_len: Count  # bytes of one block, all kinds together
+    block_stride: Count  # bytes between the starts of consecutive blocks
 
     @property
     def plane_block_len(self) -> int:

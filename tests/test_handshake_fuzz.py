@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import msgspec
@@ -24,6 +25,7 @@ from pd_transfer.handshake import (
     encode,
 )
 from pd_transfer.handshake.auth import get_metadata_mac, new_nonce
+from pd_transfer.handshake.messages import MAX_TP_RANKS
 from pd_transfer.sim.handshake_server import RawPeer, ServerProcess, fake_engine, fake_fingerprint
 
 HOST = "127.0.0.1"
@@ -172,7 +174,9 @@ def test_well_typed_requests_never_fail_internally(server: HandshakeServer, raw:
         reply = raw.request(encode(request))
         assert isinstance(reply, Metadata | ErrorReply)
         if isinstance(reply, ErrorReply):
-            assert reply.code in ("unsupported_version", "incompatible", "unknown_rank"), reply
+            out_of_bounds = any(not 0 <= rank < MAX_TP_RANKS for rank in request.tp_ranks or [])
+            allowed = ("malformed",) if out_of_bounds else ("unsupported_version", "incompatible", "unknown_rank")
+            assert reply.code in allowed, reply
 
     check()
     assert server.stats["internal"] == 0
@@ -258,3 +262,23 @@ def test_separate_process_server_survives_garbage() -> None:
 
         check()
         assert still_serves(process.port, SECRET)
+
+
+def test_oversized_fields_are_refused_small_and_never_echoed_whole(
+    server: HandshakeServer, raw: RawPeer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: 1.5 million tp_ranks made an 11.8 MB reply and log line, and a 6 MB model name came back whole."""
+    many_ranks = {"type": "get_metadata", "protocol_version": 1, "fingerprint": msgspec.to_builtins(fake_fingerprint())}
+    many_ranks |= {"tp_ranks": list(range(1_500_000)), "client_nonce": b"", "server_nonce": b""}
+    long_name = GetMetadata(1, fake_fingerprint(model="m" * 6_000_000), None, b"", b"")
+    near_limit = GetMetadata(1, fake_fingerprint(model="x" * 4000), list(range(MAX_TP_RANKS)), b"", b"")
+    with caplog.at_level(logging.DEBUG, logger="pd_transfer.handshake"):
+        for frame in (msgspec.msgpack.encode(many_ranks), encode(long_name), encode(near_limit)):
+            caplog.clear()
+            raw.send(frame)
+            (reply_bytes,) = raw.receive_frames()
+            reply = decode(reply_bytes)
+            assert isinstance(reply, ErrorReply) and reply.code in ("malformed", "incompatible"), reply
+            assert len(reply_bytes) < 1200, len(reply_bytes)
+            assert all(len(record.getMessage()) < 1200 for record in caplog.records)
+    assert still_serves(server.port)

@@ -12,16 +12,25 @@ Without a configured secret, ``mac`` fields are empty and ignored.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
-from pd_transfer.spec import KVCacheLayout, KVRegion, ModelFingerprint
+from pd_transfer.spec import Count, KVCacheLayout, KVRegion, ModelFingerprint, Name
 
 from .versions import PROTOCOL_VERSION
 
 #: Largest frame the server or the client will try to decode (bytes).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+#: Most TP ranks a message may name; a request for more than the engine serves is refused.
+MAX_TP_RANKS = 1024
+#: Most cache regions one rank may describe (layers x K/V, with room for engines that split them further).
+MAX_REGIONS = 16384
+
+Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
+Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
+FieldName = Annotated[str, msgspec.Meta(max_length=64)]
+TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_RANKS)]
 
 ErrorCode = Literal[
     "malformed",  # the frame did not decode as a message
@@ -39,52 +48,53 @@ ErrorCode = Literal[
 class RankMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One TP rank of an engine: its NIXL agent and where its cache lives in its process."""
 
-    tp_rank: int
-    agent_name: str
-    agent_metadata: bytes  # nixl_agent.get_agent_metadata()
+    tp_rank: TpRank
+    agent_name: Name
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=4 * 1024 * 1024)]  # nixl_agent.get_agent_metadata()
     layout: KVCacheLayout
-    regions: list[KVRegion]
+    regions: Annotated[list[KVRegion], msgspec.Meta(max_length=MAX_REGIONS)]
 
 
 class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything a decode process needs to read from a prefill engine."""
 
-    engine_id: str
+    engine_id: Name
     fingerprint: ModelFingerprint
-    tp_size: int
-    ranks: list[RankMetadata]  # only the ranks asked for, ordered by tp_rank
+    tp_size: Count
+    ranks: Annotated[list[RankMetadata], msgspec.Meta(max_length=MAX_TP_RANKS)]  # the ranks asked for, by tp_rank
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
     protocol_version: int = PROTOCOL_VERSION
-    client_nonce: bytes = b""
+    client_nonce: Nonce = b""
 
 
 class Challenge(msgspec.Struct, tag="challenge", frozen=True, forbid_unknown_fields=True):
     protocol_version: int
-    server_nonce: bytes
+    server_nonce: Nonce
     auth_required: bool
 
 
 class GetMetadata(msgspec.Struct, tag="get_metadata", frozen=True, forbid_unknown_fields=True):
     protocol_version: int
     fingerprint: ModelFingerprint
-    tp_ranks: list[int] | None  # None: every rank the server holds
-    client_nonce: bytes
-    server_nonce: bytes
-    mac: bytes = b""
+    tp_ranks: Annotated[list[TpRank], msgspec.Meta(max_length=MAX_TP_RANKS)] | None  # None: every rank served
+    client_nonce: Nonce
+    server_nonce: Nonce
+    mac: Mac = b""
 
 
 class Metadata(msgspec.Struct, tag="metadata", frozen=True, forbid_unknown_fields=True):
     protocol_version: int
     engine: EngineMetadata
-    mac: bytes = b""  # HMAC(secret, client_nonce | encoded engine): the server proves it knows the secret
+    mac: Mac = b""  # HMAC(secret, client_nonce | encoded engine): the server proves it knows the secret
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     code: ErrorCode
-    message: str
-    fields: list[str] = []  # "incompatible": the fingerprint fields that differ (omitted on the wire when empty)
+    message: Name
+    #: "incompatible": the fingerprint fields that differ (omitted on the wire when empty)
+    fields: Annotated[list[FieldName], msgspec.Meta(max_length=16)] = []
 
 
 Message = Union[Hello, Challenge, GetMetadata, Metadata, ErrorReply]

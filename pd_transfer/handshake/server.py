@@ -265,7 +265,8 @@ class HandshakeServer:
         wanted = sorted(by_rank) if request.tp_ranks is None else sorted(set(request.tp_ranks))
         missing = [tp_rank for tp_rank in wanted if tp_rank not in by_rank]
         if missing:
-            message = f"engine {engine.engine_id!r} does not serve TP rank(s) {missing}; it serves {sorted(by_rank)}"
+            shown = f"{missing[:8]}{f' and {len(missing) - 8} more' if len(missing) > 8 else ''}"
+            message = f"engine {engine.engine_id!r} does not serve TP rank(s) {shown}; it serves {sorted(by_rank)}"
             return self._refuse(peer, "unknown_rank", message)
 
         served = msgspec.structs.replace(engine, ranks=[by_rank[tp_rank] for tp_rank in wanted])
