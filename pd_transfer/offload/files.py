@@ -1,0 +1,285 @@
+"""The disk tier: one file per block in a directory that several processes and machines may share.
+
+A block is written to a temporary name in its final directory and renamed over its final name, so a
+reader sees either no file or a whole one; two writers of one key both rename and the last rename wins
+(both wrote the same key, so either file is right). A file is checked before its bytes count as KV: its
+header (magic, version, header checksum), its key and page format (another model, rank or layout is
+*foreign*), its length (*truncated*) and the CRC-32 of its payload (*corrupt*). Any failure is a miss,
+logged with the key's first digits and the reason; the bytes it may have left in the engine blocks must be
+recomputed (the load reports failure). A writer killed before its rename leaves only a temporary file,
+which no reader opens and :meth:`DirectoryTier.sweep` deletes once it is ``stale_temp_seconds`` old.
+
+Layout: ``root/<format tag, 16 hex>/<key[:1] hex>/<key hex>.kvblock``. File format (little-endian):
+
+====== ===== ===================================================================
+offset bytes field
+====== ===== ===================================================================
+0      8     magic ``b"PDKVBLK1"``
+8      2     format version (1)
+10     2     header bytes (64)
+12     4     flags (0)
+16     16    block key
+32     8     page format tag (:attr:`PageFormat.tag`)
+40     8     payload bytes (the page format's ``block_bytes``)
+48     4     CRC-32 of the payload
+52     4     CRC-32 of bytes 0..51
+56     8     zero
+64     ...   payload: page 0 of the block, page 1, ... (one per engine cache tensor)
+====== ===== ===================================================================
+
+The size bound covers every ``*.kvblock`` under ``root``: when this process's estimate passes
+``max_bytes``, a sweep deletes the files least recently written or loaded (loads refresh the mtime) until
+the total is under 90% of the bound. Processes sweep independently; a file deleted under an open reader
+stays readable to it (POSIX), one deleted before the open is a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import struct
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from .errors import OffloadInputError
+from .keys import BlockKey, check_key, short
+from .metrics import OffloadMetrics
+from .specs import PageFormat, TierBlocks
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PDKVBLK1"
+VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sHHI16s8sQI")  # up to the header CRC
+_SUFFIX = ".kvblock"
+_TEMP_SUFFIX = ".tmp"
+_LOW_WATERMARK = 0.9
+
+ReadOutcome = Literal["ok", "missing", "truncated", "corrupt", "foreign"]
+
+
+def encode_header(key: BlockKey, tag: bytes, payload_bytes: int, payload_crc: int) -> bytes:
+    """The 64-byte header of a block file."""
+    fields = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, 0, key, tag, payload_bytes, payload_crc)
+    return (fields + struct.pack("<I", zlib.crc32(fields))).ljust(HEADER_BYTES, b"\0")
+
+
+def check_header(header: bytes, key: BlockKey, tag: bytes, payload_bytes: int) -> tuple[ReadOutcome, int]:
+    """``("ok", payload CRC)`` if ``header`` is a valid header of ``key`` in format ``tag``, else the reason."""
+    if len(header) < HEADER_BYTES:
+        return "truncated", 0
+    fields = header[: _HEADER.size]
+    if header[:8] != MAGIC or struct.unpack_from("<I", header, _HEADER.size)[0] != zlib.crc32(fields):
+        return "corrupt", 0
+    _magic, version, header_bytes, _flags, file_key, file_tag, file_payload, crc = _HEADER.unpack(fields)
+    if version != VERSION or header_bytes != HEADER_BYTES or file_tag != tag or file_payload != payload_bytes:
+        return "foreign", 0
+    if file_key != key:
+        return "foreign", 0
+    return "ok", crc
+
+
+def payload_crc(pages: Sequence[np.ndarray]) -> int:
+    """CRC-32 of the pages (contiguous uint8 arrays), in order, as one byte string."""
+    crc = 0
+    for page in pages:
+        crc = zlib.crc32(page.data, crc)
+    return crc
+
+
+class DirectoryTier:
+    """Blocks of one page format as files under ``root``; at most ``max_bytes`` of block files there."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        page_format: PageFormat,
+        *,
+        max_bytes: int,
+        fsync: bool = False,
+        stale_temp_seconds: float = 600.0,
+        metrics: OffloadMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``fsync``: flush each file before its rename (survives power loss, costs a disk flush per block;
+        without it a process crash still never leaves a torn file). ``clock`` is wall time, compared with
+        file mtimes to find stale temporary files."""
+        if max_bytes < page_format.block_bytes + HEADER_BYTES:
+            raise OffloadInputError(f"max_bytes {max_bytes} holds no block of {page_format.block_bytes} bytes")
+        self.root = Path(root)
+        self.page_format = page_format
+        self.max_bytes = int(max_bytes)
+        self.fsync = fsync
+        self.stale_temp_seconds = stale_temp_seconds
+        self._metrics = metrics
+        self._clock = clock
+        self._tag = page_format.tag
+        self.directory = self.root / self._tag.hex()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._estimated_bytes: int | None = None  # unknown until the first sweep
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of one block file."""
+        return HEADER_BYTES + self.page_format.block_bytes
+
+    def path_of(self, key: BlockKey) -> Path:
+        hexkey = check_key(key).hex()
+        return self.directory / hexkey[:2] / f"{hexkey}{_SUFFIX}"
+
+    def exists(self, key: BlockKey) -> bool:
+        """Whether a file for ``key`` exists (it is checked only when loaded): the scheduler's probe."""
+        return self.path_of(key).is_file()
+
+    # ------------------------------------------------------------------ one block
+    def write_temp(self, key: BlockKey, pages: Sequence[np.ndarray]) -> Path:
+        """Write ``key``'s block to a new temporary file beside its final name; returns that file's path."""
+        self._check_pages(pages)
+        final = self.path_of(key)
+        final.parent.mkdir(exist_ok=True)
+        temp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
+        header = encode_header(key, self._tag, self.page_format.block_bytes, payload_crc(pages))
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, [memoryview(header), *(page.data for page in pages)])
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return temp
+
+    def publish(self, temp: Path, key: BlockKey) -> None:
+        """Rename a file made by :meth:`write_temp` to ``key``'s name (atomic; replaces any older file)."""
+        os.replace(temp, self.path_of(key))
+
+    def store(self, key: BlockKey, pages: Sequence[np.ndarray]) -> int:
+        """Write one block (pages in format order); returns the file's bytes. Sweeps when over the bound."""
+        self.publish(self.write_temp(key, pages), key)
+        if self._estimated_bytes is not None:
+            self._estimated_bytes += self.file_bytes
+        if self._estimated_bytes is None or self._estimated_bytes > self.max_bytes:
+            self.sweep()
+        return self.file_bytes
+
+    def load(self, key: BlockKey, pages: Sequence[np.ndarray]) -> ReadOutcome:
+        """Read ``key``'s block into ``pages`` (writable, format order) and check it. Anything but ``"ok"``
+        is a miss, and ``pages`` may then hold garbage."""
+        self._check_pages(pages)
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return "missing"
+        try:
+            outcome = self._read_checked(fd, key, pages)
+        finally:
+            os.close(fd)
+        if outcome == "ok":
+            _touch(path)
+        else:
+            logger.warning("disk tier: block %s is %s; treated as a miss", short(key), outcome)
+            if self._metrics is not None:
+                self._metrics.rejected_blocks.labels(self.name, outcome).inc()
+        return outcome
+
+    # ------------------------------------------------------------------ batches (the worker's interface)
+    def store_blocks(self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]) -> int:
+        """Store engine block ``block_ids[i]`` as ``blocks.keys[i]``; returns bytes written."""
+        return sum(
+            self.store(key, [cache[b] for cache in caches]) for key, b in zip(blocks.keys, block_ids, strict=True)
+        )
+
+    def load_blocks(
+        self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]
+    ) -> tuple[int, list[BlockKey]]:
+        """Load ``blocks.keys[i]`` into engine block ``block_ids[i]``; returns (bytes loaded, keys that missed)."""
+        missed = [
+            key for key, b in zip(blocks.keys, block_ids, strict=True) if self.load(key, [c[b] for c in caches]) != "ok"
+        ]
+        return (len(blocks.keys) - len(missed)) * self.page_format.block_bytes, missed
+
+    # ------------------------------------------------------------------ size bound
+    def sweep(self) -> int:
+        """Delete stale temporary files, then the oldest block files while the total is over 90% of
+        ``max_bytes`` (only when it is over ``max_bytes``). Returns block files deleted."""
+        files, total = self._scan()
+        removed = 0
+        if total > self.max_bytes:
+            for _mtime, size, path in sorted(files):
+                if total <= self.max_bytes * _LOW_WATERMARK:
+                    break
+                try:
+                    path.unlink()
+                    removed += 1
+                except FileNotFoundError:
+                    pass  # another process swept it first
+                total -= size
+        self._estimated_bytes = total
+        if removed and self._metrics is not None:
+            self._metrics.evictions.labels(self.name).inc(removed)
+        return removed
+
+    # ------------------------------------------------------------------ internals
+    def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
+        files: list[tuple[float, int, Path]] = []
+        stale_before = self._clock() - self.stale_temp_seconds
+        for path in self.root.glob("*/*/*"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            if path.name.endswith(_SUFFIX):
+                files.append((stat.st_mtime, stat.st_size, path))
+            elif path.name.endswith(_TEMP_SUFFIX) and stat.st_mtime < stale_before:
+                path.unlink(missing_ok=True)
+        return files, sum(size for _, size, _ in files)
+
+    def _read_checked(self, fd: int, key: BlockKey, pages: Sequence[np.ndarray]) -> ReadOutcome:
+        size = os.fstat(fd).st_size
+        outcome, crc = check_header(os.pread(fd, HEADER_BYTES, 0), key, self._tag, self.page_format.block_bytes)
+        if outcome != "ok":
+            return outcome
+        if size != self.file_bytes:
+            return "truncated" if size < self.file_bytes else "corrupt"
+        if os.preadv(fd, [page.data for page in pages], HEADER_BYTES) != self.page_format.block_bytes:
+            return "truncated"
+        return "ok" if payload_crc(pages) == crc else "corrupt"
+
+    def _check_pages(self, pages: Sequence[np.ndarray]) -> None:
+        sizes = tuple(page.nbytes for page in pages)
+        if sizes != self.page_format.page_bytes:
+            raise OffloadInputError(
+                f"pages of {sizes[:8]} bytes do not match the format's {self.page_format.page_bytes[:8]}"
+            )
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    """``os.writev`` until every byte is written (a regular file may take fewer bytes per call)."""
+    pending = [buffer.cast("B") for buffer in buffers]
+    while pending:
+        written = os.writev(fd, pending[:1024])
+        while pending and written >= len(pending[0]):
+            written -= len(pending[0])
+            pending.pop(0)
+        if pending and written:
+            pending[0] = pending[0][written:]
+
+
+def _touch(path: Path) -> None:
+    """Mark a block as recently used (sweeps delete the least recently touched first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # swept meanwhile: the caller already has its bytes
