@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 
 from pd_transfer.affinity import allowed_cpu
-from pd_transfer.bench import vllm_connectors as bench
+from pd_transfer.bench import vllm_connectors
+from pd_transfer.bench.vllm_pairs import bench_server
+from pd_transfer.bench.vllm_report import build_result, percentile, render_table
+from pd_transfer.bench.vllm_requests import EXTERNAL
+from pd_transfer.bench.vllm_run import portable_path
 from pd_transfer.cli import build_parser
+from pd_transfer.cluster.http_client import metric_sum
 
 
 def _record(length: int, decode_s: float, tokens: list[str], nbytes: int) -> dict:
@@ -43,12 +48,12 @@ def _fake_result() -> dict:
             "robustness": {**robust, "malformed": "answered, tokens equal the reference", "still_serving": True},
         },
     }
-    return bench.build_result({"model": "m", "requests": 2}, runs, [["a", "b"], ["c"]])
+    return build_result({"model": "m", "requests": 2}, runs, [["a", "b"], ["c"]])
 
 
 def test_arguments_and_defaults() -> None:
     args = build_parser().parse_args(["bench", "vllm"])
-    assert args.func is bench.run
+    assert args.func is vllm_connectors.run
     assert (args.requests, args.lengths, args.max_tokens, args.json) == (30, [50, 677, 1500], 16, False)
     args = build_parser().parse_args(["bench", "vllm", "--json", "--requests", "6", "--lengths", "10,20"])
     assert (args.requests, args.lengths, args.json) == (6, [10, 20], True)
@@ -58,8 +63,8 @@ def test_arguments_and_defaults() -> None:
 
 
 def test_servers_differ_only_in_the_connector(tmp_path: Path) -> None:
-    nixl = bench.server_process("nixl", "decode", "/m", "py", tmp_path)
-    ours = bench.server_process("ours", "decode", "/m", "py", tmp_path)
+    nixl = bench_server("nixl", "decode", "/m", "py", tmp_path)
+    ours = bench_server("ours", "decode", "/m", "py", tmp_path)
 
     def flags(command: list[str]) -> list[str]:
         skip = {"--port", "--kv-transfer-config"}
@@ -71,7 +76,7 @@ def test_servers_differ_only_in_the_connector(tmp_path: Path) -> None:
     assert [c["kv_connector"] for c in configs] == ["NixlConnector", "PdTransferConnector"]
     assert nixl.env["VLLM_CPU_OMP_THREADS_BIND"] == ours.env["VLLM_CPU_OMP_THREADS_BIND"] == allowed_cpu(1)
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in nixl.env
-    plain = bench.server_process(None, "reference", "/m", "py", tmp_path)
+    plain = bench_server(None, "reference", "/m", "py", tmp_path)
     assert "--kv-transfer-config" not in plain.command
 
 
@@ -93,14 +98,14 @@ def test_result_shape_and_table() -> None:
         assert all("tokens" not in r for r in entry["requests"])
         assert entry["robustness"]["still_serving"] in (True, False)
     assert set(result["ours_over_nixl"]) >= {"decode_p50_s", "load_p50_s", "bytes_total"}
-    table = bench.render_table(result)
+    table = render_table(result)
     assert "NixlConnector" in table and "PdTransferConnector" in table and "ours_vs_nixl 1/2" in table
 
 
 def test_percentile_and_metric_parsing() -> None:
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert bench.percentile([float(i) for i in range(1, 21)], 95) == 19.0
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([float(i) for i in range(1, 21)], 95) == 19.0
     text = "\n".join(
         [
             "# HELP vllm:nixl_xfer_time_seconds x",
@@ -110,6 +115,13 @@ def test_percentile_and_metric_parsing() -> None:
             'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 3.0',
         ]
     )
-    assert bench.metric_sum(text, "vllm:nixl_xfer_time_seconds_sum") == 0.5
-    assert bench.metric_sum(text, "vllm:nixl_xfer_time_seconds") == 0.0  # exact names only
-    assert bench.metric_sum(text, bench.EXTERNAL, source="external_kv_transfer") == 727.0
+    assert metric_sum(text, "vllm:nixl_xfer_time_seconds_sum") == 0.5
+    assert metric_sum(text, "vllm:nixl_xfer_time_seconds") == 0.0  # exact names only
+    assert metric_sum(text, EXTERNAL, source="external_kv_transfer") == 727.0
+
+
+def test_recorded_paths_are_not_machine_specific(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert portable_path(tmp_path / "runs" / "bench") == "runs/bench"  # under the working directory: relative
+    assert portable_path("runs/bench") == "runs/bench"
+    assert portable_path("/elsewhere/models/tiny-llama-f32") == "tiny-llama-f32"  # elsewhere: its name only

@@ -20,15 +20,14 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pd_transfer.affinity import allowed_cpu
+from pd_transfer.cluster.http_client import answer_tokens, post_json, post_stream, prompt_tokens
 from pd_transfer.cluster.launch import ServerSpec, kv_transfer_config, vllm_command, vllm_env
-from pd_transfer.cluster.processes import log_excerpt
+from pd_transfer.cluster.processes import ManagedProcess, log_excerpt, wait_ready
 from pd_transfer.cluster.up import cpu_binds
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
 
@@ -326,11 +325,10 @@ def test_failed_startup_stops_everything_and_shows_the_log(tmp_path: Path) -> No
 from vllm_servers import (  # noqa: E402
     DEFAULT_MODEL,
     KV_CACHE_BYTES,
-    VllmServer,
     free_base_port,
-    free_port,
     live_in_group,
     metric_value,
+    reference_server,
 )
 
 EXTERNAL = "external_kv_transfer"
@@ -340,50 +338,6 @@ UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
 RUN_SALT = time.time_ns() % 10**9
 #: The first test using the cluster also waits for its startup (the three servers start at once).
 E2E_TIMEOUT = pytest.mark.timeout(UP_TIMEOUT_S + 900)
-
-
-def _post(url: str, payload: dict, timeout_s: float = 120.0) -> dict:
-    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def _post_events(url: str, payload: dict, timeout_s: float = 120.0) -> list[dict]:
-    body = json.dumps({**payload, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-    events, done = [], False
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        assert response.headers.get("Content-Type", "").startswith("text/event-stream")
-        for raw in response:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-                break
-            if line.startswith("data: "):
-                events.append(json.loads(line[len("data: ") :]))
-    assert done, "the stream ended without [DONE]"
-    return events
-
-
-def _tokens(body: dict, chat: bool) -> list[str]:
-    """Greedy tokens of a non-streamed answer, from its logprobs."""
-    logprobs = body["choices"][0]["logprobs"]
-    return [item["token"] for item in logprobs["content"]] if chat else list(logprobs["tokens"])
-
-
-def _stream_tokens(events: list[dict], chat: bool) -> list[str]:
-    tokens: list[str] = []
-    for event in events:
-        for choice in event.get("choices") or []:
-            logprobs = choice.get("logprobs")
-            if logprobs:
-                tokens += [item["token"] for item in logprobs["content"]] if chat else logprobs["tokens"]
-    return tokens
-
-
-def _usage(body_or_events: dict | list[dict]) -> int:
-    items = [body_or_events] if isinstance(body_or_events, dict) else body_or_events
-    return next(int(item["usage"]["prompt_tokens"]) for item in reversed(items) if item.get("usage"))
 
 
 def _prompt_ids(length: int, seed: int) -> list[int]:
@@ -427,14 +381,14 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, VllmServer]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, ManagedProcess]]:
     if _MISSING is not None:
         pytest.skip(_MISSING)
     if not (Path(DEFAULT_MODEL) / "config.json").exists():
         pytest.skip(f"no model at {DEFAULT_MODEL} (make it with `pd-transfer make-model`)")
     work = tmp_path_factory.mktemp("up")
     base = free_base_port()
-    reference = VllmServer("reference", DEFAULT_MODEL, free_port(), work / "reference.log", cpu_bind=allowed_cpu(0))
+    reference = reference_server(DEFAULT_MODEL, work)
     output = work / "up.out"
     # the test brings its own reference and checks every answer itself; the cluster stays up for it
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--demo", "--no-check", "--keep"]
@@ -457,7 +411,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
             assert process.poll() is None, f"up exited with {process.returncode}:\n{up.text()}\n{up.logs()}"
             assert time.monotonic() < deadline, f"up not ready in time:\n{up.text()}\n{up.logs()}"
             time.sleep(1.0)
-        reference.wait_healthy(time.monotonic() + UP_TIMEOUT_S)
+        wait_ready([reference], UP_TIMEOUT_S)
         print(f"\nup --demo ready and the reference healthy after {time.monotonic() - started:.0f} s:\n{up.text()}")
         yield up, reference
     finally:
@@ -479,7 +433,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
 
 
 @E2E_TIMEOUT
-def test_up_demo_printed_transfers(cluster: tuple[Cluster, VllmServer]) -> None:
+def test_up_demo_printed_transfers(cluster: tuple[Cluster, ManagedProcess]) -> None:
     up, _ = cluster
     text = up.text()
     state = up.load_state()
@@ -514,7 +468,7 @@ CASES = [
 @E2E_TIMEOUT
 @pytest.mark.parametrize(("name", "endpoint", "streamed", "body"), CASES, ids=[c[0] for c in CASES])
 def test_proxy_answers_equal_a_plain_vllm_server(
-    cluster: tuple[Cluster, VllmServer], name: str, endpoint: str, streamed: bool, body: dict
+    cluster: tuple[Cluster, ManagedProcess], name: str, endpoint: str, streamed: bool, body: dict
 ) -> None:
     up, reference = cluster
     chat = endpoint.endswith("chat/completions")
@@ -522,26 +476,25 @@ def test_proxy_answers_equal_a_plain_vllm_server(
     decode = next(p["url"] for p in up.state["processes"] if p["name"] == "decode-0")
     common = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
     common |= {"logprobs": True} if chat else {"logprobs": 1}
-    expected = _tokens(_post(reference.url + endpoint, {**body, **common, "model": DEFAULT_MODEL}), chat)
+    expected = answer_tokens(post_json(reference.url + endpoint, {**body, **common, "model": DEFAULT_MODEL}), chat=chat)
     before = metric_value(decode, PROMPT_METRIC, source=EXTERNAL)
     payload = {**body, **common, "model": up.state["model"]}
     started = time.perf_counter()
     if streamed:
-        events = _post_events(proxy + endpoint, payload)
-        got, prompt_tokens = _stream_tokens(events, chat), _usage(events)
+        answer: dict | list[dict] = post_stream(proxy + endpoint, payload | {"stream_options": {"include_usage": True}})
     else:
-        answer = _post(proxy + endpoint, payload)
-        got, prompt_tokens = _tokens(answer, chat), _usage(answer)
+        answer = post_json(proxy + endpoint, payload)
     seconds = time.perf_counter() - started
+    got, prompted = answer_tokens(answer, chat=chat), prompt_tokens(answer)
     loaded = metric_value(decode, PROMPT_METRIC, source=EXTERNAL) - before
-    print(f"\n{name}: {prompt_tokens} prompt tokens, {seconds:.2f} s, external_kv_transfer +{loaded:.0f}")
+    print(f"\n{name}: {prompted} prompt tokens, {seconds:.2f} s, external_kv_transfer +{loaded:.0f}")
     assert len(expected) == MAX_TOKENS
     assert got == expected, f"{name}: the proxy's answer differs from a plain vLLM server's\n{got}\n{expected}"
-    assert loaded == prompt_tokens, f"{name}: the decode loaded {loaded} of {prompt_tokens} prompt tokens"
+    assert loaded == prompted > 0, f"{name}: the decode loaded {loaded} of {prompted} prompt tokens"
 
 
 @E2E_TIMEOUT
-def test_interrupt_stops_every_process(cluster: tuple[Cluster, VllmServer]) -> None:
+def test_interrupt_stops_every_process(cluster: tuple[Cluster, ManagedProcess]) -> None:
     """Runs last in this module: SIGINT to up, then nothing it started may be left."""
     up, _ = cluster
     pgids = up.pgids()

@@ -30,10 +30,10 @@ from vllm_servers import (  # noqa: E402
     PREFILL_LEASE_S,
     SMALL_BLOCK,
     SMALL_LEASE_S,
-    HttpError,
-    VllmServer,
+    RequestFailed,
     completion,
     free_port,
+    logs_dir,
     make_servers,
     make_small_server,
     metric_lines,
@@ -41,6 +41,9 @@ from vllm_servers import (  # noqa: E402
     start_all,
     tokens_of,
 )
+
+from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
+from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
 
 BLOCK = 128
 MAX_TOKENS = 16
@@ -56,15 +59,13 @@ UNCONFIRMED_METRIC = "vllm:pd_transfer_unconfirmed_reads_total"
 def _wait_metric(url: str, name: str, at_least: float, timeout_s: float = 15.0, **labels: str) -> float:
     """Poll ``url``'s /metrics until ``name`` (summed over ``labels``) reaches ``at_least``; fails after timeout_s.
     (Connector stats reach vLLM's /metrics with the engine's next step report, a moment after the event.)"""
-    deadline = time.monotonic() + timeout_s
-    while (value := metric_value(url, name, **labels)) < at_least:
-        assert time.monotonic() < deadline, f"{name}{labels} at {url} is {value}, expected >= {at_least}"
-        time.sleep(0.1)
-    return value
+    waited = wait_metric(url, name, lambda value: value >= at_least, timeout_s, poll_s=0.1, labels=labels)
+    assert waited.reached, f"{name}{labels} at {url} is {waited.value}, expected >= {at_least}"
+    return waited.value
 
 
 class Servers:
-    def __init__(self, prefill: str, decode: str, reference: str, model: str, handles: list[VllmServer]) -> None:
+    def __init__(self, prefill: str, decode: str, reference: str, model: str, handles: list[ManagedProcess]) -> None:
         self.prefill = prefill
         self.decode = decode
         self.reference = reference
@@ -85,8 +86,7 @@ def servers() -> Iterator[Servers]:
         return
     if not (Path(model) / "config.json").exists():
         pytest.skip(f"no model at {model} (make it with `pd-transfer make-model`)")
-    logs = Path(os.environ.get("PD_TRANSFER_VLLM_LOGS", "/tmp/pd-transfer-vllm-test"))
-    handles = make_servers(model, logs)
+    handles = make_servers(model, logs_dir("pd-transfer-vllm-test"))
     started = time.monotonic()
     start_all(handles)
     print(f"\nvLLM servers healthy after {time.monotonic() - started:.0f} s: " + ", ".join(h.url for h in handles))
@@ -160,12 +160,8 @@ def test_pd_tokens_match_reference(servers: Servers, length: int, name: str) -> 
 
 def _wait_prefill_idle(servers: Servers, timeout_s: float) -> float:
     """Seconds until the prefill's KV cache usage is back to 0 (its held blocks freed); fails after timeout_s.
-    The lease is 30 s: freed sooner means freed by the decode's confirmed read."""
-    started = time.monotonic()
-    while (usage := metric_value(servers.prefill, USAGE_METRIC)) > 0:
-        assert time.monotonic() - started < timeout_s, f"the prefill still holds blocks (usage {usage})"
-        time.sleep(0.1)
-    return time.monotonic() - started
+    The lease is 15 s: freed sooner means freed by the decode's confirmed read."""
+    return _wait_idle(servers.prefill, timeout_s)
 
 
 def test_pd_after_a_local_prefix_hit_loads_the_rest(servers: Servers) -> None:
@@ -236,8 +232,8 @@ def test_malformed_params_compute_locally_and_engine_survives(servers: Servers) 
         try:
             response = completion(servers.decode, servers.model, own, MAX_TOKENS, kv_transfer_params=params)
             outcome = "ok" if tokens_of(response) == reference else f"WRONG TOKENS {tokens_of(response)}"
-        except HttpError as error:
-            outcome = f"HTTP {error.status}: {error.body[:200]}"
+        except RequestFailed as error:
+            outcome = str(error)[:210]
         results[name] = (outcome, time.perf_counter() - started)
         print(f"\nmalformed {name!r}: {outcome} in {results[name][1]:.2f} s")
     # the engine is still serving: a normal P/D request works and matches
@@ -259,8 +255,7 @@ def small_blocks(servers: Servers) -> Iterator[str]:
         if "small" in urls:
             yield urls["small"]
             return
-    logs = Path(os.environ.get("PD_TRANSFER_VLLM_LOGS", "/tmp/pd-transfer-vllm-test"))
-    handle = make_small_server(servers.model, logs)
+    handle = make_small_server(servers.model, logs_dir("pd-transfer-vllm-test"))
     started = time.monotonic()
     start_all([handle])
     print(f"\nserver of {SMALL_BLOCK}-token blocks healthy after {time.monotonic() - started:.0f} s")
@@ -280,11 +275,9 @@ def _hop(prefill: str, decode: str, model: str, prompt: list[int], tag: str) -> 
 
 def _wait_idle(url: str, timeout_s: float) -> float:
     """Seconds until ``url``'s KV cache usage is 0 (no blocks held); fails after ``timeout_s``."""
-    started = time.monotonic()
-    while (usage := metric_value(url, USAGE_METRIC)) > 0:
-        assert time.monotonic() - started < timeout_s, f"{url} still holds blocks (usage {usage})"
-        time.sleep(0.1)
-    return time.monotonic() - started
+    waited = wait_metric(url, USAGE_METRIC, lambda usage: usage <= 0, timeout_s, poll_s=0.1)
+    assert waited.reached, f"{url} still holds blocks (usage {waited.value})"
+    return waited.seconds
 
 
 @pytest.mark.parametrize("direction", ["32 -> 128", "128 -> 32"])
@@ -334,7 +327,7 @@ def test_decode_abort_leaves_nothing_held(servers: Servers, small_blocks: str) -
         completion(
             servers.decode, servers.model, prompt, 200, kv_transfer_params=first["kv_transfer_params"], timeout_s=0.05
         )
-    except OSError:
+    except RequestFailed:
         pass  # the client gave up: the server aborts the request
     freed = _wait_idle(small_blocks, timeout_s=SMALL_LEASE_S + 20)
     _wait_idle(servers.decode, timeout_s=30.0)
@@ -375,8 +368,8 @@ def test_read_after_the_lease_fails_clearly(servers: Servers, small_blocks: str)
             small_blocks, servers.model, prompt, MAX_TOKENS, kv_transfer_params=first["kv_transfer_params"]
         )
         outcome = f"finish_reason {response['choices'][0].get('finish_reason')!r}: {response}"
-    except HttpError as error:
-        outcome = f"HTTP {error.status}: {error.body[:300]}"
+    except RequestFailed as error:
+        outcome = str(error)
     print(f"\nstale read, fail: {outcome[:300]} in {time.perf_counter() - started:.2f} s")
     assert "HTTP" in outcome or "'error'" in outcome, outcome
     # and the server keeps serving

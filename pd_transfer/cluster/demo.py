@@ -4,91 +4,48 @@ whether the answer equals a plain vLLM server's)."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["DemoResult", "metric_sum", "post_json", "post_stream", "run_demo"]
+from pd_transfer.cluster.http_client import (
+    answer_text,
+    metric_sum,
+    post_json,
+    post_stream,
+    prompt_tokens,
+    scrape_metrics,
+)
 
-EXTERNAL_TOKENS = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+__all__ = ["DemoResult", "demo_passage", "demo_requests", "run_demo"]
+
+EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total"
+EXTERNAL_SOURCE = "external_kv_transfer"
 # The connector's own figures, where the server exports them (vLLM's /metrics names them vllm:pd_transfer_*).
 PD_PREFIXES = ("vllm:pd_transfer_", "pd_transfer_")
 PULLED_BYTES = "pulled_bytes_total"
 PULL_SECONDS = "pull_seconds_sum"
-REQUEST_TIMEOUT_S = 120.0
 MAX_TOKENS = 16
 
 
-class RequestFailed(RuntimeError):
-    """An HTTP request got an error status; the message has the body's start."""
-
-
-def post_json(url: str, payload: Mapping[str, object], timeout_s: float = REQUEST_TIMEOUT_S) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        raise RequestFailed(f"{url}: HTTP {error.code}: {error.read().decode(errors='replace')[:300]}") from None
-
-
-def post_stream(url: str, payload: Mapping[str, object], timeout_s: float = REQUEST_TIMEOUT_S) -> list[dict]:
-    """POST with ``stream: true``; returns the server-sent events' JSON objects up to ``[DONE]``."""
-    request = urllib.request.Request(
-        url,
-        data=json.dumps({**payload, "stream": True}).encode(),
-        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
-        method="POST",
-    )
-    events = []
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    return events
-                events.append(json.loads(data))
-    except urllib.error.HTTPError as error:
-        raise RequestFailed(f"{url}: HTTP {error.code}: {error.read().decode(errors='replace')[:300]}") from None
-    raise RequestFailed(f"{url}: the stream ended without [DONE]")
-
-
-def get_text(url: str, timeout_s: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return response.read().decode()
-
-
-def metric_sum(text: str, name: str, labels: Mapping[str, str]) -> float:
-    """Sum of the Prometheus samples of ``name`` in ``text`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{key}="{value}"' in line for key, value in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _figures(decode_urls: Sequence[str]) -> dict[str, float]:
-    texts = [get_text(f"{url}/metrics") for url in decode_urls]
-    name, labels = EXTERNAL_TOKENS
-    figures = {"external_tokens": sum(metric_sum(text, name, labels) for text in texts)}
+    """The decode servers' cumulative figures now: external prompt tokens, the connector's pulled bytes and pull
+    seconds (summed over the servers), and ``has_pd_metrics`` (1.0 when any server exports the connector's)."""
+    texts = [scrape_metrics(url) for url in decode_urls]
+    figures = {"external_tokens": sum(metric_sum(text, EXTERNAL_TOKENS, source=EXTERNAL_SOURCE) for text in texts)}
     for key, suffix in (("pulled_bytes", PULLED_BYTES), ("pull_seconds", PULL_SECONDS)):
-        figures[key] = sum(metric_sum(text, prefix + suffix, {}) for text in texts for prefix in PD_PREFIXES)
+        figures[key] = sum(metric_sum(text, prefix + suffix) for text in texts for prefix in PD_PREFIXES)
     figures["has_pd_metrics"] = float(any(prefix + PULLED_BYTES in text for text in texts for prefix in PD_PREFIXES))
     return figures
 
 
 @dataclass
 class DemoResult:
+    """One demo request: its answer, prompt tokens (-1: not reported), seconds through the proxy, what the decode
+    servers loaded for it (external prompt tokens; the connector's bytes and seconds, None where not exported),
+    and whether the answer equals the plain server's (None: no reference)."""
+
     name: str
     answer: str
     prompt_tokens: int
@@ -97,25 +54,6 @@ class DemoResult:
     pulled_bytes: float | None
     pull_seconds: float | None
     same_as_reference: bool | None
-
-
-def _text(events_or_body: dict | list[dict], chat: bool) -> str:
-    if isinstance(events_or_body, dict):
-        choice = events_or_body["choices"][0]
-        return choice["message"]["content"] if chat else choice["text"]
-    pieces = []
-    for event in events_or_body:
-        for choice in event.get("choices") or []:
-            pieces.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or "")
-    return "".join(pieces)
-
-
-def _usage(events_or_body: dict | list[dict]) -> int:
-    items = [events_or_body] if isinstance(events_or_body, dict) else events_or_body
-    for item in reversed(items):
-        if item.get("usage"):
-            return int(item["usage"]["prompt_tokens"])
-    return -1
 
 
 def demo_requests(model: str, passage: str) -> list[tuple[str, str, dict[str, object], bool]]:
@@ -157,6 +95,40 @@ def demo_passage(chars: int = 2400) -> str:
     return text
 
 
+def _one_request(
+    name: str,
+    endpoint: str,
+    payload: dict[str, object],
+    streamed: bool,
+    urls: tuple[str, Sequence[str], str | None],
+) -> DemoResult:
+    """One demo request through the proxy, with the decode servers' figures before and after it and, with a
+    reference server, the same request (not streamed) to it. ``urls``: (proxy, decode servers, reference or None)."""
+    proxy_url, decode_urls, reference_url = urls
+    chat = endpoint.endswith("chat/completions")
+    before = _figures(decode_urls)
+    started = time.perf_counter()
+    body = post_stream(proxy_url + endpoint, payload) if streamed else post_json(proxy_url + endpoint, payload)
+    seconds = time.perf_counter() - started
+    after = _figures(decode_urls)
+    answer = answer_text(body, chat=chat)
+    same = None
+    if reference_url is not None:
+        plain = {k: v for k, v in payload.items() if k != "stream_options"}
+        same = answer_text(post_json(reference_url + endpoint, plain), chat=chat) == answer
+    has_pd = bool(after["has_pd_metrics"])
+    return DemoResult(
+        name=name,
+        answer=answer,
+        prompt_tokens=prompt_tokens(body),
+        seconds=seconds,
+        external_tokens=after["external_tokens"] - before["external_tokens"],
+        pulled_bytes=after["pulled_bytes"] - before["pulled_bytes"] if has_pd else None,
+        pull_seconds=after["pull_seconds"] - before["pull_seconds"] if has_pd else None,
+        same_as_reference=same,
+    )
+
+
 def run_demo(
     proxy_url: str,
     decode_urls: Sequence[str],
@@ -165,32 +137,12 @@ def run_demo(
     say: Callable[[str], None] = print,
     block_size: int | None = None,
 ) -> list[DemoResult]:
-    """Send the demo requests one after another through the proxy and report each (via ``say``)."""
+    """Send the demo requests one after another through the proxy and report each (via ``say``). Raises
+    ``RequestFailed`` (an error status, a timeout, no connection) and ``ValueError``/``KeyError`` (odd answers)."""
     results = []
     say(f"demo: {len(demo_requests(model, ''))} greedy requests ({MAX_TOKENS} tokens each) through {proxy_url}")
     for name, endpoint, payload, streamed in demo_requests(model, demo_passage()):
-        chat = endpoint.endswith("chat/completions")
-        before = _figures(decode_urls)
-        started = time.perf_counter()
-        body = post_stream(proxy_url + endpoint, payload) if streamed else post_json(proxy_url + endpoint, payload)
-        seconds = time.perf_counter() - started
-        after = _figures(decode_urls)
-        answer = _text(body, chat)
-        same = None
-        if reference_url is not None:
-            plain = {k: v for k, v in payload.items() if k != "stream_options"}
-            same = _text(post_json(reference_url + endpoint, plain), chat) == answer
-        has_pd = bool(after["has_pd_metrics"])
-        result = DemoResult(
-            name=name,
-            answer=answer,
-            prompt_tokens=_usage(body),
-            seconds=seconds,
-            external_tokens=after["external_tokens"] - before["external_tokens"],
-            pulled_bytes=after["pulled_bytes"] - before["pulled_bytes"] if has_pd else None,
-            pull_seconds=after["pull_seconds"] - before["pull_seconds"] if has_pd else None,
-            same_as_reference=same,
-        )
+        result = _one_request(name, endpoint, payload, streamed, (proxy_url, decode_urls, reference_url))
         results.append(result)
         say(_describe(result, block_size))
     loaded = sum(r.external_tokens for r in results)

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pd_transfer.cluster.processes import ManagedProcess
+
 __all__ = [
     "CONNECTOR_CLASS",
     "CONNECTOR_MODULE",
     "ROLES",
+    "TINY_MODEL_DIR",
     "VLLM_ENTRYPOINT",
     "ServerSpec",
     "kv_transfer_config",
+    "server_process",
     "vllm_command",
     "vllm_env",
 ]
@@ -32,6 +37,8 @@ VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 CONNECTOR_CLASS = "PdTransferConnector"
 CONNECTOR_MODULE = "pd_transfer.integrations.vllm"
 GIB = 1 << 30
+#: Where ``pd-transfer make-model`` puts the tiny model by default, relative to the working directory (the repo).
+TINY_MODEL_DIR = Path(".models/tiny-llama-f32")
 
 
 @dataclass(frozen=True)
@@ -156,3 +163,21 @@ def vllm_env(spec: ServerSpec, base_env: Mapping[str, str], *, require_secret: b
     if require_secret and spec.secret_env is not None and not env.get(spec.secret_env):
         raise ValueError(f"secret_env: the environment variable {spec.secret_env} is not set or empty")
     return env
+
+
+def server_process(
+    name: str,
+    spec: ServerSpec,
+    log_path: Path,
+    *,
+    python: str = sys.executable,
+    connector: bool = True,
+    base_env: Mapping[str, str] | None = None,
+    info: Mapping[str, object] | None = None,
+) -> ManagedProcess:
+    """The (not yet started) process of a vLLM server serving ``spec``: :func:`vllm_command` run with
+    :func:`vllm_env` of ``base_env`` (default: this process's environment), output to ``log_path``.
+    ``connector=False``: a plain server. Raises ``ValueError`` as ``vllm_env`` does."""
+    env = vllm_env(spec, os.environ if base_env is None else base_env)
+    command = vllm_command(spec, python, connector=connector)
+    return ManagedProcess(name, command, env, log_path, spec.url, info=dict(info or {}))

@@ -1,4 +1,5 @@
-"""Child processes of ``pd-transfer up``: each in its own process group (session), output to a log file,
+"""Server processes (vLLM, the proxy) of ``pd-transfer up``, ``pd-transfer bench vllm`` and the tests: each in its
+own process group (session), output to a log file, ready when its ``/health`` answers (waited for within a bound),
 stopped by signalling the whole group so that vLLM's engine and worker processes go with its API server."""
 
 from __future__ import annotations
@@ -8,13 +9,15 @@ import re
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ManagedProcess", "group_members", "log_excerpt", "stop_all"]
+from pd_transfer.cluster.http_client import is_healthy
+
+__all__ = ["ManagedProcess", "StartupFailed", "group_members", "log_excerpt", "stop_all", "wait_ready"]
+
+POLL_S = 1.0  # between two rounds of health checks while servers start (each check is bounded by 2 s)
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _FIRST_ERROR = re.compile(r"Traceback \(most recent call last\)|\bERROR\b")
@@ -67,13 +70,14 @@ def group_members(pgid: int) -> list[int]:
 
 @dataclass
 class ManagedProcess:
-    """A command run in its own session, its output in ``log_path``; healthy when ``health_url`` answers 200."""
+    """A command run in its own session, its output in ``log_path``: an HTTP server at ``url`` (``http://host:port``),
+    healthy when ``url/health`` answers 200. ``info`` is free-form (e.g. what ``cluster.json`` records)."""
 
     name: str
     command: list[str]
     env: dict[str, str]
     log_path: Path
-    health_url: str
+    url: str
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after_s: float | None = None
@@ -100,12 +104,13 @@ class ManagedProcess:
         """The leader's exit code, or None while it runs (or was never started)."""
         return None if self.process is None else self.process.poll()
 
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
+
     def healthy(self, timeout_s: float = 2.0) -> bool:
-        try:
-            with urllib.request.urlopen(self.health_url, timeout=timeout_s) as response:
-                return response.status == 200
-        except (OSError, urllib.error.URLError, ValueError):
-            return False
+        """Whether ``/health`` answers 200 within ``timeout_s`` seconds."""
+        return is_healthy(self.health_url, timeout_s)
 
     def check_ready(self) -> bool:
         """True once healthy (remembering when it became so)."""
@@ -146,6 +151,53 @@ class ManagedProcess:
     def reap(self) -> None:
         if self.process is not None:
             self.process.poll()
+
+    def stop(self, timeout_s: float = 20.0) -> list[str]:
+        """:func:`stop_all` of this one: ``[name]`` if processes of its group outlived SIGKILL, else ``[]``."""
+        return stop_all([self], timeout_s)
+
+
+class StartupFailed(RuntimeError):
+    """A server exited while starting or was not healthy in time; the message holds its log excerpt."""
+
+
+def _exited_while_starting(servers: Sequence[ManagedProcess]) -> StartupFailed | None:
+    for server in servers:
+        code = server.exit_code()
+        if code is not None:
+            return StartupFailed(
+                f"{server.name} exited with code {code} while starting; the end of {server.log_path}:\n"
+                + server.log_tail()
+            )
+    return None
+
+
+def wait_ready(
+    servers: Sequence[ManagedProcess],
+    timeout_s: float,
+    *,
+    on_poll: Callable[[float, Sequence[ManagedProcess]], None] | None = None,
+    hint: str = "",
+) -> None:
+    """Wait until every started server answers ``/health`` (each remembers ``ready_after_s``), at most ``timeout_s``
+    seconds, checking about every second. ``on_poll(seconds_waited, servers_still_waited_for)`` runs after every
+    round, for progress. Raises ``StartupFailed`` (with log excerpts) when a server exits or the time is up;
+    ``hint`` follows the list of late servers in that message (e.g. the flag that sets ``timeout_s``)."""
+    started = time.monotonic()
+    while True:
+        if (failure := _exited_while_starting(servers)) is not None:
+            raise failure
+        waiting = [server for server in servers if not server.check_ready()]
+        waited = time.monotonic() - started
+        if on_poll is not None:
+            on_poll(waited, waiting)
+        if not waiting:
+            return
+        if waited >= timeout_s:
+            tails = "\n".join(f"--- the end of {s.log_path} ---\n{s.log_tail()}" for s in waiting)
+            names = ", ".join(s.name for s in waiting)
+            raise StartupFailed(f"not healthy after {timeout_s:.0f} s: {names}{hint}\n{tails}")
+        time.sleep(POLL_S)
 
 
 def stop_all(children: Sequence[ManagedProcess], timeout_s: float = 20.0, kill_timeout_s: float = 10.0) -> list[str]:

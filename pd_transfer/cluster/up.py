@@ -17,21 +17,21 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pd_transfer.affinity import allowed_cpus
-from pd_transfer.cluster.launch import ServerSpec, vllm_command, vllm_env
-from pd_transfer.cluster.processes import ManagedProcess, stop_all
+from pd_transfer.cluster.http_client import RequestFailed, busy_ports
+from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
+from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, stop_all, wait_ready
 
 __all__ = ["add_arguments", "cpu_binds", "main", "plan_servers", "run", "validate"]
 
 MODEL_ENV = "PD_TRANSFER_MODEL"
-DEFAULT_MODEL_DIR = Path(".models/tiny-llama-f32")
+DEFAULT_MODEL_DIR = TINY_MODEL_DIR
 SIDE_CHANNEL_OFFSET = 100  # server k: HTTP on base_port + k, side channel on base_port + 100 + k
 MAX_SERVERS = 64
 PROXY_START_TIMEOUT_S = 60.0
@@ -187,18 +187,6 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
     return planned
 
 
-def _busy_ports(ports: Sequence[int], host: str = "127.0.0.1") -> list[int]:
-    busy = []
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError:
-                busy.append(port)
-    return busy
-
-
 class _Output:
     """Progress lines: rewritten in place on a terminal, one line at a time (throttled) otherwise."""
 
@@ -227,43 +215,23 @@ class _Output:
             self._status = False
 
 
-class StartupFailed(RuntimeError):
-    pass
-
-
 def _wait_servers(servers: Sequence[ManagedProcess], timeout_s: float, out: _Output) -> None:
-    """Until every server is healthy, showing progress; raises ``StartupFailed`` (with a log tail) on an exit or
-    when ``timeout_s`` passes."""
-    started = time.monotonic()
-    deadline = started + timeout_s
+    """Until every server is healthy (at most ``timeout_s`` seconds), showing progress: seconds waited, which are
+    healthy, the last log line of one still starting. Raises ``StartupFailed`` as ``wait_ready`` does."""
     ready_before = -1
-    while True:
-        for server in servers:
-            code = server.exit_code()
-            if code is not None:
-                raise StartupFailed(
-                    f"{server.name} exited with code {code} while starting; the end of {server.log_path}:\n"
-                    + server.log_tail()
-                )
-        ready = [s for s in servers if s.check_ready()]
-        elapsed = time.monotonic() - started
-        waiting = [s for s in servers if s.ready_after_s is None]
-        line = f"[{elapsed:4.0f} s] healthy {len(ready)}/{len(servers)}"
+
+    def show(waited: float, waiting: Sequence[ManagedProcess]) -> None:
+        nonlocal ready_before
+        ready = [s for s in servers if s not in waiting]
+        line = f"[{waited:4.0f} s] healthy {len(ready)}/{len(servers)}"
         if ready:
             line += " (" + ", ".join(s.name for s in ready) + ")"
         if waiting:
             line += f" | {waiting[0].name}: {waiting[0].last_line()}"
         out.status(line, changed=len(ready) != ready_before)
         ready_before = len(ready)
-        if not waiting:
-            return
-        if time.monotonic() >= deadline:
-            tails = "\n".join(f"--- the end of {s.log_path} ---\n{s.log_tail()}" for s in waiting)
-            raise StartupFailed(
-                f"not healthy after {timeout_s:.0f} s: {', '.join(s.name for s in waiting)}"
-                f" (--startup-timeout)\n{tails}"
-            )
-        time.sleep(1.0)
+
+    wait_ready(servers, timeout_s, on_poll=show, hint=" (--startup-timeout)")
 
 
 def _write_state(
@@ -280,7 +248,7 @@ def _write_state(
                 "name": c.name,
                 "pid": c.pid,
                 "pgid": c.pid,
-                "url": c.health_url.removesuffix("/health"),
+                "url": c.url,
                 "log": str(c.log_path),
                 "ready_after_s": None if c.ready_after_s is None else round(c.ready_after_s, 1),
                 **c.info,
@@ -375,8 +343,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess]) -> int:
+    """Start the servers and the proxy (appending each process to ``children`` as it starts), then run the demo
+    and/or serve until a child exits. Returns the exit code; the caller stops ``children``."""
     ports = _server_ports(args.base_port, args.prefill + args.decode + (1 if args.check else 0))
-    busy = _busy_ports([args.proxy_port, *ports])
+    busy = busy_ports([args.proxy_port, *ports])
     if busy:
         print(
             f"pd-transfer up: port(s) in use: {', '.join(map(str, busy))} (see --base-port, --proxy-port)",
@@ -391,19 +361,7 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     if args.prefill_block_size != args.decode_block_size:
         out.say("note: prefill and decode block sizes differ; requests the connector cannot map are computed locally")
     base_env = dict(os.environ)
-    for server in planned:
-        spec = server.spec
-        process = ManagedProcess(
-            name=server.name,
-            command=vllm_command(spec, connector=server.connector),
-            env=vllm_env(spec, base_env),
-            log_path=log_dir / f"{server.name}.log",
-            health_url=f"{spec.url}/health",
-            info={"role": server.name.split("-")[0], "cpu_bind": spec.cpu_bind, "tp": spec.tp_size}
-            | ({"side_channel": f"{spec.side_channel_host}:{spec.side_channel_port}"} if server.connector else {}),
-        )
-        children.append(process)
-        process.start()
+    _start_servers(planned, log_dir, base_env, children)
     proxy_url = f"http://127.0.0.1:{args.proxy_port}"
     _write_state(log_dir, "starting", proxy_url, served_name, children)
     started = time.monotonic()
@@ -415,65 +373,91 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
         out.say(f"  {server.name:<10} pid {process.pid:<7} {server.spec.url}  CPU {server.spec.cpu_bind}")
     _wait_servers(children, args.startup_timeout, out)
     out.say(f"vLLM servers healthy after {time.monotonic() - started:.0f} s")
-
-    backends = [(p, s) for p, s in zip(children, planned, strict=True) if s.connector]
-    prefill_urls = [s.spec.url for _, s in backends if s.name.startswith("prefill")]
-    decode_urls = [s.spec.url for _, s in backends if s.name.startswith("decode")]
-    proxy_command = [
-        sys.executable,
-        "-m",
-        "pd_transfer.proxy",
-        "--prefill",
-        *prefill_urls,
-        "--decode",
-        *decode_urls,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.proxy_port),
-        "--policy",
-        args.routing,
-    ]
-    proxy = ManagedProcess(
-        "proxy",
-        proxy_command,
-        {**base_env, "PYTHONUNBUFFERED": "1"},
-        log_dir / "proxy.log",
-        f"{proxy_url}/health",
-        info={"role": "proxy"},
-    )
-    children.append(proxy)
-    proxy.start()
-    _wait_servers([proxy], PROXY_START_TIMEOUT_S, out)
-    total = time.monotonic() - started
+    children.append(_start_proxy(args, planned, log_dir, base_env))
+    _wait_servers(children[-1:], PROXY_START_TIMEOUT_S, out)
     _write_state(log_dir, "ready", proxy_url, served_name, children)
-    _print_ready(out, proxy_url, served_name, planned, children, total, log_dir, args)
-
+    _print_ready(out, proxy_url, served_name, planned, children, time.monotonic() - started, log_dir, args)
     if args.demo:
-        from pd_transfer.cluster.demo import RequestFailed, run_demo
-
-        reference = next((s.spec.url for s in planned if not s.connector), None)
-        try:
-            results = run_demo(
-                proxy_url, decode_urls, served_name, reference, say=out.say, block_size=args.decode_block_size
-            )
-            problems = [
-                f"{r.name}: its answer differs from plain vLLM's" for r in results if r.same_as_reference is False
-            ]
-            problems += [
-                f"{r.name}: computed on the decode server, no KV loaded (its log says why)"
-                for r in results
-                if r.external_tokens <= 0
-            ]
-        except (RequestFailed, OSError, ValueError, KeyError) as error:  # HTTP errors, timeouts, odd answers
-            problems = [f"a request failed: {type(error).__name__}: {error}"]
-        for problem in problems:
-            out.say(f"demo: FAILED: {problem}")
+        problems = _demo(args, out, planned, proxy_url, served_name)
         if args.exit_after_demo:
             return 1 if problems else 0
         if problems:
             out.say("demo: the cluster keeps running")
     out.say("Ctrl-C stops the cluster.")
+    return _serve_until_an_exit(children, out)
+
+
+def _start_servers(
+    planned: Sequence[PlannedServer], log_dir: Path, base_env: Mapping[str, str], children: list[ManagedProcess]
+) -> None:
+    """Start a process for each planned server, logging to ``log_dir/NAME.log``; each goes into ``children``."""
+    for server in planned:
+        spec = server.spec
+        process = server_process(
+            server.name,
+            spec,
+            log_dir / f"{server.name}.log",
+            connector=server.connector,
+            base_env=base_env,
+            info={"role": server.name.split("-")[0], "cpu_bind": spec.cpu_bind, "tp": spec.tp_size}
+            | ({"side_channel": f"{spec.side_channel_host}:{spec.side_channel_port}"} if server.connector else {}),
+        )
+        children.append(process)
+        process.start()
+
+
+def _backend_urls(planned: Sequence[PlannedServer], kind: str) -> list[str]:
+    return [s.spec.url for s in planned if s.connector and s.name.startswith(kind)]
+
+
+def _start_proxy(
+    args: argparse.Namespace, planned: Sequence[PlannedServer], log_dir: Path, base_env: Mapping[str, str]
+) -> ManagedProcess:
+    """The proxy (``python -m pd_transfer.proxy``) over the planned prefill and decode servers, started."""
+    command = [sys.executable, "-m", "pd_transfer.proxy", "--prefill", *_backend_urls(planned, "prefill")]
+    command += ["--decode", *_backend_urls(planned, "decode"), "--host", "127.0.0.1"]
+    command += ["--port", str(args.proxy_port), "--policy", args.routing]
+    proxy = ManagedProcess(
+        "proxy",
+        command,
+        {**base_env, "PYTHONUNBUFFERED": "1"},
+        log_dir / "proxy.log",
+        f"http://127.0.0.1:{args.proxy_port}",
+        info={"role": "proxy"},
+    )
+    proxy.start()
+    return proxy
+
+
+def _demo(
+    args: argparse.Namespace, out: _Output, planned: Sequence[PlannedServer], proxy_url: str, served_name: str
+) -> list[str]:
+    """``--demo``: the demo's requests through the proxy; what went wrong, one line each (also printed)."""
+    from pd_transfer.cluster.demo import run_demo
+
+    reference = next((s.spec.url for s in planned if not s.connector), None)
+    decode_urls = _backend_urls(planned, "decode")
+    try:
+        results = run_demo(
+            proxy_url, decode_urls, served_name, reference, say=out.say, block_size=args.decode_block_size
+        )
+        problems = [f"{r.name}: its answer differs from plain vLLM's" for r in results if r.same_as_reference is False]
+        problems += [
+            f"{r.name}: computed on the decode server, no KV loaded (its log says why)"
+            for r in results
+            if r.external_tokens <= 0
+        ]
+    except RequestFailed as error:  # an error status, a timeout, no connection
+        problems = [f"a request failed: {error.url}: {error}"]
+    except (ValueError, KeyError) as error:  # an answer of an unexpected shape
+        problems = [f"a request failed: {type(error).__name__}: {error}"]
+    for problem in problems:
+        out.say(f"demo: FAILED: {problem}")
+    return problems
+
+
+def _serve_until_an_exit(children: Sequence[ManagedProcess], out: _Output) -> int:
+    """Watch ``children`` (once a second) until one exits; print its log's end and return 1."""
     while True:
         for child in children:
             code = child.exit_code()
