@@ -36,7 +36,8 @@ class Cluster:
 
     def post(self, path: str, body: Any, **kwargs: Any) -> Any:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return self.client.post(self.proxy.url + path, data=data, **kwargs)
+        headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
+        return self.client.post(self.proxy.url + path, data=data, headers=headers, **kwargs)
 
     async def call(self, path: str, body: Any, **kwargs: Any) -> tuple[int, Any, Any]:
         async with self.post(path, body, **kwargs) as r:
@@ -65,6 +66,7 @@ async def cluster(
     short_prompt_tokens: int = 0,
     health_interval_s: float = 30.0,
     prefill_kwargs: dict[str, Any] | None = None,
+    **proxy_settings: Any,
 ) -> AsyncIterator[Cluster]:
     prefills = [StandIn("prefill", engine_id=f"prefill-{i}", **(prefill_kwargs or {})) for i in range(2)]
     decodes = [StandIn("decode", engine_id=f"decode-{i}") for i in range(2)]
@@ -82,6 +84,7 @@ async def cluster(
                 health_timeout_s=1.0,
                 connect_timeout_s=1.0,
                 request_timeout_s=10.0,
+                **proxy_settings,
             )
         )
         await proxy.start()
@@ -390,6 +393,114 @@ def test_malformed_requests_get_400_and_reach_no_backend() -> None:
         assert f'pd_proxy_requests_total{{endpoint="/v1/completions",status="400"}} {9.0}' in await c.metrics()
 
     run(scenario)
+
+
+UNUSABLE_BODIES = [
+    (b'{"model": "m", "prompt": "\xff\xfe"}', "application/json", 400, "not valid UTF-8"),
+    (b"[" * 200_000 + b"]" * 200_000, "application/json", 400, "nested too deeply"),
+    (b'{"model": "m", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "application/json", 400, "nested"),
+    (json.dumps(completion()).encode(), "text/plain", 415, "must be application/json, not 'text/plain'"),
+    (json.dumps(completion()).encode(), "application/x-www-form-urlencoded", 415, "must be application/json"),
+]
+
+
+def test_unusable_bodies_get_a_4xx_with_the_reason_and_reach_no_backend() -> None:
+    """Before: invalid UTF-8 and a 200,000-deep array got 500, and JSON sent as text/plain was served."""
+
+    async def scenario(c: Cluster) -> None:
+        for raw, content_type, want, reason in UNUSABLE_BODIES:
+            status, answer, _ = await c.call(flow.COMPLETIONS, raw, headers={"Content-Type": content_type})
+            assert status == want and reason in answer["error"]["message"], (raw[:40], answer)
+        assert served(c.prefills) == [0, 0] and served(c.decodes) == [0, 0]
+        metrics = await c.metrics()
+        assert 'pd_proxy_rejected_total{reason="invalid_json"} 3.0' in metrics
+        assert 'pd_proxy_rejected_total{reason="media_type"} 2.0' in metrics
+        status, _, _ = await c.call(flow.COMPLETIONS, completion())
+        assert status == 200
+
+    run(scenario)
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float) -> None:
+    """Polls ``predicate`` every 10 ms until it holds; TimeoutError after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def open_raw(c: Cluster) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(c.proxy.host, c.proxy.port)
+
+
+def test_a_client_dribbling_headers_is_disconnected_at_the_header_deadline() -> None:
+    """Before: 200 connections sending a header byte now and then were held for as long as they kept it up."""
+
+    async def scenario(c: Cluster) -> None:
+        connections = [await open_raw(c) for _ in range(20)]
+        for _, writer in connections:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+
+        async def dribble_until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+            for _ in range(100):  # 10 s at most
+                writer.write(b"X-Slow: 1\r\n")
+                try:
+                    return await asyncio.wait_for(reader.read(), timeout=0.1)
+                except TimeoutError:
+                    continue
+            return b"still open"
+
+        outcomes = await asyncio.gather(*(dribble_until_closed(r, w) for r, w in connections))
+        assert all(outcome != b"still open" for outcome in outcomes)
+        for _, writer in connections:
+            writer.close()
+        assert (await c.call(flow.COMPLETIONS, completion()))[0] == 200
+
+    run(scenario, header_timeout_s=1.0)
+
+
+def test_a_withheld_body_gets_408_and_frees_its_reservation() -> None:
+    async def scenario(c: Cluster) -> None:
+        reader, writer = await open_raw(c)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
+        )
+        head = await asyncio.wait_for(reader.readline(), timeout=10.0)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert "pd_proxy_body_bytes_held 0.0" in await c.metrics()
+        assert 'pd_proxy_rejected_total{reason="body_timeout"} 1.0' in await c.metrics()
+
+    run(scenario, body_timeout_s=1.0)
+
+
+def test_bodies_in_flight_are_bounded_and_the_excess_is_refused_with_503() -> None:
+    """Before: eight concurrent 50 MB bodies took the proxy to 1.2 GB (64 MiB allowed per body, no total)."""
+    size = 3 * 2**20
+
+    async def scenario(c: Cluster) -> None:
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % size
+        )
+        held = [await open_raw(c) for _ in range(2)]
+        for _, writer in held:
+            writer.write(head)  # bodies promised, not sent: their reservations stay held
+        await until(lambda: c.proxy._bodies.held_bytes == 2 * size, timeout_s=5.0)
+        big = completion(prompt="word " * (size // 5 - 40))
+        status, answer, _ = await c.call(flow.COMPLETIONS, big)
+        assert status == 503 and "too many request bodies" in answer["error"]["message"]
+        status, _, _ = await c.call(flow.COMPLETIONS, completion())  # a small one still fits
+        assert status == 200
+        for reader, writer in held:
+            assert (await asyncio.wait_for(reader.readline(), timeout=10.0)).startswith(b"HTTP/1.1 408")
+            writer.close()
+        assert c.proxy._bodies.held_bytes == 0
+        async with c.post(flow.COMPLETIONS, big) as answer:  # accepted, then refused by the stand-in (1 MiB limit)
+            assert answer.status == 413 and 'reason="busy"} 1.0' in await c.metrics()
+        assert 'reason="too_large"' not in await c.metrics()
+
+    run(scenario, body_timeout_s=2.0, max_body_bytes=4 * 2**20, max_inflight_body_bytes=7 * 2**20)
 
 
 def test_client_disconnect_mid_stream_aborts_the_decode_request() -> None:

@@ -7,12 +7,9 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from pd_transfer.proxy.config import ProxyConfig
 from pd_transfer.proxy.routing import POLICIES
-
-if TYPE_CHECKING:  # aiohttp is an extra: the server module is imported when the proxy runs
-    from pd_transfer.proxy.server import ProxyConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,11 +63,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=None, metavar="S", help="timeout of one hop (default: none)"
     )
+    limits = ProxyConfig.__dataclass_fields__
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=limits["max_body_bytes"].default,
+        metavar="N",
+        help="largest request body accepted; larger ones get 413 (default 16 MiB)",
+    )
+    parser.add_argument(
+        "--max-inflight-body-bytes",
+        type=int,
+        default=limits["max_inflight_body_bytes"].default,
+        metavar="N",
+        help="bytes of request bodies held at once over all requests; beyond it new requests get 503 (default 256 MiB)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits["header_timeout_s"].default,
+        metavar="S",
+        help="a connection's request headers must be complete this long after it opened or after its last answer, "
+        "or it is closed; this is also the idle keep-alive time (default 15)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits["body_timeout_s"].default,
+        metavar="S",
+        help="a request's body must arrive within this of its headers, or it gets 408 (default 30)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    from pd_transfer.proxy.server import ProxyConfig
-
     return ProxyConfig(
         prefill=list(args.prefill),
         decode=list(args.decode),
@@ -80,6 +105,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         health_timeout_s=args.health_timeout,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        max_inflight_body_bytes=args.max_inflight_body_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
     )
 
 

@@ -33,6 +33,18 @@ class ProxyMetrics:
             ["hop", "kind"],
             registry=r,
         )
+        self.rejected = Counter(
+            "pd_proxy_rejected",
+            "Requests refused before routing, by reason (media_type, too_large, body_timeout, busy, invalid_json, "
+            "invalid_request)",
+            ["reason"],
+            registry=r,
+        )
+        self.body_bytes_held = Gauge(
+            "pd_proxy_body_bytes_held",
+            "Bytes reserved for request bodies in flight (bounded by the budget)",
+            registry=r,
+        )
         self.retries = Counter("pd_proxy_retries", "Hops retried on another backend", ["hop"], registry=r)
         self.hop_latency = Histogram(
             "pd_proxy_hop_latency_seconds",

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -22,55 +19,30 @@ import yarl
 from aiohttp import web
 
 from pd_transfer.proxy import flow
+from pd_transfer.proxy.config import ProxyConfig
+from pd_transfer.proxy.intake import BodyBudget, IntakeLimits, Rejected, check_media_type, decode_json, read_body
+from pd_transfer.proxy.intake import reservation as body_reservation
 from pd_transfer.proxy.metrics import ProxyMetrics
+from pd_transfer.proxy.responses import (
+    REQUEST_ID,
+    ClientGone,
+    HopError,
+    Passthrough,
+    bind_socket,
+    describe_error,
+    error_response,
+    in_flight_of,
+    json_response,
+    relayed_response,
+    snippet,
+)
 from pd_transfer.proxy.routing import Backend, Pool, StateSignal
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID = "X-Request-Id"
 # Headers a client sends that the backends need too (vLLM's --api-key); everything else stays at the proxy.
 FORWARDED_HEADERS = ("Authorization",)
 CLIENT_CLOSED = 499  # nginx's convention for "the client went away", used in metrics only
-
-
-@dataclass
-class ProxyConfig:
-    prefill: list[str]
-    decode: list[str]
-    policy: str = "round_robin"
-    short_prompt_tokens: int = 0  # prompts with fewer (estimated) tokens skip the prefill hop; 0: never skip
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 2.0
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float | None = None  # whole hop; None: unbounded (long generations)
-    max_body_bytes: int = 64 * 2**20
-    shutdown_timeout_s: float = 5.0  # on close, how long requests in flight may finish
-
-
-class HopError(Exception):
-    """A hop failed on the backend side: the client gets ``status`` (502 by default) naming hop and backend."""
-
-    def __init__(self, hop: str, backend: Backend | None, kind: str, message: str, status: int = 502) -> None:
-        super().__init__(message)
-        self.hop = hop
-        self.backend = backend
-        self.kind = kind
-        self.status = status
-        self.counted = False  # in the errors metric already (failed attempts are counted as they fail)
-
-
-class _Passthrough(Exception):
-    """A backend's 4xx answer, handed to the client as it is (the request is at fault, not the backend)."""
-
-    def __init__(self, response: web.Response) -> None:
-        super().__init__(response.status)
-        self.response = response
-
-
-class _ClientGone(Exception):
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("client disconnected")
-        self.response = response
 
 
 class Proxy:
@@ -90,7 +62,10 @@ class Proxy:
         for backend in self._backends():
             self.metrics.healthy.labels(backend.role, backend.url).set(1)
             # Read when scraped, not set twice per hop.
-            self.metrics.in_flight.labels(backend.role, backend.url).set_function(_in_flight_of(backend))
+            self.metrics.in_flight.labels(backend.role, backend.url).set_function(in_flight_of(backend))
+        self._intake = IntakeLimits(config.max_body_bytes, config.body_timeout_s)
+        self._bodies = BodyBudget(config.max_inflight_body_bytes)
+        self.metrics.body_bytes_held.set_function(lambda: self._bodies.held_bytes)
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.router.add_post(flow.COMPLETIONS, self._completions)
         self.app.router.add_post(flow.CHAT, self._chat)
@@ -123,8 +98,14 @@ class Proxy:
         )
         # handler_cancellation: a client that goes away cancels its handler at once, which closes the upstream
         # connection, so the decode server aborts the request and frees its blocks.
+        # keepalive_timeout: aiohttp closes a connection whose next request's headers are not complete this long
+        # after it opened or answered its last request, which also ends clients that dribble headers.
         self._runner = web.AppRunner(
-            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=self.config.shutdown_timeout_s
+            self.app,
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=self.config.shutdown_timeout_s,
+            keepalive_timeout=self.config.header_timeout_s,
         )
         await self._runner.setup()
         sock = bind_socket(host, port)
@@ -177,7 +158,7 @@ class Proxy:
                 await answer.read()
                 healthy, reason = answer.status == 200, f"GET /health answered {answer.status}"
         except (aiohttp.ClientError, TimeoutError) as e:
-            healthy, reason = False, f"GET /health failed: {_describe(e)}"
+            healthy, reason = False, f"GET /health failed: {describe_error(e)}"
         self._pool(backend).set_health(backend, healthy, reason)
 
     async def _health_loop(self) -> None:
@@ -191,7 +172,7 @@ class Proxy:
     def _connection_failed(self, backend: Backend, error: BaseException) -> None:
         """A backend that cannot be connected to is out until its health check passes. (A connection dropped
         mid-answer fails that request only.)"""
-        self._pool(backend).set_health(backend, False, f"connection error: {_describe(error)}")
+        self._pool(backend).set_health(backend, False, f"connection error: {describe_error(error)}")
 
     # ---- handlers ----
 
@@ -208,7 +189,7 @@ class Proxy:
             "prefill": [b.state() for b in self.prefill.backends],
             "decode": [b.state() for b in self.decode.backends],
         }
-        return _json_response(body, 200 if ok else 503)
+        return json_response(body, 200 if ok else 503)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
@@ -217,16 +198,16 @@ class Proxy:
         rid = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
         backend = self.decode.pick()
         if backend is None:
-            return _error(503, "no healthy decode backend", "service_unavailable", rid, hop="decode")
+            return error_response(503, "no healthy decode backend", "service_unavailable", rid, hop="decode")
         assert self._session is not None
         try:
             async with self._session.get(backend.url + "/v1/models", headers=self._headers(request, rid)) as answer:
                 raw = await answer.read()
-                return _raw_response(answer, raw, rid)
+                return relayed_response(answer, raw, rid)
         except (aiohttp.ClientError, TimeoutError) as e:
-            return _error(
+            return error_response(
                 502,
-                f"decode backend {backend.url} failed: {_describe(e)}",
+                f"decode backend {backend.url} failed: {describe_error(e)}",
                 "bad_gateway",
                 rid,
                 hop="decode",
@@ -237,27 +218,26 @@ class Proxy:
         started = time.perf_counter()
         rid = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
         status = 500
+        reserved = 0
         try:
             try:
-                raw = await request.read()
-                try:
-                    body = msgspec.json.decode(raw)
-                except msgspec.DecodeError as e:
-                    raise flow.BadRequest(f"the request body is not valid JSON: {e}") from None
+                check_media_type(request)
+                size = body_reservation(request, self._intake)
+                if not self._bodies.try_reserve(size):
+                    raise Rejected(503, "busy", "the proxy holds too many request bodies right now; retry shortly")
+                reserved = size
+                body = decode_json(await read_body(request, self._intake))
                 flow.validate(endpoint, body)
-            except flow.BadRequest as e:
-                status = 400
-                return _error(400, str(e), "invalid_request_error", rid)
-            except web.HTTPRequestEntityTooLarge:
-                status = 413
-                return _error(
-                    413, f"the request body exceeds {self.config.max_body_bytes} bytes", "invalid_request_error", rid
-                )
+            except (Rejected, flow.BadRequest) as e:
+                status = e.status if isinstance(e, Rejected) else 400
+                self.metrics.rejected.labels(e.reason if isinstance(e, Rejected) else "invalid_request").inc()
+                kind = "service_unavailable" if status == 503 else "invalid_request_error"
+                return error_response(status, str(e), kind, rid)
             try:
                 response = await self._serve(request, endpoint, body, rid, started)
-            except _Passthrough as p:
+            except Passthrough as p:
                 response = p.response
-            except _ClientGone as g:
+            except ClientGone as g:
                 status = CLIENT_CLOSED
                 return g.response
             except HopError as e:
@@ -267,7 +247,7 @@ class Proxy:
                 extra: dict[str, Any] = {"hop": e.hop}
                 if e.backend is not None:
                     extra["backend"] = e.backend.url
-                return _error(
+                return error_response(
                     e.status, str(e), "bad_gateway" if e.status == 502 else "service_unavailable", rid, **extra
                 )
             status = response.status
@@ -277,6 +257,7 @@ class Proxy:
             self.metrics.errors.labels("client", "disconnect").inc()
             raise
         finally:
+            self._bodies.release(reserved)
             counter = self._requests.get((endpoint, status))
             if counter is None:
                 counter = self._requests[endpoint, status] = self.metrics.requests.labels(endpoint, str(status))
@@ -344,7 +325,9 @@ class Proxy:
                 if isinstance(e, aiohttp.ClientConnectorError):
                     self._connection_failed(backend, e)
                 failure = self._failed_attempt(
-                    HopError("prefill", backend, "connect", f"prefill backend {backend.url} failed: {_describe(e)}")
+                    HopError(
+                        "prefill", backend, "connect", f"prefill backend {backend.url} failed: {describe_error(e)}"
+                    )
                 )
                 continue
             finally:
@@ -355,12 +338,12 @@ class Proxy:
                         "prefill",
                         backend,
                         "status",
-                        f"prefill backend {backend.url} answered {answer.status}: {_snippet(raw)}",
+                        f"prefill backend {backend.url} answered {answer.status}: {snippet(raw)}",
                     )
                 )
                 continue
             if answer.status >= 400:
-                raise _Passthrough(_raw_response(answer, raw, headers[REQUEST_ID]))
+                raise Passthrough(relayed_response(answer, raw, headers[REQUEST_ID]))
             try:
                 decoded = msgspec.json.decode(raw)
             except msgspec.DecodeError:
@@ -416,12 +399,14 @@ class Proxy:
                 except aiohttp.ClientConnectorError as e:  # never connected: safe to send elsewhere
                     self._connection_failed(backend, e)
                     failure = self._failed_attempt(
-                        HopError("decode", backend, "connect", f"decode backend {backend.url} failed: {_describe(e)}")
+                        HopError(
+                            "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
+                        )
                     )
                     continue
                 except (aiohttp.ClientError, TimeoutError) as e:
                     raise HopError(
-                        "decode", backend, "connect", f"decode backend {backend.url} failed: {_describe(e)}"
+                        "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
                     ) from None
                 try:
                     return await self._relay(request, endpoint, upstream, backend, rid, started)
@@ -450,16 +435,16 @@ class Proxy:
                 if isinstance(e, aiohttp.ClientConnectorError):
                     self._connection_failed(backend, e)
                 raise HopError(
-                    "decode", backend, "connect", f"decode backend {backend.url} failed: {_describe(e)}"
+                    "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
                 ) from None
             if upstream.status >= 500:
                 raise HopError(
                     "decode",
                     backend,
                     "status",
-                    f"decode backend {backend.url} answered {upstream.status}: {_snippet(raw)}",
+                    f"decode backend {backend.url} answered {upstream.status}: {snippet(raw)}",
                 )
-            return _raw_response(upstream, raw, rid)
+            return relayed_response(upstream, raw, rid)
         response = web.StreamResponse(
             status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: rid}
         )
@@ -473,12 +458,12 @@ class Proxy:
                     first = False
         except ConnectionResetError:
             self.metrics.errors.labels("client", "disconnect").inc()
-            raise _ClientGone(response) from None
+            raise ClientGone(response) from None
         except (aiohttp.ClientError, TimeoutError) as e:
             # The decode server failed mid-stream: the status is sent already; end the stream with an error event.
             self.metrics.errors.labels("decode", "stream").inc()
             event = flow.error_body(
-                f"decode backend {backend.url} failed mid-stream: {_describe(e)}",
+                f"decode backend {backend.url} failed mid-stream: {describe_error(e)}",
                 "bad_gateway",
                 hop="decode",
                 backend=backend.url,
@@ -486,52 +471,6 @@ class Proxy:
             try:
                 await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
             except ConnectionResetError:
-                raise _ClientGone(response) from None
+                raise ClientGone(response) from None
         await response.write_eof()
         return response
-
-
-def _in_flight_of(backend: Backend) -> Callable[[], float]:
-    return lambda: backend.in_flight
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on ``host:port`` (0: a free port), reusable right after a restart."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _json_response(body: Any, status: int, rid: str | None = None) -> web.Response:
-    headers = {"Content-Type": "application/json"}
-    if rid is not None:
-        headers[REQUEST_ID] = rid
-    return web.Response(body=msgspec.json.encode(body), status=status, headers=headers)
-
-
-def _error(status: int, message: str, type_: str, rid: str, **extra: Any) -> web.Response:
-    return _json_response(flow.error_body(message, type_, code=status, **extra), status, rid)
-
-
-def _raw_response(upstream: aiohttp.ClientResponse, raw: bytes, rid: str) -> web.Response:
-    return web.Response(
-        body=raw,
-        status=upstream.status,
-        headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"), REQUEST_ID: rid},
-    )
-
-
-def _snippet(raw: bytes, limit: int = 200) -> str:
-    text = raw.decode("utf-8", "replace").strip()
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _describe(error: BaseException) -> str:
-    text = str(error)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
