@@ -68,7 +68,8 @@ def _ref(params: RemotePrefill) -> RemoteRef:
 
 
 class SchedulerSide:
-    """The connector's scheduler half for one engine of ``tp_size`` ranks and ``block_size``-token blocks."""
+    """The connector's scheduler half for one engine of ``tp_size`` ranks and ``block_size``-token blocks
+    (the engine's side of it: :class:`~.contract.SchedulerContract`)."""
 
     def __init__(
         self,

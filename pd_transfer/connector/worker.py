@@ -54,7 +54,8 @@ class LoadOutcome:
 
 
 class WorkerSide:
-    """The connector's worker half for one TP rank of engine ``engine_id``."""
+    """The connector's worker half for one TP rank of engine ``engine_id`` (the engine's side of it:
+    :class:`~.contract.WorkerContract`)."""
 
     def __init__(
         self,

@@ -2,7 +2,8 @@
 
 ``PrefillEngines`` runs prefill engines in a child process (``spawn``): each is a ``SchedulerSide``, one
 ``WorkerSide`` per TP rank, an ``OutputAggregator`` and a block allocator, driven over a pipe the way an
-engine drives a connector (finish a prompt, then step). Blocks are never reused, and the allocator scribbles
+engine drives a connector (finish a prompt, then step), through the engine contract only
+(:mod:`pd_transfer.connector.contract`). Blocks are never reused, and the allocator scribbles
 over blocks when the connector hands them back, so a read of freed blocks gets garbage, as it would in a
 real engine that reused them. ``DecodeEngine`` does the same for a decode engine in the calling process.
 
@@ -23,6 +24,8 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.connector.contract import SchedulerContract, WorkerContract
+from pd_transfer.connector.leases import LeaseLedger
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 
@@ -71,8 +74,10 @@ class _PrefillEngine:
         self.caches = spec.caches()
         config = ConnectorConfig(side_channel_host="127.0.0.1", side_channel_port=0, lease_seconds=spec.lease_seconds)
         self.block_size = spec.layouts[0].block_size
-        self.workers = [WorkerSide(spec.engine_id, cache, config) for cache in self.caches]
-        self.scheduler = SchedulerSide(
+        sides = [WorkerSide(spec.engine_id, cache, config) for cache in self.caches]
+        self.ledgers: list[LeaseLedger] = [side.prefill.ledger for side in sides]  # looked at, never driven
+        self.workers: list[WorkerContract] = list(sides)
+        self.scheduler: SchedulerContract = SchedulerSide(
             config, engine_id=spec.engine_id, block_size=self.block_size, tp_size=len(spec.layouts)
         )
         self.port = self.scheduler.start_side_channel([worker.rank_metadata for worker in self.workers])
@@ -113,9 +118,9 @@ class _PrefillEngine:
 
     def state(self, request_ids: Sequence[str]) -> dict[str, object]:
         return {
-            "held_blocks": [worker.prefill.ledger.blocks_held for worker in self.workers],
+            "held_blocks": [ledger.blocks_held for ledger in self.ledgers],
             "lent_blocks": sum(len(blocks) for blocks in self.lent.values()),
-            "status": {r: [worker.prefill.ledger.status(r) for worker in self.workers] for r in request_ids},
+            "status": {r: [ledger.status(r) for ledger in self.ledgers] for r in request_ids},
         }
 
     def wait_sending(self, request_ids: Sequence[str], timeout_s: float) -> dict[str, object]:
@@ -224,8 +229,11 @@ class DecodeEngine:
         self.engine_id = engine_id
         self.block_size = layouts[0].block_size
         self.num_blocks = num_blocks
-        self.workers = [WorkerSide(engine_id, KVCache.allocate(layout, num_blocks), config) for layout in layouts]
-        self.scheduler = SchedulerSide(config, engine_id=engine_id, block_size=self.block_size, tp_size=len(layouts))
+        self._caches = [KVCache.allocate(layout, num_blocks) for layout in layouts]
+        self.workers: list[WorkerContract] = [WorkerSide(engine_id, cache, config) for cache in self._caches]
+        self.scheduler: SchedulerContract = SchedulerSide(
+            config, engine_id=engine_id, block_size=self.block_size, tp_size=len(layouts)
+        )
         self.aggregator = OutputAggregator(len(layouts))
         self.next_block = 0
         self.finished_recving: set[str] = set()
@@ -235,7 +243,7 @@ class DecodeEngine:
 
     @property
     def caches(self) -> list[KVCache]:
-        return [worker.cache for worker in self.workers]
+        return list(self._caches)
 
     def allocate(self, tokens: int) -> list[int]:
         count = -(-tokens // self.block_size)

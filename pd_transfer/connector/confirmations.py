@@ -1,0 +1,98 @@
+"""The lease confirmations a decode rank waits for after its reads: read, then confirm.
+
+While a request is awaited (``awaiting``), its ``ReadDone`` notifications carry ``reply_to`` and each
+prefill rank read from answers with a ``LeaseConfirm``: ok only if the request's blocks were still held when
+the ``ReadDone`` arrived (see :mod:`pd_transfer.connector.leases`). ``wait`` returns once every rank
+confirmed, one refused, or the time ran out. Notifications that do not decode, that are not a
+``LeaseConfirm``, or that answer a request no longer awaited are dropped and counted.
+
+Thread-safe: one condition guards the answers; the NIXL agent's progress thread delivers them
+(``on_notification``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from . import messages
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseConfirmations:
+    """The ``LeaseConfirm`` answers awaited by the decode rank whose NIXL agent is called ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._awaiting: dict[str, dict[str, messages.LeaseConfirm]] = {}  # request -> prefill agent -> answer
+        self.malformed_notifications = 0
+        self.unexpected_notifications = 0
+        self.late_confirmations = 0  # answers that came after we stopped waiting
+
+    def awaits(self, request_id: str) -> bool:
+        """Whether ``request_id``'s confirmations are awaited (its ``ReadDone`` should carry ``reply_to``)."""
+        return request_id in self._awaiting
+
+    @contextmanager
+    def awaiting(self, request_id: str, fast_polling: Callable[[bool], None]) -> Iterator[None]:
+        """Await ``request_id``'s confirmations for the duration of the block. ``fast_polling(on)`` is told,
+        under the lock, whether any request is awaited (the agent then polls for notifications quickly)."""
+        with self._cond:
+            self._awaiting[request_id] = {}
+            fast_polling(True)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._awaiting.pop(request_id, None)
+                fast_polling(bool(self._awaiting))
+
+    def on_notification(self, peer: str, payload: bytes) -> None:
+        """A notification from prefill agent ``peer``: a ``LeaseConfirm`` is recorded and wakes the waiters."""
+        try:
+            message = messages.decode(payload)
+        except Exception as error:
+            self.malformed_notifications += 1
+            logger.warning("decode %s: malformed notification from %s dropped: %s", self.name, peer, error)
+            return
+        if not isinstance(message, messages.LeaseConfirm):
+            self.unexpected_notifications += 1
+            logger.warning("decode %s: unexpected %s from %s dropped", self.name, type(message).__name__, peer)
+            return
+        with self._cond:
+            answers = self._awaiting.get(message.request_id)
+            if answers is None:
+                self.late_confirmations += 1
+                logger.info(
+                    "decode %s: confirmation of request %s from %s came after we stopped waiting",
+                    self.name,
+                    message.request_id,
+                    peer,
+                )
+                return
+            answers[peer] = message
+            self._cond.notify_all()
+
+    def wait(self, request_id: str, peers: list[str], timeout_s: float) -> tuple[bool, str]:
+        """Wait until each of ``peers`` (prefill agent names) answered for ``request_id`` (only while it is
+        awaited). Returns (True, "") when all confirmed, (False, why) as soon as one refuses, or when
+        ``timeout_s`` seconds pass without every answer."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                answers = self._awaiting.get(request_id, {})
+                refused = [f"{peer}: {answer.reason}" for peer, answer in answers.items() if not answer.ok]
+                if refused:
+                    return False, "refused by " + "; ".join(refused)
+                missing = [peer for peer in peers if peer not in answers]
+                if not missing:
+                    return True, ""
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False, f"no confirmation from {', '.join(missing)} within {timeout_s:g} s"
+                self._cond.wait(remaining)

@@ -1,0 +1,102 @@
+"""What a decode rank, as a reader, tells the prefill ranks about a request (NIXL notifications).
+
+* ``ReadDone``: attached to the last READ from each source rank; carries ``reply_to`` (our connection
+  metadata) while the request's lease confirmation is awaited, so the prefill answers with a ``LeaseConfirm``.
+* ``ReadFailed``: to every source rank when a read failed or will not happen (it counts as done for freeing).
+* ``LeaseHeartbeat``: we still mean to read (the request is queued): extend the lease.
+* ``ReleaseUnread``: from decode rank 0, to the prefill ranks no decode rank reads.
+
+Sending is best effort: a rank that cannot be told is logged, and its lease frees the request in the end.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.errors import TransferError
+
+from . import messages
+from .remote_engines import SourceRank
+
+logger = logging.getLogger(__name__)
+
+#: Longest ``ReadFailed`` reason sent (characters).
+MAX_REASON_CHARS = 500
+
+
+class ReaderReports:
+    """Reports of decode rank ``reader_rank`` of engine ``engine_id``, sent with ``agent``.
+
+    ``awaits(request_id)`` says whether the request's lease confirmation is awaited; ``reply_to`` is what its
+    ``ReadDone`` then carries (the agent's connection metadata).
+    """
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        engine_id: str,
+        reader_rank: int,
+        *,
+        reply_to: bytes,
+        awaits: Callable[[str], bool],
+    ) -> None:
+        self.agent = agent
+        self.engine_id = engine_id
+        self.reader_rank = reader_rank
+        self._reply_to = reply_to
+        self._awaits = awaits
+
+    def read_done(self, request_id: str, source: SourceRank) -> bytes:
+        """The encoded ``ReadDone`` for the last READ of ``request_id`` from ``source``."""
+        return messages.encode(
+            messages.ReadDone(
+                request_id=request_id,
+                reader_engine_id=self.engine_id,
+                reader_rank=self.reader_rank,
+                expected_readers=source.expected_readers,
+                reply_to=self._reply_to if self._awaits(request_id) else b"",
+            )
+        )
+
+    def read_failed(self, sources: Iterable[SourceRank], request_id: str, reason: str) -> None:
+        """Tell each source rank we gave up on ``request_id`` (``reason`` cut to ``MAX_REASON_CHARS``)."""
+        for source in sources:
+            failed = messages.ReadFailed(
+                request_id=request_id,
+                reader_engine_id=self.engine_id,
+                reader_rank=self.reader_rank,
+                expected_readers=source.expected_readers,
+                reason=reason[:MAX_REASON_CHARS],
+            )
+            try:
+                self.agent.notify(source.peer, messages.encode(failed))
+            except TransferError as error:
+                logger.info(
+                    "decode %s: could not tell %s about request %s: %s", self.agent.name, source.peer, request_id, error
+                )
+
+    def heartbeat(self, request_id: str, peers: Iterable[str]) -> int:
+        """Tell each of ``peers`` (prefill agent names) we still mean to read ``request_id``; returns how
+        many were told."""
+        sent = 0
+        for peer in peers:
+            beat = messages.LeaseHeartbeat(
+                request_id=request_id, reader_engine_id=self.engine_id, reader_rank=self.reader_rank
+            )
+            try:
+                self.agent.notify(peer, messages.encode(beat))
+                sent += 1
+            except TransferError as error:
+                logger.info("decode %s: heartbeat of %s to %s failed: %s", self.agent.name, request_id, peer, error)
+        return sent
+
+    def release_unread(self, request_id: str, peers: Iterable[str]) -> None:
+        """Tell each of ``peers`` (prefill ranks no decode rank reads) to free ``request_id`` now."""
+        release = messages.encode(messages.ReleaseUnread(request_id=request_id, reader_engine_id=self.engine_id))
+        for peer in peers:
+            try:
+                self.agent.notify(peer, release)
+            except TransferError as error:
+                logger.info("decode %s: releasing %s on %s failed: %s", self.agent.name, request_id, peer, error)

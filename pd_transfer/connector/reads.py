@@ -1,0 +1,326 @@
+"""How a decode rank reads one request's KV blocks from a connected engine: three strategies.
+
+* **in place** (plans without a postprocess, or with no staging area): one READ per source rank straight
+  into the cache. With a postprocess (block-size regroup, layout permute), the reads go plane group by plane
+  group and a worker thread fixes up each group in place while the next is read (CMA reads and torch kernels
+  both release the GIL), so the fix-up mostly hides behind the transfer.
+* **staged** (plans with a postprocess and a staging area): chunks of (plane, block) pairs into one half of
+  the small double-buffered :class:`StagingArea`, scattered into their final place by the worker thread
+  while the next chunk goes into the other half: the cache is written once, as by a homogeneous read.
+* **packed** (engine-packed blocks of another block size): whole remote blocks into the
+  :class:`PackedStaging`, a fill at a time, each regrouped into the local blocks before the next is read.
+
+Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications.
+Block ids are validated before anything is read (``ValueError``); transfer failures raise ``TransferError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.topology.grids import block_ids_array
+from pd_transfer.transfer.agent import DescriptorList, TransferAgent
+
+from .cache import KVCache
+from .remote_engines import RemoteEngine, SourceRank
+
+#: One READ of a step: (source rank, local descriptor list, local rows, remote rows); rows are int arrays.
+ReadOrder = tuple[SourceRank, DescriptorList | None, np.ndarray, np.ndarray]
+#: The local and remote rows (int64, equal length) a request reads from each source rank, in source order.
+SourceRows = list[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class ReadTotals:
+    """What one request's reads moved (bytes) and took (seconds)."""
+
+    bytes: int
+    descriptors: int  # rows posted, before NIXL merges adjacent ones
+    read_seconds: float  # first post to last DONE
+    postprocess_seconds: float  # fixing layouts up, summed over plane groups or chunks (overlaps the reads)
+    postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
+
+
+def plane_groups(num_planes: int, groups: int) -> list[range]:
+    """Split planes [0, num_planes) into at most ``groups`` consecutive ranges of near-equal size."""
+    groups = max(1, min(groups, num_planes))
+    edges = [round(i * num_planes / groups) for i in range(groups + 1)]
+    return [range(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def _timed(function: Callable[..., object], *args: object) -> float:
+    """Seconds ``function(*args)`` took."""
+    started = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - started
+
+
+def _until(deadline: float) -> float:
+    """Seconds left until ``deadline`` (``time.perf_counter`` time), at least 1 ms: a wait on the fix-up."""
+    return max(0.001, deadline - time.perf_counter())
+
+
+class BlockReader:
+    """Reads requests' blocks into ``cache`` with ``agent``; fix-ups run on one worker thread (``close`` stops it).
+
+    ``planes`` are the cache's plane views (``plane_views`` order); ``pipeline_groups`` is how many plane
+    groups an in-place read with a postprocess is split into; ``done_message(request_id, source)`` is the
+    ``ReadDone`` notification the last READ from ``source`` carries.
+    """
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        cache: KVCache,
+        planes: list[torch.Tensor],
+        *,
+        pipeline_groups: int,
+        done_message: Callable[[str, SourceRank], bytes],
+    ) -> None:
+        self.agent = agent
+        self.cache = cache
+        self.planes = planes
+        self.pipeline_groups = pipeline_groups
+        self._done_message = done_message
+        self._postprocess_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
+        )
+
+    def read(
+        self,
+        remote: RemoteEngine,
+        request_id: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        num_tokens: int,
+        deadline: float,
+    ) -> ReadTotals:
+        """Read ``num_tokens`` tokens of ``remote_block_ids`` into ``local_block_ids`` (token order) by the
+        strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter`` time)."""
+        if remote.packed is not None:
+            local_ids = self._checked_packed_ids(remote, remote_block_ids, local_block_ids, num_tokens)
+            return self._read_packed(remote, request_id, remote_block_ids, local_ids, num_tokens, deadline)
+        # rows per source; validates the block ids before anything moves
+        rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
+        if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
+            return self._read_staged(remote, request_id, rows, deadline)
+        return self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)
+
+    def close(self) -> None:
+        """Wait for running fix-ups and stop the worker thread."""
+        self._postprocess_pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ in place
+    def _read_in_place(
+        self,
+        remote: RemoteEngine,
+        request_id: str,
+        rows: SourceRows,
+        local_block_ids: list[int],
+        num_tokens: int,
+        deadline: float,
+    ) -> ReadTotals:
+        """Reads straight into the cache; a postprocess, if any, fixes up each plane group in place on the
+        worker thread while the next group is read."""
+        postprocess = remote.plan.postprocess
+        groups = plane_groups(len(self.planes), self.pipeline_groups if postprocess is not None else 1)
+        reads = self._in_place_orders(remote, rows, groups)
+        total_bytes = descriptors = 0
+        pending: list[Future[float]] = []
+        read_started = time.perf_counter()
+        for index, group in enumerate(groups):
+            step = [
+                (
+                    source,
+                    source.local,
+                    local_rows[bounds[index] : bounds[index + 1]],
+                    remote_rows[bounds[index] : bounds[index + 1]],
+                )
+                for source, local_rows, remote_rows, bounds in reads
+            ]
+            moved, rows_read = self._read_step(request_id, step, index == len(groups) - 1, deadline)
+            total_bytes += moved
+            descriptors += rows_read
+            if postprocess is not None:
+                job = (postprocess.apply, self.planes, local_block_ids, num_tokens, group)
+                pending.append(self._postprocess_pool.submit(_timed, *job))
+        reads_done = time.perf_counter()
+        post_seconds = sum(future.result(timeout=_until(deadline)) for future in pending)
+        return ReadTotals(
+            bytes=total_bytes,
+            descriptors=descriptors,
+            read_seconds=reads_done - read_started,
+            postprocess_seconds=post_seconds,
+            postprocess_exposed_seconds=time.perf_counter() - reads_done,
+        )
+
+    def _in_place_orders(
+        self, remote: RemoteEngine, rows: SourceRows, groups: list[range]
+    ) -> list[tuple[SourceRank, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per source: (source, local rows, remote rows, bounds), rows sorted by plane (stably), so that rows
+        ``bounds[g]:bounds[g + 1]`` are those of plane group ``g``."""
+        num_planes = len(self.planes)
+        starts = [group.start for group in groups] + [num_planes]
+        reads = []
+        for source, (local_rows, remote_rows) in zip(remote.sources, rows, strict=True):
+            # rows are listed plane by plane: row = (plane * num_blocks + block) * units + unit
+            plane_of_row = local_rows // (source.local.num_rows // num_planes)
+            order = np.argsort(plane_of_row, kind="stable")
+            bounds = np.searchsorted(plane_of_row[order], starts)
+            reads.append((source, local_rows[order], remote_rows[order], bounds))
+        return reads
+
+    # ------------------------------------------------------------------ staged
+    def _read_staged(self, remote: RemoteEngine, request_id: str, rows: SourceRows, deadline: float) -> ReadTotals:
+        """Reads into a small registered staging area (two halves, each ``slots`` plane blocks, kept in the
+        CPU cache) chunk by chunk, and scatters each chunk into its final place in the local layout on the
+        worker thread while the next chunk is read: the cache is written once, as by a homogeneous read."""
+        postprocess, staging = remote.plan.postprocess, remote.staging
+        assert postprocess is not None and staging is not None
+        slots, num_blocks = staging.slots, self.cache.num_blocks
+        plane_blocks, reads = self._staged_orders(remote, rows, slots)
+        num_chunks = -(-len(plane_blocks) // slots)
+        total_bytes = descriptors = 0
+        in_flight: list[Future[float] | None] = [None, None]
+        post_seconds = 0.0
+        read_started = time.perf_counter()
+        for index in range(num_chunks):
+            half = index % 2
+            previous = in_flight[half]
+            if previous is not None:  # this half's last chunk must be scattered before it is overwritten
+                post_seconds += previous.result(timeout=_until(deadline))
+            step = [
+                (
+                    source,
+                    source.staging,
+                    staging_rows[bounds[index] : bounds[index + 1]] + half * half_rows,
+                    remote_rows[bounds[index] : bounds[index + 1]],
+                )
+                for source, staging_rows, remote_rows, bounds, half_rows in reads
+            ]
+            moved, rows_read = self._read_step(request_id, step, index == num_chunks - 1, deadline)
+            total_bytes += moved
+            descriptors += rows_read
+            chunk_blocks = plane_blocks[index * slots : (index + 1) * slots]
+            job = (staging.scatter, postprocess.restage, chunk_blocks, half, self.planes, num_blocks)
+            in_flight[half] = self._postprocess_pool.submit(_timed, *job)
+        reads_done = time.perf_counter()
+        for future in in_flight:
+            if future is not None:
+                post_seconds += future.result(timeout=_until(deadline))
+        return ReadTotals(
+            bytes=total_bytes,
+            descriptors=descriptors,
+            read_seconds=reads_done - read_started,
+            postprocess_seconds=post_seconds,
+            postprocess_exposed_seconds=time.perf_counter() - reads_done,
+        )
+
+    @staticmethod
+    def _staged_orders(
+        remote: RemoteEngine, rows: SourceRows, slots: int
+    ) -> tuple[np.ndarray, list[tuple[SourceRank, np.ndarray, np.ndarray, np.ndarray, int]]]:
+        """The request's plane blocks (``plane * num_blocks + block``, sorted, unique) and, per source,
+        (source, staging rows within a half, remote rows, bounds, rows per half): rows sorted by chunk
+        (stably), chunk ``c`` being rows ``bounds[c]:bounds[c + 1]``, landing in slot ``i % slots`` for the
+        ``i``-th plane block."""
+        plane_blocks_of = [
+            local_rows // plan.local_units_per_block
+            for (local_rows, _), plan in zip(rows, remote.plan.sources, strict=True)
+        ]
+        plane_blocks = np.unique(np.concatenate(plane_blocks_of))
+        num_chunks = -(-len(plane_blocks) // slots)
+        reads = []
+        for source, plan, (local_rows, remote_rows), mine in zip(
+            remote.sources, remote.plan.sources, rows, plane_blocks_of, strict=True
+        ):
+            units = plan.local_units_per_block
+            slot = np.searchsorted(plane_blocks, mine)
+            chunk = slot // slots
+            staging_rows = (slot % slots) * units + local_rows % units
+            order = np.argsort(chunk, kind="stable")
+            bounds = np.searchsorted(chunk[order], np.arange(num_chunks + 1))
+            reads.append((source, staging_rows[order], remote_rows[order], bounds, slots * units))
+        return plane_blocks, reads
+
+    # ------------------------------------------------------------------ packed
+    def _checked_packed_ids(
+        self, remote: RemoteEngine, remote_block_ids: list[int], local_block_ids: list[int], num_tokens: int
+    ) -> torch.Tensor:
+        """Validate a packed pull's block ids before anything moves; returns the local ids as an int64 tensor."""
+        source = remote.plan.sources[0]
+        block_ids_array(
+            "remote_block_ids", remote_block_ids, num_tokens, source.remote_block_size, source.remote_num_blocks, False
+        )
+        local = block_ids_array(
+            "local_block_ids", local_block_ids, num_tokens, self.cache.layout.block_size, self.cache.num_blocks, True
+        )
+        return torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64))
+
+    def _read_packed(
+        self,
+        remote: RemoteEngine,
+        request_id: str,
+        remote_block_ids: list[int],
+        local_block_ids: torch.Tensor,
+        num_tokens: int,
+        deadline: float,
+    ) -> ReadTotals:
+        """Whole remote blocks into the packed staging area, a fill (whole regroup groups) at a time; each fill
+        is regrouped into the local blocks before the next is read (the staging area is one buffer)."""
+        staging = remote.packed
+        assert staging is not None
+        remote_size, local_size = remote.plan.sources[0].remote_block_size, self.cache.layout.block_size
+        chunk_tokens = staging.tokens_per_chunk
+        starts = list(range(0, num_tokens, chunk_tokens))
+        total_bytes = descriptors = 0
+        read_seconds = post_seconds = 0.0
+        for index, first in enumerate(starts):
+            tokens = min(chunk_tokens, num_tokens - first)
+            remote_ids = remote_block_ids[first // remote_size : first // remote_size + -(-tokens // remote_size)]
+            slots = list(range(len(remote_ids)))
+            step: list[ReadOrder] = []
+            for source, plan in zip(remote.sources, remote.plan.sources, strict=True):
+                staging_rows, remote_rows = plan.indices(remote_ids, slots, tokens)
+                step.append((source, source.local, staging_rows, remote_rows))
+            started = time.perf_counter()
+            moved, rows_read = self._read_step(request_id, step, index == len(starts) - 1, deadline)
+            read_seconds += time.perf_counter() - started
+            total_bytes += moved
+            descriptors += rows_read
+            local_ids = local_block_ids[first // local_size : first // local_size + -(-tokens // local_size)]
+            post_seconds += _timed(staging.regroup_into_place, local_ids, tokens)
+        return ReadTotals(
+            bytes=total_bytes,
+            descriptors=descriptors,
+            read_seconds=read_seconds,
+            postprocess_seconds=post_seconds,
+            postprocess_exposed_seconds=post_seconds,  # regrouping is not overlapped with reading
+        )
+
+    # ------------------------------------------------------------------ one step
+    def _read_step(self, request_id: str, step: Sequence[ReadOrder], last: bool, deadline: float) -> tuple[int, int]:
+        """One READ per source of (local list, local rows) <- remote rows; the reads of the last step carry
+        the ``ReadDone`` notifications. Returns (bytes, rows)."""
+        moved = rows = 0
+        for source, local_list, local_rows, remote_rows in step:
+            assert local_list is not None
+            stats = self.agent.read(
+                local_list,
+                local_rows,
+                source.remote,
+                remote_rows,
+                notification=self._done_message(request_id, source) if last else b"",
+                timeout_s=max(0.0, deadline - time.perf_counter()),
+            )
+            moved += stats.bytes
+            rows += stats.descriptors
+        return moved, rows

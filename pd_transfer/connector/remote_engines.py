@@ -1,0 +1,285 @@
+"""The prefill engines a decode rank reads from: each connected once, then looked up per request.
+
+Connecting to an engine (idempotent; one handshake per engine at a time, others are not held up): the
+handshake (cached by the client), a compatibility check of every rank's layout, a transfer plan, each source
+rank added as a NIXL peer with its remote and local descriptor lists prepared, and the connection warmed up
+with a one-unit read into scratch memory, so the first request does not pay for connection setup. Plans that
+fix layouts up also get descriptor lists into the staging area; caches packed by the engine read engines of
+another block size through a packed staging area instead.
+
+A failed connect removes the peers it added. ``forget`` drops an engine (it restarted or died), so the next
+request handshakes afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pd_transfer.handshake.client import HandshakeClient
+from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
+from pd_transfer.spec import KVCacheLayout, KVRegion, planes_of
+from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
+from pd_transfer.topology.mapping import TopologyError
+from pd_transfer.topology.packed import PackedBlockFormat
+from pd_transfer.topology.plan import DEFAULT_MIN_DIRECT_RUN_BYTES
+from pd_transfer.transfer.agent import DescriptorList, TransferAgent
+
+from .cache import KVCache
+from .packed_staging import PackedStaging
+from .staging import StagingArea
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SourceRank:
+    """One prefill rank a plan reads from, with its descriptor lists prepared."""
+
+    remote_rank: int
+    peer: str  # its NIXL agent's name
+    local: DescriptorList  # the plan's local grid: final places, or the packed staging cache
+    remote: DescriptorList  # the plan's remote grid
+    expected_readers: int  # decode ranks of our TP size that read from this rank
+    staging: DescriptorList | None = None  # this source's units in every staging slot (plans that fix layouts up)
+
+
+@dataclass
+class RemoteEngine:
+    """A connected prefill engine: what it published, the plan to read it by, and its source ranks (in the
+    order of ``plan.sources``)."""
+
+    engine: EngineMetadata
+    host: str
+    port: int
+    plan: PeerPlan
+    sources: list[SourceRank]
+    staging: StagingArea | None = None  # the staging area the sources' ``staging`` lists point into
+    packed: PackedStaging | None = None  # packed blocks of another block size: read whole, then regrouped
+
+
+class RemoteEngines:
+    """The engines one decode rank reads from, keyed by side channel ``(host, port)``; thread-safe.
+
+    ``staging_bytes`` is the size of each half of the shared staging area (0: plans that fix layouts up do
+    so in place). ``packed_formats(block_size)`` gives the packing of a (block, head) for a block size, for
+    caches whose layout names a ``packing``; without it, such caches refuse engines of another block size.
+    ``read_timeout_s`` bounds each warm-up read.
+    """
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        cache: KVCache,
+        client: HandshakeClient,
+        *,
+        read_timeout_s: float,
+        min_direct_run_bytes: int | None = None,
+        staging_bytes: int = 16 * 2**20,
+        packed_formats: Callable[[int], PackedBlockFormat] | None = None,
+        packed_staging_bytes: int = 32 * 2**20,
+    ) -> None:
+        self.agent = agent
+        self.cache = cache
+        self.client = client
+        self.read_timeout_s = read_timeout_s
+        self.min_direct_run_bytes = (
+            DEFAULT_MIN_DIRECT_RUN_BYTES if min_direct_run_bytes is None else min_direct_run_bytes
+        )
+        self.staging_bytes = staging_bytes
+        self.packed_staging_bytes = packed_staging_bytes
+        self._packed_formats = packed_formats
+        self._remotes: dict[tuple[str, int], RemoteEngine] = {}
+        self._lock = threading.Lock()  # guards _remotes and _engine_locks
+        self._engine_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._staging_lock = threading.Lock()  # guards the staging areas
+        self._staging: StagingArea | None = None
+        self._packed_staging: dict[int, PackedStaging] = {}  # remote block size (tokens) -> its staging area
+
+    # ------------------------------------------------------------------ lookups
+    def connect(self, host: str, port: int) -> RemoteEngine:
+        """The engine at ``host:port``, handshaking and preparing it first if it is new. Raises what the
+        handshake raises (``HandshakeError``), ``TopologyError`` for an incompatible engine, ``TransferError``."""
+        key = (host, port)
+        with self._lock:  # held briefly: a slow or dead engine must not stall the others
+            remote = self._remotes.get(key)
+            if remote is not None:
+                return remote
+            engine_lock = self._engine_locks.setdefault(key, threading.Lock())
+        with engine_lock:  # one handshake per engine at a time
+            with self._lock:
+                remote = self._remotes.get(key)
+            if remote is None:
+                remote = self._connect(host, port)
+                with self._lock:
+                    self._remotes[key] = remote
+            return remote
+
+    def get(self, host: str, port: int) -> RemoteEngine | None:
+        """The engine at ``host:port`` if connected, else None (never connects)."""
+        with self._lock:
+            return self._remotes.get((host, port))
+
+    def forget(self, host: str, port: int) -> None:
+        """Drop the engine at ``host:port``: its peers, descriptor lists and cached handshake."""
+        with self._lock:
+            remote = self._remotes.pop((host, port), None)
+        self.client.forget(host, port)
+        if remote is not None:
+            for source in remote.sources:
+                self.agent.remove_peer(source.peer)
+
+    def source_peers(self, host: str, port: int) -> list[str]:
+        """NIXL agent names of the prefill ranks we read from at ``host:port`` ([] if not connected)."""
+        remote = self.get(host, port)
+        return [] if remote is None else [source.peer for source in remote.sources]
+
+    def unread_peers(self, host: str, port: int) -> list[str]:
+        """Decode rank 0 only: agent names of the prefill ranks at ``host:port`` that no decode rank of our TP
+        size reads (their heads are read from another rank holding the same ones), added as peers on first
+        use; [] on other ranks or when not connected."""
+        remote = self.get(host, port)
+        layout = self.cache.layout
+        if remote is None or layout.tp_rank != 0:
+            return []
+        unread = [r for r in remote.engine.ranks if expected_readers(r.tp_rank, r.layout, layout.tp_size) == 0]
+        return [self._peer_of(rank) for rank in unread]
+
+    def _peer_of(self, rank: RankMetadata) -> str:
+        """The NIXL agent name of ``rank``, added as a peer if it is not one yet."""
+        return rank.agent_name if self.agent.has_peer(rank.agent_name) else self.agent.add_peer(rank.agent_metadata)
+
+    # ------------------------------------------------------------------ connecting
+    def _connect(self, host: str, port: int) -> RemoteEngine:
+        """Handshake, check, plan, add and warm up the engine at ``host:port`` (not yet registered)."""
+        started = time.perf_counter()
+        engine = self.client.fetch(host, port)
+        for rank in engine.ranks:
+            check_compatible(self.cache.layout, rank.layout)
+        packed = self._packed_staging_if_needed(engine)
+        plan = self._plan(engine, packed)
+        sources = self._add_sources(engine, plan)
+        staging = self._staging if plan.postprocess is not None else None
+        logger.info(
+            "decode %s: connected to engine %s at %s:%d (TP %d, %d source rank(s), postprocess: %s) in %.0f ms",
+            self.agent.name,
+            engine.engine_id,
+            host,
+            port,
+            engine.tp_size,
+            len(sources),
+            "packed regroup" if packed is not None else "yes" if plan.postprocess is not None else "no",
+            (time.perf_counter() - started) * 1e3,
+        )
+        return RemoteEngine(engine, host, port, plan, sources, staging=staging, packed=packed)
+
+    def _packed_staging_if_needed(self, engine: EngineMetadata) -> PackedStaging | None:
+        """A packed staging area when our blocks are packed and the engine's block size differs, else None."""
+        local = self.cache.layout
+        remote_block_size = engine.ranks[0].layout.block_size if engine.ranks else local.block_size
+        if local.packing is None or remote_block_size == local.block_size:
+            return None
+        return self._packed_staging_for(remote_block_size)
+
+    def _plan(self, engine: EngineMetadata, packed: PackedStaging | None) -> PeerPlan:
+        """The plan from the engine's ranks into our cache, or into the packed staging cache."""
+        layout: KVCacheLayout = self.cache.layout if packed is None else packed.layout
+        regions: list[KVRegion] = list(self.cache.regions if packed is None else packed.cache.regions)
+        by_rank = {rank.tp_rank: rank for rank in engine.ranks}
+        return PeerPlan.build(
+            layout,
+            regions,
+            {r: by_rank[r].layout for r in by_rank},
+            {r: list(by_rank[r].regions) for r in by_rank},
+            min_direct_run_bytes=self.min_direct_run_bytes,
+        )
+
+    def _add_sources(self, engine: EngineMetadata, plan: PeerPlan) -> list[SourceRank]:
+        """Add each source rank as a peer, prepare its descriptor lists, warm it up; on failure, remove the
+        peers added so far and re-raise."""
+        by_rank = {rank.tp_rank: rank for rank in engine.ranks}
+        sources: list[SourceRank] = []
+        try:
+            for source in plan.sources:
+                rank = by_rank[source.remote_rank]
+                peer = self.agent.add_peer(rank.agent_metadata)
+                remote_list = self.agent.prepare_remote(peer, source.remote_grid)
+                local_list = self.agent.prepare_local(source.local_grid)
+                readers = expected_readers(source.remote_rank, rank.layout, self.cache.layout.tp_size)
+                staging = self._prepare_staging(source) if plan.postprocess is not None else None
+                sources.append(SourceRank(source.remote_rank, peer, local_list, remote_list, readers, staging))
+                self._warm_up(remote_list, source.unit_bytes)
+        except Exception:
+            for item in sources:
+                self.agent.remove_peer(item.peer)
+            raise
+        return sources
+
+    def _packed_staging_for(self, remote_block_size: int) -> PackedStaging:
+        """The staging area for packed blocks of ``remote_block_size`` tokens (created on first use)."""
+        local = self.cache.layout
+        if self._packed_formats is None:
+            raise TopologyError(
+                f"blocks packed as {local.packing!r}: a prefill of {remote_block_size}-token blocks needs a regroup"
+                f" that knows the packing, and this decode rank ({local.block_size}-token blocks) was given none"
+            )
+        with self._staging_lock:
+            staging = self._packed_staging.get(remote_block_size)
+            if staging is None:
+                staging = self._packed_staging[remote_block_size] = PackedStaging(
+                    self.agent,
+                    self.cache,
+                    self._packed_formats(remote_block_size),
+                    self._packed_formats(local.block_size),
+                    self.packed_staging_bytes,
+                )
+            return staging
+
+    def _prepare_staging(self, source: SourcePlan) -> DescriptorList | None:
+        """Descriptor rows of a source's units in every slot of the staging area (created on first use);
+        None when ``staging_bytes`` is 0."""
+        if self.staging_bytes <= 0:
+            return None
+        with self._staging_lock:
+            if self._staging is None:
+                plane_block_bytes = self.cache.regions[0].plane_block_len
+                dtype = plane_views(self.cache.tensors, self.cache.regions)[0].dtype
+                self._staging = StagingArea(self.agent, plane_block_bytes, self.staging_bytes, dtype)
+            staging = self._staging
+        first_block = planes_of(list(self.cache.regions))[0].base_address
+        unit_offsets = source.local_grid[: source.local_units_per_block, 0].astype(np.int64) - first_block
+        return self.agent.prepare_local(staging.descriptor_rows(unit_offsets, source.unit_bytes))
+
+    # ------------------------------------------------------------------ scratch reads
+    def one_unit_read_latencies(self, host: str, port: int, samples: int) -> list[float]:
+        """Post-to-done seconds of ``samples`` one-row reads (one plane block when the plan reads whole
+        blocks) from the first source rank of the engine at ``host:port``, into scratch memory."""
+        remote = self.connect(host, port)
+        return list(self.scratch_reads(remote.sources[0].remote, remote.plan.sources[0].unit_bytes, samples))
+
+    def _warm_up(self, remote_list: DescriptorList, unit_bytes: int) -> None:
+        """The first read to a peer pays for connection setup (25-36 ms): pay it now, into scratch memory."""
+        for _ in self.scratch_reads(remote_list, unit_bytes, samples=1):
+            pass
+
+    def scratch_reads(self, remote_list: DescriptorList, unit_bytes: int, samples: int) -> Iterator[float]:
+        """Read remote row 0 (``unit_bytes`` bytes) into a registered scratch buffer ``samples`` times; yields
+        each read's post-to-done seconds. The cache is not touched."""
+        scratch = torch.empty(unit_bytes, dtype=torch.uint8)
+        registration = self.agent.register_spans([(scratch.data_ptr(), scratch.data_ptr() + unit_bytes)])
+        try:
+            local = self.agent.prepare_local(np.array([[scratch.data_ptr(), unit_bytes, 0]], dtype=np.uint64))
+            try:
+                zero = np.zeros(1, dtype=np.int32)
+                for _ in range(samples):
+                    yield self.agent.read(local, zero, remote_list, zero, timeout_s=self.read_timeout_s).seconds
+            finally:
+                local.release()
+        finally:
+            self.agent.deregister(registration)
