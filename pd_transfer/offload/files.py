@@ -196,10 +196,10 @@ class DirectoryTier:
 
     # ------------------------------------------------------------------ batches (the worker's interface)
     def store_blocks(self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]) -> int:
-        """Store engine block ``block_ids[i]`` as ``blocks.keys[i]``; returns bytes written."""
-        return sum(
-            self.store(key, [cache[b] for cache in caches]) for key, b in zip(blocks.keys, block_ids, strict=True)
-        )
+        """Store engine block ``block_ids[i]`` as ``blocks.keys[i]``; returns payload bytes (headers not counted)."""
+        for key, block in zip(blocks.keys, block_ids, strict=True):
+            self.store(key, [cache[block] for cache in caches])
+        return len(blocks.keys) * self.page_format.block_bytes
 
     def load_blocks(
         self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]

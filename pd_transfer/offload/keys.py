@@ -28,7 +28,6 @@ from .errors import OffloadInputError
 #: Bytes of a block key.
 KEY_BYTES = 16
 _DOMAIN = b"pd-transfer/offload/block-key/v1"
-_MAX_TOKEN_ID = 2**63 - 1
 
 BlockKey = bytes
 
@@ -57,9 +56,12 @@ def chain_block_keys(
     if parent is not None and len(parent) != KEY_BYTES:
         raise OffloadInputError(f"a parent key is {KEY_BYTES} bytes, got {len(parent)}")
     full = len(token_ids) // block_size * block_size
-    tokens = np.asarray(token_ids[:full], dtype=np.int64) if full else np.zeros(0, dtype=np.int64)
-    if full and (int(tokens.min()) < 0 or int(tokens.max()) > _MAX_TOKEN_ID):
-        raise OffloadInputError("token ids must be in [0, 2**63)")
+    try:
+        tokens = np.asarray(token_ids[:full], dtype=np.int64) if full else np.zeros(0, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        raise OffloadInputError("token ids must be integers in [0, 2**63)") from None
+    if tokens.ndim != 1 or (full and int(tokens.min()) < 0):
+        raise OffloadInputError("token ids must be integers in [0, 2**63)")
     model = fingerprint_digest(fingerprint)
     previous = parent or b""
     keys: list[BlockKey] = []

@@ -19,15 +19,17 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from .errors import OffloadInputError, WorkerClosedError
 from .keys import BlockKey
 from .metrics import OffloadMetrics
 from .specs import PageFormat, TierBlocks, TransferJob, TransferResult
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class Tier(Protocol):
 
 def canonical_views(caches: Sequence[torch.Tensor], page_format: PageFormat) -> list[np.ndarray]:
     """NumPy views (sharing memory) of the engine's cache tensors, checked against ``page_format``."""
+    import torch  # here, so processes that only touch a tier's files need not load torch
+
     if len(caches) != len(page_format.page_bytes):
         raise OffloadInputError(f"{len(caches)} cache tensors for a format of {len(page_format.page_bytes)} pages")
     views = []
