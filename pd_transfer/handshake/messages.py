@@ -22,6 +22,9 @@ from .versions import PROTOCOL_VERSION
 
 #: Largest frame the server or the client will try to decode (bytes).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+#: Largest frame a server accepts: a request is a Hello or a GetMetadata, whose bounded fields fit in 32 KiB. ZMQ
+#: drops a larger frame at its length header, before any of it is buffered.
+MAX_REQUEST_BYTES = 64 * 1024
 #: Most TP ranks a message may name; a request for more than the engine serves is refused.
 MAX_TP_RANKS = 1024
 #: Most cache regions one rank may describe (layers x K/V, with room for engines that split them further).

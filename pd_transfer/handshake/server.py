@@ -3,7 +3,7 @@
 Each request is one frame from a DEALER client; the ROUTER sees ``[identity, payload]`` and answers
 ``[identity, reply]``. Nothing a peer sends can stop the serving loop: undecodable input gets
 ``ErrorReply("malformed")``, unexpected failures ``ErrorReply("internal")``, and frames larger than
-``MAX_FRAME_BYTES`` are dropped by ZMQ itself (``ZMQ_MAXMSGSIZE``), which disconnects that peer.
+``MAX_REQUEST_BYTES`` are dropped by ZMQ itself (``ZMQ_MAXMSGSIZE``), which disconnects that peer.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .compat import fingerprint_fields_differing
 from .endpoints import is_ipv6, tcp_endpoint
 from .messages import (
     MAX_FRAME_BYTES,
+    MAX_REQUEST_BYTES,
     Challenge,
     EngineMetadata,
     ErrorCode,
@@ -118,7 +119,7 @@ class HandshakeServer:
         context = zmq.Context()
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if is_ipv6(self.host):
             socket.setsockopt(zmq.IPV6, 1)
@@ -223,9 +224,9 @@ class HandshakeServer:
         data = frames[0].bytes
         if not data:
             return self._malformed(peer, "empty frame")
-        if len(data) > MAX_FRAME_BYTES:  # ZMQ_MAXMSGSIZE normally drops these first
+        if len(data) > MAX_REQUEST_BYTES:  # ZMQ_MAXMSGSIZE normally drops these first
             self.stats["too_large"] += 1
-            return ErrorReply("too_large", f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+            return ErrorReply("too_large", f"frame of {len(data)} bytes exceeds {MAX_REQUEST_BYTES}")
         try:
             message = decode(data)
         except Exception as exc:  # anything that does not decode is the peer's fault, never ours
