@@ -1,6 +1,7 @@
 """The disk tier on real files and real processes: byte-exact round trips; corrupt, truncated, foreign and
-zero-length files are misses; two processes storing one key leave one valid file; a writer killed with
-SIGKILL between write and rename leaves nothing readable; the size bound deletes the oldest files."""
+zero-length files are misses (and deleted); two processes storing the same keys leave one valid file per
+key; a writer killed with SIGKILL between write and rename leaves nothing readable; the size bound deletes
+the oldest files."""
 
 from __future__ import annotations
 
@@ -91,7 +92,12 @@ def test_a_damaged_file_is_a_miss_with_a_warning(
     damage(tier.path_of(KEYS[0]), how)
     with caplog.at_level(logging.WARNING, logger="pd_transfer.offload.files"):
         assert tier.load(KEYS[0], empty()) == outcome
-    assert f"is {outcome}; treated as a miss" in caplog.text and KEYS[0][:6].hex() in caplog.text
+    assert f"is {outcome}; deleted, treated as a miss" in caplog.text and KEYS[0][:6].hex() in caplog.text
+    assert not tier.exists(KEYS[0])  # deleted, so the next store writes the block again
+    stored = pages(3)
+    assert tier.store(KEYS[0], stored) > 0
+    out = empty()
+    assert tier.load(KEYS[0], out) == "ok" and same(out, stored)
 
 
 def test_foreign_files_are_misses(tmp_path: Path) -> None:
@@ -144,29 +150,28 @@ import sys
 import numpy as np
 from msgspec import msgpack
 from pd_transfer.offload import DirectoryTier, PageFormat
-root, fmt, key, fill, rounds, mode = msgpack.decode(bytes.fromhex(sys.stdin.readline().strip()))
+root, fmt, keys, fill, mode = msgpack.decode(bytes.fromhex(sys.stdin.readline().strip()))
 tier = DirectoryTier(root, msgpack.decode(fmt, type=PageFormat), max_bytes=1 << 30)
 pages = [np.full(size, fill, np.uint8) for size in tier.page_format.page_bytes]
 if mode == "race":
     print("ready", flush=True)
     sys.stdin.readline()
-    for _ in range(rounds):
-        tier.store(key, pages)
-    print("done", flush=True)
+    written = sum(1 for key in keys if tier.store(key, pages))
+    print("done", written, flush=True)
 else:
-    temp = tier.write_temp(key, pages)
+    temp = tier.write_temp(keys[0], pages)
     print(temp, flush=True)
     sys.stdin.readline()
-    tier.publish(temp, key)
+    tier.publish(temp, keys[0])
 """
 
 
-def writer(root: Path, fill: int, mode: str, rounds: int = 0) -> subprocess.Popen[bytes]:
+def writer(root: Path, fill: int, mode: str, keys: list[bytes]) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
         [sys.executable, "-c", WRITER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy()
     )
     assert process.stdin is not None
-    args = msgpack.encode([str(root), msgpack.encode(FORMAT), KEYS[0], fill, rounds, mode])
+    args = msgpack.encode([str(root), msgpack.encode(FORMAT), keys, fill, mode])
     process.stdin.write(args.hex().encode() + b"\n")
     process.stdin.flush()
     return process
@@ -179,29 +184,34 @@ def read_line(process: subprocess.Popen[bytes], timeout: float = 60.0) -> str:
     return process.stdout.readline().decode().strip()
 
 
-def test_two_processes_storing_one_key_leave_one_valid_file(tmp_path: Path) -> None:
-    writers = [writer(tmp_path, fill, "race", rounds=150) for fill in (0x11, 0xEE)]
+def test_two_processes_storing_the_same_keys_leave_one_valid_file_each(tmp_path: Path) -> None:
+    keys = chain_block_keys(MODEL, list(range(16 * 300)), 16)  # both store these, in the same order
+    writers = [writer(tmp_path, fill, "race", keys) for fill in (0x11, 0xEE)]
     try:
         assert [read_line(w) for w in writers] == ["ready", "ready"]
         for w in writers:
             assert w.stdin is not None
             w.stdin.write(b"go\n")
             w.stdin.flush()
-        assert [read_line(w) for w in writers] == ["done", "done"]
+        done = [read_line(w).split() for w in writers]
     finally:
         for w in writers:
             w.kill()
             w.wait(30)
+    assert [d[0] for d in done] == ["done", "done"]
+    assert sum(int(d[1]) for d in done) >= len(keys)  # every key written by one writer at least
     tier = DirectoryTier(tmp_path, FORMAT, max_bytes=BIG)
-    out = empty()
-    assert tier.load(KEYS[0], out) == "ok"
-    fill = int(out[0][0])
-    assert fill in (0x11, 0xEE) and all(np.all(page == fill) for page in out)  # one writer's block, whole
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [tier.path_of(KEYS[0]).name]
+    for key in keys:
+        out = empty()
+        assert tier.load(key, out) == "ok"
+        fill = int(out[0][0])
+        assert fill in (0x11, 0xEE) and all(np.all(page == fill) for page in out)  # one writer's block, whole
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == sorted(tier.path_of(key).name for key in keys)  # no temp files
 
 
 def test_a_writer_killed_between_write_and_rename_leaves_nothing_readable(tmp_path: Path) -> None:
-    process = writer(tmp_path, 0x5A, "kill")
+    process = writer(tmp_path, 0x5A, "kill", KEYS[:1])
     try:
         temp = Path(read_line(process))  # the block is written, not yet renamed
         assert temp.stat().st_size == HEADER_BYTES + FORMAT.block_bytes

@@ -165,7 +165,12 @@ class DirectoryTier:
         os.replace(temp, self.path_of(key))
 
     def store(self, key: BlockKey, pages: Sequence[np.ndarray]) -> int:
-        """Write one block (pages in format order); returns the file's bytes. Sweeps when over the bound."""
+        """Write one block (pages in format order) unless a file of its key is there already (a key names
+        its bytes; a damaged file is deleted when a load finds it). Returns bytes written (0: kept the
+        file there). Sweeps when over the bound."""
+        if self.exists(key):
+            _touch(self.path_of(key))
+            return 0
         self.publish(self.write_temp(key, pages), key)
         if self._estimated_bytes is not None:
             self._estimated_bytes += self.file_bytes
@@ -189,17 +194,20 @@ class DirectoryTier:
         if outcome == "ok":
             _touch(path)
         else:
-            logger.warning("disk tier: block %s is %s; treated as a miss", short(key), outcome)
+            logger.warning("disk tier: block %s is %s; deleted, treated as a miss", short(key), outcome)
+            path.unlink(missing_ok=True)  # so a later store writes it again
             if self._metrics is not None:
                 self._metrics.rejected_blocks.labels(self.name, outcome).inc()
         return outcome
 
     # ------------------------------------------------------------------ batches (the worker's interface)
     def store_blocks(self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]) -> int:
-        """Store engine block ``block_ids[i]`` as ``blocks.keys[i]``; returns payload bytes (headers not counted)."""
+        """Store engine block ``block_ids[i]`` as ``blocks.keys[i]``; returns payload bytes written (headers
+        and blocks already there not counted)."""
+        written = 0
         for key, block in zip(blocks.keys, block_ids, strict=True):
-            self.store(key, [cache[block] for cache in caches])
-        return len(blocks.keys) * self.page_format.block_bytes
+            written += 1 if self.store(key, [cache[block] for cache in caches]) else 0
+        return written * self.page_format.block_bytes
 
     def load_blocks(
         self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]

@@ -109,9 +109,10 @@ class HostPool:
         """Copy engine block ``block_ids[i]`` into row ``blocks.rows[i]`` as ``blocks.keys[i]``; returns bytes."""
         rows = self._check(blocks, block_ids)
         self.headers[rows, 24] = 0
-        for row, block, count in _runs(rows, block_ids):
-            for index, cache in enumerate(caches):
-                start, end = self._offsets[index], self._offsets[index + 1]
+        runs = list(_runs(rows, block_ids))
+        for index, cache in enumerate(caches):  # tensor by tensor: each source stays in the caches longer
+            start, end = self._offsets[index], self._offsets[index + 1]
+            for row, block, count in runs:
                 np.copyto(self.rows[row : row + count, start:end], cache[block : block + count])
         for row, key in zip(rows, blocks.keys, strict=True):
             self.headers[row, :KEY_BYTES] = np.frombuffer(key, np.uint8)
@@ -135,9 +136,10 @@ class HostPool:
             if self._metrics is not None:
                 self._metrics.rejected_blocks.labels(self.name, "foreign").inc(len(missed))
         good_rows, good_blocks = [rows[i] for i in good], [int(block_ids[i]) for i in good]
-        for row, block, count in _runs(good_rows, good_blocks):
-            for index, cache in enumerate(caches):
-                start, end = self._offsets[index], self._offsets[index + 1]
+        runs = list(_runs(good_rows, good_blocks))
+        for index, cache in enumerate(caches):
+            start, end = self._offsets[index], self._offsets[index + 1]
+            for row, block, count in runs:
                 np.copyto(cache[block : block + count], self.rows[row : row + count, start:end])
         return len(good) * self.page_format.block_bytes, missed
 
