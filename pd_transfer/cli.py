@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_vllm = which.add_parser("vllm", help="PdTransferConnector vs vLLM's NixlConnector on real vLLM servers")
     vllm_connectors.add_arguments(bench_vllm)
     bench_vllm.set_defaults(func=vllm_connectors.run)
+    from pd_transfer.bench import offload as offload_bench
+
+    bench_offload = which.add_parser("offload", help="offload tiers vs memcpy and plain file writes and reads")
+    offload_bench.add_arguments(bench_offload)
+    bench_offload.set_defaults(func=offload_bench.cli_run)
     return parser
 
 

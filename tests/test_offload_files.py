@@ -15,9 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from msgspec import msgpack
 
 from pd_transfer.offload import DirectoryTier, OffloadInputError, OffloadManager, PageFormat, chain_block_keys
+from pd_transfer.offload.checksum import payload_checksum
 from pd_transfer.offload.files import HEADER_BYTES
 from pd_transfer.spec import ModelFingerprint
 
@@ -222,3 +225,22 @@ def test_a_writer_killed_between_write_and_rename_leaves_nothing_readable(tmp_pa
     tier = DirectoryTier(tmp_path, FORMAT, max_bytes=BIG, stale_temp_seconds=0)
     assert not tier.exists(KEYS[0]) and tier.load(KEYS[0], empty()) == "missing"
     assert tier.sweep() == 0 and not temp.exists()  # the sweep removed the dead writer's file
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([4096, 8192, 65536, 4000, 24]), min_size=1, max_size=3),
+    flips=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2**20), st.integers(0, 7)), min_size=1, max_size=3),
+)
+def test_the_payload_checksum_sees_any_change_of_up_to_three_bits(
+    sizes: list[int], flips: list[tuple[int, int, int]]
+) -> None:
+    rng = np.random.default_rng(len(sizes))
+    original = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
+    damaged = [page.copy() for page in original]
+    for page, offset, bit in {(p % len(sizes), o % sizes[p % len(sizes)], b) for p, o, b in flips}:
+        damaged[page][offset] ^= 1 << bit
+    assert payload_checksum(damaged) != payload_checksum(original)
+    if len(sizes) > 1 and sizes[0] == sizes[1]:
+        swapped = [original[1], original[0], *original[2:]]
+        assert payload_checksum(swapped) != payload_checksum(original)

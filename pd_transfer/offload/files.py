@@ -4,7 +4,7 @@ A block is written to a temporary name in its final directory and renamed over i
 reader sees either no file or a whole one; two writers of one key both rename and the last rename wins
 (both wrote the same key, so either file is right). A file is checked before its bytes count as KV: its
 header (magic, version, header checksum), its key and page format (another model, rank or layout is
-*foreign*), its length (*truncated*) and the CRC-32 of its payload (*corrupt*). Any failure is a miss,
+*foreign*), its length (*truncated*) and its payload checksum (*corrupt*, :mod:`.checksum`). Any failure is a miss,
 logged with the key's first digits and the reason; the bytes it may have left in the engine blocks must be
 recomputed (the load reports failure). A writer killed before its rename leaves only a temporary file,
 which no reader opens and :meth:`DirectoryTier.sweep` deletes once it is ``stale_temp_seconds`` old.
@@ -21,9 +21,9 @@ offset bytes field
 16     16    block key
 32     8     page format tag (:attr:`PageFormat.tag`)
 40     8     payload bytes (the page format's ``block_bytes``)
-48     4     CRC-32 of the payload
-52     4     CRC-32 of bytes 0..51
-56     8     zero
+48     8     payload checksum (:func:`~.checksum.payload_checksum`)
+56     4     CRC-32 of bytes 0..55
+60     4     zero
 64     ...   payload: page 0 of the block, page 1, ... (one per engine cache tensor)
 ====== ===== ===================================================================
 
@@ -47,6 +47,7 @@ from typing import Literal
 
 import numpy as np
 
+from .checksum import payload_checksum
 from .errors import OffloadInputError
 from .keys import BlockKey, check_key, short
 from .metrics import OffloadMetrics
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"PDKVBLK1"
 VERSION = 1
 HEADER_BYTES = 64
-_HEADER = struct.Struct("<8sHHI16s8sQI")  # up to the header CRC
+_HEADER = struct.Struct("<8sHHI16s8sQQ")  # up to the header CRC
 _SUFFIX = ".kvblock"
 _TEMP_SUFFIX = ".tmp"
 _LOW_WATERMARK = 0.9
@@ -65,33 +66,25 @@ _LOW_WATERMARK = 0.9
 ReadOutcome = Literal["ok", "missing", "truncated", "corrupt", "foreign"]
 
 
-def encode_header(key: BlockKey, tag: bytes, payload_bytes: int, payload_crc: int) -> bytes:
+def encode_header(key: BlockKey, tag: bytes, payload_bytes: int, checksum: int) -> bytes:
     """The 64-byte header of a block file."""
-    fields = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, 0, key, tag, payload_bytes, payload_crc)
+    fields = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, 0, key, tag, payload_bytes, checksum)
     return (fields + struct.pack("<I", zlib.crc32(fields))).ljust(HEADER_BYTES, b"\0")
 
 
 def check_header(header: bytes, key: BlockKey, tag: bytes, payload_bytes: int) -> tuple[ReadOutcome, int]:
-    """``("ok", payload CRC)`` if ``header`` is a valid header of ``key`` in format ``tag``, else the reason."""
+    """``("ok", payload checksum)`` if ``header`` is a valid header of ``key`` in format ``tag``, else the reason."""
     if len(header) < HEADER_BYTES:
         return "truncated", 0
     fields = header[: _HEADER.size]
     if header[:8] != MAGIC or struct.unpack_from("<I", header, _HEADER.size)[0] != zlib.crc32(fields):
         return "corrupt", 0
-    _magic, version, header_bytes, _flags, file_key, file_tag, file_payload, crc = _HEADER.unpack(fields)
+    _magic, version, header_bytes, _flags, file_key, file_tag, file_payload, checksum = _HEADER.unpack(fields)
     if version != VERSION or header_bytes != HEADER_BYTES or file_tag != tag or file_payload != payload_bytes:
         return "foreign", 0
     if file_key != key:
         return "foreign", 0
-    return "ok", crc
-
-
-def payload_crc(pages: Sequence[np.ndarray]) -> int:
-    """CRC-32 of the pages (contiguous uint8 arrays), in order, as one byte string."""
-    crc = 0
-    for page in pages:
-        crc = zlib.crc32(page.data, crc)
-    return crc
+    return "ok", checksum
 
 
 class DirectoryTier:
@@ -147,7 +140,7 @@ class DirectoryTier:
         final = self.path_of(key)
         final.parent.mkdir(exist_ok=True)
         temp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
-        header = encode_header(key, self._tag, self.page_format.block_bytes, payload_crc(pages))
+        header = encode_header(key, self._tag, self.page_format.block_bytes, payload_checksum(pages))
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, [memoryview(header), *(page.data for page in pages)])
@@ -256,14 +249,14 @@ class DirectoryTier:
 
     def _read_checked(self, fd: int, key: BlockKey, pages: Sequence[np.ndarray]) -> ReadOutcome:
         size = os.fstat(fd).st_size
-        outcome, crc = check_header(os.pread(fd, HEADER_BYTES, 0), key, self._tag, self.page_format.block_bytes)
+        outcome, checksum = check_header(os.pread(fd, HEADER_BYTES, 0), key, self._tag, self.page_format.block_bytes)
         if outcome != "ok":
             return outcome
         if size != self.file_bytes:
             return "truncated" if size < self.file_bytes else "corrupt"
         if os.preadv(fd, [page.data for page in pages], HEADER_BYTES) != self.page_format.block_bytes:
             return "truncated"
-        return "ok" if payload_crc(pages) == crc else "corrupt"
+        return "ok" if payload_checksum(pages) == checksum else "corrupt"
 
     def _check_pages(self, pages: Sequence[np.ndarray]) -> None:
         sizes = tuple(page.nbytes for page in pages)

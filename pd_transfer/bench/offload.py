@@ -1,0 +1,297 @@
+"""``pd-transfer bench offload``: the offload tiers against the machine, measured side by side in one run.
+
+* host tier: a store job (engine cache -> pool) and a load job (pool -> engine cache) through the
+  :class:`~pd_transfer.offload.TransferWorker`, against a torch copy of the same bytes (one thread, like
+  the tier's copies);
+* disk tier: the same jobs against a :class:`~pd_transfer.offload.DirectoryTier` (a file per block, checksummed,
+  temporary name and rename), against plain sequential writes and reads of the same bytes in one file.
+  Neither side fsyncs, so both measure the page cache of the filesystem named in the result. The rate of
+  the payload checksum the tier computes on every store and load is measured beside them.
+
+Ratios are ours / baseline (1.0: as fast as the baseline). ``end_to_end`` is left for the vLLM part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pd_transfer.offload import (
+    DirectoryTier,
+    HostPool,
+    OffloadManager,
+    PageFormat,
+    TransferJob,
+    TransferWorker,
+    chain_block_keys,
+)
+from pd_transfer.offload.checksum import payload_checksum
+from pd_transfer.spec import ModelFingerprint
+
+GOAL_RATIO = 0.7
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The engine cache moved: ``num_tensors`` cache tensors (one per layer) of ``page_bytes`` per block;
+    ``blocks`` blocks move per job (a Llama-8B-like layer page: 16 tokens x 8 KV heads x 128 x bf16 x K,V)."""
+
+    num_tensors: int = 32
+    page_bytes: int = 65536
+    blocks: int = 128
+    engine_blocks: int = 160
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_tensors * self.page_bytes
+
+    @property
+    def job_bytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+    def page_format(self) -> PageFormat:
+        model = ModelFingerprint(model="bench-llama", dtype="bfloat16", num_layers=self.num_tensors,
+                                 total_num_kv_heads=8, head_size=128)  # fmt: skip
+        return PageFormat(fingerprint=model, page_bytes=(self.page_bytes,) * self.num_tensors, block_size=16)
+
+
+QUICK_SHAPE = Shape(num_tensors=8, page_bytes=65536, blocks=64, engine_blocks=80)
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/mounts; "unknown" elsewhere)."""
+    try:
+        mounts = [line.split()[:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    resolved = str(path.resolve())
+    best = max((m for m in mounts if resolved == m[1] or resolved.startswith(m[1].rstrip("/") + "/")),
+               key=lambda m: len(m[1]), default=None)  # fmt: skip
+    return best[2] if best else "unknown"
+
+
+def _seconds(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def _run_job(worker: TransferWorker, job: TransferJob) -> None:
+    if not worker.submit(job):
+        raise RuntimeError("offload worker queue full")
+    results = worker.poll(timeout=600)
+    if len(results) != 1 or not results[0].ok:
+        raise RuntimeError(f"offload job failed: {results[:1]}")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The machine's way of moving the same bytes: ``store`` and ``load`` are timed alternately with the
+    tier's jobs (so both see the same load on the machine); ``reset`` runs untimed before each store."""
+
+    store: Callable[[], object]
+    load: Callable[[], object]
+    reset: Callable[[], object]
+
+
+def _tier_case(tier: HostPool | DirectoryTier, cache: list[torch.Tensor], shape: Shape, repeats: int,
+               scattered: bool, baseline: Baseline) -> dict:  # fmt: skip
+    """Median seconds of store and load jobs of ``shape.blocks`` blocks through the worker and of the
+    baseline, alternately; whether the loaded blocks equal the stored ones."""
+    page_format = shape.page_format()
+    keys = chain_block_keys(page_format.fingerprint, list(range(16 * shape.blocks)), 16)
+    manager = OffloadManager(tier.name, shape.job_bytes, page_format.block_bytes)  # type: ignore[arg-type]
+    plan = manager.prepare_store(keys)
+    assert plan is not None
+    rng = np.random.default_rng(3)
+    sources = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
+    targets = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
+    expected = [t[torch.from_numpy(sources)].clone() for t in cache]
+    store = TransferJob(1, "store", tuple(int(b) for b in sources), plan.blocks)
+    load = TransferJob(2, "load", tuple(int(b) for b in targets), plan.blocks)
+    times: dict[str, list[float]] = {"store": [], "load": [], "base_store": [], "base_load": []}
+    worker = TransferWorker(cache, tier)
+    try:
+        for _ in range(repeats):
+            baseline.reset()
+            times["base_store"].append(_seconds(baseline.store))
+            times["store"].append(_seconds(lambda: _run_job(worker, store)))
+        for t in cache:
+            t.zero_()
+        for _ in range(repeats):
+            times["base_load"].append(_seconds(baseline.load))
+            times["load"].append(_seconds(lambda: _run_job(worker, load)))
+    finally:
+        worker.close()
+    verified = all(torch.equal(t[torch.from_numpy(targets)], e) for t, e in zip(cache, expected, strict=True))
+    _fill(cache)
+    return {name: statistics.median(values) for name, values in times.items()} | {"verified": verified}
+
+
+def _fill(cache: list[torch.Tensor]) -> None:
+    generator = torch.Generator().manual_seed(7)
+    for t in cache:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator))
+
+
+def _memcpy_baseline(cache: list[torch.Tensor], shape: Shape) -> Baseline:
+    """A torch copy of the job's bytes (the same pages, in contiguous runs) into another buffer."""
+    scratch = [torch.empty((shape.blocks, shape.page_bytes), dtype=torch.uint8) for _ in cache]
+
+    def copy() -> None:
+        for a, b in zip(cache, scratch, strict=True):
+            b.copy_(a[: shape.blocks])
+
+    return Baseline(store=copy, load=copy, reset=lambda: None)
+
+
+def _file_baseline(root: Path, tier: DirectoryTier, cache: list[torch.Tensor], shape: Shape) -> Baseline:
+    """The job's bytes written to one new file in large sequential writes, and read back; ``reset``
+    deletes that file and the tier's block files (so each store writes anew)."""
+    views = [t[: shape.blocks].numpy() for t in cache]
+    path = root / "baseline.bin"
+    buffer = np.empty(shape.job_bytes, np.uint8)
+
+    def write() -> None:
+        with open(path, "wb", buffering=0) as f:
+            for view in views:
+                f.write(view.data)
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as f:
+            assert f.readinto(buffer.data) == shape.job_bytes
+
+    def reset() -> None:
+        path.unlink(missing_ok=True)
+        shutil.rmtree(tier.directory, ignore_errors=True)
+        tier.directory.mkdir(parents=True)
+
+    return Baseline(store=write, load=read, reset=reset)
+
+
+def _rates(shape: Shape, case: dict, store_name: str, load_name: str) -> dict:
+    return {
+        f"{store_name}_gb_s": _rate(shape.job_bytes, case["base_store"]),
+        f"{load_name}_gb_s": _rate(shape.job_bytes, case["base_load"]),
+        "store_gb_s": _rate(shape.job_bytes, case["store"]),
+        "load_gb_s": _rate(shape.job_bytes, case["load"]),
+        f"store_ratio_vs_{store_name}": round(case["base_store"] / case["store"], 3),
+        f"load_ratio_vs_{load_name}": round(case["base_load"] / case["load"], 3),
+        "verified": case["verified"],
+    }
+
+
+def _rate(num_bytes: int, seconds: float) -> float:
+    return round(num_bytes / seconds / _GB, 3)
+
+
+def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = None) -> dict:
+    """Run the whole benchmark; returns the JSON-ready result. ``directory``: where the disk tier's
+    files go (default: a new directory under ``$TMPDIR``), removed afterwards."""
+    torch.set_num_threads(1)
+    cache = [torch.empty((shape.engine_blocks, shape.page_bytes), dtype=torch.uint8) for _ in range(shape.num_tensors)]
+    _fill(cache)
+    memcpy = _memcpy_baseline(cache, shape)
+    pool = HostPool.create(shape.page_format(), shape.job_bytes)
+    try:
+        host = {label: _tier_case(pool, cache, shape, repeats, scattered, memcpy) for label, scattered in _CASES}
+    finally:
+        pool.close()
+    root = Path(tempfile.mkdtemp(prefix="pd-offload-bench-", dir=directory))
+    try:
+        tier = DirectoryTier(root / "tier", shape.page_format(), max_bytes=4 * shape.job_bytes)
+        files = _file_baseline(root, tier, cache, shape)
+        disk = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in _CASES}
+        filesystem = filesystem_of(root)
+        pages = [t[b].numpy() for b in range(shape.blocks) for t in cache]
+        crc_s = statistics.median(_seconds(lambda: payload_checksum(pages)) for _ in range(repeats))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    host_result = {label: _rates(shape, case, "memcpy", "memcpy") for label, case in host.items()}
+    disk_result: dict = {
+        "filesystem": filesystem,
+        "directory": "$TMPDIR" if directory is None else "given by --dir",
+        "fsync": False,
+        "checksum": "row and column sums of each page (offload/checksum.py)",
+        "checksum_gb_s": _rate(shape.job_bytes, crc_s),
+    }
+    disk_result |= {label: _rates(shape, case, "file_write", "file_read") for label, case in disk.items()}
+    return _summary(shape, repeats, host_result, disk_result)
+
+
+_CASES = (("contiguous", False), ("scattered", True))
+
+
+def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
+    """The result, with the headline ratios (scattered engine blocks: what an engine hands over) on top."""
+    for part, names in ((host, ("memcpy", "memcpy")), (disk, ("file_write", "file_read"))):
+        for key in (f"store_ratio_vs_{names[0]}", f"load_ratio_vs_{names[1]}"):
+            part[key] = part["scattered"][key]
+    host["memcpy_gb_s"] = round(statistics.median([host[c]["memcpy_gb_s"] for c in ("contiguous", "scattered")]), 3)
+    disk["file_write_gb_s"] = disk["scattered"]["file_write_gb_s"]
+    disk["file_read_gb_s"] = disk["scattered"]["file_read_gb_s"]
+    ratios = [host["store_ratio_vs_memcpy"], host["load_ratio_vs_memcpy"]]
+    ratios += [disk["store_ratio_vs_file_write"], disk["load_ratio_vs_file_read"]]
+    return {
+        "shape": asdict(shape),
+        "job_bytes": shape.job_bytes,
+        "block_bytes": shape.block_bytes,
+        "repeats": repeats,
+        "torch_threads": 1,
+        "units": "GB/s = 1e9 bytes per second; ratios are baseline seconds / our seconds",
+        "host_copy_gb_s": host["memcpy_gb_s"],
+        "host": host,
+        "disk": disk,
+        "goal_ratio": GOAL_RATIO,
+        "goals_met": all(ratio >= GOAL_RATIO for ratio in ratios),
+        "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered")),
+        "end_to_end": None,
+        "end_to_end_note": "to come with the vLLM wiring: prefix hits served from each tier vs recompute",
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where the disk tier's files go (default: $TMPDIR)")
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    """``pd-transfer bench offload [--json] [--quick] [--repeats N] [--dir PATH]``."""
+    result = run(QUICK_SHAPE if args.quick else Shape(), repeats=3 if args.quick else args.repeats, directory=args.dir)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        host, disk = result["host"], result["disk"]
+        print(f"job: {result['job_bytes'] / 2**20:.0f} MiB; host copy {result['host_copy_gb_s']} GB/s")
+        print(f"  host  store {host['store_ratio_vs_memcpy']:.3f} x memcpy, load {host['load_ratio_vs_memcpy']:.3f}")
+        print(
+            f"  disk ({disk['filesystem']})  store {disk['store_ratio_vs_file_write']:.3f} x plain write"
+            f" ({disk['file_write_gb_s']} GB/s), load {disk['load_ratio_vs_file_read']:.3f} x plain read"
+            f" ({disk['file_read_gb_s']} GB/s)"
+        )
+        print(f"  verified {result['verified']}, goals met {result['goals_met']}")
+    return 0 if result["verified"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pd-transfer bench offload", description=__doc__)
+    add_arguments(parser)
+    return cli_run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
