@@ -1,48 +1,28 @@
-"""pd-transfer as a vLLM (0.32, CPU) KV connector: the only module that imports vLLM.
-
-Load it with::
-
-    --kv-transfer-config '{"kv_connector": "PdTransferConnector",
-                           "kv_connector_module_path": "pd_transfer.integrations.vllm",
-                           "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                           "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
-                                                         "side_channel_port": 5600}}'
-
-``kv_connector_extra_config`` is read by :class:`~pd_transfer.connector.config.ConnectorConfig` (unknown keys are
-refused; ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` are the fallbacks of the side channel's address).
+"""``PdTransferConnector``: pd-transfer as a vLLM (0.32, CPU) KV connector.
 
 vLLM makes one connector per role: ``SCHEDULER`` (in the engine core process) wraps a
 :class:`~pd_transfer.connector.scheduler.SchedulerSide`, ``WORKER`` (one per TP rank) a
 :class:`~pd_transfer.connector.worker.WorkerSide`. This module only translates: vLLM's ``Request``,
 ``KVCacheBlocks``, ``SchedulerOutput`` and ``KVConnectorOutput`` to the typed engine-agnostic calls and back.
+Nothing raised by pd-transfer during a step reaches the engine: it is logged and the step goes on.
 
 Workers publish their rank (NIXL agent, cache regions, layout) to the scheduler through vLLM's handshake
 metadata hook (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``); the scheduler then serves the
 engine on the side channel. ``kv_transfer_params`` use the keys of vLLM's NixlConnector.
 
-**CPU KV cache.** vLLM's ``CPU_ATTN`` backend gives each layer one tensor ``[num_blocks, num_kv_heads,
-block_size, 2 * head_size]``: per (block, head), a K half then a V half, each packed in an order that depends
-on the ISA and dtype. We describe it as one plane per layer (kind ``"k"``) in ``HND`` with an effective
-head size of ``2 * head_size``, so whole (block, head) runs move byte for byte and head slicing (different TP
-sizes) stays right, and name the packing in the layout (``vllm-cpu-attn:<isa>``). Across block sizes the
-decode side reads whole remote (block, head) chunks into a staging area and regroups them element by element
-(:class:`~pd_transfer.topology.packed.PackedRegroup`). Where each element sits is not hard-coded: it is
-measured once per block size by running vLLM's own ``cpu_attn_reshape_and_cache`` kernel on numbered
-vectors (:func:`measure_packing`). Engines of different ISAs are refused at the handshake, naming both.
+The worker side describes vLLM's CPU cache with :func:`.cpu_cache.describe_cpu_cache` and, across block sizes,
+regroups blocks with the packing :mod:`.cpu_packing` measures.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -50,20 +30,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.connector.config import ConnectorConfig, FailurePolicy
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.handshake.messages import RankMetadata
-from pd_transfer.metrics import default_metrics
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint
-from pd_transfer.topology.packed import PackedBlockFormat
+
+from .cpu_cache import describe_cpu_cache
+from .cpu_packing import packed_format_source
+from .engine_spin import limit_engine_spin
+from .stats import PdTransferPromMetrics, PdTransferStats, WorkerStatsCollector
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    import torch
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -85,18 +67,6 @@ _FINISH_REASONS = {
 }
 
 
-def _log_to_stderr() -> None:
-    """vLLM configures only its own loggers: show ours (INFO and up) in the server's log too."""
-    package = logging.getLogger("pd_transfer")
-    if not package.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pd-transfer %(name)s] %(message)s"))
-        package.addHandler(handler)
-        package.setLevel(os.environ.get("PD_TRANSFER_LOG_LEVEL", "INFO").upper())
-        package.propagate = False
-
-
-# ---------------------------------------------------------------------------------------------- messages
 class PdTransferMetadata(KVConnectorMetadata):
     """One step's :class:`StepMetadata`, from the scheduler connector to the workers (pickled by vLLM)."""
 
@@ -111,234 +81,13 @@ class PdTransferHandshakeMetadata(KVConnectorHandshakeMetadata):
     rank_metadata: bytes
 
 
-#: Counters of the worker process's own pd-transfer metrics whose per-step increments go to vLLM's /metrics
-_COUNTED = {
-    "unconfirmed_reads": ("pd_transfer_unconfirmed_reads_total", {}),
-    "leases_read": ("pd_transfer_leases_ended_total", {"reason": "read"}),
-    "leases_expired": ("pd_transfer_leases_ended_total", {"reason": "expired"}),
-    "leases_aborted": ("pd_transfer_leases_ended_total", {"reason": "aborted"}),
-}
-
-
-@dataclass
-class PdTransferStats(KVConnectorStats):
-    """What the workers did since their last report (plain data: it crosses processes).
-
-    ``pulls``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read]`` per loaded
-    request; ``failed_loads``; and the increments of the counters in :data:`_COUNTED`.
-    """
-
-    def __post_init__(self) -> None:
-        if not self.data:
-            self.reset()
-
-    def reset(self) -> None:
-        self.data = {"pulls": [], "failed_loads": 0, **dict.fromkeys(_COUNTED, 0)}
-
-    def is_empty(self) -> bool:
-        return not self.data.get("pulls") and not any(self.data.get(key, 0) for key in ("failed_loads", *_COUNTED))
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            if isinstance(value, list):
-                self.data.setdefault(key, []).extend(value)
-            else:
-                self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float | str]:
-        pulls = self.data.get("pulls", [])
-        seconds = sum(pull[0] for pull in pulls)
-        return {
-            "loads": len(pulls),
-            "failed_loads": self.data.get("failed_loads", 0),
-            "MiB loaded": round(sum(pull[1] for pull in pulls) / 2**20, 3),
-            "avg load ms": round(seconds / len(pulls) * 1e3, 3) if pulls else 0.0,
-            "unconfirmed_reads": self.data.get("unconfirmed_reads", 0),
-            "leases read/expired/aborted": "/".join(
-                str(self.data.get(key, 0)) for key in ("leases_read", "leases_expired", "leases_aborted")
-            ),
-        }
-
-
-class PdTransferPromMetrics(KVConnectorPromMetrics):
-    """pd-transfer's metrics on vLLM's ``/metrics`` (``vllm:pd_transfer_*``), per engine."""
-
-    _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-    _BYTES = tuple(2.0 ** (12 + 2 * i) for i in range(12))  # 4 KiB .. 16 GiB
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-        def per_engine(metric: Any, *extra: str) -> dict[int, Any]:
-            return {engine: metric.labels(*values, *extra) for engine, values in per_engine_labelvalues.items()}
-
-        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> dict[int, Any]:
-            metric = self._histogram_cls(
-                name=name, documentation=documentation, buckets=list(buckets), labelnames=labelnames
-            )
-            return per_engine(metric)
-
-        def counter(name: str, documentation: str) -> dict[int, Any]:
-            return per_engine(self._counter_cls(name=name, documentation=documentation, labelnames=labelnames))
-
-        self.pull_seconds = histogram(
-            "vllm:pd_transfer_pull_seconds", "Seconds of a request's KV load, first read to usable KV", self._SECONDS
-        )
-        self.pull_bytes = histogram("vllm:pd_transfer_pull_bytes", "Bytes of KV loaded per request", self._BYTES)
-        self.fixup_seconds = histogram(
-            "vllm:pd_transfer_fixup_exposed_seconds",
-            "Seconds the layout fix-up (block-size regroup) added after a load's last read",
-            self._SECONDS,
-        )
-        self.pulled_bytes = counter("vllm:pd_transfer_pulled_bytes", "Bytes of KV loaded from prefill engines")
-        self.failed_loads = counter(
-            "vllm:pd_transfer_failed_loads", "KV loads that failed (the failure policy was applied)"
-        )
-        self.unconfirmed_reads = counter(
-            "vllm:pd_transfer_unconfirmed_reads",
-            "Reads the prefill did not confirm as covered by its lease: discarded, never used as KV",
-        )
-        leases = self._counter_cls(
-            name="vllm:pd_transfer_leases_ended",
-            documentation="Blocks held for decode readers, by how the hold ended: read, expired, aborted",
-            labelnames=[*labelnames, "reason"],
-        )
-        self.leases = {reason: per_engine(leases, reason) for reason in ("read", "expired", "aborted")}
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        data = transfer_stats_data
-        for seconds, num_bytes, _rows, fixup in data.get("pulls", []):
-            self.pull_seconds[engine_idx].observe(seconds)
-            self.pull_bytes[engine_idx].observe(num_bytes)
-            self.fixup_seconds[engine_idx].observe(fixup)
-            self.pulled_bytes[engine_idx].inc(num_bytes)
-        for key, metric in (("failed_loads", self.failed_loads), ("unconfirmed_reads", self.unconfirmed_reads)):
-            if data.get(key):
-                metric[engine_idx].inc(data[key])
-        for reason, metric in self.leases.items():
-            if data.get(f"leases_{reason}"):
-                metric[engine_idx].inc(data[f"leases_{reason}"])
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _dtype_name(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _attention_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str | None) -> str:
-    """The CPU attention backend's packing of K and V inside a block (decides whether bytes are portable)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
-    except Exception as error:  # private helper: keep working if it moves, but say so
-        logger.warning("could not determine the CPU attention ISA (%s); fingerprint says 'unknown'", error)
-        return "unknown"
-
-
-#: digits of the numbers written into probe vectors: exact in every float type the CPU cache uses
-_PROBE_BASE = 64
-
-
-def measure_packing(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> PackedBlockFormat:
-    """Where vLLM's CPU attention kernel puts each K and V element of a (block, head) of ``block_size``
-    tokens, measured: numbered vectors go through ``cpu_attn_reshape_and_cache`` into a one-block cache
-    (a digit in base 64 per pass, so the numbers stay exact in bfloat16), and their positions are read back."""
-    from vllm import _custom_ops as ops
-
-    elements = block_size * head_size
-    offsets = []
-    for half in (0, 1):  # K, then V
-        number_at = torch.zeros(elements, dtype=torch.int64)
-        passes = 1
-        while _PROBE_BASE**passes < elements:
-            passes += 1
-        for digit in range(passes):
-            numbers = ((torch.arange(elements) // _PROBE_BASE**digit) % _PROBE_BASE).to(dtype)
-            probe = numbers.view(block_size, 1, head_size)
-            zero = torch.zeros_like(probe)
-            cache = torch.full((1, 1, 2 * block_size, head_size), -1, dtype=dtype)
-            key_cache, value_cache = cache.chunk(2, dim=2)
-            key, value = (probe, zero) if half == 0 else (zero, probe)
-            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(block_size), isa)
-            written = cache.view(-1)[half * elements : (half + 1) * elements].to(torch.int64)
-            if bool((written < 0).any()):
-                raise RuntimeError(f"the {isa} kernel left parts of a {block_size}-token block unwritten")
-            number_at += written * _PROBE_BASE**digit
-        position = torch.empty(elements, dtype=torch.int64)
-        position[number_at] = torch.arange(elements) + half * elements
-        offsets.append(position.view(block_size, head_size))
-    return PackedBlockFormat(block_size, head_size, offsets[0], offsets[1])
-
-
-def _layer_index(name: str, fallback: int) -> int:
-    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
-    return int(numbers[0]) if numbers else fallback
-
-
-def _finish_reason(request: Request) -> str:
-    return _FINISH_REASONS.get(request.status, request.status.name.lower().removeprefix("finished_"))
-
-
-def _prompt_len(request: Request) -> int:
-    return int(request.num_prompt_tokens)
-
-
-# ---------------------------------------------------------------------------------------------- connector
-BUSY_POLL_MS = 1  # after our spin limit and within vLLM's busy window: sleep-poll in slices this long
-
-
-def limit_engine_spin(spin_s: float) -> None:
-    """Make this process's vLLM shared-memory queue readers spin at most ``spin_s`` seconds after a read.
-
-    vLLM's engine core and workers wait for each other's messages in ``SpinCondition.wait``: for 1 s after a read
-    it calls ``os.sched_yield`` in a loop, releasing the GIL for the call and taking it straight back. CPython only
-    forces a GIL hand-over when a waiting thread saw no switch for 5 ms, and each of these re-takes counts as a
-    switch, so our threads in the same process (side-channel server, NIXL progress, loads, confirmations) get the
-    GIL only when they win a race against the spinning thread. An engine that steps while blocks are held or loads
-    are in flight re-arms the window every step. Measured on 2 cores with a TP 2 side: handshakes unanswered for
-    over 5 s and first reads stalled up to 30 s.
-
-    Past ``spin_s`` and until vLLM's own window ends (1 s, kept per reader), the reader waits on its
-    notification socket in slices of ``BUSY_POLL_MS`` (no GIL, no CPU while it waits) and checks the queue
-    between slices: it does not rely on the writer's notification there, which vLLM's publisher (send high-water
-    mark 1) can drop under load; a dropped one cost a 5 s recheck interval when we let readers block outright.
-    After the window the reader blocks as vLLM's does.
-
-    Wraps ``SpinCondition.wait`` once per process; a later call changes the limit.
-    """
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-    except ImportError:  # another vLLM layout: leave it alone
-        logger.info("vLLM's SpinCondition not found; its readers' busy window is left as it is")
-        return
-    original = getattr(SpinCondition.wait, "_pd_transfer_original", None)
-    if original is None:
-        original = SpinCondition.wait
-
-    def wait(self: Any, timeout_ms: int | None = None) -> None:
-        window = self.__dict__.get("_pd_transfer_window_s")
-        if window is None:  # first wait of this reader: keep vLLM's window, spin only for our limit
-            window = self._pd_transfer_window_s = getattr(self, "busy_loop_s", 0.0)
-        self.busy_loop_s = min(window, wait._pd_transfer_spin_s)  # type: ignore[attr-defined]
-        if time.monotonic() - getattr(self, "last_read", 0.0) < window:
-            timeout_ms = BUSY_POLL_MS if timeout_ms is None else min(timeout_ms, BUSY_POLL_MS)
-        return original(self, timeout_ms)
-
-    wait._pd_transfer_original = original  # type: ignore[attr-defined]
-    wait._pd_transfer_spin_s = spin_s  # type: ignore[attr-defined]
-    SpinCondition.wait = wait
-
-
 class PdTransferConnector(KVConnectorBase_V1):
-    """vLLM KV connector backed by pd-transfer (pull over NIXL, typed side channel, leases)."""
+    """vLLM KV connector backed by pd-transfer (pull over NIXL, typed side channel, leases).
+
+    Configured by ``kv_connector_extra_config`` (:class:`~pd_transfer.connector.config.ConnectorConfig`);
+    supports pipeline parallel size 1 and one KV cache group. vLLM's ``kv_load_failure_policy`` is set to the
+    connector's ``failure_policy``.
+    """
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -349,47 +98,35 @@ class PdTransferConnector(KVConnectorBase_V1):
         assert transfer is not None  # checked by the base class
         self.config = ConnectorConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
         self.engine_id = str(transfer.engine_id)
-        if transfer.kv_load_failure_policy != self.config.failure_policy:
-            # vLLM's scheduler must act on what our workers report: "recompute" reports the blocks to
-            # recompute (vLLM's "fail" would turn them into errors), "fail" reports failed requests
-            # (vLLM's "recompute" would recompute them). Ours (kv_connector_extra_config) decides.
-            if role == KVConnectorRole.SCHEDULER:
-                logger.warning(
-                    "kv_load_failure_policy %r set to %r to match the connector's failure_policy",
-                    transfer.kv_load_failure_policy,
-                    self.config.failure_policy,
-                )
-            transfer.kv_load_failure_policy = self.config.failure_policy
+        _align_failure_policy(transfer, self.config.failure_policy, role)
         if self.config.engine_spin_s is not None:
             limit_engine_spin(self.config.engine_spin_s)
         self.block_size = int(vllm_config.cache_config.block_size)
-        parallel = vllm_config.parallel_config
-        self.tp_size = int(parallel.tensor_parallel_size)
-        if int(parallel.pipeline_parallel_size) != 1:
-            raise ValueError("PdTransferConnector supports pipeline_parallel_size 1 only")
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise ValueError(f"PdTransferConnector supports one KV cache group, the model has {len(groups)}")
+        self.tp_size = _supported_tp_size(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}  # request id -> locally cached tokens at the last match
-        self._last_outcome: object | None = None
-        self._counted: dict[str, float] = {}  # last values of the _COUNTED counters
+        self._stats = WorkerStatsCollector()
         if role == KVConnectorRole.SCHEDULER:
-            from pd_transfer.connector.scheduler import SchedulerSide
+            self._scheduler = self._scheduler_side()
 
-            self._scheduler = SchedulerSide(
-                self.config, engine_id=self.engine_id, block_size=self.block_size, tp_size=self.tp_size
-            )
-            logger.info(
-                "pd-transfer scheduler connector: engine %s, block %d, TP %d, side channel %s:%d, policy %s",
-                self.engine_id,
-                self.block_size,
-                self.tp_size,
-                self.config.side_channel_host,
-                self.config.side_channel_port,
-                self.config.failure_policy,
-            )
+    def _scheduler_side(self) -> SchedulerSide:
+        """This engine's scheduler half (its side channel starts once the workers' metadata is in)."""
+        from pd_transfer.connector.scheduler import SchedulerSide
+
+        scheduler = SchedulerSide(
+            self.config, engine_id=self.engine_id, block_size=self.block_size, tp_size=self.tp_size
+        )
+        logger.info(
+            "pd-transfer scheduler connector: engine %s, block %d, TP %d, side channel %s:%d, policy %s",
+            self.engine_id,
+            self.block_size,
+            self.tp_size,
+            self.config.side_channel_host,
+            self.config.side_channel_port,
+            self.config.failure_policy,
+        )
+        return scheduler
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -397,17 +134,16 @@ class PdTransferConnector(KVConnectorBase_V1):
 
         from pd_transfer.connector.worker import WorkerSide
 
-        layout, cache = self._describe_cache(kv_caches, get_tp_group().rank_in_group)
-        isa = (layout.packing or "").removeprefix("vllm-cpu-attn:")
-        dtype = cache.tensors[0].dtype
-        head_size = layout.fingerprint.head_size // 2
-
-        @functools.cache
-        def packed_formats(block_size: int) -> PackedBlockFormat:
-            return measure_packing(isa, dtype, block_size, head_size)
-
-        if self._vllm_config.cache_config.cache_dtype not in (None, "auto"):
-            packed_formats = None  # type: ignore[assignment]  # quantised caches: equal block sizes only
+        cache_dtype = self._vllm_config.cache_config.cache_dtype
+        layout, cache = describe_cpu_cache(
+            kv_caches,
+            self._vllm_config.model_config,
+            block_size=self.block_size,
+            tp_size=self.tp_size,
+            tp_rank=get_tp_group().rank_in_group,
+            cache_dtype=cache_dtype,
+        )
+        packed_formats = packed_format_source(layout, cache.tensors[0].dtype, cache_dtype)
         self._worker = WorkerSide(self.engine_id, cache, self.config, packed_formats=packed_formats)
         logger.info(
             "pd-transfer worker tp%d/%d: %d layer(s) x %d blocks registered (%.0f MiB), fingerprint %s",
@@ -418,52 +154,6 @@ class PdTransferConnector(KVConnectorBase_V1):
             cache.nbytes / 2**20,
             layout.fingerprint,
         )
-
-    def _describe_cache(self, kv_caches: dict[str, torch.Tensor], tp_rank: int) -> tuple[KVCacheLayout, KVCache]:
-        model = self._vllm_config.model_config
-        if not kv_caches:
-            raise ValueError("no KV cache tensors to register")
-        names = list(kv_caches)
-        layers = [_layer_index(name, index) for index, name in enumerate(names)]
-        if len(set(layers)) != len(layers):
-            layers = list(range(len(names)))
-        tensors = [kv_caches[name] for name in names]
-        first = tensors[0]
-        head_size = int(model.get_head_size())
-        if first.dim() != 4 or first.shape[2] != self.block_size or first.shape[3] != 2 * head_size:
-            raise ValueError(
-                f"unexpected KV cache tensor {tuple(first.shape)} for layer {names[0]}: PdTransferConnector expects"
-                f" vLLM CPU's [num_blocks, num_kv_heads, block_size={self.block_size}, 2*head_size={2 * head_size}]"
-            )
-        for name, tensor in zip(names, tensors, strict=True):
-            if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device.type != "cpu":
-                raise ValueError(f"KV cache of layer {name} differs from {names[0]}: {tensor.shape} {tensor.dtype}")
-        isa = _attention_isa(first.dtype, self.block_size, head_size, self._vllm_config.cache_config.cache_dtype)
-        fingerprint = ModelFingerprint(
-            model=str(model.model),
-            dtype=_dtype_name(first.dtype),
-            num_layers=len(tensors),
-            total_num_kv_heads=int(model.get_total_num_kv_heads()),
-            head_size=2 * head_size,  # K half + V half of a (block, head), moved as one
-        )
-        layout = KVCacheLayout(
-            fingerprint=fingerprint,
-            tp_size=self.tp_size,
-            tp_rank=tp_rank,
-            block_size=self.block_size,
-            layout="HND",
-            packing=f"vllm-cpu-attn:{isa}",  # both sides must pack alike; block sizes may differ
-        )
-        if first.shape[1] != layout.num_local_heads:
-            raise ValueError(
-                f"KV cache holds {first.shape[1]} KV heads per rank, expected {layout.num_local_heads}"
-                f" ({fingerprint.total_num_kv_heads} heads over TP {self.tp_size})"
-            )
-        order = sorted(range(len(tensors)), key=lambda i: layers[i])
-        cache = KVCache.from_tensors(
-            layout, [tensors[i] for i in order], [("k",)] * len(order), [layers[i] for i in order]
-        )
-        return layout, cache
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None:
@@ -500,6 +190,7 @@ class PdTransferConnector(KVConnectorBase_V1):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """This rank's finished sends and loads since the last step; failed loads are also in ``finished_recving``."""
         if self._worker is None:
             return KVConnectorTransferResults()
         try:
@@ -523,50 +214,14 @@ class PdTransferConnector(KVConnectorBase_V1):
             return set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This rank's :class:`PdTransferStats` since the last call, ``None`` when there is nothing new."""
         if self._worker is None:
             return None
         try:
-            stats = PdTransferStats()
-            for outcome in self._fresh_outcomes():
-                pulled = outcome.stats
-                logger.debug(
-                    "request %s: load %s in %.2f ms%s",
-                    outcome.request_id,
-                    "ok" if outcome.ok else f"failed ({outcome.error})",
-                    outcome.seconds * 1e3,
-                    ""
-                    if pulled is None
-                    else f" ({pulled.bytes / 2**20:.2f} MiB, {pulled.descriptors} descriptors,"
-                    f" read {pulled.read_seconds * 1e3:.2f} ms)",
-                )
-                if not outcome.ok:
-                    stats.data["failed_loads"] += 1
-                elif pulled is not None:
-                    stats.data["pulls"].append(
-                        [outcome.seconds, pulled.bytes, pulled.descriptors, pulled.postprocess_exposed_seconds]
-                    )
-            registry = default_metrics().registry
-            for key, (sample, labels) in _COUNTED.items():
-                value = registry.get_sample_value(sample, labels) or 0.0
-                stats.data[key] = int(value - self._counted.get(key, 0.0))
-                self._counted[key] = value
-            return None if stats.is_empty() else stats
+            return self._stats.collect(self._worker.outcomes)
         except Exception:
             logger.exception("pd-transfer worker: stats failed")
             return None
-
-    def _fresh_outcomes(self) -> list[Any]:
-        """The worker's load outcomes since the last call, oldest first."""
-        assert self._worker is not None
-        outcomes = list(self._worker.outcomes)  # bounded, newest last
-        fresh = []
-        for outcome in reversed(outcomes):
-            if outcome is self._last_outcome:
-                break
-            fresh.append(outcome)
-        if outcomes:
-            self._last_outcome = outcomes[-1]
-        return fresh[::-1]
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -591,8 +246,7 @@ class PdTransferConnector(KVConnectorBase_V1):
             except Exception:
                 logger.exception("pd-transfer: shutdown failed")
         self._worker = None
-        if self._scheduler is not None:
-            self._scheduler = None
+        self._scheduler = None
 
     # ------------------------------------------------------------------ scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -624,6 +278,8 @@ class PdTransferConnector(KVConnectorBase_V1):
             )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens to load from the prefill beyond the ``num_computed_tokens`` cached locally, and whether the load
+        is asynchronous (only when there are tokens to load)."""
         if self._scheduler is None:
             return 0, False
         params = request.kv_transfer_params
@@ -636,6 +292,7 @@ class PdTransferConnector(KVConnectorBase_V1):
         return tokens, load and tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Hand the scheduler side the request's allocated block ids past its local hit (group 0)."""
         if self._scheduler is None or not request.kv_transfer_params:
             return
         try:
@@ -677,6 +334,8 @@ class PdTransferConnector(KVConnectorBase_V1):
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the connector keeps ``block_ids`` (those holding computed tokens) for decode readers, and the
+        ``kv_transfer_params`` to return to the client, with ``remote_blocks_expiry_time`` (Unix seconds)."""
         self._local_hits.pop(request.request_id, None)
         if self._scheduler is None:
             return False, None
@@ -700,3 +359,58 @@ class PdTransferConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # the CPU backend has one layout; we describe what it gives us
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _log_to_stderr() -> None:
+    """vLLM configures only its own loggers: show ours (INFO and up, or ``PD_TRANSFER_LOG_LEVEL``) in the
+    server's log too, once per process."""
+    package = logging.getLogger("pd_transfer")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pd-transfer %(name)s] %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(os.environ.get("PD_TRANSFER_LOG_LEVEL", "INFO").upper())
+        package.propagate = False
+
+
+def _align_failure_policy(transfer: KVTransferConfig, failure_policy: FailurePolicy, role: KVConnectorRole) -> None:
+    """Set vLLM's ``kv_load_failure_policy`` to the connector's ``failure_policy`` (warning once, from the
+    scheduler role, if they differed).
+
+    vLLM's scheduler must act on what our workers report: ``"recompute"`` reports the blocks to recompute
+    (vLLM's ``"fail"`` would turn them into errors), ``"fail"`` reports failed requests (vLLM's ``"recompute"``
+    would recompute them). Ours (``kv_connector_extra_config``) decides.
+    """
+    if transfer.kv_load_failure_policy == failure_policy:
+        return
+    if role == KVConnectorRole.SCHEDULER:
+        logger.warning(
+            "kv_load_failure_policy %r set to %r to match the connector's failure_policy",
+            transfer.kv_load_failure_policy,
+            failure_policy,
+        )
+    transfer.kv_load_failure_policy = failure_policy
+
+
+def _supported_tp_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """The engine's tensor parallel size; raises ``ValueError`` for pipeline parallelism or more than one KV
+    cache group, which the connector does not support."""
+    parallel = vllm_config.parallel_config
+    tp_size = int(parallel.tensor_parallel_size)
+    if int(parallel.pipeline_parallel_size) != 1:
+        raise ValueError("PdTransferConnector supports pipeline_parallel_size 1 only")
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(f"PdTransferConnector supports one KV cache group, the model has {len(groups)}")
+    return tp_size
+
+
+def _finish_reason(request: Request) -> str:
+    """The request's finish reason as the engine-agnostic side names it (``stop``, ``length``, ``abort``, ...)."""
+    return _FINISH_REASONS.get(request.status, request.status.name.lower().removeprefix("finished_"))
+
+
+def _prompt_len(request: Request) -> int:
+    """The request's prompt length in tokens."""
+    return int(request.num_prompt_tokens)

@@ -1,0 +1,215 @@
+"""pd-transfer's stats through vLLM's connector stats hooks, and its metrics on vLLM's ``/metrics``.
+
+A worker connector reports :class:`PdTransferStats` each step it has something to say (built by
+:class:`WorkerStatsCollector`); vLLM aggregates them across workers, ships ``data`` to the frontend, rebuilds
+them with ``PdTransferConnector.build_kv_connector_stats`` for its periodic log line (:meth:`PdTransferStats.reduce`)
+and hands ``data`` to :class:`PdTransferPromMetrics`, which exports ``vllm:pd_transfer_*`` per engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from pd_transfer.metrics import default_metrics
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from pd_transfer.connector.worker import LoadOutcome
+
+logger = logging.getLogger(__name__)
+
+#: Counters of the worker process's own pd-transfer metrics whose per-report increments go to vLLM's /metrics:
+#: stats key -> (sample name in :func:`~pd_transfer.metrics.default_metrics`, its labels)
+COUNTED: dict[str, tuple[str, dict[str, str]]] = {
+    "unconfirmed_reads": ("pd_transfer_unconfirmed_reads_total", {}),
+    "leases_read": ("pd_transfer_leases_ended_total", {"reason": "read"}),
+    "leases_expired": ("pd_transfer_leases_ended_total", {"reason": "expired"}),
+    "leases_aborted": ("pd_transfer_leases_ended_total", {"reason": "aborted"}),
+}
+
+#: Histogram buckets in seconds
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Histogram buckets in bytes: 4 KiB .. 16 GiB
+_BYTES = tuple(2.0 ** (12 + 2 * i) for i in range(12))
+
+
+@dataclass
+class PdTransferStats(KVConnectorStats):
+    """What the workers did since their last report (plain data: it crosses processes).
+
+    ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read]`` per loaded
+    request; ``data["failed_loads"]``; and the increments of the counters in :data:`COUNTED`, under their keys.
+    """
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"pulls": [], "failed_loads": 0, **dict.fromkeys(COUNTED, 0)}
+
+    def is_empty(self) -> bool:
+        return not self.data.get("pulls") and not any(self.data.get(key, 0) for key in ("failed_loads", *COUNTED))
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Add ``other``'s data to this one's (lists concatenated, counts summed); returns ``self``."""
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    # the lease counts read best as one "read/expired/aborted" field; vLLM only formats the values into its log line
+    def reduce(self) -> dict[str, int | float | str]:  # type: ignore[override]
+        """The periodic log line's fields: loads, failed loads, MiB loaded, mean load ms, unconfirmed reads,
+        and the lease ends as ``"read/expired/aborted"``."""
+        pulls = self.data.get("pulls", [])
+        seconds = sum(pull[0] for pull in pulls)
+        return {
+            "loads": len(pulls),
+            "failed_loads": self.data.get("failed_loads", 0),
+            "MiB loaded": round(sum(pull[1] for pull in pulls) / 2**20, 3),
+            "avg load ms": round(seconds / len(pulls) * 1e3, 3) if pulls else 0.0,
+            "unconfirmed_reads": self.data.get("unconfirmed_reads", 0),
+            "leases read/expired/aborted": "/".join(
+                str(self.data.get(key, 0)) for key in ("leases_read", "leases_expired", "leases_aborted")
+            ),
+        }
+
+
+class WorkerStatsCollector:
+    """One worker connector's source of :class:`PdTransferStats`: each :meth:`collect` reports the loads that
+    ended and the :data:`COUNTED` counter increments since the previous call."""
+
+    def __init__(self) -> None:
+        self._last_outcome: LoadOutcome | None = None
+        self._counted: dict[str, float] = {}  # last values of the COUNTED counters
+
+    def collect(self, outcomes: Sequence[LoadOutcome]) -> PdTransferStats | None:
+        """The stats since the last call, or ``None`` if nothing happened. ``outcomes``: the worker's bounded
+        list of load outcomes, newest last (copied here; loads that ended before the last call are skipped)."""
+        stats = PdTransferStats()
+        for outcome in self._fresh_outcomes(list(outcomes)):
+            _log_outcome(outcome)
+            if not outcome.ok:
+                stats.data["failed_loads"] += 1
+            elif outcome.stats is not None:
+                pulled = outcome.stats
+                stats.data["pulls"].append(
+                    [outcome.seconds, pulled.bytes, pulled.descriptors, pulled.postprocess_exposed_seconds]
+                )
+        self._add_counter_increments(stats)
+        return None if stats.is_empty() else stats
+
+    def _fresh_outcomes(self, outcomes: list[LoadOutcome]) -> list[LoadOutcome]:
+        """The outcomes after the last one seen by the previous call, oldest first."""
+        fresh = []
+        for outcome in reversed(outcomes):
+            if outcome is self._last_outcome:
+                break
+            fresh.append(outcome)
+        if outcomes:
+            self._last_outcome = outcomes[-1]
+        return fresh[::-1]
+
+    def _add_counter_increments(self, stats: PdTransferStats) -> None:
+        """Put each :data:`COUNTED` counter's increase since the previous call into ``stats``."""
+        registry = default_metrics().registry
+        for key, (sample, labels) in COUNTED.items():
+            value = registry.get_sample_value(sample, labels) or 0.0
+            stats.data[key] = int(value - self._counted.get(key, 0.0))
+            self._counted[key] = value
+
+
+def _log_outcome(outcome: LoadOutcome) -> None:
+    """One DEBUG line per ended load: ok or why not, milliseconds, and what it moved."""
+    pulled = outcome.stats
+    logger.debug(
+        "request %s: load %s in %.2f ms%s",
+        outcome.request_id,
+        "ok" if outcome.ok else f"failed ({outcome.error})",
+        outcome.seconds * 1e3,
+        ""
+        if pulled is None
+        else f" ({pulled.bytes / 2**20:.2f} MiB, {pulled.descriptors} descriptors,"
+        f" read {pulled.read_seconds * 1e3:.2f} ms)",
+    )
+
+
+class PdTransferPromMetrics(KVConnectorPromMetrics):
+    """pd-transfer's metrics on vLLM's ``/metrics`` (``vllm:pd_transfer_*``), labelled per engine.
+
+    Histograms per loaded request: ``pull_seconds`` (first read to usable KV), ``pull_bytes``,
+    ``fixup_exposed_seconds`` (block-size regroup after the last read). Counters (``_total``): ``pulled_bytes``,
+    ``failed_loads``, ``unconfirmed_reads``, ``leases_ended{reason=read|expired|aborted}``.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.pull_seconds = self._histogram(
+            "vllm:pd_transfer_pull_seconds", "Seconds of a request's KV load, first read to usable KV", _SECONDS
+        )
+        self.pull_bytes = self._histogram("vllm:pd_transfer_pull_bytes", "Bytes of KV loaded per request", _BYTES)
+        self.fixup_seconds = self._histogram(
+            "vllm:pd_transfer_fixup_exposed_seconds",
+            "Seconds the layout fix-up (block-size regroup) added after a load's last read",
+            _SECONDS,
+        )
+        self.pulled_bytes = self._counter("vllm:pd_transfer_pulled_bytes", "Bytes of KV loaded from prefill engines")
+        self.failed_loads = self._counter(
+            "vllm:pd_transfer_failed_loads", "KV loads that failed (the failure policy was applied)"
+        )
+        self.unconfirmed_reads = self._counter(
+            "vllm:pd_transfer_unconfirmed_reads",
+            "Reads the prefill did not confirm as covered by its lease: discarded, never used as KV",
+        )
+        leases = self._counter_cls(
+            name="vllm:pd_transfer_leases_ended",
+            documentation="Blocks held for decode readers, by how the hold ended: read, expired, aborted",
+            labelnames=[*self._labelnames, "reason"],
+        )
+        self.leases = {reason: self._per_engine(leases, reason) for reason in ("read", "expired", "aborted")}
+
+    def _per_engine(self, metric: Any, *extra: str) -> dict[int, Any]:
+        """engine index -> ``metric`` labelled with that engine's label values, then ``extra``."""
+        return {engine: metric.labels(*values, *extra) for engine, values in self.per_engine_labelvalues.items()}
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> dict[int, Any]:
+        """A histogram ``name`` with ``buckets`` (in the metric's unit), per engine."""
+        # vLLM types _histogram_cls as any of its metric classes; it is its Histogram class
+        metric = self._histogram_cls(  # type: ignore[call-arg]
+            name=name, documentation=documentation, buckets=list(buckets), labelnames=self._labelnames
+        )
+        return self._per_engine(metric)
+
+    def _counter(self, name: str, documentation: str) -> dict[int, Any]:
+        """A counter ``name`` (exported as ``name_total``), per engine."""
+        return self._per_engine(self._counter_cls(name=name, documentation=documentation, labelnames=self._labelnames))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one aggregated :class:`PdTransferStats` ``data`` for engine ``engine_idx``."""
+        data = transfer_stats_data
+        for seconds, num_bytes, _rows, fixup in data.get("pulls", []):
+            self.pull_seconds[engine_idx].observe(seconds)
+            self.pull_bytes[engine_idx].observe(num_bytes)
+            self.fixup_seconds[engine_idx].observe(fixup)
+            self.pulled_bytes[engine_idx].inc(num_bytes)
+        for key, metric in (("failed_loads", self.failed_loads), ("unconfirmed_reads", self.unconfirmed_reads)):
+            if data.get(key):
+                metric[engine_idx].inc(data[key])
+        for reason, metric in self.leases.items():
+            if data.get(f"leases_{reason}"):
+                metric[engine_idx].inc(data[f"leases_{reason}"])
