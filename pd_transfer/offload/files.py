@@ -138,10 +138,14 @@ class DirectoryTier:
         """Write ``key``'s block to a new temporary file beside its final name; returns that file's path."""
         self._check_pages(pages)
         final = self.path_of(key)
-        final.parent.mkdir(exist_ok=True)
         temp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
         header = encode_header(key, self._tag, self.page_format.block_bytes, payload_checksum(pages))
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(temp, flags, 0o644)
+        except FileNotFoundError:  # the first block of this fan-out directory
+            final.parent.mkdir(exist_ok=True)
+            fd = os.open(temp, flags, 0o644)
         try:
             _write_all(fd, [memoryview(header), *(page.data for page in pages)])
             if self.fsync:
