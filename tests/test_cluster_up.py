@@ -26,9 +26,8 @@ from pathlib import Path
 import pytest
 
 from pd_transfer.cluster.http_client import answer_tokens, post_json, post_stream, prompt_tokens
-from pd_transfer.cluster.launch import ServerSpec, kv_transfer_config, vllm_command, vllm_env
+from pd_transfer.cluster.launch import ServerSpec, cpu_binds, kv_transfer_config, vllm_command, vllm_env
 from pd_transfer.cluster.processes import ManagedProcess, log_excerpt, wait_ready
-from pd_transfer.cluster.up import cpu_binds
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
 
 MODEL_DIR = "/models/tiny"  # need not exist for the command-line tests

@@ -16,7 +16,7 @@ from pathlib import Path
 from pd_transfer.affinity import allowed_cpu
 from pd_transfer.cluster.http_client import free_port
 from pd_transfer.cluster.launch import ServerSpec, server_process, vllm_command, vllm_env
-from pd_transfer.cluster.processes import ManagedProcess, group_members, wait_ready
+from pd_transfer.cluster.processes import ManagedProcess, group_members, proc_stat_fields, wait_ready
 
 __all__ = [
     "BLOCK_SIZE",
@@ -125,12 +125,9 @@ def _group_cpu_seconds(process: ManagedProcess) -> float:
     """CPU seconds (user + system) used so far by the live processes of ``process``'s group."""
     total = 0
     for pid in group_members(process.pid):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        fields = proc_stat_fields(pid)
+        if len(fields) > 12:
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
     return total / os.sysconf("SC_CLK_TCK")
 
 

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,6 +25,7 @@ __all__ = [
     "TINY_MODEL_DIR",
     "VLLM_ENTRYPOINT",
     "ServerSpec",
+    "cpu_binds",
     "kv_transfer_config",
     "server_process",
     "vllm_command",
@@ -181,3 +182,25 @@ def server_process(
     env = vllm_env(spec, os.environ if base_env is None else base_env)
     command = vllm_command(spec, python, connector=connector)
     return ManagedProcess(name, command, env, log_path, spec.url, info=dict(info or {}))
+
+
+def cpu_binds(rank_counts: Sequence[int], cpus: Sequence[int]) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of each server (its ranks separated by ``|``): every rank gets an equal,
+    separate share of ``cpus`` when there are enough, else the ranks take the cores in turn."""
+    total = sum(rank_counts)
+    if len(cpus) >= total:
+        per = len(cpus) // total
+        shares = [list(cpus[i * per : (i + 1) * per]) for i in range(total)]
+    else:
+        shares = [[cpus[i % len(cpus)]] for i in range(total)]
+    binds, at = [], 0
+    for ranks in rank_counts:
+        binds.append("|".join(_cpu_list(shares[at + r]) for r in range(ranks)))
+        at += ranks
+    return binds
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    if len(cpus) > 1 and list(cpus) == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(str(c) for c in cpus)

@@ -15,7 +15,15 @@ from pathlib import Path
 
 from pd_transfer.cluster.http_client import is_healthy
 
-__all__ = ["ManagedProcess", "StartupFailed", "group_members", "log_excerpt", "stop_all", "wait_ready"]
+__all__ = [
+    "ManagedProcess",
+    "StartupFailed",
+    "group_members",
+    "log_excerpt",
+    "proc_stat_fields",
+    "stop_all",
+    "wait_ready",
+]
 
 POLL_S = 1.0  # between two rounds of health checks while servers start (each check is bounded by 2 s)
 
@@ -41,6 +49,18 @@ def log_excerpt(log_path: Path, tail_lines: int = 40, error_lines: int = 40) -> 
     return "\n".join([*text[first:error_end], *middle, *text[tail_start:]])
 
 
+def proc_stat_fields(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: ``[state, ppid, pgrp, ...]`` (field 3 of proc(5)
+    onward; utime and stime, in clock ticks, are at 11 and 12). Empty when the process is gone or there is no
+    procfs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after the last ")"
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def group_members(pgid: int) -> list[int]:
     """Pids of the live (not zombie) processes whose process group is ``pgid``."""
     members = []
@@ -55,14 +75,7 @@ def group_members(pgid: int) -> list[int]:
             pass
         return [pgid]
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after the last ")"
-        fields = stat[stat.rfind(")") + 2 :].split()
+        fields = proc_stat_fields(entry) if entry.isdigit() else []
         if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(entry))
     return members

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pd_transfer.affinity import allowed_cpus
 from pd_transfer.cluster.http_client import RequestFailed, busy_ports
-from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
+from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, cpu_binds, server_process
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, stop_all, wait_ready
 
 __all__ = ["add_arguments", "cpu_binds", "main", "plan_servers", "run", "validate"]
@@ -126,28 +126,6 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def _server_ports(base_port: int, servers: int) -> list[int]:
     return [base_port + k for k in range(servers)] + [base_port + SIDE_CHANNEL_OFFSET + k for k in range(servers)]
-
-
-def cpu_binds(rank_counts: Sequence[int], cpus: Sequence[int]) -> list[str]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` of each server (its ranks separated by ``|``): every rank gets an equal,
-    separate share of ``cpus`` when there are enough, else the ranks take the cores in turn."""
-    total = sum(rank_counts)
-    if len(cpus) >= total:
-        per = len(cpus) // total
-        shares = [list(cpus[i * per : (i + 1) * per]) for i in range(total)]
-    else:
-        shares = [[cpus[i % len(cpus)]] for i in range(total)]
-    binds, at = [], 0
-    for ranks in rank_counts:
-        binds.append("|".join(_cpu_list(shares[at + r]) for r in range(ranks)))
-        at += ranks
-    return binds
-
-
-def _cpu_list(cpus: Sequence[int]) -> str:
-    if len(cpus) > 1 and list(cpus) == list(range(cpus[0], cpus[-1] + 1)):
-        return f"{cpus[0]}-{cpus[-1]}"
-    return ",".join(str(c) for c in cpus)
 
 
 @dataclass(frozen=True)
