@@ -26,6 +26,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.contract import SchedulerContract, WorkerContract
 from pd_transfer.connector.leases import LeaseLedger
+from pd_transfer.metrics import TransferMetrics
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 
@@ -41,6 +42,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int
     lease_seconds: float = 30.0
     seed: int = 1
+    side_channel_port: int = 0  # 0: any free port; a fixed one to restart an engine where it was
 
     def caches(self) -> list[KVCache]:
         """The ranks' caches, filled as the child fills them (recomputed here to check what was read)."""
@@ -72,7 +74,9 @@ class _PrefillEngine:
 
         self.spec = spec
         self.caches = spec.caches()
-        config = ConnectorConfig(side_channel_host="127.0.0.1", side_channel_port=0, lease_seconds=spec.lease_seconds)
+        config = ConnectorConfig(
+            side_channel_host="127.0.0.1", side_channel_port=spec.side_channel_port, lease_seconds=spec.lease_seconds
+        )
         self.block_size = spec.layouts[0].block_size
         sides = [WorkerSide(spec.engine_id, cache, config) for cache in self.caches]
         self.ledgers: list[LeaseLedger] = [side.prefill.ledger for side in sides]  # looked at, never driven
@@ -222,7 +226,15 @@ class Received:
 class DecodeEngine:
     """A decode engine in this process: a scheduler side, one worker per layout, an aggregator."""
 
-    def __init__(self, engine_id: str, layouts: Sequence[KVCacheLayout], num_blocks: int, config: ConnectorConfig):
+    def __init__(
+        self,
+        engine_id: str,
+        layouts: Sequence[KVCacheLayout],
+        num_blocks: int,
+        config: ConnectorConfig,
+        *,
+        metrics: TransferMetrics | None = None,
+    ):
         from pd_transfer.connector.scheduler import SchedulerSide
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 
@@ -230,7 +242,9 @@ class DecodeEngine:
         self.block_size = layouts[0].block_size
         self.num_blocks = num_blocks
         self._caches = [KVCache.allocate(layout, num_blocks) for layout in layouts]
-        self.workers: list[WorkerContract] = [WorkerSide(engine_id, cache, config) for cache in self._caches]
+        self.workers: list[WorkerContract] = [
+            WorkerSide(engine_id, cache, config, metrics=metrics) for cache in self._caches
+        ]
         self.scheduler: SchedulerContract = SchedulerSide(
             config, engine_id=engine_id, block_size=self.block_size, tp_size=len(layouts)
         )

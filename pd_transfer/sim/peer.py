@@ -44,6 +44,7 @@ class PrefillSpec:
     kv_split: bool = True
     seed: int = 1
     secret: str | None = None
+    port: int = 0  # the side channel's port (0: any free one; a fixed one to restart an engine where it was)
 
     def caches(self) -> list[KVCache]:
         """The caches the child holds, recomputed in this process."""
@@ -61,7 +62,7 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
 
     spec = msgspec.msgpack.decode(spec_bytes, type=PrefillSpec)
     ranks = [PrefillRank(spec.engine_id, cache) for cache in spec.caches()]
-    server = serve_engine(spec.engine_id, [rank.rank_metadata for rank in ranks], secret=spec.secret)
+    server = serve_engine(spec.engine_id, [rank.rank_metadata for rank in ranks], port=spec.port, secret=spec.secret)
     conn.send(("ready", server.port))
     try:
         for command, *args in commands(conn):
