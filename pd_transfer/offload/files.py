@@ -27,10 +27,12 @@ offset bytes field
 64     ...   payload: page 0 of the block, page 1, ... (one per engine cache tensor)
 ====== ===== ===================================================================
 
-The size bound covers every ``*.kvblock`` under ``root``: when this process's estimate passes
-``max_bytes``, a sweep deletes the files least recently written or loaded (loads refresh the mtime) until
-the total is under 90% of the bound. Processes sweep independently; a file deleted under an open reader
-stays readable to it (POSIX), one deleted before the open is a miss.
+The size bound covers every ``*.kvblock`` under ``root``: a sweep scans them when this process's estimate
+passes ``max_bytes`` and after every 10% of ``max_bytes`` it wrote (other processes write too), and deletes
+the files least recently written or loaded (loads refresh the mtime) until the total is under 90% of the
+bound. So N processes sharing the directory overshoot it by at most about N x 10%. Processes sweep
+independently; a file deleted under an open reader stays readable to it (POSIX), one deleted before the
+open is a miss.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ _HEADER = struct.Struct("<8sHHI16s8sQQ")  # up to the header CRC
 _SUFFIX = ".kvblock"
 _TEMP_SUFFIX = ".tmp"
 _LOW_WATERMARK = 0.9
+_RESCAN_FRACTION = 0.1
 
 ReadOutcome = Literal["ok", "missing", "truncated", "corrupt", "foreign"]
 
@@ -119,6 +122,7 @@ class DirectoryTier:
         self.directory = self.root / self._tag.hex()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._estimated_bytes: int | None = None  # unknown until the first sweep
+        self._written_since_scan = 0
 
     @property
     def file_bytes(self) -> int:
@@ -169,9 +173,11 @@ class DirectoryTier:
             _touch(self.path_of(key))
             return 0
         self.publish(self.write_temp(key, pages), key)
+        self._written_since_scan += self.file_bytes
         if self._estimated_bytes is not None:
             self._estimated_bytes += self.file_bytes
-        if self._estimated_bytes is None or self._estimated_bytes > self.max_bytes:
+        rescan = self._written_since_scan >= self.max_bytes * _RESCAN_FRACTION  # others write here too
+        if self._estimated_bytes is None or self._estimated_bytes > self.max_bytes or rescan:
             self.sweep()
         return self.file_bytes
 
@@ -232,6 +238,7 @@ class DirectoryTier:
                     pass  # another process swept it first
                 total -= size
         self._estimated_bytes = total
+        self._written_since_scan = 0
         if removed and self._metrics is not None:
             self._metrics.evictions.labels(self.name).inc(removed)
         return removed

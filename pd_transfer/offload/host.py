@@ -54,6 +54,7 @@ class HostPool:
         self._owner = owner
         self._metrics = metrics
         self._tag = page_format.tag
+        self._closed = False
         self._offsets = np.cumsum((0, *page_format.page_bytes))
         data_start = _round_up(num_rows * ROW_HEADER_BYTES)
         buffer = memory.buf
@@ -144,7 +145,11 @@ class HostPool:
         return len(good) * self.page_format.block_bytes, missed
 
     def close(self) -> None:
-        """Unmap the pool (and remove its name if this process created it). Views taken from it must be gone."""
+        """Unmap the pool (and remove its name if this process created it); idempotent. Views taken from it
+        must be gone."""
+        if self._closed:
+            return
+        self._closed = True
         del self.headers, self.rows
         try:
             self._memory.close()
