@@ -217,3 +217,5 @@ def test_bad_input_is_a_typed_error(pool: HostPool) -> None:
         )
     with pytest.raises(OffloadInputError):
         HostPool.create(FORMAT, FORMAT.block_bytes - 1)
+    with pytest.raises(OffloadInputError):
+        HostPool.attach("pd-offload-no-such-pool", FORMAT, 4)

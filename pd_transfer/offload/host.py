@@ -89,7 +89,10 @@ class HostPool:
         cls, name: str, page_format: PageFormat, num_rows: int, *, metrics: OffloadMetrics | None = None
     ) -> HostPool:
         """The pool another process created under ``name`` (same format and row count)."""
-        memory = shared_memory.SharedMemory(name=name, create=False)
+        try:
+            memory = shared_memory.SharedMemory(name=name, create=False)
+        except FileNotFoundError:
+            raise OffloadInputError(f"no shared memory named {name[:64]!r}") from None
         # Python 3.11 tracks attached segments too and would unlink them when this process exits
         resource_tracker.unregister(memory._name, "shared_memory")  # type: ignore[attr-defined]
         if memory.size < cls.bytes_needed(page_format, num_rows):
