@@ -1,6 +1,7 @@
 """Prometheus metrics of pd-transfer's endpoints in one process.
 
-Decode ranks record every pull (bytes, seconds, descriptor rows, fix-up time added, outcome); prefill
+Decode ranks record every pull (bytes, seconds, descriptor rows, fix-up time added, outcome), the loads
+that failed by kind, and the prefill engines handshaken afresh at a known address (a restart); prefill
 ranks record how each lease ended (read, expired, aborted) and the blocks they hold. ``default_metrics()``
 registers one set in prometheus_client's global registry, which an exporter of the process serves; pass
 a ``TransferMetrics(registry=...)`` of your own to keep them apart (tests, several engines).
@@ -39,6 +40,21 @@ class TransferMetrics:
         )
         self.pulled_bytes = Counter("pd_transfer_pulled_bytes", "Bytes of KV cache pulled", registry=r)
         self.pulls = Counter("pd_transfer_pulls", "Pulls by outcome of the reads: ok, failed", ["outcome"], registry=r)
+        self.pull_failures = Counter(
+            "pd_transfer_pull_failures",
+            "Loads of a request's KV that failed, handshake to lease confirmation, by kind: handshake, wrong_engine,"
+            " invalid, incompatible, disconnected, timeout, transfer, unconfirmed, other",
+            ["kind"],
+            registry=r,
+        )
+        self.peer_rehandshakes = Counter(
+            "pd_transfer_peer_rehandshakes",
+            "Prefill engines handshaken afresh at a known address, by what gave the restart away: engine_id (a"
+            " request named another engine id), agents (a read failed, the engine came back with new agents),"
+            " reconnect (connected again after it was dropped for a failure)",
+            ["reason"],
+            registry=r,
+        )
         self.unconfirmed_reads = Counter(
             "pd_transfer_unconfirmed_reads",
             "Reads whose lease the prefill did not confirm: the KV was discarded, never used",

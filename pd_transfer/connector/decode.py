@@ -11,6 +11,13 @@ A :class:`DecodeRank` composes one NIXL agent (its cache registered) with:
   answers it waits for.
 
 ``pull`` reads; ``pull_confirmed`` reads, then waits until the prefill confirms the blocks were still held.
+
+A prefill restarted at the same address (new NIXL agents, maybe a new engine id) is recognised and handshaken
+afresh (:meth:`.RemoteEngines.refresh`): by ``check_engine`` when a request names another engine id than the
+one connected there (for a second, an engine id found not served at an address is refused without asking
+again), and by ``pull`` when a read fails because the peer disconnected: if the address then publishes a new
+incarnation, the read is made once more from it, within the pull's deadline (whether the new incarnation holds
+the request is for the lease confirmation to say: a prefill that never held it refuses).
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from .reads import BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
 
 logger = logging.getLogger(__name__)
+
+_NOT_SERVED_S = 1.0  # an engine id found not served at an address is refused this long without asking again
+_NOT_SERVED_MAX = 1024  # remembered (address, engine id) pairs before the expired ones are swept
 
 
 @dataclass(frozen=True)
@@ -123,7 +133,10 @@ class DecodeRank:
             staging_bytes=staging_bytes,
             packed_formats=packed_formats,
             packed_staging_bytes=packed_staging_bytes,
+            metrics=self.metrics,
         )
+        self._not_served: dict[tuple[str, int, str], float] = {}  # (host, port, engine id) -> asked again after
+        self._not_served_lock = threading.Lock()
         self.reports = ReaderReports(
             self.agent, engine_id, cache.layout.tp_rank, reply_to=reply_to, awaits=self.confirmations.awaits
         )
@@ -139,9 +152,23 @@ class DecodeRank:
         return self.remotes.connect(host, port).engine
 
     def check_engine(self, host: str, port: int, engine_id: str) -> EngineMetadata:
-        """Connect to ``host:port`` and check that it serves ``engine_id`` (``WrongEngine`` otherwise)."""
-        engine = self.connect(host, port)
+        """Connect to ``host:port`` and check that it serves ``engine_id`` (``WrongEngine`` otherwise). When the
+        engine connected there has another id, the address is handshaken afresh first: the prefill may have
+        restarted with a new id (vLLM's default); if so, it is connected in place of the old one."""
+        remote = self.remotes.connect(host, port)
+        if remote.engine.engine_id == engine_id:
+            return remote.engine
+        key = (host, port, engine_id)
+        now = time.monotonic()
+        with self._not_served_lock:
+            if self._not_served.get(key, 0.0) > now:
+                raise WrongEngine(engine_id, remote.engine.engine_id, host, port)
+        engine = self.remotes.refresh(host, port, remote).engine
         if engine.engine_id != engine_id:
+            with self._not_served_lock:
+                if len(self._not_served) >= _NOT_SERVED_MAX:
+                    self._not_served = {k: t for k, t in self._not_served.items() if t > now}
+                self._not_served[key] = now + _NOT_SERVED_S
             raise WrongEngine(engine_id, engine.engine_id, host, port)
         return engine
 
@@ -178,23 +205,73 @@ class DecodeRank:
         prefill ranks are told (``ReadFailed``) when reachable, a dead engine is forgotten so the next
         pull handshakes afresh, and the error propagates.
         """
+        return self._pull(request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s)[0]
+
+    def _pull(
+        self,
+        request_id: str,
+        host: str,
+        port: int,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        num_tokens: int,
+        timeout_s: float | None,
+    ) -> tuple[PullStats, RemoteEngine]:
+        """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted)."""
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
         deadline = started + (self.read_timeout_s if timeout_s is None else timeout_s)
+        ids = (request_id, remote_block_ids, local_block_ids, num_tokens, deadline)
+        told: RemoteEngine | None = None  # already sent ReadFailed
         try:
-            totals = self.reader.read(remote, request_id, remote_block_ids, local_block_ids, num_tokens, deadline)
+            try:
+                totals = self.reader.read(remote, *ids)
+            except PeerDisconnected as error:
+                self.reports.read_failed(remote.sources, request_id, str(error))  # best effort: it is gone
+                told = remote
+                remote = self._after_disconnect(remote, request_id, error)  # raises unless it restarted
+                totals = self.reader.read(remote, *ids)
         except TransferError as error:
-            self._pull_failed(remote, request_id, error)
+            self._pull_failed(remote, request_id, error, tell=remote is not told)
             raise
         stats = PullStats.of(request_id, totals, time.perf_counter() - started)
         self.metrics.observe_pull(stats.seconds, stats.bytes, stats.descriptors, stats.postprocess_exposed_seconds)
-        return stats
+        return stats, remote
 
-    def _pull_failed(self, remote: RemoteEngine, request_id: str, error: TransferError) -> None:
-        """Tell the source ranks, forget a disconnected engine, log and count the failure."""
-        self.reports.read_failed(remote.sources, request_id, str(error))
-        if isinstance(error, PeerDisconnected):
+    def _after_disconnect(self, remote: RemoteEngine, request_id: str, error: PeerDisconnected) -> RemoteEngine:
+        """A read from ``remote`` failed because its peer went away: handshake with its address afresh and return
+        the new incarnation there. Raises ``error`` if there is none (the engine is then dropped, and the next
+        pull handshakes afresh)."""
+        try:
+            fresh = self.remotes.refresh(remote.host, remote.port, remote, dropping_on_failure=True)
+        except Exception as refresh_error:
+            logger.info(
+                "decode %s: engine %s at %s:%d is gone (%s); dropped",
+                self.agent.name,
+                remote.engine.engine_id,
+                remote.host,
+                remote.port,
+                refresh_error,
+            )
+            raise error from None
+        if fresh is remote:  # the same agents answer: not a restart; drop it as a dead engine anyway
             self.forget(remote.host, remote.port)
+            raise error
+        logger.warning(
+            "decode %s: request %s: engine %s at %s:%d restarted; reading from its new incarnation (%s)",
+            self.agent.name,
+            request_id,
+            remote.engine.engine_id,
+            remote.host,
+            remote.port,
+            fresh.engine.engine_id,
+        )
+        return fresh
+
+    def _pull_failed(self, remote: RemoteEngine, request_id: str, error: TransferError, *, tell: bool) -> None:
+        """Tell the source ranks (``tell``), log and count the failure."""
+        if tell:
+            self.reports.read_failed(remote.sources, request_id, str(error))
         logger.error(
             "decode %s: request %s: pull from engine %s at %s:%d failed: %s",
             self.agent.name,
@@ -226,12 +303,12 @@ class DecodeRank:
         On the way, decode rank 0 tells prefill ranks that no decode rank reads (``ReleaseUnread``).
         """
         self.connect(host, port)
-        peers = self.remotes.source_peers(host, port)
         with self.confirmations.awaiting(request_id, self.agent.set_expecting_reads):  # poll fast meanwhile
             with self._pull_lock:
-                stats = self.pull(
-                    request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s=timeout_s
+                stats, remote = self._pull(
+                    request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s
                 )
+            peers = [source.peer for source in remote.sources]  # of the incarnation read from
             self._release_unread(request_id, host, port)
             timeout = self.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
             ok, reason = self.wait_confirmed(request_id, peers, timeout)

@@ -9,6 +9,17 @@ another block size through a packed staging area instead.
 
 A failed connect removes the peers it added. ``forget`` drops an engine (it restarted or died), so the next
 request handshakes afresh.
+
+Restarts: a prefill restarted at the same address is a new *incarnation*: new NIXL agents (their names change
+on every start) and maybe a new engine id. ``refresh`` handshakes afresh, bypassing the cache; if the engine
+now published is another incarnation than the one connected, the old one's peers and descriptor lists are
+dropped and the new one is connected in its place (counted in ``pd_transfer_peer_rehandshakes_total`` by
+``reason``). The decode rank refreshes when a request names another engine id than the one connected, and when
+a read fails because the peer disconnected. An engine dropped for a failure and connected again later counts
+as ``reconnect``.
+
+Invariants: at most one engine per address; an engine's peers are in the agent exactly while it is registered
+here (or while it is being connected); a refresh that finds the same incarnation changes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +34,9 @@ import numpy as np
 import torch
 
 from pd_transfer.handshake.client import HandshakeClient
+from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
+from pd_transfer.metrics import TransferMetrics
 from pd_transfer.spec import KVCacheLayout, KVRegion, planes_of
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
 from pd_transfer.topology.mapping import TopologyError
@@ -64,6 +77,11 @@ class RemoteEngine:
     packed: PackedStaging | None = None  # packed blocks of another block size: read whole, then regrouped
 
 
+def incarnation(engine: EngineMetadata) -> tuple[str, tuple[str, ...]]:
+    """What tells one start of an engine from another: its id and its ranks' NIXL agent names."""
+    return engine.engine_id, tuple(rank.agent_name for rank in engine.ranks)
+
+
 class RemoteEngines:
     """The engines one decode rank reads from, keyed by side channel ``(host, port)``; thread-safe.
 
@@ -84,8 +102,10 @@ class RemoteEngines:
         staging_bytes: int = 16 * 2**20,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         packed_staging_bytes: int = 32 * 2**20,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         self.agent = agent
+        self.metrics = metrics if metrics is not None else TransferMetrics()
         self.cache = cache
         self.client = client
         self.read_timeout_s = read_timeout_s
@@ -101,6 +121,7 @@ class RemoteEngines:
         self._staging_lock = threading.Lock()  # guards the staging areas
         self._staging: StagingArea | None = None
         self._packed_staging: dict[int, PackedStaging] = {}  # remote block size (tokens) -> its staging area
+        self._dropped: set[tuple[str, int]] = set()  # addresses whose engine was dropped for a failure
 
     # ------------------------------------------------------------------ lookups
     def connect(self, host: str, port: int) -> RemoteEngine:
@@ -117,9 +138,69 @@ class RemoteEngines:
                 remote = self._remotes.get(key)
             if remote is None:
                 remote = self._connect(host, port)
-                with self._lock:
-                    self._remotes[key] = remote
+                self._register(key, remote, "reconnect")
             return remote
+
+    def refresh(self, host: str, port: int, stale: RemoteEngine, *, dropping_on_failure: bool = False) -> RemoteEngine:
+        """Handshake with ``host:port`` afresh (the cached handshake is bypassed) and return the engine connected
+        there now: the same object when it is the incarnation already connected, else a newly connected one in
+        its place (the old one's peers removed). ``stale`` is the engine the caller found wanting: if another
+        one was connected there meanwhile (by a concurrent refresh), that one is returned without a handshake.
+        Raises what :meth:`connect` raises; a failed handshake leaves the connected engine alone unless
+        ``dropping_on_failure`` (its peer is known to be gone)."""
+        key = (host, port)
+        with self._lock:
+            engine_lock = self._engine_locks.setdefault(key, threading.Lock())
+        with engine_lock:
+            with self._lock:
+                old = self._remotes.get(key)
+            if old is not None and old is not stale:
+                return old
+            try:
+                engine = self.client.fetch(host, port, fresh=True)
+            except HandshakeError:
+                if dropping_on_failure and old is not None:
+                    self._drop(key, old)
+                raise
+            if old is not None and incarnation(old.engine) == incarnation(engine):
+                return old
+            if old is not None:
+                self._drop(key, old)
+                reason = "engine_id" if old.engine.engine_id != engine.engine_id else "agents"
+                logger.warning(
+                    "decode %s: engine %s at %s:%d restarted (now engine %s, agents %s): handshaken afresh",
+                    self.agent.name,
+                    old.engine.engine_id,
+                    host,
+                    port,
+                    engine.engine_id,
+                    ", ".join(incarnation(engine)[1]),
+                )
+            else:
+                reason = "reconnect"
+            remote = self._connect(host, port, engine)
+            self._register(key, remote, reason)
+            return remote
+
+    def _register(self, key: tuple[str, int], remote: RemoteEngine, reason: str) -> None:
+        """Make ``remote`` the engine at ``key``; counted as a re-handshake (``reason``) after a restart or a drop."""
+        with self._lock:
+            self._remotes[key] = remote
+            again = key in self._dropped
+            self._dropped.discard(key)
+        if again or reason != "reconnect":
+            self.metrics.peer_rehandshakes.labels(reason).inc()
+
+    def _drop(self, key: tuple[str, int], remote: RemoteEngine) -> None:
+        """Unregister ``remote`` (if still the engine at ``key``) after a failure or a restart and remove its peers;
+        the cached handshake goes too, a remembered handshake failure stays."""
+        with self._lock:
+            if self._remotes.get(key) is remote:
+                del self._remotes[key]
+            self._dropped.add(key)
+        self.client.forget(*key, failure=False)
+        for source in remote.sources:
+            self.agent.remove_peer(source.peer)
 
     def get(self, host: str, port: int) -> RemoteEngine | None:
         """The engine at ``host:port`` if connected, else None (never connects)."""
@@ -156,10 +237,12 @@ class RemoteEngines:
         return rank.agent_name if self.agent.has_peer(rank.agent_name) else self.agent.add_peer(rank.agent_metadata)
 
     # ------------------------------------------------------------------ connecting
-    def _connect(self, host: str, port: int) -> RemoteEngine:
-        """Handshake, check, plan, add and warm up the engine at ``host:port`` (not yet registered)."""
+    def _connect(self, host: str, port: int, engine: EngineMetadata | None = None) -> RemoteEngine:
+        """Handshake (unless ``engine`` was just fetched), check, plan, add and warm up the engine at ``host:port``
+        (not yet registered)."""
         started = time.perf_counter()
-        engine = self.client.fetch(host, port)
+        if engine is None:
+            engine = self.client.fetch(host, port)
         for rank in engine.ranks:
             check_compatible(self.cache.layout, rank.layout)
         packed = self._packed_staging_if_needed(engine)

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.errors import TransferError
 
 from .cache import KVCache
 from .config import ConnectorConfig
 from .decode import DecodeRank, PullStats
-from .errors import WrongEngine
+from .errors import WrongEngine, failure_kind
 from .metadata import RecvSpec, RemoteRef, StepMetadata, TransferResults
 from .prefill import PrefillRank
 
@@ -65,10 +66,13 @@ class WorkerSide:
         *,
         clock: Callable[[], float] = time.monotonic,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         """``packed_formats``: for caches with a ``packing``, the (block, head) packing of a block size
-        (see :class:`DecodeRank`), so that engines of other block sizes can be read."""
+        (see :class:`DecodeRank`), so that engines of other block sizes can be read. ``metrics``: where the
+        decode side records (default: the process-wide ones)."""
         self.engine_id = engine_id
+        self.metrics = metrics if metrics is not None else default_metrics()
         self._packed_formats = packed_formats
         self.cache = cache
         self.config = config
@@ -107,6 +111,7 @@ class WorkerSide:
                     confirm_timeout_s=self.config.confirm_timeout_s,
                     handshake_failure_backoff_s=self.config.handshake_failure_backoff_s,
                     packed_formats=self._packed_formats,
+                    metrics=self.metrics,
                 )
             return self._decode
 
@@ -216,6 +221,7 @@ class WorkerSide:
                 confirm_timeout_s=self.config.confirm_timeout_s,
             )
         except Exception as error:
+            self.metrics.pull_failures.labels(failure_kind(error)).inc()
             logger.error(
                 "worker tp%d: request %s: loading its KV from engine %s at %s:%d failed (policy %s): %s: %s",
                 self.rank,

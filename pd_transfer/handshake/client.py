@@ -10,11 +10,19 @@ Fail-fast: after a connection-level failure (``HandshakeTimeout``) of ``host:por
 raise ``HandshakeBackoff`` at once (naming the endpoint, the failure, and when it will be tried again) for
 ``failure_backoff_s`` seconds, doubling with each failure in a row up to ``failure_backoff_max_s``. The first fetch
 after the window is the probe (others still fail fast while it runs); a success or ``forget()`` clears the record.
+
+Knocking: when the failure was that nobody accepted the connection (refused, or no TCP connection in time: the
+prefill is down or restarting), a fetch inside the window first knocks, at most once per ``knock_interval_s``
+per endpoint: a bare TCP connect bounded by ``knock_timeout_s``. If it connects, something listens again and the
+window ends at once (this fetch is the probe), so a restarted prefill is handshaken within about
+``knock_interval_s`` of its side channel listening rather than at the end of a window of up to 30 s. An endpoint
+that accepts connections but does not answer is never knocked at: the knock would tell nothing new.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +69,7 @@ Endpoint = tuple[str, int]
 
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
 _REFUSED_PAUSE_S = 0.1  # before retrying a refused connection (doubling): a side channel restarting is caught
+_UNREACHABLE = ("connection refused", "no TCP connection", "connection closed by the peer")  # nobody listening
 
 
 class _AttemptFailed(Exception):
@@ -84,6 +93,12 @@ class _Failures:
     failed_at: float
     retry_at: float
     probing: bool = False  # a fetch is trying it again now (the others keep failing fast)
+    next_knock_at: float = 0.0  # no TCP knock before this (clock time)
+
+    @property
+    def knockable(self) -> bool:
+        """Whether every attempt failed for want of a listener (a knock can tell when one is back)."""
+        return bool(self.error.reasons) and all(reason.startswith(_UNREACHABLE) for reason in self.error.reasons)
 
 
 class HandshakeClient:
@@ -95,7 +110,9 @@ class HandshakeClient:
     ``retries`` is the number of extra attempts after a refused connection or an unanswered one, so a
     fetch takes at most ``(retries + 1) * timeout_s`` plus 0.3 s of pauses. ``failure_backoff_s`` (0: off)
     and ``failure_backoff_max_s`` (default 3 x ``failure_backoff_s``) set the fail-fast window after a
-    connection-level failure; ``clock`` (monotonic seconds) is for tests.
+    connection-level failure; ``knock_interval_s`` (0: off) and ``knock_timeout_s`` (default the smaller of 0.25 s
+    and ``timeout_s``) the TCP knocks that end it early once a peer that was down listens again; ``clock``
+    (monotonic seconds) is for tests.
     """
 
     def __init__(
@@ -108,6 +125,8 @@ class HandshakeClient:
         protocol_version: int = PROTOCOL_VERSION,
         failure_backoff_s: float = 10.0,
         failure_backoff_max_s: float | None = None,
+        knock_interval_s: float = 0.5,
+        knock_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if timeout_s <= 0:
@@ -126,6 +145,12 @@ class HandshakeClient:
         self.protocol_version = protocol_version
         self.failure_backoff_s = failure_backoff_s
         self.failure_backoff_max_s = failure_backoff_max_s
+        if knock_interval_s < 0:
+            raise ValueError(f"knock_interval_s must be >= 0, got {knock_interval_s}")
+        self.knock_interval_s = knock_interval_s
+        self.knock_timeout_s = min(0.25, timeout_s) if knock_timeout_s is None else knock_timeout_s
+        if self.knock_timeout_s <= 0:
+            raise ValueError(f"knock_timeout_s must be positive, got {self.knock_timeout_s}")
         self._clock = clock
         self._failures: dict[Endpoint, _Failures] = {}
         self._secret = as_secret(secret)
@@ -138,12 +163,13 @@ class HandshakeClient:
 
     # ------------------------------------------------------------------ public API
 
-    def fetch(self, host: str, port: int, tp_ranks: list[int] | None = None) -> EngineMetadata:
+    def fetch(self, host: str, port: int, tp_ranks: list[int] | None = None, *, fresh: bool = False) -> EngineMetadata:
         """The metadata of the engine at ``host:port`` for ``tp_ranks`` (``None``: every rank).
 
-        Returns the cached result when there is one. Raises ``HandshakeTimeout`` (``HandshakeBackoff``, at
-        once, while the endpoint is in its fail-fast window), ``HandshakeRefused`` (``IncompatiblePeer`` for a
-        different model), ``AuthenticationError`` or ``HandshakeError``.
+        Returns the cached result when there is one, unless ``fresh`` (then it handshakes, and caches what it
+        gets: the peer may have restarted). Raises ``HandshakeTimeout`` (``HandshakeBackoff``, at once, while
+        the endpoint is in its fail-fast window), ``HandshakeRefused`` (``IncompatiblePeer`` for a different
+        model), ``AuthenticationError`` or ``HandshakeError``.
         """
         key: CacheKey = (host, int(port), None if tp_ranks is None else tuple(tp_ranks))
         endpoint: Endpoint = (host, int(port))
@@ -151,7 +177,14 @@ class HandshakeClient:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the handshake client is closed")
-            hit = self._cache.get(key)
+            hit = None if fresh else self._cache.get(key)
+            if hit is not None:
+                return hit
+        self._knock_if_due(endpoint)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the handshake client is closed")
+            hit = None if fresh else self._cache.get(key)
             if hit is not None:
                 return hit
             future = self._inflight.get(key)
@@ -196,6 +229,27 @@ class HandshakeClient:
         failures.probing = True
         return True
 
+    def _knock_if_due(self, endpoint: Endpoint) -> None:
+        """Inside the fail-fast window of an endpoint nobody listened at: at most once per ``knock_interval_s``, a
+        bare TCP connect (bounded by ``knock_timeout_s``); if it connects, the window ends now."""
+        with self._lock:
+            failures = self._failures.get(endpoint)
+            if failures is None or self.knock_interval_s <= 0 or failures.probing or not failures.knockable:
+                return
+            now = self._clock()
+            if now >= failures.retry_at or now < failures.next_knock_at:
+                return  # the window is over anyway (this fetch probes), or it was knocked at just now
+            failures.next_knock_at = now + self.knock_interval_s
+        try:
+            with socket.create_connection(endpoint, timeout=self.knock_timeout_s):
+                pass
+        except OSError:
+            return
+        with self._lock:
+            if self._failures.get(endpoint) is failures and not failures.probing:
+                failures.retry_at = min(failures.retry_at, self._clock())
+                logger.info("%s accepts connections again: handshaking before its back-off ends", failures.error.peer)
+
     def _record_failure(self, endpoint: Endpoint, exc: BaseException, probe: bool) -> None:
         """Under the lock, after a failed handshake: remember a connection-level failure (longer each time in a
         row); any answer from the peer (a refusal, a MAC failure) proves it reachable and clears the record."""
@@ -227,10 +281,12 @@ class HandshakeClient:
         ranks = {rank.tp_rank: rank for engine in found for rank in engine.ranks}
         return msgspec.structs.replace(found[-1], ranks=[ranks[tp_rank] for tp_rank in sorted(ranks)])
 
-    def forget(self, host: str, port: int) -> None:
-        """Drop every cached result from ``host:port`` (e.g. the peer restarted), and its remembered failure."""
+    def forget(self, host: str, port: int, *, failure: bool = True) -> None:
+        """Drop every cached result from ``host:port`` (e.g. the peer restarted), and (``failure``) its remembered
+        failure."""
         with self._lock:
-            self._failures.pop((host, int(port)), None)
+            if failure:
+                self._failures.pop((host, int(port)), None)
             for key in [key for key in self._cache if key[0] == host and key[1] == port]:
                 del self._cache[key]
 
