@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
+from pd_transfer.connector.metadata import RemoteRef
 from pd_transfer.connector.params import (
     InvalidTransferParams,
     RemoteDecodeRequest,
     RemotePrefill,
+    RepeatedBlockIds,
     parse_transfer_params,
     remote_prefill_params,
 )
@@ -108,6 +110,11 @@ MALFORMED = {
     "negative block id": ({**GOOD, "remote_block_ids": [3, -4, 5]}, "remote_block_ids", "entry 1 is negative"),
     "huge block id": ({**GOOD, "remote_block_ids": [3, 2**40, 5]}, "remote_block_ids", "beyond any cache"),
     "no blocks": ({**GOOD, "remote_block_ids": []}, "remote_block_ids", "no block ids"),
+    "repeated block id": (
+        {**GOOD, "remote_block_ids": [[3, 4, 3]]},
+        "remote_block_ids",
+        "block 3 repeats (entries 0 and 2)",
+    ),
     "empty group": ({**GOOD, "remote_block_ids": [[]]}, "remote_block_ids", "no block ids"),
     "two groups": ({**GOOD, "remote_block_ids": [[3, 4, 5], [6, 7, 8]]}, "remote_block_ids", "2 KV cache groups"),
     "too many blocks": ({**GOOD, "remote_block_ids": [3, 4, 5, 6]}, "remote_block_ids", "too many blocks"),
@@ -193,6 +200,31 @@ def test_invalid_params_are_computed_locally_and_logged_once_naming_the_request(
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "req-zzz" in errors[0].getMessage() and "remote_block_ids" in errors[0].getMessage()
     assert side.invalid_params == 1
+
+
+def test_repeated_block_ids_are_refused_and_the_prefill_is_released_once() -> None:
+    side = scheduler()
+    bad = {**GOOD, "remote_block_ids": [[5, 4, 5]]}
+    with pytest.raises(RepeatedBlockIds) as caught:
+        parse(bad)
+    assert (caught.value.block_id, caught.value.first, caught.value.again) == (5, 0, 2)
+    side.on_new_request("req-dup", bad, prompt_len=40)
+    assert side.get_num_new_matched_tokens("req-dup", 40, 0, bad) == (0, False)  # computed locally
+    side.update_state_after_alloc("req-dup", [1, 2, 3], 0)
+    metadata = side.build_step_metadata()
+    assert not metadata.reqs_to_recv
+    assert metadata.reqs_to_release == {
+        "req-dup": RemoteRef(
+            remote_engine_id="prefill-0",
+            remote_host="10.0.0.2",
+            remote_port=5600,
+            remote_request_id="cmpl-1-0-abcd",
+            remote_tp_size=2,
+        )
+    }  # the prefill holds it and nobody will read it: freed now, not at the end of its lease
+    assert side.request_finished("req-dup", [1, 2, 3], "stop", bad) == (False, None)
+    assert side.build_step_metadata().empty  # released once
+    assert side.invalid_params == 1 and side.releases == 1
 
 
 def test_full_prompt_load_and_the_request_is_not_loaded_twice() -> None:

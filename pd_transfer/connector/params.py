@@ -11,7 +11,7 @@ checked once, with a message naming the key and what is wrong, and turned into a
 * neither flag (or no dict at all): ``None``.
 
 Keys read: ``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``, ``remote_request_id``,
-``remote_block_ids`` (a list of ints, or one such list per KV cache group: exactly one group accepted),
+``remote_block_ids`` (a list of distinct ints, or one such list per KV cache group: exactly one group accepted),
 ``remote_host``, ``remote_port``, ``tp_size``; optional ``remote_num_tokens``, ``remote_block_size``, and
 vLLM's ``dcp_size`` / ``pp_size`` (only 1), ``transfer_mode`` (only ``"pull"``),
 ``remote_blocks_expiry_time`` (type only). Other keys are ignored, so that newer proxies keep working.
@@ -19,9 +19,11 @@ vLLM's ``dcp_size`` / ``pp_size`` (only 1), ``transfer_mode`` (only ``"pull"``),
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import msgspec
+
+from .metadata import RemoteRef
 
 MAX_BLOCK_ID = 2**31 - 1  # NIXL descriptor indices are int32
 MAX_ID_CHARS = 1024
@@ -35,6 +37,29 @@ class InvalidTransferParams(ValueError):
         self.key = key
         self.problem = problem
         super().__init__(f"kv_transfer_params: {key}: {problem}" if key else f"kv_transfer_params: {problem}")
+
+
+class RepeatedBlockIds(InvalidTransferParams):
+    """``remote_block_ids`` names one block twice (entries ``first`` and ``again``): the list is corrupt, as each
+    block holds one range of the prompt's tokens. ``ref`` is the prefill's request the params name (all else in
+    them is valid), so that the decode can tell it to free the blocks it will never read."""
+
+    def __init__(self, block_id: int, first: int, again: int) -> None:
+        self.block_id = block_id
+        self.first = first
+        self.again = again
+        self.ref: RemoteRef | None = None
+        super().__init__("remote_block_ids", f"block {block_id} repeats (entries {first} and {again})")
+
+
+def first_repeat(block_ids: Sequence[int]) -> tuple[int, int, int] | None:
+    """(block id, index of its first entry, index of the entry repeating it) of the first repeated id, or None."""
+    seen: dict[int, int] = {}
+    for index, block in enumerate(block_ids):
+        first = seen.setdefault(int(block), index)
+        if first != index:
+            return int(block), first, index
+    return None
 
 
 class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,6 +137,9 @@ def _block_ids(params: Mapping[str, object]) -> tuple[int, ...]:
             raise InvalidTransferParams(key, f"entry {index} is negative ({block})")
         if block > MAX_BLOCK_ID:
             raise InvalidTransferParams(key, f"entry {index} ({block}) is beyond any cache (max {MAX_BLOCK_ID})")
+    repeat = first_repeat(value)
+    if repeat is not None:
+        raise RepeatedBlockIds(*repeat)
     return tuple(value)
 
 
@@ -159,7 +187,18 @@ def parse_transfer_params(
     expiry = params.get("remote_blocks_expiry_time")
     if expiry is not None and (isinstance(expiry, bool) or not isinstance(expiry, int | float)):
         raise InvalidTransferParams("remote_blocks_expiry_time", f"expected a number, got {type(expiry).__name__}")
-    block_ids = _block_ids(params)
+    try:
+        block_ids = _block_ids(params)
+    except RepeatedBlockIds as error:
+        assert port is not None and tp_size is not None
+        error.ref = RemoteRef(
+            remote_engine_id=engine_id,
+            remote_host=host,
+            remote_port=port,
+            remote_request_id=request_id,
+            remote_tp_size=tp_size,
+        )
+        raise
     block_size = _int(params, "remote_block_size", low=1, required=False)
     if block_size is not None and block_size % local_block_size and local_block_size % block_size:
         raise InvalidTransferParams(

@@ -11,7 +11,8 @@
   :class:`PackedStaging`, a fill at a time, each regrouped into the local blocks before the next is read.
 
 Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications.
-Block ids are validated before anything is read (``ValueError``); transfer failures raise ``TransferError``.
+Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated remote
+ids); transfer failures raise ``TransferError``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 
 from .cache import KVCache
+from .errors import DuplicateBlockIds
+from .params import first_repeat
 from .remote_engines import RemoteEngine, SourceRank
 
 #: One READ of a step: (source rank, local descriptor list, local rows, remote rows); rows are int arrays.
@@ -104,7 +107,11 @@ class BlockReader:
         deadline: float,
     ) -> ReadTotals:
         """Read ``num_tokens`` tokens of ``remote_block_ids`` into ``local_block_ids`` (token order) by the
-        strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter`` time)."""
+        strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter`` time). Repeated remote ids
+        raise ``DuplicateBlockIds``, other malformed ids ``ValueError``, before anything is read."""
+        repeat = first_repeat(remote_block_ids)
+        if repeat is not None:
+            raise DuplicateBlockIds(request_id, "remote_block_ids", *repeat)
         if remote.packed is not None:
             local_ids = self._checked_packed_ids(remote, remote_block_ids, local_block_ids, num_tokens)
             return self._read_packed(remote, request_id, remote_block_ids, local_ids, num_tokens, deadline)

@@ -10,7 +10,8 @@ It mirrors the scheduler half of vLLM's KV connector API with typed arguments:
   parameters for the decode; the blocks are held by the workers until ``finished_sending``.
 
 Malformed ``kv_transfer_params`` are logged (naming the request) and the request is computed locally; a
-remote prefill that will not be loaded (aborted, finished, computed locally) is released on the prefill.
+remote prefill that will not be loaded (aborted, finished, computed locally, or params valid but for repeated
+block ids) is released on the prefill.
 Never raises into the engine: every hook catches and logs.
 """
 
@@ -32,6 +33,7 @@ from .params import (
     InvalidTransferParams,
     RemoteDecodeRequest,
     RemotePrefill,
+    RepeatedBlockIds,
     parse_transfer_params,
     remote_prefill_params,
 )
@@ -140,6 +142,13 @@ class SchedulerSide:
                 self._rejected.add(request_id)
                 self.invalid_params += 1
                 logger.error("request %s: invalid kv_transfer_params, computing it locally: %s", request_id, error)
+                if isinstance(error, RepeatedBlockIds) and error.ref is not None:
+                    # all but the block list is valid: the prefill holds that request, and nobody will read it
+                    self._release[request_id] = error.ref
+                    self.releases += 1
+                    logger.info(
+                        "request %s: releasing remote KV of %s: %s", request_id, error.ref.remote_engine_id, error
+                    )
             return None
 
     def on_new_request(self, request_id: str, kv_transfer_params: object, *, prompt_len: int | None = None) -> None:
