@@ -201,9 +201,11 @@ class DecodeRank:
         ``local_block_ids``, then notify every prefill rank read from. ``timeout_s`` (default
         ``read_timeout_s``) bounds the pull from its start, handshake included.
 
-        Block ids are validated before anything is read (``ValueError``). On a transfer failure the
-        prefill ranks are told (``ReadFailed``) when reachable, a dead engine is forgotten so the next
-        pull handshakes afresh, and the error propagates.
+        Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated
+        remote ids). On a transfer failure the prefill ranks are told (``ReadFailed``) when reachable and the
+        error propagates, except that a read failed by a disconnected peer is made once more if its address
+        now serves a new incarnation (the prefill restarted); a dead engine is dropped, so the next pull
+        handshakes afresh.
         """
         return self._pull(request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s)[0]
 
