@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from pd_transfer.connector.contract import SchedulerContract, WorkerContract
     from pd_transfer.connector.scheduler import SchedulerSide
-    from pd_transfer.connector.worker import WorkerSide
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ class PdTransferConnector(KVConnectorBase_V1):
             limit_engine_spin(self.config.engine_spin_s)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = _supported_tp_size(vllm_config, kv_cache_config)
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._scheduler: SchedulerContract | None = None  # the engine-agnostic halves, driven per step
+        self._worker: WorkerContract | None = None
         self._local_hits: dict[str, int] = {}  # request id -> locally cached tokens at the last match
         self._stats = WorkerStatsCollector()
         if role == KVConnectorRole.SCHEDULER:

@@ -52,7 +52,7 @@ class PdTransferStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"pulls": [], "failed_loads": 0, **dict.fromkeys(COUNTED, 0)}
+        self.data: dict[str, Any] = {"pulls": [], "failed_loads": 0, **dict.fromkeys(COUNTED, 0)}
 
     def is_empty(self) -> bool:
         return not self.data.get("pulls") and not any(self.data.get(key, 0) for key in ("failed_loads", *COUNTED))
