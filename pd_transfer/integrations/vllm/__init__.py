@@ -26,6 +26,7 @@ from .connector import PdTransferConnector, PdTransferHandshakeMetadata, PdTrans
 from .cpu_cache import describe_cpu_cache
 from .cpu_packing import attention_isa, measure_packing
 from .engine_spin import BUSY_POLL_MS, limit_engine_spin
+from .offload_connector import PdOffloadConnector as PdOffloadConnector
 from .stats import PdTransferPromMetrics, PdTransferStats
 
 __all__ = [

@@ -1,0 +1,109 @@
+"""``PdOffloadConnector``'s configuration and how it names vLLM's CPU KV cache for the offload tiers.
+
+``kv_connector_extra_config`` keys (unknown keys are refused, at least one tier must be given):
+
+* ``offload_host_bytes``: size of the host-memory tier (a pool outside vLLM's cache), 0 for none;
+* ``offload_dir``: a directory tier (shareable between servers and machines), with ``offload_dir_bytes``
+  its size bound (required with ``offload_dir``) and ``offload_fsync`` (default false);
+* ``offload_max_queued_jobs``: jobs a tier's worker thread may have waiting (default 64).
+
+Both the scheduler and the worker build the same :class:`PageFormat` from vLLM's ``KVCacheConfig`` (one page
+per layer, ``page_size_bytes`` each, in the order of the KV cache group's layer names), so the scheduler can
+probe the directory tier and size its managers without seeing the tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pd_transfer.offload import PageFormat
+from pd_transfer.spec import ModelFingerprint
+
+from .cpu_packing import PACKING_PREFIX, attention_isa
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_KEYS = {"offload_host_bytes", "offload_dir", "offload_dir_bytes", "offload_fsync", "offload_max_queued_jobs"}
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The tiers ``PdOffloadConnector`` uses (see the module docstring for the keys)."""
+
+    host_bytes: int = 0
+    dir: str | None = None
+    dir_bytes: int = 0
+    fsync: bool = False
+    max_queued_jobs: int = 64
+
+    @classmethod
+    def from_dict(cls, extra: dict[str, Any]) -> OffloadConfig:
+        """Read ``kv_connector_extra_config``; raises ``ValueError`` on unknown keys or bad values."""
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise ValueError(f"PdOffloadConnector: unknown kv_connector_extra_config keys {unknown}")
+        config = cls(
+            host_bytes=_size(extra, "offload_host_bytes"),
+            dir=str(extra["offload_dir"]) if extra.get("offload_dir") else None,
+            dir_bytes=_size(extra, "offload_dir_bytes"),
+            fsync=bool(extra.get("offload_fsync", False)),
+            max_queued_jobs=_size(extra, "offload_max_queued_jobs") or 64,
+        )
+        if config.dir is not None and config.dir_bytes <= 0:
+            raise ValueError("PdOffloadConnector: offload_dir needs offload_dir_bytes > 0")
+        if config.host_bytes <= 0 and config.dir is None:
+            raise ValueError("PdOffloadConnector: set offload_host_bytes and/or offload_dir (+ offload_dir_bytes)")
+        return config
+
+
+def _size(extra: dict[str, Any], key: str) -> int:
+    """A non-negative integer setting (0 when absent)."""
+    value = extra.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"PdOffloadConnector: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Raise ``ValueError`` unless TP 1, PP 1 and one KV cache group (what this connector supports today)."""
+    parallel = vllm_config.parallel_config
+    if int(parallel.tensor_parallel_size) != 1 or int(parallel.pipeline_parallel_size) != 1:
+        raise ValueError(
+            "PdOffloadConnector supports tensor_parallel_size 1 and pipeline_parallel_size 1 only, got"
+            f" TP {parallel.tensor_parallel_size}, PP {parallel.pipeline_parallel_size}"
+        )
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ValueError(f"PdOffloadConnector supports one KV cache group, the model has {len(groups)}")
+
+
+def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
+    """The layers of the (single) KV cache group, in the order pages are laid out in a tier block."""
+    return list(kv_cache_config.kv_cache_groups[0].layer_names)
+
+
+def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PageFormat:
+    """The page format of this engine's blocks: one page of ``page_size_bytes`` per layer, the model's
+    fingerprint (as the P/D connector names it) and the CPU attention packing in ``layout``."""
+    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    model = vllm_config.model_config
+    names = layer_names(kv_cache_config)
+    block_size = int(vllm_config.cache_config.block_size)
+    head_size = int(model.get_head_size())
+    fingerprint = ModelFingerprint(
+        model=str(model.model),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        num_layers=len(names),
+        total_num_kv_heads=int(model.get_total_num_kv_heads()),
+        head_size=2 * head_size,
+    )
+    isa = attention_isa(spec.dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
+    return PageFormat(
+        fingerprint=fingerprint,
+        page_bytes=(int(spec.page_size_bytes),) * len(names),
+        block_size=block_size,
+        layout=f"{PACKING_PREFIX}{isa}",
+    )

@@ -1,0 +1,146 @@
+"""The worker half of ``PdOffloadConnector``: submits the scheduler's jobs to one :class:`TransferWorker` per tier
+and turns their results into what vLLM expects (finished loads and sends per request, invalid block ids), plus
+the raw results for the scheduler. No vLLM here.
+
+Rules shared with :mod:`.offload_scheduler`: a request's loads are finished when all its load jobs are; a
+request with any store job is reported in ``finished_sending`` once vLLM says it finished and all its
+stores are done (never before: vLLM would free a running request's blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pd_transfer.offload import TransferJob, TransferResult, TransferWorker
+
+from .offload_scheduler import StepJobs
+
+logger = logging.getLogger(__name__)
+
+PREEMPTION_WAIT_S = 30.0
+
+
+@dataclass
+class StepResults:
+    """What one ``get_transfer_results`` call found."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    results: list[TransferResult] = field(default_factory=list)
+
+
+class OffloadWorkerSide:
+    """Job tracking over ``workers`` (tier name -> its :class:`TransferWorker`)."""
+
+    def __init__(self, workers: Mapping[str, TransferWorker]) -> None:
+        self.workers = dict(workers)
+        self._jobs: dict[int, tuple[str, TransferJob]] = {}  # job id -> (request id, job)
+        self._loads: dict[str, int] = {}  # request id -> load jobs in flight
+        self._stores: dict[str, int] = {}  # request id -> store jobs in flight (0 once all done)
+        self._finished: set[str] = set()  # requests vLLM finished whose stores are still in flight
+        self._ready_recving: set[str] = set()
+        self._invalid: set[int] = set()
+        self._results: list[TransferResult] = []  # failed submissions, reported with the next results
+
+    def start_loads(self, step: StepJobs) -> None:
+        """Submit the step's loads (the requests wait in WAITING_FOR_REMOTE_KVS until they finish)."""
+        for req_id, _job in step.loads:
+            self._loads[req_id] = self._loads.get(req_id, 0) + 1
+        for req_id, job in step.loads:
+            self._submit(req_id, job)
+        for req_id, blocks in step.doomed:
+            self._invalid.update(blocks)
+            if not self._loads.get(req_id):
+                self._ready_recving.add(req_id)
+
+    def start_stores(self, step: StepJobs) -> None:
+        """Submit the step's stores (after the forward that computed their blocks)."""
+        for req_id, job in step.stores:
+            self._stores[req_id] = self._stores.get(req_id, 0) + 1
+            self._submit(req_id, job)
+
+    def wait_for_stores(self, req_ids: Iterable[str], timeout_s: float = PREEMPTION_WAIT_S) -> None:
+        """Block (at most ``timeout_s``) until the stores of ``req_ids`` are done: vLLM is about to free their
+        blocks (preemption)."""
+        wanted = set(req_ids)
+        deadline = time.monotonic() + timeout_s
+        while any(self._stores.get(r) for r in wanted):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("offload: stores of preempted requests still running after %g s", timeout_s)
+                return
+            for worker in self.workers.values():
+                self._absorb(worker.poll(timeout=min(left, 0.05)))
+
+    def collect(self, finished_req_ids: Iterable[str]) -> StepResults:
+        """Poll the tiers (never waits); ``finished_req_ids``: requests vLLM finished since the last step."""
+        for worker in self.workers.values():
+            self._absorb(worker.poll())
+        for req_id in finished_req_ids:
+            if req_id in self._stores:
+                self._finished.add(req_id)
+        out = StepResults(results=self._results, invalid_block_ids=self._invalid)
+        out.finished_recving, self._ready_recving = self._ready_recving, set()
+        self._results, self._invalid = [], set()
+        for req_id in list(self._finished):
+            if not self._stores.get(req_id):
+                self._finished.discard(req_id)
+                del self._stores[req_id]
+                out.finished_sending.add(req_id)
+        return out
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+    # ------------------------------------------------------------------ internals
+    def _submit(self, req_id: str, job: TransferJob) -> None:
+        tier = job.tier_blocks.tier
+        worker = self.workers.get(tier)
+        error = f"no {tier} tier on this worker"
+        if worker is not None:
+            try:
+                if worker.submit(job):
+                    self._jobs[job.job_id] = (req_id, job)
+                    return
+                error = "queue full"
+            except Exception as exc:  # a bad job is a failed job, never an engine error
+                error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        logger.warning("offload: %s job %d of request %s not submitted (%s)", job.direction, job.job_id, req_id, error)
+        self._jobs[job.job_id] = (req_id, job)
+        failed = TransferResult(
+            job_id=job.job_id,
+            direction=job.direction,
+            ok=False,
+            num_bytes=0,
+            seconds=0.0,
+            failed_keys=job.tier_blocks.keys,
+            error=error,
+        )
+        self._absorb([failed])
+
+    def _absorb(self, results: Iterable[TransferResult]) -> None:
+        for result in results:
+            entry = self._jobs.pop(result.job_id, None)
+            if entry is None:
+                continue
+            req_id, job = entry
+            self._results.append(result)
+            if job.direction == "load":
+                self._load_done(req_id, job, result)
+            else:
+                self._stores[req_id] -= 1
+
+    def _load_done(self, req_id: str, job: TransferJob, result: TransferResult) -> None:
+        failed = set(result.failed_keys) if result.failed_keys or result.ok else set(job.tier_blocks.keys)
+        for key, block in zip(job.tier_blocks.keys, job.block_ids, strict=True):
+            if key in failed:
+                self._invalid.add(block)
+        self._loads[req_id] -= 1
+        if not self._loads[req_id]:
+            del self._loads[req_id]
+            self._ready_recving.add(req_id)
