@@ -63,36 +63,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=None, metavar="S", help="timeout of one hop (default: none)"
     )
-    limits = ProxyConfig.__dataclass_fields__
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=limits["max_body_bytes"].default,
-        metavar="N",
-        help="largest request body accepted; larger ones get 413 (default 16 MiB)",
-    )
-    parser.add_argument(
+    for flag, field, kind, metavar, text in _LIMIT_FLAGS:
+        default = ProxyConfig.__dataclass_fields__[field].default
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+
+
+#: Flags of the proxy's input limits: (flag, ProxyConfig field, type, metavar, help).
+_LIMIT_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
+    ("--max-body-bytes", "max_body_bytes", int, "N", "largest request body accepted; larger: 413 (default 16 MiB)"),
+    (
         "--max-inflight-body-bytes",
-        type=int,
-        default=limits["max_inflight_body_bytes"].default,
-        metavar="N",
-        help="bytes of request bodies held at once over all requests; beyond it new requests get 503 (default 256 MiB)",
-    )
-    parser.add_argument(
+        "max_inflight_body_bytes",
+        int,
+        "N",
+        "bytes of request bodies held at once over all requests; beyond it new requests get 503 (default 256 MiB)",
+    ),
+    (
         "--header-timeout",
-        type=float,
-        default=limits["header_timeout_s"].default,
-        metavar="S",
-        help="a connection's request headers must be complete this long after it opened or after its last answer, "
+        "header_timeout_s",
+        float,
+        "S",
+        "a connection's request headers must be complete this long after it opened or after its last answer, "
         "or it is closed; this is also the idle keep-alive time (default 15)",
-    )
-    parser.add_argument(
+    ),
+    (
         "--body-timeout",
-        type=float,
-        default=limits["body_timeout_s"].default,
-        metavar="S",
-        help="a request's body must arrive within this of its headers, or it gets 408 (default 30)",
-    )
+        "body_timeout_s",
+        float,
+        "S",
+        "a body must arrive within this of its headers, else 408 (default 30)",
+    ),
+)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
