@@ -94,8 +94,12 @@ class OffloadWorkerSide:
         return out
 
     def close(self) -> None:
+        """Finish the queued jobs, stop the threads and release the tiers (the host pool's memory)."""
         for worker in self.workers.values():
             worker.close()
+            close = getattr(worker.tier, "close", None)
+            if close is not None:
+                close()
 
     # ------------------------------------------------------------------ internals
     def _submit(self, req_id: str, job: TransferJob) -> None:

