@@ -19,7 +19,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,7 @@ from vllm_servers import (  # noqa: E402
     completion,
     free_port,
     logs_dir,
+    metric_lines,
     metric_value,
     start_all,
     tokens_of,
@@ -43,6 +44,8 @@ from pd_transfer.affinity import allowed_cpu  # noqa: E402
 from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
 from pd_transfer.cluster.launch import ServerSpec, server_process  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
+from pd_transfer.integrations.vllm.offload_scheduler import OffloadScheduler  # noqa: E402
+from pd_transfer.integrations.vllm.offload_worker import OffloadWorkerSide, StepResults  # noqa: E402
 
 BLOCK = 128
 CACHE_BLOCKS = 16  # vLLM's own cache: 2048 tokens, about three of these requests
@@ -58,6 +61,7 @@ LOADED = "vllm:pd_transfer_offload_loaded_bytes_total"
 STORED = "vllm:pd_transfer_offload_stored_bytes_total"
 HITS = "vllm:pd_transfer_offload_hits_total"
 REJECTED = "vllm:pd_transfer_offload_rejected_blocks_total"
+HELD = "vllm:pd_transfer_offload_held_bytes"
 RUN_SALT = int(os.environ.get("PD_TRANSFER_TEST_SALT", time.time_ns() % 10**9))
 
 
@@ -162,6 +166,9 @@ def test_host_tier_serves_an_evicted_prefix(servers: Servers) -> None:
     moved = _wait_at_least(servers.off1, LOADED, loaded + 5 * BLOCK_BYTES, tier="host") - loaded
     print(f"\nB on off1: {PREFIX} prefix tokens from the host tier ({moved / 2**20:.2f} MiB), {seconds * 1e3:.0f} ms")
     assert tokens_b == _ask(servers.reference, servers, prompt_b, "reference-b")
+    # A and the 4 others stored their 5 prompt blocks each in the host tier (room for 128); B's are A's
+    _wait_at_least(servers.off1, HELD, 10 * BLOCK_BYTES, tier="host")
+    print("\n".join(metric_lines(servers.off1, "pd_transfer_offload_")))
 
 
 def test_shared_directory_serves_another_server(servers: Servers) -> None:
@@ -202,3 +209,52 @@ def test_damaged_directory_blocks_are_recomputed(servers: Servers) -> None:
     assert _wait_at_least(servers.off2, REJECTED, rejected + 1, tier="disk") > rejected
     assert tokens_b == _ask(servers.reference, servers, prompt_b, "reference-bad-b"), servers.logs()
     assert not any(path.exists() for path in written), "damaged block files were not removed"
+
+
+def test_bookkeeping_without_a_server() -> None:
+    """The two halves' rules, with a real host tier on small tensors: stores finish a request only after vLLM
+    finished it; a load of a damaged row reports its engine block invalid and invalidates the key."""
+    import torch
+
+    from pd_transfer.offload import HostPool, OffloadManager, PageFormat, TransferWorker, chain_block_keys
+    from pd_transfer.spec import ModelFingerprint
+
+    fingerprint = ModelFingerprint(model="m", dtype="float32", num_layers=2, total_num_kv_heads=1, head_size=8)
+    fmt = PageFormat(fingerprint=fingerprint, page_bytes=(64, 64), block_size=4)
+    caches = [torch.randint(0, 256, (8, 64), dtype=torch.uint8) for _ in range(2)]
+    pool = HostPool.create(fmt, 10 * fmt.block_bytes)
+    side = OffloadWorkerSide({"host": TransferWorker(caches, pool)})
+    manager = OffloadManager("host", 10 * fmt.block_bytes, fmt.block_bytes)
+    scheduler = OffloadScheduler({"host": manager}, 4, lambda t: chain_block_keys(fingerprint, t, 4))
+    prompt = list(range(3, 14))  # 11 tokens: 2 full blocks
+    try:
+        assert scheduler.match("a", prompt, 0) == 0
+        scheduler.computed("a", 11, [5, 6, 7])
+        side.start_stores(scheduler.take_step())
+        assert scheduler.finished("a")  # it had stores: vLLM must keep its blocks
+        results = _collect_until(side, lambda r: bool(r.results), set())
+        assert results.finished_sending == set()  # vLLM has not said it finished
+        scheduler.on_results(results.results)
+        assert _collect_until(side, lambda r: bool(r.finished_sending), {"a"}).finished_sending == {"a"}
+        assert scheduler.match("b", prompt, 0) == 8
+        scheduler.after_alloc("b", [1, 2, 3], 8)
+        assert scheduler.hit_sources("b") == {"host": 2}
+        pool.headers[manager.rows()[chain_block_keys(fingerprint, prompt, 4)[1]]] = 0  # row 2 damaged
+        side.start_loads(scheduler.take_step())
+        loaded = _collect_until(side, lambda r: bool(r.finished_recving), set())
+        assert loaded.finished_recving == {"b"} and loaded.invalid_block_ids == {2}
+        assert bytes(caches[0][1].numpy()) == bytes(caches[0][5].numpy())  # block 0 loaded right
+        scheduler.on_results(loaded.results)
+        assert manager.blocks_held == 1 and not scheduler.finished("b")
+    finally:
+        side.close()
+
+
+def _collect_until(side: OffloadWorkerSide, done: Callable[[StepResults], bool], finished: set[str]) -> StepResults:
+    """``side.collect(finished)`` until ``done`` holds (at most 10 s; the tier's thread finishes the jobs)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        results = side.collect(finished)
+        if done(results) or time.monotonic() > deadline:
+            return results
+        time.sleep(0.005)
