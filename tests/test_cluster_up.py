@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -260,6 +261,47 @@ def test_up_argument_errors_are_clear(tmp_path: Path) -> None:
     ):
         assert f"pd-transfer up: {message}" in result.stderr, result.stderr
     assert _cli("up", "--routing", "random").returncode == 2
+
+
+def test_up_offload_dir_wires_every_connector_server(tmp_path: Path) -> None:
+    """``--offload-dir`` gives every prefill and decode (not the plain reference) vLLM's MultiConnector over
+    PdTransferConnector then PdOffloadConnector on the same directory, failures recomputed."""
+    import argparse
+
+    from pd_transfer.cluster.up import add_arguments, plan_servers, validate
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    shared = tmp_path / "kv"
+    flags = ["--demo", "--decode", "2", "--offload-dir", str(shared), "--offload-dir-bytes", "1048576"]
+    args = parser.parse_args([*flags, "--offload-host-bytes", "4096"])
+    assert validate(args) == []
+    planned = plan_servers(args, MODEL_DIR, "tiny")
+    assert [p.name for p in planned] == ["prefill-0", "decode-0", "decode-1", "reference"]
+    for server in planned[:3]:
+        config = json.loads(_flag(vllm_command(server.spec), "--kv-transfer-config"))
+        assert config["kv_connector"] == "MultiConnector" and config["kv_load_failure_policy"] == "recompute"
+        pd, offload = config["kv_connector_extra_config"]["connectors"]
+        assert pd == kv_transfer_config(replace(server.spec, offload_dir=None, offload_host_bytes=0))
+        assert offload == {
+            "kv_connector": "PdOffloadConnector",
+            "kv_connector_module_path": "pd_transfer.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "offload_dir": str(shared.resolve()),
+                "offload_dir_bytes": 1048576,
+                "offload_host_bytes": 4096,
+            },
+        }
+    assert "--kv-transfer-config" not in vllm_command(planned[3].spec, connector=planned[3].connector)
+    assert planned[3].spec.offload_dir is None
+    bad = parser.parse_args(["--offload-host-bytes", "1", "--decode-tp", "2"])
+    assert validate(bad) == ["--offload-host-bytes goes with --offload-dir"]
+    bad = parser.parse_args(["--offload-dir", str(shared), "--offload-dir-bytes", "0", "--decode-tp", "2"])
+    assert validate(bad) == [
+        "--offload-dir-bytes must be positive, not 0",
+        "--offload-dir supports TP 1 only (PdOffloadConnector)",
+    ]
 
 
 from vllm_servers import vllm_missing  # noqa: E402

@@ -21,6 +21,7 @@ from pd_transfer.cluster.processes import ManagedProcess
 __all__ = [
     "CONNECTOR_CLASS",
     "CONNECTOR_MODULE",
+    "OFFLOAD_CONNECTOR_CLASS",
     "ROLES",
     "TINY_MODEL_DIR",
     "VLLM_ENTRYPOINT",
@@ -37,6 +38,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 CONNECTOR_CLASS = "PdTransferConnector"
 CONNECTOR_MODULE = "pd_transfer.integrations.vllm"
+OFFLOAD_CONNECTOR_CLASS = "PdOffloadConnector"
 GIB = 1 << 30
 #: Where ``pd-transfer make-model`` puts the tiny model by default, relative to the working directory (the repo).
 TINY_MODEL_DIR = Path(".models/tiny-llama-f32")
@@ -64,6 +66,10 @@ class ServerSpec:
     dtype: str | None = None  # vLLM's --dtype; None: vLLM's default ("auto" casts float32 weights down on CPU)
     max_model_len: int | None = None
     seed: int | None = None
+    #: a (shared) offload directory: the server also runs PdOffloadConnector (vLLM's MultiConnector, ours first)
+    offload_dir: str | None = None
+    offload_dir_bytes: int = 10 * GIB
+    offload_host_bytes: int = 0  # the host tier (0: none); needs offload_dir
 
     def __post_init__(self) -> None:
         problems = []
@@ -87,6 +93,10 @@ class ServerSpec:
             problems.append(f"failure_policy must be recompute or fail, not {self.failure_policy!r}")
         if self.secret_env is not None and not self.secret_env:
             problems.append("secret_env must name an environment variable")
+        if self.offload_dir is not None and (not self.offload_dir or self.offload_dir_bytes < 1):
+            problems.append("offload_dir must be a path and offload_dir_bytes positive")
+        if self.offload_host_bytes < 0 or (self.offload_host_bytes and self.offload_dir is None):
+            problems.append("offload_host_bytes must be non-negative and goes with offload_dir")
         if not (self.kvcache_gib > 0 and math.isfinite(self.kvcache_gib)):
             problems.append(f"kvcache_gib must be positive, not {self.kvcache_gib}")
         if problems:
@@ -99,7 +109,32 @@ class ServerSpec:
 
 
 def kv_transfer_config(spec: ServerSpec) -> dict[str, object]:
-    """vLLM's ``--kv-transfer-config`` for ``spec``."""
+    """vLLM's ``--kv-transfer-config`` for ``spec``. With ``offload_dir``: vLLM's ``MultiConnector`` over
+    PdTransferConnector (first: a decode pulls from its prefill) and PdOffloadConnector (second: loads what the
+    tiers hold when there is no pull, or when the pull failed and vLLM asks again), ``kv_load_failure_policy``
+    set at the top (vLLM reads it there, not from the children)."""
+    pd = _pd_transfer_config(spec)
+    if spec.offload_dir is None:
+        return pd
+    offload_extra: dict[str, object] = {"offload_dir": spec.offload_dir, "offload_dir_bytes": spec.offload_dir_bytes}
+    if spec.offload_host_bytes:
+        offload_extra["offload_host_bytes"] = spec.offload_host_bytes
+    offload = {
+        "kv_connector": OFFLOAD_CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": offload_extra,
+    }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": spec.failure_policy or "recompute",
+        "kv_connector_extra_config": {"connectors": [pd, offload]},
+    }
+
+
+def _pd_transfer_config(spec: ServerSpec) -> dict[str, object]:
     extra: dict[str, object] = {
         "side_channel_host": spec.side_channel_host,
         "side_channel_port": spec.side_channel_port,

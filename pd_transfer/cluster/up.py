@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pd_transfer.affinity import allowed_cpus
 from pd_transfer.cluster.http_client import RequestFailed, busy_ports
@@ -81,6 +82,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="vLLM --dtype of every server (default float32)")
     parser.add_argument("--max-model-len", type=int, default=2048, metavar="N", help="vLLM --max-model-len (2048)")
     parser.add_argument("--kvcache-gib", type=float, default=1.0, metavar="GIB", help="KV cache per server (1)")
+    parser.add_argument(
+        "--offload-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a directory shared by every prefill and decode as an offload tier (PdOffloadConnector next to"
+        " PdTransferConnector in vLLM's MultiConnector): prefills load the prefixes it holds, decodes load them when"
+        " their pull fails or their prefill is gone; TP 1 only",
+    )
+    parser.add_argument(
+        "--offload-dir-bytes", type=int, default=None, metavar="N", help="with --offload-dir: its size (10 GiB)"
+    )
+    parser.add_argument(
+        "--offload-host-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --offload-dir: a host-memory tier of N bytes per server too (default none)",
+    )
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -119,6 +139,14 @@ def validate(args: argparse.Namespace) -> list[str]:
         )
     elif args.proxy_port in _server_ports(args.base_port, servers):
         problems.append(f"--proxy-port {args.proxy_port} is one of the servers' ports (--base-port {args.base_port})")
+    for name in ("offload_dir_bytes", "offload_host_bytes"):
+        value = getattr(args, name)
+        if value is not None and args.offload_dir is None:
+            problems.append(f"--{name.replace('_', '-')} goes with --offload-dir")
+        elif value is not None and value < (1 if name == "offload_dir_bytes" else 0):
+            problems.append(f"--{name.replace('_', '-')} must be positive, not {value}")
+    if args.offload_dir is not None and max(args.prefill_tp, args.decode_tp) > 1:
+        problems.append("--offload-dir supports TP 1 only (PdOffloadConnector)")
     if args.model is not None and not (args.model / "config.json").is_file():
         problems.append(f"--model {args.model}: no model folder there (no config.json)")
     return problems
@@ -160,9 +188,22 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
             max_model_len=args.max_model_len,
             seed=0,
             extra_args=("--served-model-name", served_name),
+            **(_offload(args) if connector else {}),
         )
         planned.append(PlannedServer(name, spec, connector))
     return planned
+
+
+def _offload(args: argparse.Namespace) -> dict[str, Any]:
+    """The offload fields of a connector server's spec (none without ``--offload-dir``)."""
+    if args.offload_dir is None:
+        return {}
+    fields: dict[str, Any] = {"offload_dir": str(args.offload_dir.expanduser().resolve())}
+    if args.offload_dir_bytes is not None:
+        fields["offload_dir_bytes"] = args.offload_dir_bytes
+    if args.offload_host_bytes is not None:
+        fields["offload_host_bytes"] = args.offload_host_bytes
+    return fields
 
 
 class _Output:
