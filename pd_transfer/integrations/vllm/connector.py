@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -362,6 +363,18 @@ class PdTransferConnector(KVConnectorBase_V1):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def register_by_name(name: str) -> None:
+    """Register connector class ``name`` of this package with vLLM's factory (once). vLLM's ``MultiConnector``
+    rebuilds its children's stats in the API server by registered name (``build_kv_connector_stats``); a
+    connector loaded only by ``kv_connector_module_path`` is not registered, and the server's stats logger
+    raises on the first step report. The API server imports this package when it builds the Prometheus metrics,
+    before any report."""
+    try:
+        KVConnectorFactory.register_connector(name, "pd_transfer.integrations.vllm", name)
+    except ValueError:
+        pass  # registered already (by this process, or vLLM knows the name)
+
+
 def _log_to_stderr() -> None:
     """vLLM configures only its own loggers: show ours (INFO and up, or ``PD_TRANSFER_LOG_LEVEL``) in the
     server's log too, once per process."""
@@ -414,3 +427,6 @@ def _finish_reason(request: Request) -> str:
 def _prompt_len(request: Request) -> int:
     """The request's prompt length in tokens."""
     return int(request.num_prompt_tokens)
+
+
+register_by_name(PdTransferConnector.__name__)

@@ -46,7 +46,7 @@ from pd_transfer.offload import (
     chain_block_keys,
 )
 
-from .connector import _log_to_stderr
+from .connector import _log_to_stderr, register_by_name
 from .offload_config import OffloadConfig, check_supported, layer_names, page_format
 from .offload_scheduler import OffloadScheduler, StepJobs
 from .offload_stats import OffloadStatsCollector, PdOffloadPromMetrics, PdOffloadStats
@@ -335,3 +335,6 @@ def _canonical(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError(f"PdOffloadConnector needs contiguous KV cache tensors, got strides {tensor.stride()}")
     return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
+
+
+register_by_name(PdOffloadConnector.__name__)  # for vLLM's MultiConnector (see register_by_name)
