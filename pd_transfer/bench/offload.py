@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pd_transfer.bench import offload_vllm
 from pd_transfer.offload import (
     DirectoryTier,
     HostPool,
@@ -270,10 +271,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the disk tier's files go (default: $TMPDIR)")
+    offload_vllm.add_arguments(parser)
 
 
 def cli_run(args: argparse.Namespace) -> int:
-    """``pd-transfer bench offload [--json] [--quick] [--repeats N] [--dir PATH]``."""
+    """``pd-transfer bench offload [--json] [--quick] [--repeats N] [--dir PATH]``; ``--end-to-end``: the vLLM part
+    (:mod:`pd_transfer.bench.offload_vllm`) instead."""
+    if args.end_to_end:
+        return offload_vllm.cli_run(args)
     result = run(QUICK_SHAPE if args.quick else Shape(), repeats=3 if args.quick else args.repeats, directory=args.dir)
     if args.json:
         print(json.dumps(result))
