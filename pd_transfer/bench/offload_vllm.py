@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,7 +60,7 @@ from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, wait_re
 __all__ = ["SETUPS", "Settings", "add_arguments", "cli_run", "run_end_to_end", "vllm_absent"]
 
 BLOCK = 128
-CACHE_BLOCKS = 16  # vLLM's own cache: 2048 tokens, one request of 1,500 + a tail
+CACHE_BLOCKS = 18  # vLLM's own cache (one block is vLLM's null block): room for --max-model-len 2048
 PREFIX = 1500
 TAIL = 24
 MAX_TOKENS = 8
@@ -74,6 +75,8 @@ SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 REQUEST_TIMEOUT_S = 120.0
 FLUSH_TIMEOUT_S = 60.0
 MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"
+_EXCEPTION = re.compile(r"^(\(\w+ pid=\d+\) )?([\w.]+)?(Error|Exception)\b: ")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 #: setup -> (what it is, its ``--kv-transfer-config`` given a fresh scratch directory; None: no connector)
 ConfigOf = Callable[[Path], dict[str, object] | None]
@@ -241,14 +244,14 @@ def _round(url: str, settings: Settings, index: int) -> dict[str, Any]:
 
 
 def _error_line(log_path: Path) -> str:
-    """The last line of the log naming an error (the reason a server refused), without absolute paths."""
+    """The first exception line of the log (the root cause of a refusal), else its last line; no absolute paths."""
     try:
-        lines = log_path.read_text(errors="replace").splitlines()
+        lines = [_ANSI.sub("", line).strip() for line in log_path.read_text(errors="replace").splitlines()]
     except OSError:
         return ""
-    hits = [line.strip() for line in lines if "Error" in line or "Exception" in line or "error" in line]
-    line = (hits or [ln for ln in lines if ln.strip()] or [""])[-1]
-    return _scrub(line)[-400:]
+    causes = [line for line in lines if _EXCEPTION.match(line)]
+    line = (causes or [ln for ln in lines if ln] or [""])[0 if causes else -1]
+    return _scrub(line)[:400]
 
 
 def _scrub(text: str) -> str:
