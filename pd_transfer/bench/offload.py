@@ -8,7 +8,8 @@
   Neither side fsyncs, so both measure the page cache of the filesystem named in the result. The rate of
   the payload checksum the tier computes on every store and load is measured beside them.
 
-Ratios are ours / baseline (1.0: as fast as the baseline). ``end_to_end`` is left for the vLLM part.
+Ratios are ours / baseline (1.0: as fast as the baseline). ``end_to_end`` is measured by ``--end-to-end``
+(:mod:`pd_transfer.bench.offload_vllm`, real vLLM servers).
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
         "goals_met": all(ratio >= GOAL_RATIO for ratio in ratios),
         "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered")),
         "end_to_end": None,
-        "end_to_end_note": "to come with the vLLM wiring: prefix hits served from each tier vs recompute",
+        "end_to_end_note": "measured by `bench offload --end-to-end` (real vLLM servers), not by this run",
     }
 
 
