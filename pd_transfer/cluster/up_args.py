@@ -1,0 +1,131 @@
+"""The command line of ``pd-transfer up``: its arguments and what is wrong with a given set of them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pd_transfer.cluster.launch import TINY_MODEL_DIR
+
+MODEL_ENV = "PD_TRANSFER_MODEL"
+DEFAULT_MODEL_DIR = TINY_MODEL_DIR
+SIDE_CHANNEL_OFFSET = 100  # server k: HTTP on base_port + k, side channel on base_port + 100 + k
+MAX_SERVERS = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``pd-transfer up`` (for wiring into another parser)."""
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="once up, send a few greedy requests through the proxy, compare every answer with a plain vLLM server"
+        " (no connector, started alongside), print them with what moved, then stop everything (exit 1 on a failure)",
+    )
+    parser.add_argument(
+        "--no-check", action="store_true", help="with --demo: no plain server, no comparison (one server fewer)"
+    )
+    parser.add_argument("--keep", action="store_true", help="with --demo: keep the cluster running after the demo")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"model folder (default: ${MODEL_ENV} or {DEFAULT_MODEL_DIR}, the tiny model, built if missing)",
+    )
+    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill servers (default 1)")
+    parser.add_argument("--decode", type=int, default=1, metavar="N", help="decode servers (default 1)")
+    parser.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="TP size of each prefill (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=1, metavar="N", help="TP size of each decode (default 1)")
+    parser.add_argument("--prefill-block-size", type=int, default=None, metavar="N", help="default: vLLM's")
+    parser.add_argument("--decode-block-size", type=int, default=None, metavar="N", help="default: vLLM's")
+    parser.add_argument("--proxy-port", type=int, default=8000, metavar="N", help="proxy port (default 8000)")
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=8100,
+        metavar="N",
+        help=f"server k listens on N+k, its side channel on N+{SIDE_CHANNEL_OFFSET}+k (default 8100)",
+    )
+    parser.add_argument(
+        "--routing", choices=("round_robin", "least_outstanding"), default="round_robin", help="proxy policy"
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="default: runs/up-TIMESTAMP")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=900.0, metavar="S", help="bound on the servers' startup (900)"
+    )
+    parser.add_argument("--dtype", default="float32", help="vLLM --dtype of every server (default float32)")
+    parser.add_argument("--max-model-len", type=int, default=2048, metavar="N", help="vLLM --max-model-len (2048)")
+    parser.add_argument("--kvcache-gib", type=float, default=1.0, metavar="GIB", help="KV cache per server (1)")
+    parser.add_argument(
+        "--offload-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a directory shared by every prefill and decode as an offload tier (PdOffloadConnector next to"
+        " PdTransferConnector in vLLM's MultiConnector): prefills load the prefixes it holds, decodes load them when"
+        " their pull fails or their prefill is gone; TP 1 only",
+    )
+    parser.add_argument(
+        "--offload-dir-bytes", type=int, default=None, metavar="N", help="with --offload-dir: its size (10 GiB)"
+    )
+    parser.add_argument(
+        "--offload-host-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --offload-dir: a host-memory tier of N bytes per server too (default none)",
+    )
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the arguments, one message each (empty: fine). Sets ``args.check`` and
+    ``args.exit_after_demo`` from ``--demo``, ``--no-check`` and ``--keep``."""
+    problems = []
+    args.check = bool(args.demo and not args.no_check)
+    args.exit_after_demo = bool(args.demo and not args.keep)
+    for name in ("prefill", "decode"):
+        value = getattr(args, name)
+        if not 1 <= value <= MAX_SERVERS:
+            problems.append(f"--{name} must be between 1 and {MAX_SERVERS}, not {value}")
+    for name in ("prefill_tp", "decode_tp"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    for name in ("prefill_block_size", "decode_block_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            problems.append(f"--{name.replace('_', '-')} must be positive, not {value}")
+    if not args.startup_timeout > 0:
+        problems.append(f"--startup-timeout must be positive, not {args.startup_timeout}")
+    if args.max_model_len < 1:
+        problems.append(f"--max-model-len must be positive, not {args.max_model_len}")
+    if not args.kvcache_gib > 0:
+        problems.append(f"--kvcache-gib must be positive, not {args.kvcache_gib}")
+    for flag in ("no_check", "keep"):
+        if getattr(args, flag) and not args.demo:
+            problems.append(f"--{flag.replace('_', '-')} goes with --demo")
+    servers = max(0, args.prefill) + max(0, args.decode) + (1 if args.check else 0)
+    if not 1 <= args.proxy_port <= 65535:
+        problems.append(f"--proxy-port {args.proxy_port} is outside 1..65535")
+    if not 1 <= args.base_port <= 65535 - SIDE_CHANNEL_OFFSET - servers:
+        problems.append(
+            f"--base-port {args.base_port}: the servers need ports {args.base_port}..{args.base_port + servers - 1}"
+            f" and {args.base_port + SIDE_CHANNEL_OFFSET}..{args.base_port + SIDE_CHANNEL_OFFSET + servers - 1}"
+        )
+    elif args.proxy_port in server_ports(args.base_port, servers):
+        problems.append(f"--proxy-port {args.proxy_port} is one of the servers' ports (--base-port {args.base_port})")
+    for name in ("offload_dir_bytes", "offload_host_bytes"):
+        value = getattr(args, name)
+        if value is not None and args.offload_dir is None:
+            problems.append(f"--{name.replace('_', '-')} goes with --offload-dir")
+        elif value is not None and value < (1 if name == "offload_dir_bytes" else 0):
+            problems.append(f"--{name.replace('_', '-')} must be positive, not {value}")
+    if args.offload_dir is not None and max(args.prefill_tp, args.decode_tp) > 1:
+        problems.append("--offload-dir supports TP 1 only (PdOffloadConnector)")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        problems.append(f"--model {args.model}: no model folder there (no config.json)")
+    return problems
+
+
+def server_ports(base_port: int, servers: int) -> list[int]:
+    """The HTTP ports then the side-channel ports of ``servers`` servers from ``base_port``."""
+    return [base_port + k for k in range(servers)] + [base_port + SIDE_CHANNEL_OFFSET + k for k in range(servers)]
