@@ -6,6 +6,7 @@ One vLLM server per setup, one at a time, all with the same model, flags and a s
 
 * ``recompute``: no connector; the prefix is computed again (the baseline, and the reference tokens);
 * ``pd_host``: ``PdOffloadConnector`` with a host tier (and a directory behind it): B's prefix from host memory;
+* ``pd_host_only``: the host tier alone (no directory behind it);
 * ``pd_disk``: ``PdOffloadConnector`` with a directory tier only: B's prefix read from block files;
 * ``vllm_offloading``: vLLM's ``OffloadingConnector`` (its CPU spec, ``cpu_bytes_to_use``);
 * ``vllm_example``: vLLM's ``ExampleConnector`` (safetensors files under ``shared_storage_path``).
@@ -95,6 +96,10 @@ def _pd_host(scratch: Path) -> dict[str, object]:
     return _pd_config({"offload_host_bytes": HOST_BYTES, "offload_dir": str(scratch), "offload_dir_bytes": DIR_BYTES})
 
 
+def _pd_host_only(scratch: Path) -> dict[str, object]:
+    return _pd_config({"offload_host_bytes": HOST_BYTES})
+
+
 def _pd_disk(scratch: Path) -> dict[str, object]:
     return _pd_config({"offload_dir": str(scratch), "offload_dir_bytes": DIR_BYTES})
 
@@ -112,6 +117,7 @@ def _vllm_example(scratch: Path) -> dict[str, object]:
 SETUPS: dict[str, tuple[str, ConfigOf]] = {
     "recompute": ("no connector: the prefix is computed again", lambda scratch: None),
     "pd_host": ("PdOffloadConnector, host tier hit", _pd_host),
+    "pd_host_only": ("PdOffloadConnector, host tier alone (no directory behind it)", _pd_host_only),
     "pd_disk": ("PdOffloadConnector, directory tier only", _pd_disk),
     "vllm_offloading": ("vLLM OffloadingConnector (CPU spec)", _vllm_offloading),
     "vllm_example": ("vLLM ExampleConnector (safetensors files)", _vllm_example),
