@@ -51,6 +51,20 @@ class ReadTotals:
     postprocess_seconds: float  # fixing layouts up, summed over plane groups or chunks (overlaps the reads)
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
 
+    @classmethod
+    def overlapped(
+        cls, total_bytes: int, descriptors: int, read_started: float, reads_done: float, post_seconds: float
+    ) -> ReadTotals:
+        """Totals of reads whose fix-up ran beside them: the exposed part is what is left after the last read
+        (``perf_counter`` seconds; called once the fix-up finished)."""
+        return cls(
+            bytes=total_bytes,
+            descriptors=descriptors,
+            read_seconds=reads_done - read_started,
+            postprocess_seconds=post_seconds,
+            postprocess_exposed_seconds=time.perf_counter() - reads_done,
+        )
+
 
 def plane_groups(num_planes: int, groups: int) -> list[range]:
     """Split planes [0, num_planes) into at most ``groups`` consecutive ranges of near-equal size."""
@@ -161,13 +175,7 @@ class BlockReader:
                 pending.append(self._postprocess_pool.submit(_timed, *job))
         reads_done = time.perf_counter()
         post_seconds = sum(future.result(timeout=_until(deadline)) for future in pending)
-        return ReadTotals(
-            bytes=total_bytes,
-            descriptors=descriptors,
-            read_seconds=reads_done - read_started,
-            postprocess_seconds=post_seconds,
-            postprocess_exposed_seconds=time.perf_counter() - reads_done,
-        )
+        return ReadTotals.overlapped(total_bytes, descriptors, read_started, reads_done, post_seconds)
 
     def _in_place_orders(
         self, remote: RemoteEngine, rows: SourceRows, groups: list[range]
@@ -223,13 +231,7 @@ class BlockReader:
         for future in in_flight:
             if future is not None:
                 post_seconds += future.result(timeout=_until(deadline))
-        return ReadTotals(
-            bytes=total_bytes,
-            descriptors=descriptors,
-            read_seconds=reads_done - read_started,
-            postprocess_seconds=post_seconds,
-            postprocess_exposed_seconds=time.perf_counter() - reads_done,
-        )
+        return ReadTotals.overlapped(total_bytes, descriptors, read_started, reads_done, post_seconds)
 
     @staticmethod
     def _staged_orders(
