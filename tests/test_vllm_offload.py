@@ -32,19 +32,16 @@ pytestmark = [pytest.mark.timeout(1800)]
 
 from vllm_servers import (  # noqa: E402
     DEFAULT_MODEL,
-    VLLM_PYTHON,
     completion,
-    free_port,
     logs_dir,
     metric_lines,
     metric_value,
     start_all,
     tokens_of,
+    vllm_server,
 )
 
-from pd_transfer.affinity import allowed_cpu  # noqa: E402
 from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
-from pd_transfer.cluster.launch import ServerSpec, server_process  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
 from pd_transfer.integrations.vllm.offload_scheduler import OffloadScheduler  # noqa: E402
 from pd_transfer.integrations.vllm.offload_worker import OffloadWorkerSide, StepResults  # noqa: E402
@@ -84,20 +81,9 @@ def _offload_server(name: str, model: str, logs: Path, cpu: int, extra: dict[str
 
 
 def _server(name: str, model: str, logs: Path, cpu: int, args: tuple[str, ...] = ()) -> ManagedProcess:
-    spec = ServerSpec(
-        role="both",
-        model=model,
-        port=free_port(),
-        side_channel_port=free_port(),
-        block_size=BLOCK,
-        cpu_bind=allowed_cpu(cpu),
-        kvcache_gib=KV_CACHE_GIB,
-        extra_args=args,
-        dtype="float32",
-        max_model_len=8 * BLOCK,
-        seed=0,
-    )
-    return server_process(name, spec, logs / f"{name}.log", python=VLLM_PYTHON, connector=False)
+    """A server with ``args`` (its own --kv-transfer-config, if any) and no P/D connector."""
+    options = {"kvcache_gib": KV_CACHE_GIB, "max_model_len": 8 * BLOCK}
+    return vllm_server(name, model, logs, cpu_index=cpu, connector=False, block_size=BLOCK, extra_args=args, **options)
 
 
 class Servers:

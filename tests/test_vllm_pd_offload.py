@@ -36,19 +36,16 @@ pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""), p
 
 from vllm_servers import (  # noqa: E402
     DEFAULT_MODEL,
-    VLLM_PYTHON,
     completion,
-    free_port,
     logs_dir,
     metric_lines,
     metric_value,
     start_all,
     tokens_of,
+    vllm_server,
 )
 
-from pd_transfer.affinity import allowed_cpu  # noqa: E402
 from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
-from pd_transfer.cluster.launch import Role, ServerSpec, server_process  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
 
 BLOCK = 128
@@ -72,24 +69,20 @@ def _tokens(length: int, seed: int) -> list[int]:
 
 
 def _server(name: str, model: str, logs: Path, cpu: int, offload_dir: Path | None) -> ManagedProcess:
-    role: Role = name if name in ("prefill", "decode") else "both"  # type: ignore[assignment]
-    spec = ServerSpec(
-        role=role,
-        model=model,
-        port=free_port(),
-        side_channel_port=free_port(),
+    return vllm_server(
+        name,
+        model,
+        logs,
+        cpu_index=cpu,
+        connector=offload_dir is not None,
         block_size=BLOCK,
         lease_seconds=LEASE_S,
-        cpu_bind=allowed_cpu(cpu),
-        kvcache_gib=KV_CACHE_GIB,
         extra_args=("--num-gpu-blocks-override", str(CACHE_BLOCKS)),
-        dtype="float32",
+        kvcache_gib=KV_CACHE_GIB,
         max_model_len=8 * BLOCK,
-        seed=0,
         offload_dir=None if offload_dir is None else str(offload_dir),
         offload_dir_bytes=DIR_BYTES,
     )
-    return server_process(name, spec, logs / f"{name}.log", python=VLLM_PYTHON, connector=offload_dir is not None)
 
 
 class Servers:

@@ -12,6 +12,7 @@ starts them and prints that line).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -20,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pd_transfer.affinity import allowed_cpu
 from pd_transfer.cluster.http_client import (
@@ -111,9 +113,11 @@ def vllm_server(
     lease_seconds: float | None = None,
     failure_policy: str | None = None,
     extra_args: Sequence[str] = (),
+    **spec_changes: Any,
 ) -> ManagedProcess:
     """A test server (not started): float32, 2048 tokens, seed 0, ``KV_CACHE_BYTES`` of cache, on the
-    ``cpu_index``-th allowed CPU, fresh free ports, its log ``logs/NAME.log``; ``connector=False``: plain."""
+    ``cpu_index``-th allowed CPU, fresh free ports, its log ``logs/NAME.log``; ``connector=False``: plain.
+    ``spec_changes``: other :class:`ServerSpec` fields (``max_model_len``, ``kvcache_gib``, ``offload_dir``...)."""
     role: Role = name if name in ("prefill", "decode") else "both"  # type: ignore[assignment]
     spec = ServerSpec(
         role=role,
@@ -130,6 +134,7 @@ def vllm_server(
         max_model_len=2048,
         seed=0,
     )
+    spec = dataclasses.replace(spec, **spec_changes)
     return server_process(name, spec, logs / f"{name}.log", python=VLLM_PYTHON, connector=connector)
 
 
