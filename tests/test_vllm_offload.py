@@ -199,24 +199,30 @@ def test_damaged_directory_blocks_are_recomputed(servers: Servers) -> None:
     assert not any(path.exists() for path in written), "damaged block files were not removed"
 
 
-def test_bookkeeping_without_a_server() -> None:
-    """The two halves' rules, with a real host tier on small tensors: stores finish a request only after vLLM
-    finished it; a load of a damaged row reports its engine block invalid and invalidates the key."""
-    import torch
+class Bookkeeping:
+    """The two halves over a real host tier on small tensors (2 layers, 8 engine blocks of 4 tokens), without
+    vLLM: request "a" (11 tokens, 2 full blocks) computed in engine blocks 5, 6, 7 and stored."""
 
-    from pd_transfer.offload import HostPool, OffloadManager, PageFormat, TransferWorker, chain_block_keys
-    from pd_transfer.spec import ModelFingerprint
+    def __init__(self, load_mode: str) -> None:
+        import torch
 
-    fingerprint = ModelFingerprint(model="m", dtype="float32", num_layers=2, total_num_kv_heads=1, head_size=8)
-    fmt = PageFormat(fingerprint=fingerprint, page_bytes=(64, 64), block_size=4)
-    caches = [torch.randint(0, 256, (8, 64), dtype=torch.uint8) for _ in range(2)]
-    pool = HostPool.create(fmt, 10 * fmt.block_bytes)
-    side = OffloadWorkerSide({"host": TransferWorker(caches, pool)})
-    manager = OffloadManager("host", 10 * fmt.block_bytes, fmt.block_bytes)
-    scheduler = OffloadScheduler({"host": manager}, 4, lambda t: chain_block_keys(fingerprint, t, 4))
-    prompt = list(range(3, 14))  # 11 tokens: 2 full blocks
-    try:
-        assert scheduler.match("a", prompt, 0) == 0
+        from pd_transfer.offload import HostPool, OffloadManager, PageFormat, TransferWorker, chain_block_keys
+        from pd_transfer.spec import ModelFingerprint
+
+        fingerprint = ModelFingerprint(model="m", dtype="float32", num_layers=2, total_num_kv_heads=1, head_size=8)
+        fmt = PageFormat(fingerprint=fingerprint, page_bytes=(64, 64), block_size=4)
+        self.caches = [torch.randint(0, 256, (8, 64), dtype=torch.uint8) for _ in range(2)]
+        self.pool = HostPool.create(fmt, 10 * fmt.block_bytes)
+        self.side = OffloadWorkerSide({"host": TransferWorker(self.caches, self.pool)})
+        self.manager = OffloadManager("host", 10 * fmt.block_bytes, fmt.block_bytes)
+        self.keys_of = lambda tokens: chain_block_keys(fingerprint, tokens, 4)
+        self.scheduler = OffloadScheduler({"host": self.manager}, 4, self.keys_of, load_mode=load_mode)
+        self.prompt = list(range(3, 14))
+
+    def store_a(self) -> None:
+        """Stores finish "a" only after vLLM finished it."""
+        scheduler, side = self.scheduler, self.side
+        assert scheduler.match("a", self.prompt, 0) == 0
         scheduler.computed("a", 11, [5, 6, 7])
         side.start_stores(scheduler.take_step())
         assert scheduler.finished("a")  # it had stores: vLLM must keep its blocks
@@ -224,18 +230,58 @@ def test_bookkeeping_without_a_server() -> None:
         assert results.finished_sending == set()  # vLLM has not said it finished
         scheduler.on_results(results.results)
         assert _collect_until(side, lambda r: bool(r.finished_sending), {"a"}).finished_sending == {"a"}
-        assert scheduler.match("b", prompt, 0) == 8
-        scheduler.after_alloc("b", [1, 2, 3], 8)
-        assert scheduler.hit_sources("b") == {"host": 2}
-        pool.headers[manager.rows()[chain_block_keys(fingerprint, prompt, 4)[1]]] = 0  # row 2 damaged
-        side.start_loads(scheduler.take_step())
-        loaded = _collect_until(side, lambda r: bool(r.finished_recving), set())
-        assert loaded.finished_recving == {"b"} and loaded.invalid_block_ids == {2}
-        assert bytes(caches[0][1].numpy()) == bytes(caches[0][5].numpy())  # block 0 loaded right
-        scheduler.on_results(loaded.results)
-        assert manager.blocks_held == 1 and not scheduler.finished("b")
+
+    def plan_b_with_row_2_damaged(self) -> None:
+        """ "b" (same prompt) hits both blocks, planned into engine blocks 1 and 2; the row of its second block
+        is then damaged."""
+        assert self.scheduler.match("b", self.prompt, 0) == 8
+        self.scheduler.after_alloc("b", [1, 2, 3], 8)
+        assert self.scheduler.hit_sources("b") == {"host": 2}
+        self.pool.headers[self.manager.rows()[self.keys_of(self.prompt)[1]]] = 0
+
+    def check_b_loaded(self, results: StepResults) -> None:
+        """Block 0 loaded right, engine block 2 reported invalid, its key invalidated, nothing left pinned."""
+        assert results.invalid_block_ids == {2}
+        assert bytes(self.caches[0][1].numpy()) == bytes(self.caches[0][5].numpy())
+        self.scheduler.on_results(results.results)
+        assert self.manager.blocks_held == 1 and not self.scheduler.finished("b")
+
+    def close(self) -> None:
+        self.side.close()
+
+
+def test_bookkeeping_of_asynchronous_loads() -> None:
+    """An asynchronous load reports its request in finished_recving; a damaged row is an invalid block."""
+    book = Bookkeeping("async")
+    try:
+        book.store_a()
+        book.plan_b_with_row_2_damaged()
+        assert not book.scheduler.loads_in_step("b")
+        book.side.start_loads(book.scheduler.take_step())
+        loaded = _collect_until(book.side, lambda r: bool(r.finished_recving), set())
+        assert loaded.finished_recving == {"b"}
+        book.check_b_loaded(loaded)
     finally:
-        side.close()
+        book.close()
+
+
+def test_bookkeeping_of_loads_in_the_step() -> None:
+    """A host-tier hit under ``auto`` loads in the step: the bytes are in place when load_in_step returns,
+    the request is never reported in finished_recving (it is running, not waiting)."""
+    book = Bookkeeping("auto")
+    try:
+        book.store_a()
+        book.plan_b_with_row_2_damaged()
+        assert book.scheduler.loads_in_step("b")
+        step = book.scheduler.take_step()
+        assert step.sync_loads and not step.loads
+        book.side.load_in_step(step)
+        assert bytes(book.caches[1][1].numpy()) == bytes(book.caches[1][5].numpy())  # before any collect
+        loaded = book.side.collect(set())
+        assert loaded.finished_recving == set()
+        book.check_b_loaded(loaded)
+    finally:
+        book.close()
 
 
 def _collect_until(side: OffloadWorkerSide, done: Callable[[StepResults], bool], finished: set[str]) -> StepResults:
@@ -246,3 +292,19 @@ def _collect_until(side: OffloadWorkerSide, done: Callable[[StepResults], bool],
         if done(results) or time.monotonic() > deadline:
             return results
         time.sleep(0.005)
+
+
+def test_the_configuration_refuses_what_it_does_not_know() -> None:
+    from pd_transfer.integrations.vllm.offload_config import OffloadConfig
+
+    assert OffloadConfig.from_dict({"offload_host_bytes": 1 << 20}).load_mode == "auto"
+    assert OffloadConfig.from_dict({"offload_host_bytes": 1 << 20, "offload_load": "async"}).load_mode == "async"
+    for extra, says in (
+        ({"offload_host_bytes": 1 << 20, "offload_load": "later"}, "offload_load must be one of"),
+        ({"offload_host_bytes": -1}, "non-negative integer"),
+        ({"offload_dir": "/x"}, "offload_dir_bytes"),
+        ({}, "set offload_host_bytes"),
+        ({"offload_host_bytes": 1, "offload_hots_bytes": 1}, "unknown kv_connector_extra_config keys"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            OffloadConfig.from_dict(extra)

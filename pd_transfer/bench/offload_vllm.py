@@ -100,6 +100,10 @@ def _pd_host_only(scratch: Path) -> dict[str, object]:
     return _pd_config({"offload_host_bytes": HOST_BYTES})
 
 
+def _pd_host_async(scratch: Path) -> dict[str, object]:
+    return _pd_config({"offload_host_bytes": HOST_BYTES, "offload_load": "async"})
+
+
 def _pd_disk(scratch: Path) -> dict[str, object]:
     return _pd_config({"offload_dir": str(scratch), "offload_dir_bytes": DIR_BYTES})
 
@@ -118,11 +122,18 @@ SETUPS: dict[str, tuple[str, ConfigOf]] = {
     "recompute": ("no connector: the prefix is computed again", lambda scratch: None),
     "pd_host": ("PdOffloadConnector, host tier hit", _pd_host),
     "pd_host_only": ("PdOffloadConnector, host tier alone (no directory behind it)", _pd_host_only),
+    "pd_host_async": ("PdOffloadConnector, host tier alone, loads asynchronous (offload_load: async)", _pd_host_async),
     "pd_disk": ("PdOffloadConnector, directory tier only", _pd_disk),
     "vllm_offloading": ("vLLM OffloadingConnector (CPU spec)", _vllm_offloading),
     "vllm_example": ("vLLM ExampleConnector (safetensors files)", _vllm_example),
 }
 VLLM_SETUPS = ("vllm_offloading", "vllm_example")
+#: setups whose B finds its prefix in vLLM's own prefix cache (no flush): the floor every connector aims at
+LOCAL_HIT = "local_hit"
+SETUPS[LOCAL_HIT] = (
+    "no connector, no flush: B's prefix is a hit in vLLM's own prefix cache (the floor)",
+    lambda _: None,
+)
 
 
 @dataclass
@@ -237,13 +248,15 @@ def _sources_after(url: str, before: Mapping[str, float], prompt_len: int) -> di
         time.sleep(0.05)
 
 
-def _round(url: str, settings: Settings, index: int) -> dict[str, Any]:
-    """One A / flush / B round on prompts ``index`` of the run: B's TTFT, tokens and prompt sources."""
+def _round(url: str, settings: Settings, index: int, flush: bool = True) -> dict[str, Any]:
+    """One A / flush / B round on prompts ``index`` of the run: B's TTFT, tokens and prompt sources
+    (``flush`` False: B finds the prefix in vLLM's own cache)."""
     prefix = _tokens(PREFIX, 2 * index, settings.salt)
     prompt_a = prefix + _tokens(TAIL, 2 * index + 1, settings.salt)
     prompt_b = prefix + _tokens(TAIL, 10**6 + index, settings.salt)
     completion(url, settings.model, prompt_a, MAX_TOKENS, timeout_s=REQUEST_TIMEOUT_S)
-    _flush(url)
+    if flush:
+        _flush(url)
     before = _sources(url)
     ttft, tokens = _first_token(url, settings.model, prompt_b)
     return {"ttft_s": ttft, "tokens": tokens, "sources": _sources_after(url, before, len(prompt_b))}
@@ -266,9 +279,9 @@ def _scrub(text: str) -> str:
     return text
 
 
-def _measure(server: ManagedProcess, settings: Settings) -> list[dict[str, Any]]:
-    _round(server.url, settings, 0)  # warm-up: first compiles and first loads
-    return [_round(server.url, settings, index) for index in range(1, settings.repeats + 1)]
+def _measure(server: ManagedProcess, settings: Settings, flush: bool) -> list[dict[str, Any]]:
+    _round(server.url, settings, 0, flush)  # warm-up: first compiles and first loads
+    return [_round(server.url, settings, index, flush) for index in range(1, settings.repeats + 1)]
 
 
 def _run_setup(name: str, settings: Settings) -> dict[str, Any]:
@@ -281,7 +294,7 @@ def _run_setup(name: str, settings: Settings) -> dict[str, Any]:
         server.start()
         wait_ready([server], settings.startup_timeout_s)
         result["startup_s"] = round(server.ready_after_s or 0.0, 1)
-        result["rounds"] = _measure(server, settings)
+        result["rounds"] = _measure(server, settings, flush=name != LOCAL_HIT)
     except StartupFailed:
         result["error"] = "refused to start: " + _error_line(server.log_path)
     except (RequestFailed, ValueError) as error:

@@ -7,7 +7,7 @@ scheduler and :class:`TransferWorker` from its workers. See docs/offload.md.
 
 from __future__ import annotations
 
-from .errors import OffloadError, OffloadInputError, OffloadStateError, WorkerClosedError
+from .errors import OffloadError, OffloadInputError, OffloadStateError, WorkerClosedError, brief
 from .files import DirectoryTier, ReadOutcome
 from .host import HostPool
 from .keys import KEY_BYTES, BlockKey, chain_block_keys, fingerprint_digest
@@ -45,6 +45,7 @@ __all__ = [
     "TransferResult",
     "TransferWorker",
     "WorkerClosedError",
+    "brief",
     "canonical_views",
     "chain_block_keys",
     "fingerprint_digest",

@@ -18,3 +18,9 @@ class OffloadStateError(OffloadError):
 
 class WorkerClosedError(OffloadError):
     """A transfer was submitted to a worker that has been closed."""
+
+
+def brief(error: BaseException) -> str:
+    """The error's type and the first 200 characters of its message (never a whole, possibly untrusted,
+    string in a log line or a result)."""
+    return f"{type(error).__name__}: {str(error)[:200]}"

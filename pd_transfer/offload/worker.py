@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .errors import OffloadInputError, WorkerClosedError
+from .errors import OffloadInputError, WorkerClosedError, brief
 from .keys import BlockKey
 from .metrics import OffloadMetrics
 from .specs import PageFormat, TierBlocks, TransferJob, TransferResult
@@ -107,6 +107,17 @@ class TransferWorker:
             return False
         return True
 
+    def run_now(self, job: TransferJob) -> TransferResult:
+        """Run ``job`` on the calling thread, beside (not behind) the queued jobs, and return its result (it is
+        not returned by :meth:`poll`). For loads the engine needs before its next forward. The caller must not
+        give a job whose engine blocks or tier rows a queued job touches. Raises like :meth:`submit`."""
+        if self._closed:
+            raise WorkerClosedError("the offload worker is closed")
+        self._check(job)
+        result = self._execute(job)
+        self._observe(job, result)
+        return result
+
     def poll(self, timeout: float = 0.0) -> list[TransferResult]:
         """Jobs finished since the last call; if none yet and jobs are in flight, waits up to ``timeout`` s."""
         with self._done:
@@ -149,12 +160,15 @@ class TransferWorker:
             if job is None:
                 return
             result = self._execute(job)
-            if self._metrics is not None and result.num_bytes:
-                self._metrics.observe_transfer(self.tier.name, job.direction, result.num_bytes, result.seconds)
+            self._observe(job, result)
             with self._done:
                 self._in_flight -= 1
                 self._results.append(result)
                 self._done.notify_all()
+
+    def _observe(self, job: TransferJob, result: TransferResult) -> None:
+        if self._metrics is not None and result.num_bytes:
+            self._metrics.observe_transfer(self.tier.name, job.direction, result.num_bytes, result.seconds)
 
     def _execute(self, job: TransferJob) -> TransferResult:
         started = time.perf_counter()
@@ -165,7 +179,7 @@ class TransferWorker:
             else:
                 moved, failed = self.tier.load_blocks(job.tier_blocks, job.block_ids, self._caches)
         except Exception as error:  # a failed job is reported, never raised in the engine
-            logger.warning("offload %s job %d failed: %s", job.direction, job.job_id, _brief(error))
+            logger.warning("offload %s job %d failed: %s", job.direction, job.job_id, brief(error))
             return TransferResult(
                 job_id=job.job_id,
                 direction=job.direction,
@@ -173,7 +187,7 @@ class TransferWorker:
                 num_bytes=0,
                 seconds=time.perf_counter() - started,
                 failed_keys=job.tier_blocks.keys,
-                error=_brief(error),
+                error=brief(error),
             )
         return TransferResult(
             job_id=job.job_id,
@@ -183,8 +197,3 @@ class TransferWorker:
             seconds=time.perf_counter() - started,
             failed_keys=tuple(failed),
         )
-
-
-def _brief(error: BaseException) -> str:
-    """The error's type and the start of its message (never a whole untrusted string)."""
-    return f"{type(error).__name__}: {str(error)[:200]}"

@@ -5,7 +5,9 @@
 * ``offload_host_bytes``: size of the host-memory tier (a pool outside vLLM's cache), 0 for none;
 * ``offload_dir``: a directory tier (shareable between servers and machines), with ``offload_dir_bytes``
   its size bound (required with ``offload_dir``) and ``offload_fsync`` (default false);
-* ``offload_max_queued_jobs``: jobs a tier's worker thread may have waiting (default 64).
+* ``offload_max_queued_jobs``: jobs a tier's worker thread may have waiting (default 64);
+* ``offload_load``: when hits are loaded: ``auto`` (default: in the step that computes the rest of the prompt
+  when every hit block is in host memory, asynchronously when any comes from the directory), ``sync``, ``async``.
 
 Both the scheduler and the worker build the same :class:`PageFormat` from vLLM's ``KVCacheConfig`` (one page
 per layer, ``page_size_bytes`` each, in the order of the KV cache group's layer names), so the scheduler can
@@ -26,7 +28,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-_KEYS = {"offload_host_bytes", "offload_dir", "offload_dir_bytes", "offload_fsync", "offload_max_queued_jobs"}
+_KEYS = {
+    "offload_host_bytes",
+    "offload_dir",
+    "offload_dir_bytes",
+    "offload_fsync",
+    "offload_max_queued_jobs",
+    "offload_load",
+}
+_LOAD_MODES = ("auto", "sync", "async")
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class OffloadConfig:
     dir_bytes: int = 0
     fsync: bool = False
     max_queued_jobs: int = 64
+    load_mode: str = "auto"
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any]) -> OffloadConfig:
@@ -51,7 +62,10 @@ class OffloadConfig:
             dir_bytes=_size(extra, "offload_dir_bytes"),
             fsync=bool(extra.get("offload_fsync", False)),
             max_queued_jobs=_size(extra, "offload_max_queued_jobs") or 64,
+            load_mode=str(extra.get("offload_load", "auto")),
         )
+        if config.load_mode not in _LOAD_MODES:
+            raise ValueError(f"PdOffloadConnector: offload_load must be one of {_LOAD_MODES}, got {config.load_mode!r}")
         if config.dir is not None and config.dir_bytes <= 0:
             raise ValueError("PdOffloadConnector: offload_dir needs offload_dir_bytes > 0")
         if config.host_bytes <= 0 and config.dir is None:

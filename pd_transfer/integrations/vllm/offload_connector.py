@@ -9,15 +9,16 @@ Enable it with::
                                                          "offload_dir": "/shared/kv",
                                                          "offload_dir_bytes": 10737418240}}'
 
-Scheduler side (:mod:`.offload_scheduler`): a request's full prompt blocks are looked up by chained key (host
-tier, then the directory tier) and the hits reported as external tokens, loaded asynchronously (vLLM's
-``load_kv_async`` path: the request waits in WAITING_FOR_REMOTE_KVS); the prompt blocks each step completes are
-stored into every tier after that step's forward, and a finished request's blocks stay allocated until its
-stores are done. Worker side (:mod:`.offload_worker`): one :class:`~pd_transfer.offload.TransferWorker` per tier
-over canonical ``(num_blocks, page_bytes)`` uint8 views of vLLM's CPU cache tensors. A failed or damaged load is
-reported as invalid blocks (vLLM recomputes them; ``kv_load_failure_policy`` is set to ``recompute``) and the
-keys invalidated. Worker results reach the scheduler through vLLM's worker metadata hook. TP 1, PP 1, one KV cache
-group only (refused at startup otherwise).
+Scheduler side (:mod:`.offload_scheduler`): a request's full prompt blocks are looked up by chained key (host tier,
+then the directory tier) and the hits reported as external tokens, loaded either in the step that computes the rest
+of the prompt (before its forward: ``offload_load`` ``auto`` does this for hits all in host memory) or
+asynchronously (vLLM's ``load_kv_async`` path: the request waits in WAITING_FOR_REMOTE_KVS); the prompt blocks each
+step completes are stored into every tier after that step's forward, and a finished request's blocks stay allocated
+until its stores are done. Worker side (:mod:`.offload_worker`): one :class:`~pd_transfer.offload.TransferWorker`
+per tier over canonical ``(num_blocks, page_bytes)`` uint8 views of vLLM's CPU cache tensors. A failed or damaged
+load is reported as invalid blocks (vLLM recomputes them; ``kv_load_failure_policy`` is set to ``recompute``) and
+the keys invalidated. Worker results reach the scheduler through vLLM's worker metadata hook. TP 1, PP 1, one KV
+cache group only (refused at startup otherwise).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
             self.config.dir,
             self.config.dir_bytes / 2**20,
         )
-        return OffloadScheduler(managers, self.block_size, keys_of)
+        return OffloadScheduler(managers, self.block_size, keys_of, load_mode=self.config.load_mode)
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -170,12 +171,14 @@ class PdOffloadConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        step = self._step()
-        if self._worker is not None and step is not None:
-            self._guard("starting loads", lambda: self._worker.start_loads(step) if self._worker else None)
+        """Run this step's in-step loads (before the forward reads them), then submit its asynchronous ones."""
+        step, worker = self._step(), self._worker
+        if worker is not None and step is not None:
+            self._guard("loading in the step", lambda: worker.load_in_step(step))
+            self._guard("starting loads", lambda: worker.start_loads(step))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: the request waits until finished_recving
+        return None  # in-step loads are done in start_load_kv; the others finish before their request runs
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -249,7 +252,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Whole blocks past the local hit that the tiers hold (loaded asynchronously)."""
+        """Whole blocks past the local hit that the tiers hold, and whether they load asynchronously."""
         if self._scheduler is None:
             return 0, False
         try:
@@ -258,7 +261,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
             logger.exception("pd-transfer offload: lookup of request %s failed", request.request_id)
             return 0, False
         self._requests[request.request_id] = request
-        return tokens, tokens > 0
+        return tokens, tokens > 0 and not self._scheduler.loads_in_step(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._scheduler is None:

@@ -2,8 +2,10 @@
 
 Per request it keeps the chained keys of the prompt's full blocks, the load it planned (which tier serves
 which leading blocks), and how many blocks it has handed to stores. Loads: :meth:`OffloadScheduler.match`
-looks up the host tier, then the directory tier for the blocks after the host's hits;
-:meth:`~OffloadScheduler.after_alloc` pins them and queues one load job per tier. Stores: each step,
+looks up the host tier, then the directory tier for the blocks after the host's hits, and decides whether the
+load runs in the step (``sync``: the worker copies before that step's forward, the request computes its tail in
+the same step) or asynchronously (the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the worker reports
+it); :meth:`~OffloadScheduler.after_alloc` pins the blocks and queues one load job per tier. Stores: each step,
 :meth:`~OffloadScheduler.step_jobs` queues the prompt's blocks that this step completes (a job per tier; the
 worker submits them after the forward). Results come back from the worker (:meth:`~OffloadScheduler.on_results`)
 and complete, or invalidate, the blocks in the managers.
@@ -32,20 +34,29 @@ logger = logging.getLogger(__name__)
 
 TIER_ORDER = ("host", "disk")
 
+#: ``offload_load`` modes: ``auto`` loads in the step when every planned block is in host memory (a copy of
+#: well under a millisecond per thousand tokens here) and asynchronously when any comes from the directory
+#: (a cold read would hold up every request in the step); ``sync`` and ``async`` force one way.
+LOAD_MODES = ("auto", "sync", "async")
+
 
 @dataclass
 class StepJobs:
     """What the scheduler asks the worker to do this step (pickled into vLLM's connector metadata)."""
 
     loads: list[tuple[str, TransferJob]] = field(default_factory=list)
+    #: loads to finish before this step's forward (their requests are scheduled in this step)
+    sync_loads: list[tuple[str, TransferJob]] = field(default_factory=list)
     stores: list[tuple[str, TransferJob]] = field(default_factory=list)
-    #: loads that could not be prepared: the worker reports the request loaded with these blocks invalid
+    #: loads that could not be prepared: the worker reports these blocks invalid (and an asynchronous
+    #: request loaded)
     doomed: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    sync_doomed: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.stores or self.doomed or self.preempted)
+        return not (self.loads or self.sync_loads or self.stores or self.doomed or self.preempted)
 
 
 @dataclass
@@ -54,6 +65,7 @@ class _Request:
     prompt_len: int
     skip: int = 0  # blocks computed locally at the last match
     plan: list[tuple[str, int]] = field(default_factory=list)  # (tier, blocks) of the planned load, in order
+    sync: bool = False  # the planned load runs in the step
     loaded: list[tuple[str, int]] = field(default_factory=list)  # the plan after_alloc queued
     stored_upto: int = 0  # prompt blocks handed to stores (or found held)
     store_jobs: int = 0
@@ -63,8 +75,15 @@ class OffloadScheduler:
     """One engine's offload bookkeeping; ``managers`` by tier name (``host`` then ``disk``, either optional)."""
 
     def __init__(
-        self, managers: dict[str, OffloadManager], block_size: int, keys_of: Callable[[Sequence[int]], list[BlockKey]]
+        self,
+        managers: dict[str, OffloadManager],
+        block_size: int,
+        keys_of: Callable[[Sequence[int]], list[BlockKey]],
+        load_mode: str = "auto",
     ) -> None:
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"load mode must be one of {LOAD_MODES}, got {load_mode!r}")
+        self.load_mode = load_mode
         self.managers = {tier: managers[tier] for tier in TIER_ORDER if tier in managers}
         self.block_size = block_size
         self._keys_of = keys_of
@@ -91,7 +110,16 @@ class OffloadScheduler:
             if hits:
                 request.plan.append((tier, hits))
                 at += hits
+        request.sync = self.load_mode == "sync" or (
+            self.load_mode == "auto" and all(tier == "host" for tier, _ in request.plan)
+        )
         return (at - request.skip) * self.block_size
+
+    def loads_in_step(self, req_id: str) -> bool:
+        """Whether the load :meth:`match` planned for the request runs in the step (vLLM's ``load_kv_async``
+        is the opposite)."""
+        request = self._requests.get(req_id)
+        return request is not None and request.sync
 
     def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Pin the planned blocks and queue their loads into ``block_ids`` (the request's blocks, group 0)."""
@@ -109,11 +137,11 @@ class OffloadScheduler:
                 blocks = self.managers[tier].prepare_load(keys)
             except OffloadStateError as error:  # evicted since the match: recompute these blocks
                 logger.warning("offload: load of request %s from %s not prepared: %s", req_id, tier, error)
-                self._pending.doomed.append((req_id, engine_blocks))
+                (self._pending.sync_doomed if request.sync else self._pending.doomed).append((req_id, engine_blocks))
                 continue
             job = TransferJob(job_id=next(self._ids), direction="load", block_ids=engine_blocks, tier_blocks=blocks)
             self._jobs[job.job_id] = ("load", blocks)
-            self._pending.loads.append((req_id, job))
+            (self._pending.sync_loads if request.sync else self._pending.loads).append((req_id, job))
         request.stored_upto = max(request.stored_upto, at)  # loaded blocks are in a tier already
 
     def hit_sources(self, req_id: str) -> dict[str, int]:

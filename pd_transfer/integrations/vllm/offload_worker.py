@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pd_transfer.offload import TransferJob, TransferResult, TransferWorker
+from pd_transfer.offload import TransferJob, TransferResult, TransferWorker, brief
 
 from .offload_scheduler import StepJobs
 
@@ -56,6 +56,25 @@ class OffloadWorkerSide:
             self._invalid.update(blocks)
             if not self._loads.get(req_id):
                 self._ready_recving.add(req_id)
+
+    def load_in_step(self, step: StepJobs) -> None:
+        """Run the step's synchronous loads now, on this thread (before the forward that reads them). Their
+        requests are running, not waiting: blocks that failed become invalid block ids (vLLM recomputes them)
+        and nothing is reported in ``finished_recving``."""
+        for req_id, job in step.sync_loads:
+            worker = self.workers.get(job.tier_blocks.tier)
+            if worker is None:
+                self._fail(req_id, job, f"no {job.tier_blocks.tier} tier on this worker")
+                continue
+            try:
+                result = worker.run_now(job)
+            except Exception as exc:  # a bad job is a failed load, never an engine error
+                self._fail(req_id, job, brief(exc))
+                continue
+            self._results.append(result)
+            self._invalid.update(_failed_blocks(job, result))
+        for _req_id, blocks in step.sync_doomed:
+            self._invalid.update(blocks)
 
     def start_stores(self, step: StepJobs) -> None:
         """Submit the step's stores (after the forward that computed their blocks)."""
@@ -113,9 +132,13 @@ class OffloadWorkerSide:
                     return
                 error = "queue full"
             except Exception as exc:  # a bad job is a failed job, never an engine error
-                error = f"{type(exc).__name__}: {str(exc)[:200]}"
-        logger.warning("offload: %s job %d of request %s not submitted (%s)", job.direction, job.job_id, req_id, error)
+                error = brief(exc)
         self._jobs[job.job_id] = (req_id, job)
+        self._absorb([self._fail(req_id, job, error)])
+
+    def _fail(self, req_id: str, job: TransferJob, error: str) -> TransferResult:
+        """The result of a job that could not run; a synchronous load's is recorded here."""
+        logger.warning("offload: %s job %d of request %s not run (%s)", job.direction, job.job_id, req_id, error)
         failed = TransferResult(
             job_id=job.job_id,
             direction=job.direction,
@@ -125,7 +148,10 @@ class OffloadWorkerSide:
             failed_keys=job.tier_blocks.keys,
             error=error,
         )
-        self._absorb([failed])
+        if job.job_id not in self._jobs:  # not tracked: a synchronous load
+            self._results.append(failed)
+            self._invalid.update(job.block_ids)
+        return failed
 
     def _absorb(self, results: Iterable[TransferResult]) -> None:
         for result in results:
@@ -140,11 +166,14 @@ class OffloadWorkerSide:
                 self._stores[req_id] -= 1
 
     def _load_done(self, req_id: str, job: TransferJob, result: TransferResult) -> None:
-        failed = set(result.failed_keys) if result.failed_keys or result.ok else set(job.tier_blocks.keys)
-        for key, block in zip(job.tier_blocks.keys, job.block_ids, strict=True):
-            if key in failed:
-                self._invalid.add(block)
+        self._invalid.update(_failed_blocks(job, result))
         self._loads[req_id] -= 1
         if not self._loads[req_id]:
             del self._loads[req_id]
             self._ready_recving.add(req_id)
+
+
+def _failed_blocks(job: TransferJob, result: TransferResult) -> list[int]:
+    """The engine blocks of a load that did not receive their block (all of them when the job failed whole)."""
+    failed = set(result.failed_keys) if result.failed_keys or result.ok else set(job.tier_blocks.keys)
+    return [block for key, block in zip(job.tier_blocks.keys, job.block_ids, strict=True) if key in failed]
