@@ -27,6 +27,10 @@ offset bytes field
 64     ...   payload: page 0 of the block, page 1, ... (one per engine cache tensor)
 ====== ===== ===================================================================
 
+Batches (:meth:`DirectoryTier.store_blocks`, :meth:`~DirectoryTier.load_blocks`) keep the file I/O and the
+payload checksums on two threads: a store checksums the next block while it writes this one, a load checksums
+the blocks already read while it reads the next one (both release the GIL for most of their time).
+
 The size bound covers every ``*.kvblock`` under ``root``: a sweep scans them when this process's estimate
 passes ``max_bytes`` and after every 10% of ``max_bytes`` it wrote (other processes write too), and deletes
 the files least recently written or loaded (loads refresh the mtime) until the total is under 90% of the
@@ -43,7 +47,8 @@ import secrets
 import struct
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -123,6 +128,7 @@ class DirectoryTier:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._estimated_bytes: int | None = None  # unknown until the first sweep
         self._written_since_scan = 0
+        self._checksums: ThreadPoolExecutor | None = None  # the batches' second thread, made on first use
 
     @property
     def file_bytes(self) -> int:
@@ -138,12 +144,15 @@ class DirectoryTier:
         return self.path_of(key).is_file()
 
     # ------------------------------------------------------------------ one block
-    def write_temp(self, key: BlockKey, pages: Sequence[np.ndarray]) -> Path:
-        """Write ``key``'s block to a new temporary file beside its final name; returns that file's path."""
+    def write_temp(self, key: BlockKey, pages: Sequence[np.ndarray], checksum: int | None = None) -> Path:
+        """Write ``key``'s block to a new temporary file beside its final name; returns that file's path.
+        ``checksum``: the pages' :func:`payload_checksum` if the caller has it (else computed here)."""
         self._check_pages(pages)
         final = self.path_of(key)
         temp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
-        header = encode_header(key, self._tag, self.page_format.block_bytes, payload_checksum(pages))
+        if checksum is None:
+            checksum = payload_checksum(pages)
+        header = encode_header(key, self._tag, self.page_format.block_bytes, checksum)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(temp, flags, 0o644)
@@ -172,7 +181,11 @@ class DirectoryTier:
         if self.exists(key):
             _touch(self.path_of(key))
             return 0
-        self.publish(self.write_temp(key, pages), key)
+        return self._write_new(key, pages, None)
+
+    def _write_new(self, key: BlockKey, pages: Sequence[np.ndarray], checksum: int | None) -> int:
+        """Write and publish a block not on disk yet; account for it and sweep when over the bound."""
+        self.publish(self.write_temp(key, pages, checksum), key)
         self._written_since_scan += self.file_bytes
         if self._estimated_bytes is not None:
             self._estimated_bytes += self.file_bytes
@@ -184,21 +197,32 @@ class DirectoryTier:
     def load(self, key: BlockKey, pages: Sequence[np.ndarray]) -> ReadOutcome:
         """Read ``key``'s block into ``pages`` (writable, format order) and check it. Anything but ``"ok"``
         is a miss, and ``pages`` may then hold garbage."""
+        outcome, checksum = self._read_unchecked(key, pages)
+        if outcome == "ok" and payload_checksum(pages) != checksum:
+            outcome = "corrupt"
+        return self._settle(key, outcome)
+
+    def _read_unchecked(self, key: BlockKey, pages: Sequence[np.ndarray]) -> tuple[ReadOutcome, int]:
+        """Read ``key``'s payload into ``pages`` after checking header and length: ``("ok", the checksum the
+        payload must have)``, or why not."""
         self._check_pages(pages)
-        path = self.path_of(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(self.path_of(key), os.O_RDONLY)
         except FileNotFoundError:
-            return "missing"
+            return "missing", 0
         try:
-            outcome = self._read_checked(fd, key, pages)
+            return self._read_payload(fd, key, pages)
         finally:
             os.close(fd)
+
+    def _settle(self, key: BlockKey, outcome: ReadOutcome) -> ReadOutcome:
+        """After a load: refresh a good file's age; delete (and count) a bad one, so a later store rewrites it."""
+        path = self.path_of(key)
         if outcome == "ok":
             _touch(path)
-        else:
+        elif outcome != "missing":
             logger.warning("disk tier: block %s is %s; deleted, treated as a miss", short(key), outcome)
-            path.unlink(missing_ok=True)  # so a later store writes it again
+            path.unlink(missing_ok=True)
             if self._metrics is not None:
                 self._metrics.rejected_blocks.labels(self.name, outcome).inc()
         return outcome
@@ -207,19 +231,58 @@ class DirectoryTier:
     def store_blocks(self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]) -> int:
         """Store engine block ``block_ids[i]`` as ``blocks.keys[i]``; returns payload bytes written (headers
         and blocks already there not counted)."""
-        written = 0
+        new: list[tuple[BlockKey, list[np.ndarray]]] = []
         for key, block in zip(blocks.keys, block_ids, strict=True):
-            written += 1 if self.store(key, [cache[block] for cache in caches]) else 0
-        return written * self.page_format.block_bytes
+            pages = [cache[block] for cache in caches]
+            self._check_pages(pages)
+            if self.exists(key):
+                _touch(self.path_of(key))
+            else:
+                new.append((key, pages))
+        for (key, pages), checksum in zip(new, self._checksums_ahead([p for _, p in new]), strict=True):
+            self._write_new(key, pages, checksum)
+        return len(new) * self.page_format.block_bytes
 
     def load_blocks(
         self, blocks: TierBlocks, block_ids: Sequence[int], caches: Sequence[np.ndarray]
     ) -> tuple[int, list[BlockKey]]:
         """Load ``blocks.keys[i]`` into engine block ``block_ids[i]``; returns (bytes loaded, keys that missed)."""
-        missed = [
-            key for key, b in zip(blocks.keys, block_ids, strict=True) if self.load(key, [c[b] for c in caches]) != "ok"
-        ]
+        missed: list[BlockKey] = []
+        checks: list[tuple[BlockKey, int, Future[int]]] = []
+        for key, block in zip(blocks.keys, block_ids, strict=True):
+            pages = [cache[block] for cache in caches]
+            outcome, expected = self._read_unchecked(key, pages)
+            if outcome == "ok":
+                checks.append((key, expected, self._executor().submit(payload_checksum, pages)))
+            else:
+                missed.append(key)
+                self._settle(key, outcome)
+        for key, expected, computed in checks:
+            if self._settle(key, "ok" if computed.result() == expected else "corrupt") != "ok":
+                missed.append(key)
         return (len(blocks.keys) - len(missed)) * self.page_format.block_bytes, missed
+
+    def close(self) -> None:
+        """Stop the batches' checksum thread (idempotent; a later batch starts a new one)."""
+        executor, self._checksums = self._checksums, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._checksums is None:
+            self._checksums = ThreadPoolExecutor(1, thread_name_prefix=f"pd-offload-{self.name}-checksum")
+        return self._checksums
+
+    def _checksums_ahead(self, blocks: Sequence[Sequence[np.ndarray]]) -> Iterator[int]:
+        """The checksums of ``blocks`` in order; the next block's is computed on the second thread while the
+        caller uses this one's."""
+        pending = self._executor().submit(payload_checksum, blocks[0]) if blocks else None
+        for index in range(len(blocks)):
+            assert pending is not None
+            checksum = pending.result()
+            following = index + 1
+            pending = self._executor().submit(payload_checksum, blocks[following]) if following < len(blocks) else None
+            yield checksum
 
     # ------------------------------------------------------------------ size bound
     def sweep(self) -> int:
@@ -258,16 +321,16 @@ class DirectoryTier:
                 path.unlink(missing_ok=True)
         return files, sum(size for _, size, _ in files)
 
-    def _read_checked(self, fd: int, key: BlockKey, pages: Sequence[np.ndarray]) -> ReadOutcome:
+    def _read_payload(self, fd: int, key: BlockKey, pages: Sequence[np.ndarray]) -> tuple[ReadOutcome, int]:
         size = os.fstat(fd).st_size
         outcome, checksum = check_header(os.pread(fd, HEADER_BYTES, 0), key, self._tag, self.page_format.block_bytes)
         if outcome != "ok":
-            return outcome
+            return outcome, 0
         if size != self.file_bytes:
-            return "truncated" if size < self.file_bytes else "corrupt"
+            return ("truncated" if size < self.file_bytes else "corrupt"), 0
         if os.preadv(fd, [page.data for page in pages], HEADER_BYTES) != self.page_format.block_bytes:
-            return "truncated"
-        return "ok" if payload_checksum(pages) == checksum else "corrupt"
+            return "truncated", 0
+        return "ok", checksum
 
     def _check_pages(self, pages: Sequence[np.ndarray]) -> None:
         sizes = tuple(page.nbytes for page in pages)
