@@ -308,17 +308,19 @@ class DirectoryTier:
 
     # ------------------------------------------------------------------ internals
     def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
+        """Every block file under ``root`` as (mtime, size, path), and their total size; deletes stale
+        temporary files on the way."""
         files: list[tuple[float, int, Path]] = []
         stale_before = self._clock() - self.stale_temp_seconds
-        for path in self.root.glob("*/*/*"):
+        for entry in _entries(self.root, depth=3):
             try:
-                stat = path.stat()
+                stat = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if path.name.endswith(_SUFFIX):
-                files.append((stat.st_mtime, stat.st_size, path))
-            elif path.name.endswith(_TEMP_SUFFIX) and stat.st_mtime < stale_before:
-                path.unlink(missing_ok=True)
+            if entry.name.endswith(_SUFFIX):
+                files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+            elif entry.name.endswith(_TEMP_SUFFIX) and stat.st_mtime < stale_before:
+                Path(entry.path).unlink(missing_ok=True)
         return files, sum(size for _, size, _ in files)
 
     def _read_payload(self, fd: int, key: BlockKey, pages: Sequence[np.ndarray]) -> tuple[ReadOutcome, int]:
@@ -350,6 +352,21 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             pending.pop(0)
         if pending and written:
             pending[0] = pending[0][written:]
+
+
+def _entries(directory: Path, depth: int) -> Iterator[os.DirEntry[str]]:
+    """The entries ``depth`` levels below ``directory`` (``depth`` 1: its own), through directories only;
+    directories that vanish meanwhile are skipped."""
+    try:
+        with os.scandir(directory) as scan:
+            entries = list(scan)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        if depth == 1:
+            yield entry
+        elif entry.is_dir(follow_symlinks=False):
+            yield from _entries(Path(entry.path), depth - 1)
 
 
 def _touch(path: Path) -> None:
