@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_servers import vllm_missing
@@ -41,7 +42,7 @@ from vllm_servers import (  # noqa: E402
     vllm_server,
 )
 
-from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
+from pd_transfer.cluster.http_client import free_port, wait_metric  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
 from pd_transfer.integrations.vllm.offload_scheduler import OffloadScheduler  # noqa: E402
 from pd_transfer.integrations.vllm.offload_worker import OffloadWorkerSide, StepResults  # noqa: E402
@@ -69,14 +70,20 @@ def _tokens(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 2048) for _ in range(length)]
 
 
-def _offload_server(name: str, model: str, logs: Path, cpu: int, extra: dict[str, object]) -> ManagedProcess:
+def _offload_server(
+    name: str, model: str, logs: Path, cpu: int, extra: dict[str, object], events_port: int | None = None
+) -> ManagedProcess:
+    """A server with PdOffloadConnector; ``events_port``: it publishes vLLM KV events (ZMQ PUB) there."""
     config = {
         "kv_connector": "PdOffloadConnector",
         "kv_connector_module_path": "pd_transfer.integrations.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
-    args = ("--num-gpu-blocks-override", str(CACHE_BLOCKS), "--kv-transfer-config", json.dumps(config))
+    args: tuple[str, ...] = ("--num-gpu-blocks-override", str(CACHE_BLOCKS), "--kv-transfer-config", json.dumps(config))
+    if events_port is not None:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+        args += ("--kv-events-config", json.dumps(events))
     return _server(name, model, logs, cpu, args)
 
 
@@ -86,12 +93,46 @@ def _server(name: str, model: str, logs: Path, cpu: int, args: tuple[str, ...] =
     return vllm_server(name, model, logs, cpu_index=cpu, connector=False, block_size=BLOCK, extra_args=args, **options)
 
 
+class KVEvents:
+    """A ZMQ SUB socket on a server's KV event publisher (which binds ``tcp://*:port``); :meth:`take` decodes
+    what arrived (vLLM's types)."""
+
+    def __init__(self, port: int) -> None:
+        import zmq
+
+        self.port = port
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(f"tcp://127.0.0.1:{port}")
+
+    def take(self, until: Callable[[list[Any]], bool], timeout_s: float = 30.0) -> list[Any]:
+        """Events received until ``until(events so far)`` holds or ``timeout_s`` passed."""
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        events: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        while not until(events) and (left := deadline - time.monotonic()) > 0:
+            if self._socket.poll(int(min(left, 0.2) * 1000), zmq.POLLIN):
+                _topic, _seq, payload = self._socket.recv_multipart()
+                events.extend(decoder.decode(payload).events)
+        return events
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+
+
 class Servers:
-    def __init__(self, handles: list[ManagedProcess], model: str, directory: Path) -> None:
+    def __init__(self, handles: list[ManagedProcess], model: str, directory: Path, events: KVEvents) -> None:
         self.off1, self.off2, self.reference = (h.url for h in handles)
         self.handles = handles
         self.model = model
         self.directory = directory
+        self.events = events  # off1's KV events
 
     def logs(self) -> str:
         return "\n".join(f"--- {h.name} ---\n{h.log_tail(40)}" for h in self.handles)
@@ -105,8 +146,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     logs = logs_dir("pd-transfer-vllm-offload")
     directory = tmp_path_factory.mktemp("offload-dir")
     shared = {"offload_host_bytes": HOST_BYTES, "offload_dir": str(directory), "offload_dir_bytes": DIR_BYTES}
+    events = KVEvents(free_port())
     handles = [
-        _offload_server("off1", model, logs, 0, shared),
+        _offload_server("off1", model, logs, 0, shared, events.port),
         _offload_server("off2", model, logs, 1, shared),
         _server("reference", model, logs, 0),
     ]
@@ -114,8 +156,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     start_all(handles)
     print(f"\nvLLM servers healthy after {time.monotonic() - started:.0f} s: " + ", ".join(h.url for h in handles))
     try:
-        yield Servers(handles, model, directory)
+        yield Servers(handles, model, directory, events)
     finally:
+        events.close()
         for handle in handles:
             handle.stop()
 
@@ -157,6 +200,32 @@ def test_host_tier_serves_an_evicted_prefix(servers: Servers) -> None:
     # A and the 4 others stored their 5 prompt blocks each in the host tier (room for 128); B's are A's
     _wait_at_least(servers.off1, HELD, 10 * BLOCK_BYTES, tier="host")
     print("\n".join(metric_lines(servers.off1, "pd_transfer_offload_")))
+
+
+def test_tiers_publish_vllm_kv_events(servers: Servers) -> None:
+    """off1 publishes what its tiers stored as vLLM KV events: one BlockStored per prompt block and tier, with
+    vLLM's own block hashes (the ones its engine-cache events carry, medium GPU) and the tier's medium."""
+    prompt = _tokens(PREFIX + TAIL, 40)
+    blocks = [prompt[i * BLOCK : (i + 1) * BLOCK] for i in range(PREFIX // BLOCK)]
+    _ask(servers.off1, servers, prompt, "offload-events")
+
+    def stored(events: list[Any]) -> dict[str, list[Any]]:
+        """This prompt's BlockStored events by medium (earlier tests' events are ignored)."""
+        by_medium: dict[str, list[Any]] = {}
+        for event in events:
+            if type(event).__name__ == "BlockStored" and event.token_ids[:BLOCK] in blocks:
+                by_medium.setdefault(event.medium, []).append(event)
+        return by_medium
+
+    received = servers.events.take(lambda events: all(len(stored(events).get(m, [])) >= 5 for m in ("CPU", "DISK")))
+    got = stored(received)
+    engine_hashes = [h for event in got.get("GPU", []) for h in event.block_hashes]
+    for medium in ("CPU", "DISK"):
+        events = got.get(medium, [])
+        assert len(events) == len(blocks), f"{medium}: {len(events)} BlockStored events; {servers.logs()}"
+        assert [e.token_ids for e in events] == blocks
+        assert [h for e in events for h in e.block_hashes] == engine_hashes[: len(blocks)]
+        assert events[0].parent_block_hash is None and events[1].parent_block_hash == events[0].block_hashes[0]
 
 
 def test_shared_directory_serves_another_server(servers: Servers) -> None:
@@ -292,6 +361,31 @@ def _collect_until(side: OffloadWorkerSide, done: Callable[[StepResults], bool],
         if done(results) or time.monotonic() > deadline:
             return results
         time.sleep(0.005)
+
+
+def test_event_names_follow_a_block_through_both_tiers() -> None:
+    """Stored in two tiers, evicted from one: still named; evicted from both: forgotten. Unknown keys are skipped,
+    and at most ``max_keys`` names are kept."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from pd_transfer.integrations.vllm.offload_events import OffloadEventNames
+    from pd_transfer.offload import BlocksEvicted, BlocksStored
+
+    names = OffloadEventNames(block_size=2, max_keys=3)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    names.remember(keys[:2], 0, [b"h0", b"h1"], [5, 6, 7, 8])
+    stored = names.translate([BlocksStored("host", tuple(keys[:2])), BlocksStored("disk", (keys[1], keys[3]))])
+    h0, h1 = maybe_convert_block_hash(b"h0"), maybe_convert_block_hash(b"h1")  # as vLLM publishes its own
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.medium) for e in stored] == [
+        ([h0], None, [5, 6], "CPU"),
+        ([h1], h0, [7, 8], "CPU"),
+        ([h1], h0, [7, 8], "DISK"),
+    ]
+    removed = names.translate([BlocksEvicted("host", (keys[1],)), BlocksEvicted("disk", (keys[1],))])
+    assert [(e.block_hashes, e.medium) for e in removed] == [([h1], "CPU"), ([h1], "DISK")]
+    assert names.translate([BlocksEvicted("host", (keys[1],))]) == []  # already gone from every tier
+    names.remember(keys[1:4], 1, [b"h0", b"h1", b"h2", b"h3"], list(range(8)))
+    assert len(names._names) == 3  # keys[0] dropped: the oldest
 
 
 def test_the_configuration_refuses_what_it_does_not_know() -> None:

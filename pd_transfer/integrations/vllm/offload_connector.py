@@ -24,6 +24,7 @@ cache group only (refused at startup otherwise).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ from pd_transfer.offload import (
 
 from .connector import _log_to_stderr, register_by_name
 from .offload_config import OffloadConfig, check_supported, layer_names, page_format
+from .offload_events import OffloadEventNames
 from .offload_scheduler import OffloadScheduler, StepJobs
 from .offload_stats import OffloadStatsCollector, PdOffloadPromMetrics, PdOffloadStats
 from .offload_worker import OffloadWorkerSide, StepResults
@@ -56,6 +58,7 @@ from .offload_worker import OffloadWorkerSide, StepResults
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -112,6 +115,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
         self._worker: OffloadWorkerSide | None = None
         self._requests: dict[str, Request] = {}  # scheduler side: requests with offload state
         self._step_results = StepResults()
+        self._event_names: OffloadEventNames | None = None
         self._stats = OffloadStatsCollector(self._metrics, self._tiers(), report_held=role == KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._scheduler_side()
@@ -133,6 +137,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
         def keys_of(tokens: Any) -> list[bytes]:
             return chain_block_keys(fmt.fingerprint, tokens, self.block_size)
 
+        self._event_names = OffloadEventNames(self.block_size, 2 * sum(m.capacity_blocks for m in managers.values()))
         logger.info(
             "pd-transfer offload scheduler: tiers %s, block %d tokens = %.2f MiB, host %.0f MiB, dir %s (%.0f MiB)",
             ",".join(managers),
@@ -293,7 +298,10 @@ class PdOffloadConnector(KVConnectorBase_V1):
             block_ids = state.get_block_ids(req_id) if state is not None else None
             if request is None or not block_ids:
                 continue
-            scheduler.computed(req_id, int(request.num_computed_tokens) + int(num_tokens), block_ids[0])
+            planned = scheduler.computed(req_id, int(request.num_computed_tokens) + int(num_tokens), block_ids[0])
+            if planned is not None and self._event_names is not None:
+                first, keys = planned
+                self._event_names.remember(keys, first, request.block_hashes, request.all_token_ids)
         scheduler.preempted(sorted(scheduler_output.preempted_req_ids or ()))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -301,6 +309,14 @@ class PdOffloadConnector(KVConnectorBase_V1):
         if self._scheduler is not None and isinstance(meta, PdOffloadWorkerMetadata):
             scheduler = self._scheduler
             self._guard("completing jobs", lambda: scheduler.on_results(meta.results))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The tiers' stored and evicted blocks since the last step, as vLLM KV events (``medium`` CPU or DISK,
+        vLLM's block hashes); vLLM asks every step, which also keeps the managers' event lists short."""
+        if self._scheduler is None or self._event_names is None:
+            return ()
+        events = [event for manager in self._scheduler.managers.values() for event in manager.take_events()]
+        return self._event_names.translate(events) if events else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing the blocks of a request with stores (until the worker reports them done)."""

@@ -150,16 +150,19 @@ class OffloadScheduler:
         return dict(request.loaded) if request is not None else {}
 
     # ------------------------------------------------------------------ stores
-    def computed(self, req_id: str, num_computed_after_step: int, block_ids: Sequence[int]) -> None:
+    def computed(
+        self, req_id: str, num_computed_after_step: int, block_ids: Sequence[int]
+    ) -> tuple[int, list[BlockKey]] | None:
         """The request will have ``num_computed_after_step`` tokens computed after this step: queue stores of
-        the prompt blocks that step completes (``block_ids``: the request's blocks, group 0)."""
+        the prompt blocks that step completes (``block_ids``: the request's blocks, group 0). Returns the index
+        of the first such block and their keys (None: no new block)."""
         request = self._requests.get(req_id)
         if request is None:
-            return
+            return None
         full = min(num_computed_after_step, request.prompt_len) // self.block_size
         full = min(full, len(request.keys), len(block_ids))
         if full <= request.stored_upto:
-            return
+            return None
         start, request.stored_upto = request.stored_upto, full
         keys = request.keys[start:full]
         where = {key: int(block_ids[start + i]) for i, key in enumerate(keys)}
@@ -176,6 +179,7 @@ class OffloadScheduler:
             self._jobs[job.job_id] = ("store", plan.blocks)
             self._pending.stores.append((req_id, job))
             request.store_jobs += 1
+        return start, keys
 
     def preempted(self, req_ids: Sequence[str]) -> None:
         """Requests whose blocks vLLM frees this step: the worker waits for their stores first."""
