@@ -407,14 +407,14 @@ def json_arg(command: list[str], flag: str) -> dict[str, Any]:
 
 
 def image_model_dir(dockerfile: Dockerfile) -> str:
-    """The folder the image builds the model into (``pd-transfer make-model DIR``)."""
+    """The folder the image builds its default model into (``pd-transfer make-model --smollm2 DIR``)."""
     found = []
     for command in dockerfile.commands():
         if command[:2] == ["pd-transfer", "make-model"]:
             parsed = parse_pd_transfer(command[1:])
             assert not isinstance(parsed, str), parsed
-            found.append(str(parsed.directory))
-    assert len(found) == 1, f"one `pd-transfer make-model` in the Dockerfile, found {found}"
+            found += [str(parsed.directory)] if parsed.smollm2 else []
+    assert len(found) == 1, f"one `pd-transfer make-model --smollm2` in the Dockerfile, found {found}"
     return found[0]
 
 
@@ -502,7 +502,7 @@ def test_dockerfile_installs_what_pyproject_pins_and_builds_the_model() -> None:
     assert len(repo_installs) == 1, repo_installs
     index, target = repo_installs[0]
     extras = set(target[2:-1].split(","))
-    assert extras == {"vllm", "proxy"} and extras <= set(project["optional-dependencies"]), target
+    assert extras == {"vllm", "proxy", "real-model"} and extras <= set(project["optional-dependencies"]), target
     uninstall = commands[index + 1]
     assert uninstall[:3] == ["pip", "uninstall", "-y"] and set(uninstall[3:]) == {
         "torchvision",
@@ -520,7 +520,7 @@ def test_dockerfile_installs_what_pyproject_pins_and_builds_the_model() -> None:
         for module in re.findall(r"[\w.]+", check[2].removeprefix("import")):
             if module.split(".")[0] == "pd_transfer":
                 assert importlib.util.find_spec(module) is not None, f"the build imports {module}: not found"
-    assert image_model_dir(dockerfile) == "/models/tiny-llama-f32"
+    assert image_model_dir(dockerfile) == "/models/smollm2-135m-instruct"
     environment = " ".join(dockerfile.all("ENV"))
     assert "HF_HUB_OFFLINE=1" in environment
     assert not dockerfile.all("ENTRYPOINT"), "compose commands start with pd-transfer: no ENTRYPOINT"
