@@ -104,5 +104,5 @@ def test_up_demo_answers_like_plain_vllm(smollm2: Path, tmp_path: Path) -> None:
     assert process.returncode == 0 and "demo: FAILED" not in output, output
     assert f"({smollm2.name}; logs in" in output, output  # the real model, not the tiny fallback
     assert re.search(r"\b4/4 answers equal a plain vLLM server's", output), output
-    chat = output.split("chat, short: 'What is the capital of France?", 1)[1].split("\n", 2)[1]
+    chat = output.split("chat, short, 'What is the capital of France?", 1)[1].split("\n", 2)[1]
     assert chat.strip().startswith("->") and "Paris" in chat, chat

@@ -73,7 +73,7 @@ def demo_requests(model: str, passage: str) -> list[tuple[str, str, dict[str, ob
         ),
         ("completion, multi-block prompt, streamed", "/v1/completions", {**common, "prompt": passage, **usage}, True),
         (
-            f"chat, short: {QUESTION!r}",
+            f"chat, short, {QUESTION!r}",
             "/v1/chat/completions",
             {**chat, "messages": [{"role": "user", "content": QUESTION}]},
             False,
