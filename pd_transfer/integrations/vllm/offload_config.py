@@ -82,12 +82,11 @@ def _size(extra: dict[str, Any], key: str) -> int:
 
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Raise ``ValueError`` unless TP 1, PP 1 and one KV cache group (what this connector supports today)."""
+    """Raise ``ValueError`` unless PP 1 and one KV cache group (what this connector supports today)."""
     parallel = vllm_config.parallel_config
-    if int(parallel.tensor_parallel_size) != 1 or int(parallel.pipeline_parallel_size) != 1:
+    if int(parallel.pipeline_parallel_size) != 1:
         raise ValueError(
-            "PdOffloadConnector supports tensor_parallel_size 1 and pipeline_parallel_size 1 only, got"
-            f" TP {parallel.tensor_parallel_size}, PP {parallel.pipeline_parallel_size}"
+            f"PdOffloadConnector supports pipeline_parallel_size 1 only, got PP {parallel.pipeline_parallel_size}"
         )
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
@@ -99,9 +98,14 @@ def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
     return list(kv_cache_config.kv_cache_groups[0].layer_names)
 
 
-def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PageFormat:
-    """The page format of this engine's blocks: one page of ``page_size_bytes`` per layer, the model's
-    fingerprint (as the P/D connector names it) and the CPU attention packing in ``layout``."""
+def tp_size(vllm_config: VllmConfig) -> int:
+    return int(vllm_config.parallel_config.tensor_parallel_size)
+
+
+def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_rank: int = 0) -> PageFormat:
+    """The page format of TP rank ``tp_rank``'s share of this engine's blocks: one page of ``page_size_bytes``
+    (one rank's cache) per layer, the model's fingerprint (as the P/D connector names it), the TP size and
+    rank (ranks hold different heads: their blocks never mix) and the CPU attention packing in ``layout``."""
     spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     model = vllm_config.model_config
     names = layer_names(kv_cache_config)
@@ -119,5 +123,7 @@ def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Page
         fingerprint=fingerprint,
         page_bytes=(int(spec.page_size_bytes),) * len(names),
         block_size=block_size,
+        tp_size=tp_size(vllm_config),
+        tp_rank=tp_rank,
         layout=f"{PACKING_PREFIX}{isa}",
     )

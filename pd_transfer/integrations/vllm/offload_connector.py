@@ -17,8 +17,10 @@ step completes are stored into every tier after that step's forward, and a finis
 until its stores are done. Worker side (:mod:`.offload_worker`): one :class:`~pd_transfer.offload.TransferWorker`
 per tier over canonical ``(num_blocks, page_bytes)`` uint8 views of vLLM's CPU cache tensors. A failed or damaged
 load is reported as invalid blocks (vLLM recomputes them; ``kv_load_failure_policy`` is set to ``recompute``) and
-the keys invalidated. Worker results reach the scheduler through vLLM's worker metadata hook. TP 1, PP 1, one KV
-cache group only (refused at startup otherwise).
+the keys invalidated. Worker results reach the scheduler through vLLM's worker metadata hook. With TP, every rank
+stores and loads its own share of each block (its own host pool of ``offload_host_bytes / TP`` bytes, its own files,
+named by a page format that includes the rank), and the scheduler completes a job once all ranks reported it. PP 1
+and one KV cache group only (refused at startup otherwise).
 """
 
 from __future__ import annotations
@@ -42,14 +44,13 @@ from pd_transfer.offload import (
     HostPool,
     OffloadManager,
     OffloadMetrics,
-    PageFormat,
     TransferResult,
     TransferWorker,
     chain_block_keys,
 )
 
 from .connector import _log_to_stderr, register_by_name
-from .offload_config import OffloadConfig, check_supported, layer_names, page_format
+from .offload_config import OffloadConfig, check_supported, layer_names, page_format, tp_size
 from .offload_events import OffloadEventNames
 from .offload_scheduler import OffloadScheduler, StepJobs
 from .offload_stats import OffloadStatsCollector, PdOffloadPromMetrics, PdOffloadStats
@@ -108,7 +109,9 @@ class PdOffloadConnector(KVConnectorBase_V1):
         check_supported(vllm_config, kv_cache_config)
         transfer.kv_load_failure_policy = "recompute"  # failed loads are recomputed, never request errors
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.page_format: PageFormat = page_format(vllm_config, kv_cache_config)
+        self.tp_size = tp_size(vllm_config)
+        #: one page format per TP rank (a rank's share of a block); a worker uses its own rank's
+        self.page_formats = [page_format(vllm_config, kv_cache_config, rank) for rank in range(self.tp_size)]
         self._layers = layer_names(kv_cache_config)
         self._metrics = OffloadMetrics()
         self._scheduler: OffloadScheduler | None = None
@@ -124,14 +127,21 @@ class PdOffloadConnector(KVConnectorBase_V1):
         return tuple(t for t, on in (("host", self.config.host_bytes > 0), ("disk", self.config.dir)) if on)
 
     def _scheduler_side(self) -> OffloadScheduler:
-        fmt, block_bytes = self.page_format, self.page_format.block_bytes
+        """The managers size blocks as all ranks' shares together (a host pool row on every rank, a file per
+        rank), so their row numbers hold on every rank's pool of ``offload_host_bytes / TP`` bytes."""
+        fmt = self.page_formats[0]
+        block_bytes = fmt.block_bytes * self.tp_size
         managers: dict[str, OffloadManager] = {}
         if self.config.host_bytes:
             managers["host"] = OffloadManager("host", self.config.host_bytes, block_bytes, metrics=self._metrics)
         if self.config.dir:
-            probe_tier = DirectoryTier(self.config.dir, fmt, max_bytes=self.config.dir_bytes)
+            probes = [DirectoryTier(self.config.dir, f, max_bytes=self.config.dir_bytes) for f in self.page_formats]
             managers["disk"] = OffloadManager(
-                "disk", self.config.dir_bytes, block_bytes, probe=probe_tier.exists, metrics=self._metrics
+                "disk",
+                self.config.dir_bytes,
+                block_bytes,
+                probe=lambda key: all(tier.exists(key) for tier in probes),
+                metrics=self._metrics,
             )
 
         def keys_of(tokens: Any) -> list[bytes]:
@@ -147,20 +157,24 @@ class PdOffloadConnector(KVConnectorBase_V1):
             self.config.dir,
             self.config.dir_bytes / 2**20,
         )
-        return OffloadScheduler(managers, self.block_size, keys_of, load_mode=self.config.load_mode)
+        return OffloadScheduler(managers, self.block_size, keys_of, load_mode=self.config.load_mode, ranks=self.tp_size)
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        rank = get_tp_group().rank_in_group if self.tp_size > 1 else 0
+        fmt = self.page_formats[rank]
         caches = [_canonical(kv_caches[name]) for name in self._layers]
         workers: dict[str, TransferWorker] = {}
         queued = self.config.max_queued_jobs
         if self.config.host_bytes:
-            pool = HostPool.create(self.page_format, self.config.host_bytes, metrics=self._metrics)
+            pool = HostPool.create(fmt, self.config.host_bytes // self.tp_size, metrics=self._metrics)
             workers["host"] = TransferWorker(caches, pool, max_queued_jobs=queued, metrics=self._metrics)
         if self.config.dir:
             tier = DirectoryTier(
                 self.config.dir,
-                self.page_format,
+                fmt,
                 max_bytes=self.config.dir_bytes,
                 fsync=self.config.fsync,
                 metrics=self._metrics,
@@ -168,10 +182,12 @@ class PdOffloadConnector(KVConnectorBase_V1):
             workers["disk"] = TransferWorker(caches, tier, max_queued_jobs=queued, metrics=self._metrics)
         self._worker = OffloadWorkerSide(workers)
         logger.info(
-            "pd-transfer offload worker: %d layer(s) x %d blocks, %.2f MiB a block, tiers %s",
+            "pd-transfer offload worker tp%d/%d: %d layer(s) x %d blocks, %.2f MiB a block, tiers %s",
+            rank,
+            self.tp_size,
             len(caches),
             caches[0].shape[0],
-            self.page_format.block_bytes / 2**20,
+            fmt.block_bytes / 2**20,
             ",".join(workers),
         )
 

@@ -80,7 +80,9 @@ class OffloadScheduler:
         block_size: int,
         keys_of: Callable[[Sequence[int]], list[BlockKey]],
         load_mode: str = "auto",
+        ranks: int = 1,
     ) -> None:
+        """``ranks``: the TP ranks whose workers each report every job (a job is done when all have)."""
         if load_mode not in LOAD_MODES:
             raise ValueError(f"load mode must be one of {LOAD_MODES}, got {load_mode!r}")
         self.load_mode = load_mode
@@ -89,6 +91,8 @@ class OffloadScheduler:
         self._keys_of = keys_of
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, tuple[str, TierBlocks]] = {}  # job id -> (direction, blocks)
+        self.ranks = ranks
+        self._partial: dict[int, list[TransferResult]] = {}  # job id -> results of the ranks that reported
         self._ids = itertools.count(1)
         self._pending = StepJobs()
 
@@ -192,8 +196,9 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ results and the end of a request
     def on_results(self, results: Sequence[TransferResult]) -> None:
-        """The worker's finished jobs: complete (or, for failed keys, invalidate) their blocks."""
-        for result in results:
+        """The workers' finished jobs: complete (or, for failed keys, invalidate) their blocks once every rank
+        reported a job (with TP, a block is stored or loaded only when all ranks' shares are)."""
+        for result in self._whole(results):
             entry = self._jobs.pop(result.job_id, None)
             if entry is None:
                 logger.warning("offload: result of unknown job %d ignored", result.job_id)
@@ -206,6 +211,31 @@ class OffloadScheduler:
                     manager.invalidate(result.failed_keys)
             else:
                 manager.complete_store(blocks.keys, success=result.ok)
+
+    def _whole(self, results: Sequence[TransferResult]) -> list[TransferResult]:
+        """The jobs all ``ranks`` have reported, each as one result (ok if every rank's was; failed keys of all)."""
+        if self.ranks == 1:
+            return list(results)
+        whole = []
+        for result in results:
+            reported = self._partial.setdefault(result.job_id, [])
+            reported.append(result)
+            if len(reported) < self.ranks:
+                continue
+            del self._partial[result.job_id]
+            failed = tuple(dict.fromkeys(key for r in reported for key in r.failed_keys))
+            whole.append(
+                TransferResult(
+                    job_id=result.job_id,
+                    direction=result.direction,
+                    ok=all(r.ok for r in reported),
+                    num_bytes=sum(r.num_bytes for r in reported),
+                    seconds=max(r.seconds for r in reported),
+                    failed_keys=failed,
+                    error=next((r.error for r in reported if r.error), ""),
+                )
+            )
+        return whole
 
     def finished(self, req_id: str) -> bool:
         """Forget the request; True when its blocks must stay allocated until the worker's ``finished_sending``."""
