@@ -28,6 +28,7 @@ from typing import Any
 from pd_transfer.affinity import allowed_cpus
 from pd_transfer.cluster.http_client import RequestFailed, busy_ports
 from pd_transfer.cluster.launch import ServerSpec, cpu_binds, server_process
+from pd_transfer.cluster.monitoring import write_scrape_config
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, stop_all, wait_ready
 from pd_transfer.cluster.up_args import (
     DEFAULT_MODEL_DIR,
@@ -427,6 +428,7 @@ def _print_ready(
             f" healthy after {process.ready_after_s or 0:.0f} s"
         )
     out.say(f"  state: {log_dir / STATE_FILE}")
+    out.say(f"  metrics: prometheus --config.file={write_scrape_config(log_dir)}  (every server and the proxy)")
     body = json.dumps({"model": served_name, "prompt": "Alice saw the old castle", "max_tokens": 16, "temperature": 0})
     out.say("try:")
     out.say(f"  curl -s {proxy_url}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}")
