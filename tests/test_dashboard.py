@@ -1,0 +1,273 @@
+"""The operators' view: Prometheus scrape configs and the Grafana dashboard, on real data.
+
+Fast checks: the scrape config ``pd_transfer.cluster.monitoring`` renders for a ``pd-transfer up`` cluster and
+``docker/prometheus.yml`` (the compose cluster's services and ports) pass ``promtool check config``; the dashboard
+JSON is well formed. End to end (vLLM, the test model and Prometheus needed): a real ``pd-transfer up`` cluster with
+an offload directory and a small host tier, a real Prometheus scraping it every second (its own storage directory,
+a free port), traffic through our proxy (completions, streamed chats, a malformed body, a client that goes away
+mid-stream) plus a prompt sent to the prefill then to the decode directly (the decode loads it from the shared
+directory); then every panel's PromQL runs against Prometheus's HTTP API until each panel returns data (bounded).
+Grafana itself does not run here: the panels' queries are what it would run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from up_cluster import REPO, UP_TIMEOUT_S, UpCluster, deploy_tool, missing_tool, up_cluster
+from vllm_servers import DEFAULT_MODEL, free_port, vllm_missing
+
+from pd_transfer.cluster.http_client import get_text, metric_value, post_json, post_stream, wait_metric
+from pd_transfer.cluster.monitoring import ScrapeTarget, cluster_targets, prometheus_config
+from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
+
+DASHBOARD = REPO / "docker" / "grafana" / "pd-transfer.json"
+COMPOSE_CONFIG = REPO / "docker" / "prometheus.yml"
+RATE_WINDOW = "1m"  # what $__rate_interval becomes here (scrapes every second)
+DATA_TIMEOUT_S = 120.0
+#: Metrics that appear only once their event happened (a stored block refused on load): a panel showing them
+#: beside others may lack that one series here.
+EVENT_ONLY = {"vllm:pd_transfer_offload_rejected_blocks_total"}
+#: Panels whose value must be above zero after the traffic (not only present).
+POSITIVE = {
+    "Request rate by endpoint and status",
+    "Hop latency (p50, p99): prefill, decode",
+    "Time to first token at the proxy (p50, p99, streams)",
+    "Time to first token per vLLM server (p50, p99)",
+    "KV bytes pulled per second",
+    "Pull seconds (p50, p99)",
+    "Leases by outcome (prefill)",
+    "Offload bytes stored and loaded per second",
+    "Offload bytes held",
+}
+
+
+def _promtool_check(path: Path) -> str:
+    result = subprocess.run(
+        [str(deploy_tool("promtool")), "check", "config", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def _panels() -> list[dict[str, Any]]:
+    return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+
+# ---------------------------------------------------------------------------------------------- configs
+STATE = {
+    "proxy": "http://127.0.0.1:8000",
+    "processes": [
+        {"name": "prefill-0", "role": "prefill", "url": "http://127.0.0.1:8100"},
+        {"name": "prefill-1", "role": "prefill", "url": "http://127.0.0.1:8101"},
+        {"name": "decode-0", "role": "decode", "url": "http://127.0.0.1:8102"},
+        {"name": "reference", "role": "reference", "url": "http://127.0.0.1:8103"},
+        {"name": "proxy", "role": "proxy", "url": "http://127.0.0.1:8000"},
+    ],
+}
+
+
+def test_scrape_config_of_an_up_cluster(tmp_path: Path) -> None:
+    targets = cluster_targets(STATE)
+    assert targets == [
+        ScrapeTarget("vllm", "127.0.0.1:8100", {"role": "prefill", "server": "prefill-0"}),
+        ScrapeTarget("vllm", "127.0.0.1:8101", {"role": "prefill", "server": "prefill-1"}),
+        ScrapeTarget("vllm", "127.0.0.1:8102", {"role": "decode", "server": "decode-0"}),
+        ScrapeTarget("pd-proxy", "127.0.0.1:8000", {"role": "proxy", "server": "proxy"}),
+    ]  # the plain reference server of --demo is not part of the cluster
+    text = prometheus_config(targets, 0.5, comment="a test")
+    config = yaml.safe_load(text)
+    assert config["global"]["scrape_interval"] == "500ms"
+    jobs = {job["job_name"]: job["static_configs"] for job in config["scrape_configs"]}
+    assert [c["targets"] for c in jobs["vllm"]] == [["127.0.0.1:8100"], ["127.0.0.1:8101"], ["127.0.0.1:8102"]]
+    assert jobs["pd-proxy"] == [{"targets": ["127.0.0.1:8000"], "labels": {"role": "proxy", "server": "proxy"}}]
+    with pytest.raises(ValueError, match="scrape interval must be positive"):
+        prometheus_config(targets, 0)
+    with pytest.raises(ValueError, match="has no http://host:port URL"):
+        cluster_targets({"processes": [{"name": "decode-0", "role": "decode", "url": "not a url"}]})
+    if missing_tool("promtool"):
+        pytest.skip(str(missing_tool("promtool")))
+    (tmp_path / "prometheus.yml").write_text(text)
+    assert "SUCCESS" in _promtool_check(tmp_path / "prometheus.yml")
+
+
+def _compose_default(value: str) -> str:
+    """``${NAME:-default}`` -> ``default`` (the compose file's defaults)."""
+    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", str(value))
+
+
+def test_compose_prometheus_config_scrapes_every_service() -> None:
+    """docker/prometheus.yml scrapes the proxy and every vLLM server of docker-compose.yml at their ports."""
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())["services"]
+    ports = {}
+    for name, service in compose.items():
+        if name in ("proxy", "prefill", "decode"):
+            command = [_compose_default(word) for word in service["command"]]
+            ports[name] = f"{name}:{command[command.index('--port') + 1]}"
+    config = yaml.safe_load(COMPOSE_CONFIG.read_text())
+    scraped = {
+        target: (job["job_name"], static.get("labels", {}).get("role"))
+        for job in config["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    assert scraped == {
+        ports["proxy"]: ("pd-proxy", "proxy"),
+        ports["prefill"]: ("vllm", "prefill"),
+        ports["decode"]: ("vllm", "decode"),
+    }
+    if missing_tool("promtool"):
+        pytest.skip(str(missing_tool("promtool")))
+    assert "SUCCESS" in _promtool_check(COMPOSE_CONFIG)
+
+
+def test_dashboard_is_well_formed() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = _panels()
+    assert dashboard["uid"] == "pd-transfer" and len(panels) >= 20
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource"]
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"] and panel["description"], panel["title"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
+        for target in panel["targets"]:
+            assert re.search(r'job="(pd-proxy|vllm)"', target["expr"]), (panel["title"], target["expr"])
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+class PrometheusProcess(ManagedProcess):
+    """Prometheus as a managed process: ready when ``/-/ready`` answers 200."""
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/-/ready"
+
+
+def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
+    """The result vector of an instant query (now); raises ``AssertionError`` on a query Prometheus refuses."""
+    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    answer = json.loads(get_text(url))
+    assert answer["status"] == "success", f"{expr}: {answer}"
+    return list(answer["data"]["result"])
+
+
+def _targets_up(prometheus: str) -> bool:
+    targets = json.loads(get_text(f"{prometheus}/api/v1/targets"))["data"]["activeTargets"]
+    return bool(targets) and all(t["health"] == "up" for t in targets)
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpCluster, str]]:
+    """An up cluster (offload directory, a 1 MiB host tier per server) and a Prometheus scraping it every second."""
+    reason = vllm_missing() or missing_tool("prometheus") or missing_tool("promtool")
+    if reason is None and not (Path(DEFAULT_MODEL) / "config.json").exists():
+        reason = f"no model at {DEFAULT_MODEL} (make it with `pd-transfer make-model`)"
+    if reason is not None:
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("dashboard")
+    offload = ["--offload-dir", str(work / "kv"), "--offload-host-bytes", str(1 << 20)]
+    prometheus: ManagedProcess | None = None
+    try:
+        with up_cluster(work, *offload) as cluster:
+            _promtool_check(cluster.log_dir / "prometheus.yml")  # the file up wrote for its users
+            config = work / "prometheus.yml"
+            config.write_text(prometheus_config(cluster_targets(cluster.state), 1.0))
+            port = free_port()
+            command = [str(deploy_tool("prometheus")), f"--config.file={config}"]
+            command += [f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
+            prometheus = PrometheusProcess(
+                "prometheus", command, {}, work / "prometheus.log", f"http://127.0.0.1:{port}"
+            )
+            prometheus.start()
+            wait_ready([prometheus], 60.0)
+            deadline = time.monotonic() + 30.0
+            while not _targets_up(prometheus.url):
+                assert time.monotonic() < deadline, get_text(f"{prometheus.url}/api/v1/targets")
+                time.sleep(0.5)
+            yield cluster, prometheus.url
+    finally:
+        if prometheus is not None:
+            stop_all([prometheus])
+
+
+def _traffic(cluster: UpCluster) -> None:
+    """Completions and streamed chats through the proxy, a malformed body, a client leaving mid-stream, and one
+    prompt sent to the prefill then the decode directly (the decode loads it from the shared directory)."""
+    proxy, model = cluster.proxy, cluster.model
+    words = "lantern harbor stone river castle meadow".split()
+    for k in range(6):  # 6 x 3 blocks of 128 tokens: more than the 1 MiB host tier holds, so it evicts
+        prompt = " ".join(words[(k + i) % len(words)] for i in range(300)) + f" {k}"
+        post_json(f"{proxy}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    for k in range(3):
+        chat = {"model": model, "messages": [{"role": "user", "content": f"{k} " + " ".join(words * 30)}]}
+        post_stream(f"{proxy}/v1/chat/completions", chat | {"max_tokens": 4, "temperature": 0})
+    request = urllib.request.Request(f"{proxy}/v1/completions", b"{not json", {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(request, timeout=30)
+    _leave_mid_stream(proxy, model)
+    shared = {"model": model, "prompt": " ".join(reversed(words * 60)), "max_tokens": 2, "temperature": 0}
+    (prefill,), (decode,) = cluster.urls("prefill"), cluster.urls("decode")
+    stored = ("vllm:pd_transfer_offload_stored_bytes_total", {"tier": "disk"})
+    before = metric_value(prefill, stored[0], **stored[1])
+    post_json(f"{prefill}/v1/completions", shared)
+    assert wait_metric(prefill, stored[0], lambda v: v > before, 30.0, labels=stored[1]).reached
+    post_json(f"{decode}/v1/completions", shared)
+
+
+def _leave_mid_stream(proxy: str, model: str) -> None:
+    """A streamed completion whose client closes the connection after the first bytes; waits (bounded) until the
+    proxy counted the disconnect."""
+    body = {"model": model, "prompt": "Alice saw", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(
+        f"{proxy}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.read(16)
+    labels = {"hop": "client", "kind": "disconnect"}
+    assert wait_metric(proxy, "pd_proxy_errors_total", lambda v: v >= 1, 30.0, labels=labels).reached
+
+
+def _panel_results(prometheus: str, panel: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    return [_query(prometheus, t["expr"].replace("$__rate_interval", RATE_WINDOW)) for t in panel["targets"]]
+
+
+def _value(results: list[list[dict[str, Any]]]) -> float:
+    """The largest finite value of a panel's series (NaN when none: e.g. a quantile of no observations)."""
+    values = [float(s["value"][1]) for series in results for s in series]
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    return max(finite) if finite else float("nan")
+
+
+@pytest.mark.timeout(UP_TIMEOUT_S + 900)
+def test_every_panel_returns_data(monitored: tuple[UpCluster, str]) -> None:
+    cluster, prometheus = monitored
+    started = time.monotonic()
+    _traffic(cluster)
+    print(f"\ntraffic sent in {time.monotonic() - started:.1f} s")
+    panels = _panels()
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while True:
+        values = {p["title"]: _value(_panel_results(prometheus, p)) for p in panels}
+        lacking = [title for title, v in values.items() if v != v or (title in POSITIVE and v <= 0)]
+        if not lacking or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    for title, value in values.items():
+        print(f"  {value:14.6g}  {title}")
+    assert not lacking, f"panels without data after {DATA_TIMEOUT_S:.0f} s: {lacking}"
+    names = set(json.loads(get_text(f"{prometheus}/api/v1/label/__name__/values"))["data"])
+    used = {n for p in panels for t in p["targets"] for n in re.findall(r"[a-z_:]+(?=\{)", t["expr"])}
+    unknown = used - names
+    assert unknown <= EVENT_ONLY, f"the dashboard names metrics Prometheus never saw: {sorted(unknown - EVENT_ONLY)}"
