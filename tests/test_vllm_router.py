@@ -8,6 +8,9 @@ loaded every prompt token from outside (``vllm:prompt_tokens_by_source_total{sou
 our pulls (``vllm:pd_transfer_pull_seconds_count``), and the prefill must have seen its lease read
 (``vllm:pd_transfer_leases_ended_total{reason="read"}``). Skips, with the reason, without vLLM, the test model or
 the router (``scripts/setup-deploy`` installs it).
+
+``pd-transfer bench proxy`` measures the router beside our proxy over the same stand-ins: a short run here checks
+that both fronts answer and that the router's figures sit beside ours.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pytest
 from up_cluster import UP_TIMEOUT_S, UpCluster, deploy_tool, missing_tool, up_cluster
 from vllm_servers import DEFAULT_MODEL, free_port, metric_value, reference_server, vllm_missing
 
+from pd_transfer.bench.proxy_router import router_command
 from pd_transfer.cluster.http_client import answer_tokens, post_json, post_stream, prompt_tokens, wait_metric
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 
@@ -34,17 +38,6 @@ MAX_TOKENS = 12
 ROUTER_START_TIMEOUT_S = 60.0
 RUN_SALT = time.time_ns() % 10**9
 E2E_TIMEOUT = pytest.mark.timeout(UP_TIMEOUT_S + 900)  # the first test also waits for the servers' startup
-
-
-def router_command(binary: str, prefills: list[str], decodes: list[str], port: int, metrics_port: int) -> list[str]:
-    """vLLM's router in P/D mode over our servers: NIXL-style ``kv_transfer_params``, round robin."""
-    command = [binary, "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", "round_robin"]
-    for url in prefills:
-        command += ["--prefill", url]
-    for url in decodes:
-        command += ["--decode", url]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
-    return command
 
 
 def _token_ids(length: int, seed: int) -> list[int]:
@@ -139,3 +132,28 @@ def test_router_answers_equal_a_plain_server_and_the_decode_loads_the_kv(
     assert loaded == prompted > 0, f"{name}: the decode loaded {loaded} of {prompted} prompt tokens"
     assert pulls >= 1, f"{name}: no pull counted on the decode"
     assert leases.reached, f"{name}: the prefill's lease was not ended by a read"
+
+
+def test_bench_proxy_measures_the_router_beside_ours() -> None:
+    reason = missing_tool("vllm-router")
+    if reason is not None:
+        pytest.skip(reason)
+    from pd_transfer.bench.proxy import run_bench
+
+    result = run_bench(
+        requests=40,
+        concurrencies=(1, 8),
+        rounds=2,
+        warmup=4,
+        requests_at_1=10,
+        token_delay_s=0.001,
+        saturation=False,
+        router=deploy_tool("vllm-router"),
+    )
+    assert result["vllm_router"]["binary"] == deploy_tool("vllm-router")
+    for key in ("concurrency_1", "concurrency_8"):
+        ours, router = result[key], result[key]["vllm_router"]
+        print(f"\n{key}: ours +{ours['added_ms_p50']} ms p50, vllm-router +{router['added_ms_p50']} ms p50")
+        assert ours["failed"] == {"direct": 0, "proxy": 0} and router["failed"] == 0
+        assert router["ms_p50"] > 8 and router["cpu_ms_per_request"] > 0  # 20 ms prefill + 8 x 1 ms in the backends
+        assert router["added_ms_p50"] == pytest.approx(router["ms_p50"] - ours["direct_ms_p50"], abs=1e-3)

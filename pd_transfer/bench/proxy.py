@@ -12,6 +12,11 @@ Both run at each concurrency in the same run, interleaved in rounds (direct then
 answered). ``added_ms_*`` is the proxy's percentile minus the direct one; ``proxy_cpu_ms_per_request`` is the proxy
 process's CPU time (user + system) over its requests.
 
+vLLM's router (``vllm-router``, Rust) runs beside our proxy in the same run when it is installed
+(:mod:`pd_transfer.bench.proxy_router`): P/D mode over the same stand-ins, pinned to the proxy's core, its requests
+interleaved with the others in every round; its figures go in a ``vllm_router`` object beside ours at each
+concurrency (``added_ms_p50`` / ``_p99`` against the same direct requests, ``cpu_ms_per_request``).
+
 The stand-ins answer after a model's latency (``BACKEND_DELAY``): real backends spend a request's time generating
 on a GPU, not on the CPU the proxy runs on, and that time sets how many requests per second 64 clients send. With
 2 or more cores the proxy is pinned to one core and the client and stand-ins to the others, as a proxy would have
@@ -32,11 +37,13 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from pd_transfer.affinity import allowed_cpus
+from pd_transfer.bench.proxy_router import RouterProcess, find_router, start_router
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.cli import loop_factory
 
@@ -61,19 +68,24 @@ def run_bench(
     token_delay_s: float = BACKEND_DELAY["decode_token_s"],
     saturation: bool = True,
     pin: bool = True,
+    router: str | None = None,
+    with_router: bool = True,
 ) -> dict[str, Any]:
     """Direct vs proxied requests at each concurrency, ``requests`` of each kind per concurrency
-    (``requests_at_1`` at concurrency 1: default ``requests // 5``, each takes a backend round trip)."""
+    (``requests_at_1`` at concurrency 1: default ``requests // 5``, each takes a backend round trip); vLLM's
+    router beside our proxy when ``with_router`` and a ``vllm-router`` is found (``router``: its path)."""
     cpus = allowed_cpus()
     pinning = {"proxy": cpus[:1], "client_and_stand_ins": cpus[1:]} if pin and len(cpus) >= 2 else None
     own_affinity = set(cpus)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen[str]] = []
+    routers: list[RouterProcess] = []
+    binary = find_router(router) if with_router else None
     try:
         if pinning is not None:
             os.sched_setaffinity(0, pinning["client_and_stand_ins"])  # the client; children inherit it
-        delayed = _setup(env, procs, pinning, prefill_delay_s, token_delay_s)
-        instant = _setup(env, procs, pinning, 0.0, 0.0) if saturation else None
+        delayed = _setup(env, procs, pinning, prefill_delay_s, token_delay_s, binary, routers)
+        instant = _setup(env, procs, pinning, 0.0, 0.0, binary, routers) if saturation else None
         counts = {c: (requests_at_1 or max(1, requests // 5)) if c == 1 else requests for c in concurrencies}
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             result = runner.run(_measure(*delayed, counts, rounds, warmup))
@@ -81,6 +93,8 @@ def run_bench(
                 result["saturation"] = runner.run(_measure(*instant, {max(concurrencies): requests}, rounds, warmup))
     finally:
         os.sched_setaffinity(0, own_affinity)
+        for front in routers:
+            front.stop()
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -104,6 +118,9 @@ def run_bench(
             "cpus_available": len(cpus),
             "pinning": pinning,
             "setup": "stand-in prefill + decode (one process), proxy (one process), client (this process)",
+            "vllm_router": {"binary": binary, "version": _router_version(binary)}
+            if binary
+            else {"skipped": "vllm-router not found (scripts/setup-deploy installs it)" if with_router else "off"},
             "event_loop": "uvloop" if loop_factory() else "asyncio",
             "load_average_1m": round(os.getloadavg()[0], 2),
         }
@@ -117,8 +134,11 @@ def _setup(
     pinning: dict[str, list[int]] | None,
     prefill_delay_s: float,
     token_delay_s: float,
-) -> tuple[str, str, str, int]:
-    """Stand-ins and a proxy in front of them: (prefill URL, decode URL, proxy URL, proxy pid)."""
+    router: str | None,
+    routers: list[RouterProcess],
+) -> tuple[str, str, dict[str, tuple[str, int]]]:
+    """Stand-ins, our proxy in front of them and vLLM's router when ``router`` names its binary (appended to
+    ``routers``): (prefill URL, decode URL, {"proxy" | "vllm_router": (URL, pid)})."""
     standins = _spawn(
         [sys.executable, "-m", "pd_transfer.sim.http_standin", "prefill", "decode",
          "--prefill-delay", str(prefill_delay_s), "--token-delay", str(token_delay_s)],
@@ -144,7 +164,29 @@ def _setup(
     line = _read_line(proxy, time.monotonic() + 30)
     if pinning is not None:
         _pin(proxy.pid, pinning["proxy"])  # again: threads started meanwhile
-    return urls["prefill"], urls["decode"], line.split(" listening on ", 1)[1].split()[0], proxy.pid
+    fronts = {"proxy": (line.split(" listening on ", 1)[1].split()[0], proxy.pid)}
+    if router is not None:
+        routers.append(start_router(router, urls["prefill"], urls["decode"], env))
+        if pinning is not None:
+            _pin(routers[-1].pid, pinning["proxy"])
+        fronts["vllm_router"] = (routers[-1].url, routers[-1].pid)
+    return urls["prefill"], urls["decode"], fronts
+
+
+def _router_version(binary: str) -> str:
+    """The version of the ``vllm_router`` package beside ``binary`` (its own interpreter), or "unknown"."""
+    python = os.path.join(os.path.dirname(binary), "python")
+    try:
+        out = subprocess.run(
+            [python, "-c", "import importlib.metadata as m; print(m.version('vllm-router'))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def _pin(pid: int, cpus: list[int]) -> None:
@@ -187,80 +229,125 @@ def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
 
 
 async def _measure(
-    prefill: str, decode: str, proxy: str, proxy_pid: int, counts: dict[int, int], rounds: int, warmup: int
+    prefill: str, decode: str, fronts: dict[str, tuple[str, int]], counts: dict[int, int], rounds: int, warmup: int
 ) -> dict[str, Any]:
+    """Per concurrency (``counts``: concurrency -> requests of each kind): direct requests and requests through each
+    front (``fronts``: name -> (URL, pid)), interleaved in ``rounds``; the summary of :func:`_summary`."""
     import aiohttp  # the 'proxy' extra; imported here so the CLI can list this command without it
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        endpoint = flow.COMPLETIONS
-        proxied_payload = msgspec.json.encode(BODY)
-
-        async def direct() -> float:
-            headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
-            started = time.perf_counter()
-            payload = msgspec.json.encode(flow.prefill_body(endpoint, BODY))
-            async with session.post(prefill + endpoint, data=payload, headers=headers) as r:
-                raw = await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"prefill answered {r.status}: {raw[:300].decode(errors='replace')}")
-            params = flow.kv_params_from_prefill(msgspec.json.decode(raw))
-            payload = msgspec.json.encode(flow.decode_body(BODY, params))
-            async with session.post(decode + endpoint, data=payload, headers=headers) as r:
-                raw = await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"decode answered {r.status}: {raw[:300].decode(errors='replace')}")
-            return time.perf_counter() - started
-
-        async def proxied() -> float:
-            headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
-            started = time.perf_counter()
-            async with session.post(proxy + endpoint, data=proxied_payload, headers=headers) as r:
-                raw = await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"proxy answered {r.status}: {raw[:300].decode(errors='replace')}")
-            return time.perf_counter() - started
-
+        kinds = {"direct": _direct(session, prefill, decode)}
+        kinds |= {name: _through(session, name, url) for name, (url, _pid) in fronts.items()}
+        pids = {name: pid for name, (_url, pid) in fronts.items()}
         out: dict[str, Any] = {}
         for concurrency, requests in counts.items():
-            await _batch(direct, min(warmup, requests), concurrency, [])
-            await _batch(proxied, min(warmup, requests), concurrency, [])
-            times: dict[str, list[float]] = {"direct": [], "proxy": []}
-            failures: dict[str, list[str]] = {"direct": [], "proxy": []}
-            wall = {"direct": 0.0, "proxy": 0.0}
-            proxy_cpu = 0.0
-            per_round = max(1, requests // rounds)
-            for i in range(rounds):
-                order = (("direct", direct), ("proxy", proxied))
-                for name, fn in order if i % 2 == 0 else order[::-1]:
-                    started, cpu = time.perf_counter(), _cpu_seconds(proxy_pid)
-                    times[name] += await _batch(fn, per_round, concurrency, failures[name])
-                    wall[name] += time.perf_counter() - started
-                    if name == "proxy":
-                        proxy_cpu += _cpu_seconds(proxy_pid) - cpu
-            for name in ("direct", "proxy"):
-                if not times[name]:
-                    raise RuntimeError(f"every {name} request failed at concurrency {concurrency}: {failures[name][0]}")
-            d = _percentiles(times["direct"])
-            p = _percentiles(times["proxy"])
-            out[f"concurrency_{concurrency}"] = {
-                "added_ms_p50": round(p["p50"] - d["p50"], 3),
-                "added_ms_p99": round(p["p99"] - d["p99"], 3),
-                "direct_ms_p50": d["p50"],
-                "direct_ms_p99": d["p99"],
-                "proxy_ms_p50": p["p50"],
-                "proxy_ms_p99": p["p99"],
-                "direct_requests_per_s": round(len(times["direct"]) / wall["direct"], 1),
-                "proxy_requests_per_s": round(len(times["proxy"]) / wall["proxy"], 1),
-                "concurrency": concurrency,
-                "requests_each": per_round * rounds,
-                "proxy_cpu_ms_per_request": round(proxy_cpu / len(times["proxy"]) * 1e3, 3),
-                "failed": {name: len(failed) for name, failed in failures.items()},  # not in the latencies
-            }
-            first = failures["direct"][:1] + failures["proxy"][:1]
-            if first:
-                out[f"concurrency_{concurrency}"]["first_failures"] = first
+            for fn in kinds.values():
+                await _batch(fn, min(warmup, requests), concurrency, [])
+            runs = await _interleaved(kinds, pids, concurrency, requests, rounds)
+            out[f"concurrency_{concurrency}"] = _summary(runs, concurrency)
         return out
+
+
+def _direct(session: Any, prefill: str, decode: str) -> Callable[[], Awaitable[float]]:
+    """The proxy's flow done by the client itself: prefill with ``do_remote_decode``, then the decode."""
+    endpoint = flow.COMPLETIONS
+
+    async def direct() -> float:
+        headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
+        started = time.perf_counter()
+        raw = await _post(session, "prefill", prefill + endpoint, flow.prefill_body(endpoint, BODY), headers)
+        params = flow.kv_params_from_prefill(msgspec.json.decode(raw))
+        await _post(session, "decode", decode + endpoint, flow.decode_body(BODY, params), headers)
+        return time.perf_counter() - started
+
+    return direct
+
+
+def _through(session: Any, name: str, url: str) -> Callable[[], Awaitable[float]]:
+    """One request to a front (our proxy, vLLM's router), which does both hops."""
+
+    async def through() -> float:
+        headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
+        started = time.perf_counter()
+        await _post(session, name, url + flow.COMPLETIONS, BODY, headers)
+        return time.perf_counter() - started
+
+    return through
+
+
+async def _post(session: Any, who: str, url: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
+    """POST ``body`` as JSON; the answer's bytes. Raises ``RuntimeError`` naming ``who`` on a status other than 200."""
+    async with session.post(url, data=msgspec.json.encode(body), headers=headers) as r:
+        raw: bytes = await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{who} answered {r.status}: {raw[:300].decode(errors='replace')}")
+    return raw
+
+
+@dataclass
+class _Runs:
+    """What one concurrency's rounds measured, per kind: latencies (s), failures, wall seconds, front CPU s."""
+
+    times: dict[str, list[float]] = field(default_factory=dict)
+    failures: dict[str, list[str]] = field(default_factory=dict)
+    wall: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
+
+
+async def _interleaved(
+    kinds: dict[str, Callable[[], Awaitable[float]]], pids: dict[str, int], concurrency: int, requests: int, rounds: int
+) -> _Runs:
+    """``requests // rounds`` of each kind per round, the kinds' order rotated every round."""
+    runs = _Runs({k: [] for k in kinds}, {k: [] for k in kinds}, dict.fromkeys(kinds, 0.0), dict.fromkeys(pids, 0.0))
+    order = list(kinds.items())
+    per_round = max(1, requests // rounds)
+    for i in range(rounds):
+        for name, fn in order[i % len(order) :] + order[: i % len(order)]:
+            started, cpu = time.perf_counter(), _cpu_seconds(pids[name]) if name in pids else 0.0
+            runs.times[name] += await _batch(fn, per_round, concurrency, runs.failures[name])
+            runs.wall[name] += time.perf_counter() - started
+            if name in pids:
+                runs.cpu[name] += _cpu_seconds(pids[name]) - cpu
+    for name, times in runs.times.items():
+        if not times:
+            raise RuntimeError(f"every {name} request failed at concurrency {concurrency}: {runs.failures[name][0]}")
+    return runs
+
+
+def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
+    """Our proxy's figures as before (``added_ms_*``, ``direct_*``, ``proxy_*``), vLLM's router's in a
+    ``vllm_router`` object of the same meaning."""
+    d, p = _percentiles(runs.times["direct"]), _percentiles(runs.times["proxy"])
+    out: dict[str, Any] = {
+        "added_ms_p50": round(p["p50"] - d["p50"], 3),
+        "added_ms_p99": round(p["p99"] - d["p99"], 3),
+        "direct_ms_p50": d["p50"],
+        "direct_ms_p99": d["p99"],
+        "proxy_ms_p50": p["p50"],
+        "proxy_ms_p99": p["p99"],
+        "direct_requests_per_s": round(len(runs.times["direct"]) / runs.wall["direct"], 1),
+        "proxy_requests_per_s": round(len(runs.times["proxy"]) / runs.wall["proxy"], 1),
+        "concurrency": concurrency,
+        "requests_each": len(runs.times["direct"]) + len(runs.failures["direct"]),
+        "proxy_cpu_ms_per_request": round(runs.cpu["proxy"] / len(runs.times["proxy"]) * 1e3, 3),
+        "failed": {name: len(runs.failures[name]) for name in ("direct", "proxy")},  # not in the latencies
+    }
+    if "vllm_router" in runs.times:
+        r = _percentiles(runs.times["vllm_router"])
+        out["vllm_router"] = {
+            "added_ms_p50": round(r["p50"] - d["p50"], 3),
+            "added_ms_p99": round(r["p99"] - d["p99"], 3),
+            "ms_p50": r["p50"],
+            "ms_p99": r["p99"],
+            "requests_per_s": round(len(runs.times["vllm_router"]) / runs.wall["vllm_router"], 1),
+            "cpu_ms_per_request": round(runs.cpu["vllm_router"] / len(runs.times["vllm_router"]) * 1e3, 3),
+            "failed": len(runs.failures["vllm_router"]),
+        }
+    first = [failures[0] for failures in runs.failures.values() if failures]
+    if first:
+        out["first_failures"] = first
+    return out
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -314,6 +401,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-delay", type=float, default=BACKEND_DELAY["decode_token_s"], help="stand-in decode s per token"
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin the proxy and the rest to separate cores")
+    parser.add_argument(
+        "--vllm-router",
+        default=None,
+        metavar="PATH",
+        help="vLLM's router binary to measure beside our proxy (default: found as scripts/setup-deploy installs it)",
+    )
+    parser.add_argument("--no-vllm-router", action="store_true", help="measure our proxy alone")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -324,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_delay_s=args.prefill_delay,
         token_delay_s=args.token_delay,
         pin=not args.no_pin,
+        router=args.vllm_router,
+        with_router=not args.no_vllm_router,
     )
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
