@@ -1,0 +1,180 @@
+"""The Kubernetes manifests in deploy/k8s/, checked offline.
+
+- Every resource validates against the Kubernetes schemas (``kubernetes-validate --strict``, PyPI, pinned by
+  ``scripts/setup-deploy``; no cluster needed).
+- The servers, the proxy and their Services agree: each ``pd-transfer`` command is accepted by the real parser,
+  the side channel binds the pod IP from the downward API, ports, probes, scrape annotations and Service selectors
+  match, the proxy's URLs name the Services.
+- The Prometheus config in the ConfigMap relabels discovered pods into the jobs and labels the dashboard queries:
+  run on a real Prometheus, with the Kubernetes discovery swapped for static targets carrying the same
+  ``__meta_kubernetes_*`` labels a pod would (Debian's Prometheus is built without Kubernetes discovery), pointed at
+  that Prometheus's own ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_docker import parse_pd_transfer
+from up_cluster import REPO, deploy_tool, missing_tool
+from vllm_servers import free_port
+
+from pd_transfer.cluster.http_client import get_text
+from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
+
+K8S = REPO / "deploy" / "k8s"
+FILES = sorted(K8S.glob("*.yaml"))
+NAME = "app.kubernetes.io/name"
+COMPONENT = "app.kubernetes.io/component"
+
+
+def _resources() -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) -> resource, from every file."""
+    found = {}
+    for path in FILES:
+        for doc in yaml.safe_load_all(path.read_text()):
+            found[doc["kind"], doc["metadata"]["name"]] = doc
+    return found
+
+
+def test_manifests_validate_against_the_kubernetes_schemas() -> None:
+    tool = deploy_tool("kubernetes-validate")
+    if tool is None:
+        pytest.skip(str(missing_tool("kubernetes-validate")))
+    result = subprocess.run([tool, "--strict", *map(str, FILES)], capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    passed = [line for line in output.splitlines() if " passed for resource " in line]
+    print(f"\n{len(passed)} resources valid (kubernetes-validate --strict):\n" + "\n".join(passed))
+    assert len(passed) == len(_resources()) >= 12, output
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def _ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def _check_pod(resources: dict[tuple[str, str], dict[str, Any]], name: str, port: int) -> dict[str, Any]:
+    """Common to every pd-transfer Deployment: Service selects its pods, probes and scrape annotation on ``port``."""
+    deployment, service = resources["Deployment", name], resources["Service", name]
+    template = deployment["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items() and labels[NAME] == "pd-transfer"
+    container = _container(deployment)
+    assert _ports(container)["http"] == port and service["spec"]["ports"][0]["targetPort"] == "http"
+    assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, (name, probe)
+    return container
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_servers_bind_the_side_channel_to_the_pod_ip(role: str) -> None:
+    resources = _resources()
+    container = _container(resources["Deployment", f"pd-{role}"])
+    args = parse_pd_transfer(container["command"][1:])
+    assert not isinstance(args, str), args
+    assert (args.command, args.role, args.host) == ("serve", role, "0.0.0.0")
+    _check_pod(resources, f"pd-{role}", args.port)
+    env = {e["name"]: e for e in container["env"]}
+    # Kubernetes expands $(POD_IP) in the command from the env var the downward API fills with the pod's IP
+    assert args.side_channel_host == "$(POD_IP)"
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert _ports(container)["side-channel"] == args.side_channel_port
+    assert env[args.secret_env]["valueFrom"]["secretKeyRef"] == {"name": "pd-transfer-side-channel", "key": "secret"}
+    assert env["UCX_NET_DEVICES"]["value"] == "eth0"
+
+
+def test_proxy_routes_to_the_services() -> None:
+    resources = _resources()
+    container = _container(resources["Deployment", "pd-proxy"])
+    args = parse_pd_transfer(container["command"][1:])
+    assert not isinstance(args, str), args
+    _check_pod(resources, "pd-proxy", args.port)
+    for role, urls in (("prefill", args.prefill), ("decode", args.decode)):
+        port = resources["Service", f"pd-{role}"]["spec"]["ports"][0]["port"]
+        assert urls == [f"http://pd-{role}:{port}"], (role, urls)
+
+
+class PrometheusProcess(ManagedProcess):
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/-/ready"
+
+
+def _pod(component: str, name: str, port: int, *, part_of: str = "pd-transfer", scrape: str = "true") -> dict:
+    """The meta labels Kubernetes pod discovery gives a pod."""
+    return {
+        "__meta_kubernetes_pod_ip": "127.0.0.1",
+        "__meta_kubernetes_pod_name": name,
+        "__meta_kubernetes_pod_label_app_kubernetes_io_name": part_of,
+        "__meta_kubernetes_pod_label_app_kubernetes_io_component": component,
+        "__meta_kubernetes_pod_annotation_prometheus_io_scrape": scrape,
+        "__meta_kubernetes_pod_annotation_prometheus_io_port": str(port),
+    }
+
+
+def test_prometheus_config_relabels_pods_into_the_dashboards_jobs(tmp_path: Path) -> None:
+    reason = missing_tool("prometheus") or missing_tool("promtool")
+    if reason is not None:
+        pytest.skip(reason)
+    config = yaml.safe_load(_resources()["ConfigMap", "pd-prometheus"]["data"]["prometheus.yml"])
+    port = free_port()
+    pods = [
+        _pod("proxy", "pd-proxy-7d9f", port),
+        _pod("prefill", "pd-prefill-5c2a", port),
+        _pod("decode", "pd-decode-0b1e", port),
+        _pod("decode", "pd-decode-unscraped", port, scrape="false"),
+        _pod("decode", "someone-else", port, part_of="other-app"),
+        _pod("prometheus", "pd-prometheus-1234", port),
+    ]
+    for job in config["scrape_configs"]:
+        assert job.pop("kubernetes_sd_configs") == [{"role": "pod", "namespaces": {"own_namespace": True}}]
+        job["static_configs"] = [{"targets": ["pod-discovery:1"], "labels": pod} for pod in pods]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    check = subprocess.run([str(deploy_tool("promtool")), "check", "config", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    command = [str(deploy_tool("prometheus")), f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}"]
+    prometheus = PrometheusProcess(
+        "prometheus",
+        [*command, f"--web.listen-address=127.0.0.1:{port}"],
+        {},
+        tmp_path / "log",
+        f"http://127.0.0.1:{port}",
+    )
+    try:
+        prometheus.start()
+        wait_ready([prometheus], 60.0)
+        targets = _wait_targets_up(prometheus.url, 3, 30.0)
+    finally:
+        stop_all([prometheus])
+    found = {(t["labels"]["job"], t["labels"]["role"], t["labels"]["server"], t["labels"]["instance"]) for t in targets}
+    address = f"127.0.0.1:{port}"
+    assert found == {
+        ("pd-proxy", "proxy", "pd-proxy-7d9f", address),
+        ("vllm", "prefill", "pd-prefill-5c2a", address),
+        ("vllm", "decode", "pd-decode-0b1e", address),
+    }
+
+
+def _wait_targets_up(url: str, count: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Prometheus's active targets once ``count`` of them are scraped healthy (bounded by ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        targets = json.loads(get_text(f"{url}/api/v1/targets"))["data"]["activeTargets"]
+        if len(targets) == count and all(t["health"] == "up" for t in targets):
+            return list(targets)
+        assert time.monotonic() < deadline, f"targets not all up: {json.dumps(targets)[:2000]}"
+        time.sleep(0.5)
