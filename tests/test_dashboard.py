@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -25,12 +24,12 @@ from typing import Any
 
 import pytest
 import yaml
-from up_cluster import REPO, UP_TIMEOUT_S, UpCluster, deploy_tool, missing_tool, up_cluster
-from vllm_servers import DEFAULT_MODEL, free_port, vllm_missing
+from up_cluster import REPO, UP_TIMEOUT_S, UpCluster, missing_tool, promtool_check, start_prometheus, up_cluster
+from vllm_servers import DEFAULT_MODEL, vllm_missing
 
 from pd_transfer.cluster.http_client import get_text, metric_value, post_json, post_stream, wait_metric
 from pd_transfer.cluster.monitoring import ScrapeTarget, cluster_targets, prometheus_config
-from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
+from pd_transfer.cluster.processes import ManagedProcess, stop_all
 
 DASHBOARD = REPO / "docker" / "grafana" / "pd-transfer.json"
 COMPOSE_CONFIG = REPO / "docker" / "prometheus.yml"
@@ -51,14 +50,6 @@ POSITIVE = {
     "Offload bytes stored and loaded per second",
     "Offload bytes held",
 }
-
-
-def _promtool_check(path: Path) -> str:
-    result = subprocess.run(
-        [str(deploy_tool("promtool")), "check", "config", str(path)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout + result.stderr
 
 
 def _panels() -> list[dict[str, Any]]:
@@ -99,7 +90,7 @@ def test_scrape_config_of_an_up_cluster(tmp_path: Path) -> None:
     if missing_tool("promtool"):
         pytest.skip(str(missing_tool("promtool")))
     (tmp_path / "prometheus.yml").write_text(text)
-    assert "SUCCESS" in _promtool_check(tmp_path / "prometheus.yml")
+    assert "SUCCESS" in promtool_check(tmp_path / "prometheus.yml")
 
 
 def _compose_default(value: str) -> str:
@@ -129,7 +120,7 @@ def test_compose_prometheus_config_scrapes_every_service() -> None:
     }
     if missing_tool("promtool"):
         pytest.skip(str(missing_tool("promtool")))
-    assert "SUCCESS" in _promtool_check(COMPOSE_CONFIG)
+    assert "SUCCESS" in promtool_check(COMPOSE_CONFIG)
 
 
 def test_dashboard_is_well_formed() -> None:
@@ -147,14 +138,6 @@ def test_dashboard_is_well_formed() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-class PrometheusProcess(ManagedProcess):
-    """Prometheus as a managed process: ready when ``/-/ready`` answers 200."""
-
-    @property
-    def health_url(self) -> str:
-        return f"{self.url}/-/ready"
-
-
 def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
     """The result vector of an instant query (now); raises ``AssertionError`` on a query Prometheus refuses."""
     url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -181,17 +164,10 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpClus
     prometheus: ManagedProcess | None = None
     try:
         with up_cluster(work, *offload) as cluster:
-            _promtool_check(cluster.log_dir / "prometheus.yml")  # the file up wrote for its users
+            promtool_check(cluster.log_dir / "prometheus.yml")  # the file up wrote for its users
             config = work / "prometheus.yml"
             config.write_text(prometheus_config(cluster_targets(cluster.state), 1.0))
-            port = free_port()
-            command = [str(deploy_tool("prometheus")), f"--config.file={config}"]
-            command += [f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
-            prometheus = PrometheusProcess(
-                "prometheus", command, {}, work / "prometheus.log", f"http://127.0.0.1:{port}"
-            )
-            prometheus.start()
-            wait_ready([prometheus], 60.0)
+            prometheus = start_prometheus(config, work)
             deadline = time.monotonic() + 30.0
             while not _targets_up(prometheus.url):
                 assert time.monotonic() < deadline, get_text(f"{prometheus.url}/api/v1/targets")

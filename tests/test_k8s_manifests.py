@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import yaml
 from test_docker import parse_pd_transfer
-from up_cluster import REPO, deploy_tool, missing_tool
+from up_cluster import REPO, deploy_tool, missing_tool, promtool_check, start_prometheus
 from vllm_servers import free_port
 
 from pd_transfer.cluster.http_client import get_text
-from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
+from pd_transfer.cluster.processes import stop_all
 
 K8S = REPO / "deploy" / "k8s"
 FILES = sorted(K8S.glob("*.yaml"))
@@ -107,12 +107,6 @@ def test_proxy_routes_to_the_services() -> None:
         assert urls == [f"http://pd-{role}:{port}"], (role, urls)
 
 
-class PrometheusProcess(ManagedProcess):
-    @property
-    def health_url(self) -> str:
-        return f"{self.url}/-/ready"
-
-
 def _pod(component: str, name: str, port: int, *, part_of: str = "pd-transfer", scrape: str = "true") -> dict:
     """The meta labels Kubernetes pod discovery gives a pod."""
     return {
@@ -144,19 +138,9 @@ def test_prometheus_config_relabels_pods_into_the_dashboards_jobs(tmp_path: Path
         job["static_configs"] = [{"targets": ["pod-discovery:1"], "labels": pod} for pod in pods]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
-    check = subprocess.run([str(deploy_tool("promtool")), "check", "config", str(path)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    command = [str(deploy_tool("prometheus")), f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}"]
-    prometheus = PrometheusProcess(
-        "prometheus",
-        [*command, f"--web.listen-address=127.0.0.1:{port}"],
-        {},
-        tmp_path / "log",
-        f"http://127.0.0.1:{port}",
-    )
+    promtool_check(path)
+    prometheus = start_prometheus(path, tmp_path, port)
     try:
-        prometheus.start()
-        wait_ready([prometheus], 60.0)
         targets = _wait_targets_up(prometheus.url, 3, 30.0)
     finally:
         stop_all([prometheus])

@@ -4,7 +4,8 @@ front of or beside our servers (vLLM's router, Prometheus).
 :func:`up_cluster` runs ``pd-transfer up`` (no demo: it serves until SIGINT) as a subprocess in its own session,
 waits (bounded) until it says the cluster is ready, yields its ``cluster.json`` and stops it the way a user would
 (SIGINT, then SIGKILL of every process group it recorded). :func:`deploy_tool` finds the tools
-``scripts/setup-deploy`` installs (``vllm-router`` in ``.venv-deploy``, ``prometheus`` and ``promtool`` on PATH).
+``scripts/setup-deploy`` installs (``vllm-router`` in ``.venv-deploy``, ``prometheus`` and ``promtool`` on PATH);
+:func:`start_prometheus` runs a real Prometheus on a config, :func:`promtool_check` checks one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_servers import DEFAULT_MODEL, KV_CACHE_BYTES, free_base_port
+from vllm_servers import DEFAULT_MODEL, KV_CACHE_BYTES, free_base_port, free_port
+
+from pd_transfer.cluster.processes import ManagedProcess, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
@@ -39,6 +42,35 @@ def deploy_tool(name: str) -> str | None:
 def missing_tool(name: str) -> str | None:
     """A one-line skip reason when ``name`` is not installed, else None."""
     return None if deploy_tool(name) else f"{name} is not installed (scripts/setup-deploy installs it)"
+
+
+def promtool_check(path: Path) -> str:
+    """``promtool check config path``: its output; fails the test when promtool refuses the file."""
+    result = subprocess.run(
+        [str(deploy_tool("promtool")), "check", "config", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+class PrometheusProcess(ManagedProcess):
+    """Prometheus as a managed process: ready when ``/-/ready`` answers 200."""
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/-/ready"
+
+
+def start_prometheus(config: Path, work: Path, port: int | None = None, timeout_s: float = 60.0) -> PrometheusProcess:
+    """A real Prometheus on ``config``: its storage in ``work/tsdb``, its log ``work/prometheus.log``, on local
+    ``port`` (default: a free one); started and ready (at most ``timeout_s``). The caller stops it (``stop_all``)."""
+    port = port or free_port()
+    command = [str(deploy_tool("prometheus")), f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}"]
+    command.append(f"--web.listen-address=127.0.0.1:{port}")
+    prometheus = PrometheusProcess("prometheus", command, {}, work / "prometheus.log", f"http://127.0.0.1:{port}")
+    prometheus.start()
+    wait_ready([prometheus], timeout_s)
+    return prometheus
 
 
 @dataclass
