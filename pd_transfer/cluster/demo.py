@@ -81,7 +81,11 @@ def demo_requests(model: str, passage: str) -> list[tuple[str, str, dict[str, ob
         (
             "chat, multi-block, streamed",
             "/v1/chat/completions",
-            {**chat, "messages": [{"role": "user", "content": "Summarise this story in one sentence. " + passage}]},
+            {
+                **chat,
+                "messages": [{"role": "user", "content": "Summarise this story in one sentence. " + passage}],
+                **usage,
+            },
             True,
         ),
     ]
