@@ -118,7 +118,7 @@ def run_bench(
             "cpus_available": len(cpus),
             "pinning": pinning,
             "setup": "stand-in prefill + decode (one process), proxy (one process), client (this process)",
-            "vllm_router": {"binary": binary, "version": _router_version(binary)}
+            "vllm_router": {"binary": os.path.basename(binary), "version": _router_version(binary)}
             if binary
             else {"skipped": "vllm-router not found (scripts/setup-deploy installs it)" if with_router else "off"},
             "event_loop": "uvloop" if loop_factory() else "asyncio",
