@@ -170,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_offload = which.add_parser("offload", help="offload tiers vs memcpy and plain file writes and reads")
     offload_bench.add_arguments(bench_offload)
     bench_offload.set_defaults(func=offload_bench.cli_run)
+    from pd_transfer.bench import soak as soak_bench
+
+    bench_soak = which.add_parser("soak", help="many requests through the proxy on a vLLM pair; what is left after")
+    soak_bench.add_arguments(bench_soak)
+    bench_soak.set_defaults(func=soak_bench.run)
     return parser
 
 
