@@ -33,8 +33,8 @@ from pd_transfer.bench import offload_vllm
 from pd_transfer.offload import (
     DirectoryTier,
     HostPool,
-    OffloadManager,
     PageFormat,
+    TierBlocks,
     TransferJob,
     TransferWorker,
     chain_block_keys,
@@ -102,45 +102,60 @@ def _run_job(worker: TransferWorker, job: TransferJob) -> None:
 @dataclass(frozen=True)
 class Baseline:
     """The machine's way of moving the same bytes: ``store`` and ``load`` are timed alternately with the
-    tier's jobs (so both see the same load on the machine); ``reset`` runs untimed before each store."""
+    tier's jobs (so both see the same load on the machine); ``reset`` runs untimed before each store;
+    ``fresh_keys``: the tier stores another prompt's blocks every round."""
 
     store: Callable[[], object]
     load: Callable[[], object]
     reset: Callable[[], object]
+    fresh_keys: bool = False
 
 
 def _tier_case(tier: HostPool | DirectoryTier, cache: list[torch.Tensor], shape: Shape, repeats: int,
-               scattered: bool, baseline: Baseline) -> dict:  # fmt: skip
+               scattered: bool, baseline: Baseline, *, warm_up: int = 0) -> dict:  # fmt: skip
     """Median seconds of store and load jobs of ``shape.blocks`` blocks through the worker and of the
-    baseline, alternately; whether the loaded blocks equal the stored ones."""
-    page_format = shape.page_format()
-    keys = chain_block_keys(page_format.fingerprint, list(range(16 * shape.blocks)), 16)
-    manager = OffloadManager(tier.name, shape.job_bytes, page_format.block_bytes)  # type: ignore[arg-type]
-    plan = manager.prepare_store(keys)
-    assert plan is not None
+    baseline, alternately; whether the loaded blocks equal the stored ones. ``baseline.fresh_keys``: every
+    round stores another prefix (after ``warm_up`` untimed rounds), else the same one again."""
     rng = np.random.default_rng(3)
     sources = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
     targets = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
     expected = [t[torch.from_numpy(sources)].clone() for t in cache]
-    store = TransferJob(1, "store", tuple(int(b) for b in sources), plan.blocks)
-    load = TransferJob(2, "load", tuple(int(b) for b in targets), plan.blocks)
     times: dict[str, list[float]] = {"store": [], "load": [], "base_store": [], "base_load": []}
     worker = TransferWorker(cache, tier)
     try:
-        for _ in range(repeats):
+        for round_ in range(warm_up + repeats):
+            blocks = _job_blocks(tier.name, shape, round_ if baseline.fresh_keys else 0)
             baseline.reset()
-            times["base_store"].append(_seconds(baseline.store))
-            times["store"].append(_seconds(lambda: _run_job(worker, store)))
+            base = _seconds(baseline.store)
+            ours = _job_seconds(worker, TransferJob(1, "store", _ids(sources), blocks))
+            if round_ >= warm_up:
+                times["base_store"].append(base)
+                times["store"].append(ours)
         for t in cache:
             t.zero_()
         for _ in range(repeats):
             times["base_load"].append(_seconds(baseline.load))
-            times["load"].append(_seconds(lambda: _run_job(worker, load)))
+            times["load"].append(_job_seconds(worker, TransferJob(2, "load", _ids(targets), blocks)))
     finally:
         worker.close()
     verified = all(torch.equal(t[torch.from_numpy(targets)], e) for t, e in zip(cache, expected, strict=True))
     _fill(cache)
     return {name: statistics.median(values) for name, values in times.items()} | {"verified": verified}
+
+
+def _job_seconds(worker: TransferWorker, job: TransferJob) -> float:
+    return _seconds(lambda: _run_job(worker, job))
+
+
+def _job_blocks(tier: str, shape: Shape, prefix: int) -> TierBlocks:
+    """The keys of a ``shape.blocks``-block prompt (``prefix`` tells prompts apart) in tier rows 0.."""
+    tokens = [prefix, *range(1, 16 * shape.blocks)]
+    keys = chain_block_keys(shape.page_format().fingerprint, tokens, 16)
+    return TierBlocks(tier, tuple(keys), tuple(range(shape.blocks)))  # type: ignore[arg-type]
+
+
+def _ids(blocks: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(b) for b in blocks)
 
 
 def _fill(cache: list[torch.Tensor]) -> None:
@@ -160,9 +175,11 @@ def _memcpy_baseline(cache: list[torch.Tensor], shape: Shape) -> Baseline:
     return Baseline(store=copy, load=copy, reset=lambda: None)
 
 
-def _file_baseline(root: Path, tier: DirectoryTier, cache: list[torch.Tensor], shape: Shape) -> Baseline:
+def _file_baseline(root: Path, tier: DirectoryTier, cache: list[torch.Tensor], shape: Shape, *, full: bool) -> Baseline:
     """The job's bytes written to one new file in large sequential writes, and read back; ``reset``
-    deletes that file and the tier's block files (so each store writes anew; both untimed)."""
+    deletes that file (untimed). An empty tier (``full`` False): ``reset`` deletes the tier's block files
+    too, so each store creates its files anew. A full tier: each store writes another prompt's blocks, and
+    the tier evicts the oldest files to make room (what a tier in use does once it has reached its bound)."""
     views = [t[: shape.blocks].numpy() for t in cache]
     path = root / "baseline.bin"
     buffer = np.empty(shape.job_bytes, np.uint8)
@@ -178,10 +195,10 @@ def _file_baseline(root: Path, tier: DirectoryTier, cache: list[torch.Tensor], s
 
     def reset() -> None:  # the fan-out directories stay, as they do in a tier in use
         path.unlink(missing_ok=True)
-        for block_file in tier.directory.glob("*/*.kvblock"):
+        for block_file in [] if full else tier.directory.glob("*/*.kvblock"):
             block_file.unlink()
 
-    return Baseline(store=write, load=read, reset=reset)
+    return Baseline(store=write, load=read, reset=reset, fresh_keys=full)
 
 
 def _rates(shape: Shape, case: dict, store_name: str, load_name: str) -> dict:
@@ -214,12 +231,10 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = Non
         pool.close()
     root = Path(tempfile.mkdtemp(prefix="pd-offload-bench-", dir=directory))
     try:
-        tier = DirectoryTier(root / "tier", shape.page_format(), max_bytes=4 * shape.job_bytes)
-        files = _file_baseline(root, tier, cache, shape)
-        disk = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in _CASES}
+        disk = _disk_cases(root, cache, shape, repeats)
         filesystem = filesystem_of(root)
-        pages = [t[b].numpy() for b in range(shape.blocks) for t in cache]
-        crc_s = statistics.median(_seconds(lambda: payload_checksum(pages)) for _ in range(repeats))
+        blocks = [[t[b].numpy() for t in cache] for b in range(shape.blocks)]
+        crc_s = statistics.median(_seconds(lambda: [payload_checksum(b) for b in blocks]) for _ in range(repeats))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     host_result = {label: _rates(shape, case, "memcpy", "memcpy") for label, case in host.items()}
@@ -227,7 +242,7 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = Non
         "filesystem": filesystem,
         "directory": "$TMPDIR" if directory is None else "given by --dir",
         "fsync": False,
-        "checksum": "row and column sums of each page (offload/checksum.py)",
+        "checksum": "XXH3-64 of each block's pages (offload/checksum.py)",
         "checksum_gb_s": _rate(shape.job_bytes, crc_s),
     }
     disk_result |= {label: _rates(shape, case, "file_write", "file_read") for label, case in disk.items()}
@@ -237,6 +252,21 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = Non
 _CASES = (("contiguous", False), ("scattered", True))
 
 
+def _disk_cases(root: Path, cache: list[torch.Tensor], shape: Shape, repeats: int) -> dict[str, dict]:
+    """The disk tier's cases: an empty tier (contiguous and scattered engine blocks), and a full one (its
+    bound two jobs, two untimed rounds to fill it, then every store evicts the oldest job's files)."""
+    tier = DirectoryTier(root / "tier", shape.page_format(), max_bytes=4 * shape.job_bytes)
+    files = _file_baseline(root, tier, cache, shape, full=False)
+    cases = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in _CASES}
+    tier.close()
+    bound = 2 * shape.blocks * (tier.file_bytes)
+    full = DirectoryTier(root / "full", shape.page_format(), max_bytes=bound)
+    baseline = _file_baseline(root, full, cache, shape, full=True)
+    cases["full_tier"] = _tier_case(full, cache, shape, repeats, True, baseline, warm_up=2)
+    full.close()
+    return cases
+
+
 def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
     """The result, with the headline ratios (scattered engine blocks: what an engine hands over) on top."""
     for part, names in ((host, ("memcpy", "memcpy")), (disk, ("file_write", "file_read"))):
@@ -244,6 +274,9 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
             part[key] = part["scattered"][key]
     copies = [host[c][f"baseline_{d}_gb_s (memcpy)"] for c in ("contiguous", "scattered") for d in ("store", "load")]
     host["memcpy_gb_s"] = round(statistics.median(copies), 3)
+    full = disk["full_tier"]
+    disk["full_tier_store_ratio_vs_file_write"] = full["store_ratio_vs_file_write"]
+    disk["full_tier_load_ratio_vs_file_read"] = full["load_ratio_vs_file_read"]
     disk["file_write_gb_s"] = disk["scattered"]["baseline_store_gb_s (file_write)"]
     disk["file_read_gb_s"] = disk["scattered"]["baseline_load_gb_s (file_read)"]
     ratios = [host["store_ratio_vs_memcpy"], host["load_ratio_vs_memcpy"]]
@@ -261,7 +294,8 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
         "disk": disk,
         "goal_ratio": GOAL_RATIO,
         "goals_met": all(ratio >= GOAL_RATIO for ratio in ratios),
-        "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered")),
+        "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered"))
+        and disk["full_tier"]["verified"],
         "end_to_end": None,
         "end_to_end_note": "measured by `bench offload --end-to-end` (real vLLM servers), not by this run",
     }

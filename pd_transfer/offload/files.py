@@ -1,6 +1,6 @@
 """The disk tier: one file per block in a directory that several processes and machines may share.
 
-A block is written to a temporary name in its final directory and renamed over its final name, so a
+A block is written to a temporary file (new, or an evicted one reused) and renamed over its final name, so a
 reader sees either no file or a whole one; two writers of one key both rename and the last rename wins
 (both wrote the same key, so either file is right). A file is checked before its bytes count as KV: its
 header (magic, version, header checksum), its key and page format (another model, rank or layout is
@@ -15,33 +15,39 @@ Layout: ``root/<format tag, 16 hex>/<key[:1] hex>/<key hex>.kvblock``. File form
 offset bytes field
 ====== ===== ===================================================================
 0      8     magic ``b"PDKVBLK1"``
-8      2     format version (1)
+8      2     format version (2; version 1 files, whose checksum was row and column sums, are foreign)
 10     2     header bytes (64)
 12     4     flags (0)
 16     16    block key
 32     8     page format tag (:attr:`PageFormat.tag`)
 40     8     payload bytes (the page format's ``block_bytes``)
-48     8     payload checksum (:func:`~.checksum.payload_checksum`)
+48     8     payload checksum (:func:`~.checksum.payload_checksum`, XXH3-64)
 56     4     CRC-32 of bytes 0..55
 60     4     zero
 64     ...   payload: page 0 of the block, page 1, ... (one per engine cache tensor)
 ====== ===== ===================================================================
 
 A batch store (:meth:`DirectoryTier.store_blocks`) checksums the next block on a second thread while it writes
-this one (measured: 256 MiB in 2 MiB blocks, 167 -> 115 ms); a batch load checksums each block right after
-reading it, on the same thread (a second thread was slower there: 79 -> 86 ms, the block's bytes leave the
-reading core's cache).
+this one; a batch load checksums each block right after reading it, on the same thread (a second thread was
+slower there: the block's bytes leave the reading core's cache).
 
-The size bound covers every ``*.kvblock`` under ``root``: a sweep scans them when this process's estimate
-passes ``max_bytes`` and after every 10% of ``max_bytes`` it wrote (other processes write too), and deletes
-the files least recently written or loaded (loads refresh the mtime) until the total is under 90% of the
-bound. So N processes sharing the directory overshoot it by at most about N x 10%. Processes sweep
-independently; a file deleted under an open reader stays readable to it (POSIX), one deleted before the
-open is a miss.
+The size bound covers every ``*.kvblock`` under ``root``. Before a batch of new blocks is written, a sweep
+scans them when this process's estimate plus the batch passes ``max_bytes`` and after every 10% of
+``max_bytes`` it wrote (other processes write too), and evicts the files least recently written or loaded
+(loads refresh the mtime) until the total plus the batch is under 90% of the bound; one sweep per batch. So N
+processes sharing the directory overshoot it by at most about N x 10%. Up to one evicted file per new block
+is not deleted but renamed to a temporary name of this process (gone from its key at once) and overwritten
+whole with a new block, then renamed to that block's name: a full tier creates and deletes no files (on
+ext4 without a journal, creating a file right after others were deleted cost 0.4-0.5 ms here, as much as
+writing 2 MiB). Processes sweep independently. A reader that opened a file before it was evicted reads it
+whole if the file was deleted (POSIX); if it was rewritten meanwhile, its header or checksum no longer
+matches: a miss (``foreign`` or ``corrupt``), never another block's bytes. A reused file another process
+deleted meanwhile (a sweep takes it for a stale temporary file) is replaced by a new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -64,7 +70,7 @@ from .specs import PageFormat, TierBlocks
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PDKVBLK1"
-VERSION = 1
+VERSION = 2  # 1: the payload checksum was row and column sums (checksum.py)
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sHHI16s8sQQ")  # up to the header CRC
 _SUFFIX = ".kvblock"
@@ -145,23 +151,21 @@ class DirectoryTier:
         return self.path_of(key).is_file()
 
     # ------------------------------------------------------------------ one block
-    def write_temp(self, key: BlockKey, pages: Sequence[np.ndarray], checksum: int | None = None) -> Path:
-        """Write ``key``'s block to a new temporary file beside its final name; returns that file's path.
+    def write_temp(
+        self, key: BlockKey, pages: Sequence[np.ndarray], checksum: int | None = None, *, reuse: Path | None = None
+    ) -> Path:
+        """Write ``key``'s block to a temporary file and return its path: a new file beside the block's final
+        name, or ``reuse`` (a temporary file of this process, e.g. an evicted block file, overwritten whole).
         ``checksum``: the pages' :func:`payload_checksum` if the caller has it (else computed here)."""
         self._check_pages(pages)
-        final = self.path_of(key)
-        temp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
         if checksum is None:
             checksum = payload_checksum(pages)
         header = encode_header(key, self._tag, self.page_format.block_bytes, checksum)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            fd = os.open(temp, flags, 0o644)
-        except FileNotFoundError:  # the first block of this fan-out directory
-            final.parent.mkdir(exist_ok=True)
-            fd = os.open(temp, flags, 0o644)
+        temp, fd = self._open_temp(key, reuse)
         try:
             _write_all(fd, [memoryview(header), *(page.data for page in pages)])
+            if reuse is not None and os.fstat(fd).st_size != self.file_bytes:
+                os.ftruncate(fd, self.file_bytes)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -171,29 +175,78 @@ class DirectoryTier:
         os.close(fd)
         return temp
 
+    def _open_temp(self, key: BlockKey, reuse: Path | None) -> tuple[Path, int]:
+        """``reuse`` opened for writing, or (when not given or gone) a new temporary file for ``key``."""
+        if reuse is not None:
+            try:
+                return reuse, os.open(reuse, os.O_WRONLY)
+            except FileNotFoundError:
+                pass  # swept by another process meanwhile
+        final = self.path_of(key)
+        temp = final.parent / _temp_name(final.name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            return temp, os.open(temp, flags, 0o644)
+        except FileNotFoundError:  # the first block of this fan-out directory
+            final.parent.mkdir(exist_ok=True)
+            return temp, os.open(temp, flags, 0o644)
+
     def publish(self, temp: Path, key: BlockKey) -> None:
-        """Rename a file made by :meth:`write_temp` to ``key``'s name (atomic; replaces any older file)."""
-        os.replace(temp, self.path_of(key))
+        """Rename a file made by :meth:`write_temp` to ``key``'s name (atomic; replaces any older file).
+        Raises :class:`FileNotFoundError` if ``temp`` is gone."""
+        final = self.path_of(key)
+        try:
+            os.replace(temp, final)
+        except FileNotFoundError:
+            if final.parent.is_dir():
+                raise
+            final.parent.mkdir(exist_ok=True)  # a reused file came from another fan-out directory
+            os.replace(temp, final)
 
     def store(self, key: BlockKey, pages: Sequence[np.ndarray]) -> int:
         """Write one block (pages in format order) unless a file of its key is there already (a key names
         its bytes; a damaged file is deleted when a load finds it). Returns bytes written (0: kept the
-        file there). Sweeps when over the bound."""
+        file there). Makes room first when over the bound."""
+        self._check_pages(pages)
         if self.exists(key):
             _touch(self.path_of(key))
             return 0
-        return self._write_new(key, pages, None)
+        self._store_new([(key, pages)])
+        return self.file_bytes
 
-    def _write_new(self, key: BlockKey, pages: Sequence[np.ndarray], checksum: int | None) -> int:
-        """Write and publish a block not on disk yet; account for it and sweep when over the bound."""
-        self.publish(self.write_temp(key, pages, checksum), key)
+    def _store_new(self, new: Sequence[tuple[BlockKey, Sequence[np.ndarray]]]) -> None:
+        """Write and publish blocks not on disk yet. One sweep for the whole batch makes room first when it
+        is due, and the files it evicts are rewritten with the new blocks (no file created or deleted)."""
+        spares = self._make_room(len(new)) if new else []
+        try:
+            for (key, pages), checksum in zip(new, self._checksums_ahead([p for _, p in new]), strict=True):
+                self._write_new(key, pages, checksum, spares.pop() if spares else None)
+        finally:
+            for spare in spares:  # a batch cut short by an error
+                spare.unlink(missing_ok=True)
+
+    def _make_room(self, count: int) -> list[Path]:
+        """Sweep before writing ``count`` new files if the bound or the periodic rescan is due; returns the
+        evicted files kept for reuse (at most ``count``)."""
+        incoming = count * self.file_bytes
+        due = self._estimated_bytes is None or self._estimated_bytes + incoming > self.max_bytes
+        if due or self._written_since_scan + incoming >= self.max_bytes * _RESCAN_FRACTION:  # others write too
+            return self._sweep(count)[1]
+        return []
+
+    def _write_new(self, key: BlockKey, pages: Sequence[np.ndarray], checksum: int, spare: Path | None) -> None:
+        """Write and publish one block (into ``spare``, an evicted file, if given); account for it."""
+        temp = self.write_temp(key, pages, checksum, reuse=spare)
+        try:
+            self.publish(temp, key)
+        except FileNotFoundError:  # another process's sweep took the reused file for a stale temporary one
+            self.publish(self.write_temp(key, pages, checksum), key)
+            temp.unlink(missing_ok=True)
         self._written_since_scan += self.file_bytes
         if self._estimated_bytes is not None:
             self._estimated_bytes += self.file_bytes
-        rescan = self._written_since_scan >= self.max_bytes * _RESCAN_FRACTION  # others write here too
-        if self._estimated_bytes is None or self._estimated_bytes > self.max_bytes or rescan:
-            self.sweep()
-        return self.file_bytes
+            if self._estimated_bytes > self.max_bytes:  # a batch larger than the room its sweep made
+                self.sweep()
 
     def load(self, key: BlockKey, pages: Sequence[np.ndarray]) -> ReadOutcome:
         """Read ``key``'s block into ``pages`` (writable, format order) and check it. Anything but ``"ok"``
@@ -240,8 +293,7 @@ class DirectoryTier:
                 _touch(self.path_of(key))
             else:
                 new.append((key, pages))
-        for (key, pages), checksum in zip(new, self._checksums_ahead([p for _, p in new]), strict=True):
-            self._write_new(key, pages, checksum)
+        self._store_new(new)
         return len(new) * self.page_format.block_bytes
 
     def load_blocks(
@@ -280,23 +332,45 @@ class DirectoryTier:
     def sweep(self) -> int:
         """Delete stale temporary files, then the oldest block files while the total is over 90% of
         ``max_bytes`` (only when it is over ``max_bytes``). Returns block files deleted."""
+        return self._sweep(0)[0]
+
+    def _sweep(self, reuse: int) -> tuple[int, list[Path]]:
+        """:meth:`sweep` before ``reuse`` new block files are written: the bound counts them, and up to
+        ``reuse`` evicted files of this format are renamed to temporary names and returned, for those
+        blocks to overwrite, instead of being deleted. Returns (block files evicted, those kept)."""
         files, total = self._scan()
-        removed = 0
-        if total > self.max_bytes:
+        incoming = reuse * self.file_bytes
+        evicted: list[Path] = []
+        spares: list[Path] = []
+        if total + incoming > self.max_bytes:
             for _mtime, size, path in sorted(files):
-                if total <= self.max_bytes * _LOW_WATERMARK:
+                if total + incoming <= self.max_bytes * _LOW_WATERMARK:
                     break
-                try:
-                    path.unlink()
-                    removed += 1
-                except FileNotFoundError:
-                    pass  # another process swept it first
+                reusable = len(spares) < reuse and size == self.file_bytes and path.parent.parent == self.directory
+                kept = self._keep_for_reuse(path) if reusable else None
+                if kept is not None:
+                    spares.append(kept)
+                    evicted.append(path)
+                else:
+                    with contextlib.suppress(FileNotFoundError):  # another process swept it first
+                        path.unlink()
+                        evicted.append(path)
                 total -= size
         self._estimated_bytes = total
         self._written_since_scan = 0
-        if removed and self._metrics is not None:
-            self._metrics.evictions.labels(self.name).inc(removed)
-        return removed
+        if evicted and self._metrics is not None:
+            self._metrics.evictions.labels(self.name).inc(len(evicted))
+        return len(evicted), spares
+
+    def _keep_for_reuse(self, path: Path) -> Path | None:
+        """Rename an evicted block file to a temporary name of this process (gone from its key at once);
+        None if another process took it first."""
+        spare = path.parent / _temp_name(path.name)
+        try:
+            os.rename(path, spare)
+        except FileNotFoundError:
+            return None
+        return spare
 
     # ------------------------------------------------------------------ internals
     def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
@@ -332,6 +406,11 @@ class DirectoryTier:
             raise OffloadInputError(
                 f"pages of {sizes[:8]} bytes do not match the format's {self.page_format.page_bytes[:8]}"
             )
+
+
+def _temp_name(name: str) -> str:
+    """A temporary file name no other writer uses: hidden, this process's id, random, ``.tmp``."""
+    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
