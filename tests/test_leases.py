@@ -81,8 +81,11 @@ def test_lease_expiry_frees_exactly_once_and_heartbeat_extends_it(ledger: LeaseL
     assert ledger.blocks_held == 0 and ledger.held_requests == 0
 
 
-def test_abort_frees_now_and_later_readers_are_refused(ledger: LeaseLedger) -> None:
+def test_abort_after_the_hold_window_frees_now_and_later_readers_are_refused(
+    ledger: LeaseLedger, clock: FakeClock
+) -> None:
     ledger.hold("r", [7, 8])
+    clock.advance(ledger.window_seconds)
     freed = ledger.abort("r")
     assert freed is not None and freed.reason == "aborted" and freed.block_ids == (7, 8)
     assert ledger.abort("r") is None
@@ -172,3 +175,30 @@ def test_concurrent_reports_and_expiry_free_once(clock: FakeClock) -> None:
 def test_lease_must_be_positive() -> None:
     with pytest.raises(ValueError, match="lease_seconds"):
         LeaseLedger(lease_seconds=0)
+
+
+def test_abort_inside_the_hold_window_is_deferred_to_its_end(ledger: LeaseLedger, clock: FakeClock) -> None:
+    assert ledger.window_seconds == 10.0  # a third of the 30 s lease
+    ledger.hold("r", [7, 8])
+    ledger.hold("s", [9])
+    clock.advance(4.0)
+    assert ledger.abort("r") is None and ledger.abort("s") is None  # promised until 10 s after the hold
+    assert ledger.status("r") == "held" and ledger.blocks_held == 3
+    assert ledger.heartbeat("r") and ledger.expire() == []  # a heartbeat does not undo the abort
+    # a reader inside the window is answered "held" and its report frees the request, as aborted
+    outcome = ledger.report(done("r"), reply_to="decoder")
+    assert outcome.freed is not None and outcome.freed.reason == "aborted"
+    (reply,) = ledger.take_replies()
+    assert reply.confirm.ok
+    clock.advance(5.99)
+    assert ledger.expire() == []
+    clock.advance(0.01)  # the window's end, long before the lease's
+    (freed,) = ledger.expire()
+    assert freed.request_id == "s" and freed.reason == "aborted" and ledger.blocks_held == 0
+
+
+def test_the_window_never_outlasts_the_lease() -> None:
+    assert LeaseLedger(lease_seconds=1.5).window_seconds == 0.5
+    assert LeaseLedger(lease_seconds=300.0).window_seconds == 10.0
+    with pytest.raises(ValueError, match="window_seconds"):
+        LeaseLedger(lease_seconds=5.0, window_seconds=6.0)

@@ -1,4 +1,5 @@
-"""The lease confirmations a decode rank waits for after its reads: read, then confirm.
+"""The lease confirmations a decode rank waits for after its reads: read, then confirm (only for reads that
+cannot rely on the prefill's hold window, see :meth:`.decode.DecodeRank.pull_confirmed`).
 
 While a request is awaited (``awaiting``), its ``ReadDone`` notifications carry ``reply_to`` and each
 prefill rank read from answers with a ``LeaseConfirm``: ok only if the request's blocks were still held when
@@ -33,6 +34,7 @@ class LeaseConfirmations:
         self.malformed_notifications = 0
         self.unexpected_notifications = 0
         self.late_confirmations = 0  # answers that came after we stopped waiting
+        self.received = 0  # every LeaseConfirm that arrived (a round trip each)
 
     def awaits(self, request_id: str) -> bool:
         """Whether ``request_id``'s confirmations are awaited (its ``ReadDone`` should carry ``reply_to``)."""
@@ -65,6 +67,7 @@ class LeaseConfirmations:
             logger.warning("decode %s: unexpected %s from %s dropped", self.name, type(message).__name__, peer)
             return
         with self._cond:
+            self.received += 1
             answers = self._awaiting.get(message.request_id)
             if answers is None:
                 self.late_confirmations += 1

@@ -10,7 +10,8 @@ A :class:`DecodeRank` composes one NIXL agent (its cache registered) with:
   prefill ranks (``ReadDone``, ``ReadFailed``, heartbeats, ``ReleaseUnread``) and the ``LeaseConfirm``
   answers it waits for.
 
-``pull`` reads; ``pull_confirmed`` reads, then waits until the prefill confirms the blocks were still held.
+``pull`` reads; ``pull_confirmed`` reads, then makes sure the read saw live blocks: it ended inside the hold
+window the prefill promised in its params (no round trip), or the prefill confirms the blocks were still held.
 
 A prefill restarted at the same address (new NIXL agents, maybe a new engine id) is recognised and handshaken
 afresh (:meth:`.RemoteEngines.refresh`): by ``check_engine`` when a request names another engine id than the
@@ -28,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
@@ -40,6 +42,7 @@ from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from .cache import KVCache
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
+from .params import incarnation_token
 from .reader_reports import ReaderReports
 from .reads import BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
@@ -48,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 _NOT_SERVED_S = 1.0  # an engine id found not served at an address is refused this long without asking again
 _NOT_SERVED_MAX = 1024  # remembered (address, engine id) pairs before the expired ones are swept
+_WINDOW_READ_ALLOWANCE_S = 0.5  # a read relies on the hold window only if this much of it is left at its start
+
+
+def engine_incarnation(remote: RemoteEngine) -> str:
+    """The incarnation token (``remote_incarnation``) of the engine ``remote`` connects to."""
+    return incarnation_token(rank.agent_name for rank in sorted(remote.engine.ranks, key=lambda r: r.tp_rank))
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,8 @@ class DecodeRank:
             self.agent, cache, planes, pipeline_groups=pipeline_groups, done_message=self.reports.read_done
         )
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
+        self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)
+        self.reads_confirmed = 0  # pulls confirmed by every prefill rank read from
 
     # ------------------------------------------------------------------ remote engines
     def connect(self, host: str, port: int) -> EngineMetadata:
@@ -296,15 +307,34 @@ class DecodeRank:
         *,
         timeout_s: float | None = None,
         confirm_timeout_s: float | None = None,
+        trust_until: float | None = None,
+        incarnation: str | None = None,
     ) -> PullStats:
-        """:meth:`pull`, then wait (at most ``confirm_timeout_s``) until every prefill rank read from confirms
-        that the request's blocks were still held when our ``ReadDone`` reached it.
+        """:meth:`pull`, then make sure the read saw the request's live blocks: either it ended before
+        ``trust_until`` (``time.monotonic``; the hold window the prefill promised, see
+        :meth:`.params.RemotePrefill.trust_deadline`) and was made from the incarnation ``incarnation`` that
+        promised it, or (without a usable window) every prefill rank read from confirms, within
+        ``confirm_timeout_s``, that the blocks were still held when our ``ReadDone`` reached it.
 
         Returns only once the KV is known good. Raises ``LeaseNotConfirmed`` if a rank refuses or stays
-        silent (the local blocks may hold stale KV: do not use them), and whatever :meth:`pull` raises.
-        On the way, decode rank 0 tells prefill ranks that no decode rank reads (``ReleaseUnread``).
+        silent, or a read without confirmation ended outside the window (the local blocks may hold stale KV:
+        do not use them), and whatever :meth:`pull` raises. On the way, decode rank 0 tells prefill ranks that
+        no decode rank reads (``ReleaseUnread``).
         """
-        self.connect(host, port)
+        remote = self.remotes.connect(host, port)
+        if self._window_usable(remote, trust_until, incarnation):
+            assert trust_until is not None
+            return self._pull_in_window(
+                request_id,
+                host,
+                port,
+                remote_block_ids,
+                local_block_ids,
+                num_tokens,
+                timeout_s,
+                trust_until,
+                incarnation,
+            )
         with self.confirmations.awaiting(request_id, self.agent.set_expecting_reads):  # poll fast meanwhile
             with self._pull_lock:
                 stats, remote = self._pull(
@@ -315,10 +345,49 @@ class DecodeRank:
             timeout = self.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
             ok, reason = self.wait_confirmed(request_id, peers, timeout)
         if not ok:
-            logger.error("decode %s: request %s: %s", self.agent.name, request_id, reason)
-            self.metrics.unconfirmed_reads.inc()
-            raise LeaseNotConfirmed(request_id, reason)
+            self._unconfirmed(request_id, reason)
+        self.reads_confirmed += 1
         return stats
+
+    @staticmethod
+    def _window_usable(remote: RemoteEngine, trust_until: float | None, incarnation: str | None) -> bool:
+        """Whether a read from ``remote`` starting now may rely on the hold window instead of a confirmation:
+        the window is known, promised by this incarnation, and has at least ``_WINDOW_READ_ALLOWANCE_S`` left."""
+        if trust_until is None or incarnation is None or incarnation != engine_incarnation(remote):
+            return False
+        return trust_until - time.monotonic() >= _WINDOW_READ_ALLOWANCE_S
+
+    def _pull_in_window(
+        self,
+        request_id: str,
+        host: str,
+        port: int,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        num_tokens: int,
+        timeout_s: float | None,
+        trust_until: float,
+        incarnation: str | None,
+    ) -> PullStats:
+        """:meth:`pull` without asking for confirmations; the KV counts only if the read ended before
+        ``trust_until`` from the incarnation that promised the window (a prefill restarted meanwhile did not)."""
+        with self._pull_lock:
+            stats, remote = self._pull(request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s)
+        ended = time.monotonic()
+        self._release_unread(request_id, host, port)
+        if engine_incarnation(remote) != incarnation:
+            self._unconfirmed(request_id, "read from a restarted prefill, not the one that held the blocks")
+        if ended > trust_until:
+            late = ended - trust_until
+            self._unconfirmed(request_id, f"the read ended {late:.3f} s after the prefill's hold window")
+        self.reads_in_window += 1
+        return stats
+
+    def _unconfirmed(self, request_id: str, reason: str) -> NoReturn:
+        """Log, count and raise ``LeaseNotConfirmed``: the read KV must not be used."""
+        logger.error("decode %s: request %s: %s", self.agent.name, request_id, reason)
+        self.metrics.unconfirmed_reads.inc()
+        raise LeaseNotConfirmed(request_id, reason)
 
     def wait_confirmed(self, request_id: str, peers: list[str], timeout_s: float) -> tuple[bool, str]:
         """Wait until each of ``peers`` (prefill agents) answered a ``ReadDone`` of ``request_id`` that

@@ -6,7 +6,14 @@ go back to the engine exactly once, for the first of:
 * every expected decode reader reported (``ReadDone``, ``ReadFailed``; ``ReleaseUnread`` for a rank no
   decode rank reads): reason ``"read"``;
 * the lease ran out (``expire``; ``heartbeat`` pushes the end back): reason ``"expired"``;
-* the engine gave up on it (``abort``): reason ``"aborted"``.
+* the engine gave up on it (``abort``): reason ``"aborted"``, but never inside the hold window (below).
+
+**The hold window.** From ``hold`` on, a request's blocks are held at least ``window_seconds`` (see
+:func:`hold_window`) unless every reader reported first: the prefill states that window in the
+``kv_transfer_params`` it returns, and a decode whose read ended well inside it uses the KV without asking
+for a confirmation. The lease (``lease_seconds``, longer) never ends inside the window; an early free (``abort``)
+asked for inside it is deferred to the window's end (or to the readers' reports, whichever is first). The window
+is counted from the hold, which comes after the params were made, so it covers what they promise.
 
 Readers are counted per distinct ``(reader engine, reader rank)``; how many to expect comes with their
 reports (``expected_readers``), so a request is never freed before one reader has said how many there are.
@@ -69,6 +76,8 @@ class ReportOutcome:
 class _Entry:
     block_ids: tuple[int, ...] | None  # None: pending (reports arrived, no hold yet)
     deadline: float  # held: end of the lease; pending: when to stop waiting for the hold
+    promised_until: float = 0.0  # held: end of the hold window (no early free before it)
+    deferred: FreeReason | None = None  # an early free asked for inside the window, done at its end
     expected: int = 0
     reports: dict[tuple[str, int], ReaderReport] = field(default_factory=dict)
     parked: list[str] = field(default_factory=list)  # reply_to keys waiting for a verdict
@@ -90,6 +99,12 @@ _GONE_REASONS = {
 }
 
 
+def hold_window(lease_seconds: float) -> float:
+    """Seconds a held request is promised to stay held (unless its readers reported): a third of the lease,
+    at most 10 s (an abort inside it waits that long at worst)."""
+    return min(lease_seconds / 3.0, 10.0)
+
+
 class LeaseLedger:
     """Held requests of one prefill rank: leases, reader tallies, confirmations."""
 
@@ -100,10 +115,16 @@ class LeaseLedger:
         clock: Callable[[], float] = time.monotonic,
         pending_seconds: float | None = None,
         max_tombstones: int = 65536,
+        window_seconds: float | None = None,
     ) -> None:
+        """``window_seconds``: the hold window (default :func:`hold_window` of the lease; at most the lease)."""
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
         self.lease_seconds = float(lease_seconds)
+        window = hold_window(self.lease_seconds) if window_seconds is None else float(window_seconds)
+        if not 0 <= window <= self.lease_seconds:
+            raise ValueError(f"window_seconds must be in 0..lease_seconds, got {window_seconds!r}")
+        self.window_seconds = window
         self.pending_seconds = self.lease_seconds if pending_seconds is None else float(pending_seconds)
         self._clock = clock
         self._lock = threading.Lock()
@@ -124,15 +145,19 @@ class LeaseLedger:
             if entry is not None and entry.block_ids is not None:
                 logger.warning("request %s held twice: keeping the first blocks, extending the lease", request_id)
                 entry.deadline = max(entry.deadline, now + self.lease_seconds)
+                entry.promised_until = max(entry.promised_until, now + self.window_seconds)
                 return None
             if self._gone.pop(request_id, None) is not None:
                 logger.warning("request %s held again after it was freed: starting a new lease", request_id)
             if entry is None:
-                entry = self._entries[request_id] = _Entry(block_ids=blocks, deadline=now + self.lease_seconds)
+                entry = self._entries[request_id] = _Entry(
+                    block_ids=blocks, deadline=now + self.lease_seconds, promised_until=now + self.window_seconds
+                )
                 return None
             # pending: readers reported before the hold; the engine owned the blocks all along
             entry.block_ids = blocks
             entry.deadline = now + self.lease_seconds
+            entry.promised_until = now + self.window_seconds
             self._answer_parked(request_id, entry, ok=True, reason="held")
             if entry.complete:
                 return self._free(request_id, entry, "read")
@@ -182,7 +207,8 @@ class LeaseLedger:
             entry.complete = True
             if entry.block_ids is None:
                 return ReportOutcome(readers_complete=True)
-            return ReportOutcome(freed=self._free(request_id, entry, "read"), readers_complete=True)
+            freed = self._free(request_id, entry, entry.deferred or "read")
+            return ReportOutcome(freed=freed, readers_complete=True)
 
     def heartbeat(self, request_id: str) -> bool:
         """Extend a held request's lease to a full lease from now; False if it is not held."""
@@ -190,16 +216,17 @@ class LeaseLedger:
             entry = self._entries.get(request_id)
             if entry is None or entry.block_ids is None:
                 return False
+            if entry.deferred is not None:
+                return True  # held until its deferred free: not extended
             entry.deadline = max(entry.deadline, self._clock() + self.lease_seconds)
             return True
 
     def abort(self, request_id: str) -> Freed | None:
-        """Free a held request now (readers that come later are told it is gone); None if not held."""
+        """Free a held request now (readers that come later are told it is gone); None if not held, or if its
+        hold window is still running: it is then freed at the window's end (``expire``) or by its readers'
+        reports, with reason ``"aborted"`` either way."""
         with self._lock:
-            entry = self._entries.get(request_id)
-            if entry is None or entry.block_ids is None:
-                return None
-            return self._free(request_id, entry, "aborted")
+            return self._free_early(request_id, "aborted")
 
     def expire(self) -> list[Freed]:
         """Free every held request whose lease ran out; drop pending reports whose hold never came."""
@@ -209,7 +236,9 @@ class LeaseLedger:
             for request_id, entry in list(self._entries.items()):
                 if entry.deadline > now:
                     continue
-                if entry.block_ids is not None:
+                if entry.block_ids is not None and entry.deferred is not None:
+                    freed.append(self._free(request_id, entry, entry.deferred))
+                elif entry.block_ids is not None:
                     logger.warning(
                         "request %s: lease of %g s expired with %d of %d reader(s) reported; freeing %d block(s)",
                         request_id,
@@ -272,6 +301,26 @@ class LeaseLedger:
             return sum(len(entry.block_ids) for entry in self._entries.values() if entry.block_ids is not None)
 
     # ------------------------------------------------------------------ internals (lock held)
+    def _free_early(self, request_id: str, reason: FreeReason) -> Freed | None:
+        """Free a held request before its readers reported, for ``reason``: now, or at the end of its hold
+        window if that is still running (None then, and when it is not held)."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.block_ids is None:
+            return None
+        now = self._clock()
+        if now >= entry.promised_until:
+            return self._free(request_id, entry, reason)
+        if entry.deferred is None:
+            logger.info(
+                "request %s: %s inside its hold window: freed in %.3f s or when its readers report",
+                request_id,
+                reason,
+                entry.promised_until - now,
+            )
+        entry.deferred = reason
+        entry.deadline = min(entry.deadline, entry.promised_until)
+        return None
+
     def _free(self, request_id: str, entry: _Entry, reason: FreeReason) -> Freed:
         assert entry.block_ids is not None
         del self._entries[request_id]

@@ -30,6 +30,8 @@ class RecvSpec(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     num_tokens: int
+    trust_until: float | None = None  # time.monotonic of this host: a read ended before it needs no confirmation
+    incarnation: str | None = None  # the prefill incarnation that promised that (``remote_incarnation``)
 
     @property
     def ref(self) -> RemoteRef:

@@ -14,12 +14,24 @@ Keys read: ``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``, ``
 ``remote_block_ids`` (a list of distinct ints, or one such list per KV cache group: exactly one group accepted),
 ``remote_host``, ``remote_port``, ``tp_size``; optional ``remote_num_tokens``, ``remote_block_size``, and
 vLLM's ``dcp_size`` / ``pp_size`` (only 1), ``transfer_mode`` (only ``"pull"``),
-``remote_blocks_expiry_time`` (type only). Other keys are ignored, so that newer proxies keep working.
+``remote_blocks_expiry_time`` (type only), and ours: ``remote_hold_seconds``, ``remote_hold_until`` and
+``remote_incarnation`` (the hold window, below). Other keys are ignored, so that newer proxies keep working.
+
+**The hold window.** A prefill promises to hold the blocks for ``remote_hold_seconds`` from when it made the
+params (``remote_hold_until``: the same end in Unix seconds), unless its readers reported first, and only as the
+incarnation ``remote_incarnation`` (a digest of its ranks' NIXL agent names: a restarted prefill has another).
+Monotonic clocks differ between hosts and wall clocks may be skewed, so the decode takes the earlier of two
+ends, each on its own monotonic clock (:meth:`RemotePrefill.trust_deadline`): its receipt time plus the
+duration (late by the params' time in transit) and the wall-clock end converted at receipt (off by the clock
+skew), less :data:`HOLD_MARGIN_S`. That is sound as long as either the transit or the skew stays under the
+margin. A read that ended before that deadline needs no ``LeaseConfirm``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -28,6 +40,9 @@ from .metadata import RemoteRef
 MAX_BLOCK_ID = 2**31 - 1  # NIXL descriptor indices are int32
 MAX_ID_CHARS = 1024
 MAX_HOST_CHARS = 255
+MAX_HOLD_SECONDS = 3600.0  # longest hold window a decode believes
+HOLD_MARGIN_S = 0.5  # taken off the hold window: the params' transit, or the hosts' clock skew
+INCARNATION_CHARS = 32
 
 
 class InvalidTransferParams(ValueError):
@@ -73,6 +88,20 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int
     num_tokens: int | None  # tokens of KV the prefill holds (remote_num_tokens, else the prompt length)
     block_size: int | None  # the prefill's block size, when the params say
+    hold_seconds: float | None = None  # the hold window from when the params were made, when the params say
+    hold_until: float | None = None  # its end, Unix seconds
+    incarnation: str | None = None  # the prefill incarnation promising it (:func:`incarnation_token`)
+
+    def trust_deadline(self, received: float, wall_now: float, margin_s: float = HOLD_MARGIN_S) -> float | None:
+        """Until when (the ``received`` clock: this host's ``time.monotonic``) a read of these blocks that has
+        ended needs no confirmation, given that the params arrived at ``received`` (``wall_now``: ``time.time()``
+        then); None without a window. The earlier of the transit-bound and the wall-clock-bound ends, less
+        ``margin_s`` (see the module docstring)."""
+        if self.hold_seconds is None or self.hold_until is None or self.incarnation is None:
+            return None
+        by_transit = received + self.hold_seconds
+        by_wall = received + (self.hold_until - wall_now)
+        return min(by_transit, by_wall) - margin_s
 
 
 class RemoteDecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,6 +172,34 @@ def _block_ids(params: Mapping[str, object]) -> tuple[int, ...]:
     return tuple(value)
 
 
+def incarnation_token(agent_names: Iterable[str]) -> str:
+    """A digest (``INCARNATION_CHARS`` hex digits) naming one incarnation of a prefill engine: of its ranks' NIXL
+    agent names in rank order (each made unique when the agent starts)."""
+    digest = hashlib.sha256("\n".join(agent_names).encode())
+    return digest.hexdigest()[:INCARNATION_CHARS]
+
+
+def _seconds(params: Mapping[str, object], key: str, *, high: float) -> float | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidTransferParams(key, f"expected a finite number, got {type(value).__name__} {value!r:.60}")
+    if not 0 <= value <= high:
+        raise InvalidTransferParams(key, f"must be in 0..{high:g}, got {value}")
+    return float(value)
+
+
+def _hold_window(params: Mapping[str, object]) -> tuple[float | None, float | None, str | None]:
+    """(``remote_hold_seconds``, ``remote_hold_until``, ``remote_incarnation``), each None when absent."""
+    seconds = _seconds(params, "remote_hold_seconds", high=MAX_HOLD_SECONDS)
+    until = _seconds(params, "remote_hold_until", high=2.0**40)
+    incarnation = params.get("remote_incarnation")
+    if incarnation is not None:
+        incarnation = _str(params, "remote_incarnation", limit=INCARNATION_CHARS)
+    return seconds, until, incarnation
+
+
 def parse_transfer_params(
     params: object, *, prompt_len: int | None, local_block_size: int
 ) -> RemotePrefill | RemoteDecodeRequest | None:
@@ -206,6 +263,7 @@ def parse_transfer_params(
             f"{block_size} and the local block size {local_block_size} do not nest (one must divide the other)",
         )
     num_tokens = _int(params, "remote_num_tokens", low=1, required=False)
+    hold_seconds, hold_until, incarnation = _hold_window(params)
     if prompt_len is not None:
         if prompt_len < 0:
             raise ValueError(f"prompt_len must be non-negative, got {prompt_len}")
@@ -241,6 +299,9 @@ def parse_transfer_params(
         tp_size=tp_size,
         num_tokens=num_tokens,
         block_size=block_size,
+        hold_seconds=hold_seconds,
+        hold_until=hold_until,
+        incarnation=incarnation,
     )
 
 
@@ -254,9 +315,14 @@ def remote_prefill_params(
     tp_size: int,
     num_tokens: int | None,
     block_size: int,
+    hold_seconds: float | None = None,
+    incarnation: str | None = None,
+    wall_now: float | None = None,
 ) -> dict[str, object]:
     """What a prefill returns for a finished ``do_remote_decode`` request: NixlConnector's keys (block ids
-    as one list per KV cache group), plus ``remote_block_size``; ``remote_num_tokens`` when known."""
+    as one list per KV cache group), plus ``remote_block_size``; ``remote_num_tokens`` when known; the hold
+    window (``remote_hold_seconds`` from now, ``remote_hold_until`` = ``wall_now`` (Unix seconds) plus that,
+    ``remote_incarnation``) when ``hold_seconds``, ``incarnation`` and ``wall_now`` are given."""
     params: dict[str, object] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -270,4 +336,8 @@ def remote_prefill_params(
     }
     if num_tokens is not None:
         params["remote_num_tokens"] = num_tokens
+    if hold_seconds is not None and incarnation is not None and wall_now is not None:
+        params["remote_hold_seconds"] = hold_seconds
+        params["remote_hold_until"] = wall_now + hold_seconds
+        params["remote_incarnation"] = incarnation
     return params

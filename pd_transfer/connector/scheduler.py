@@ -28,12 +28,14 @@ from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 
 from .config import ConnectorConfig
+from .leases import hold_window
 from .metadata import RecvSpec, RemoteRef, StepMetadata
 from .params import (
     InvalidTransferParams,
     RemoteDecodeRequest,
     RemotePrefill,
     RepeatedBlockIds,
+    incarnation_token,
     parse_transfer_params,
     remote_prefill_params,
 )
@@ -57,6 +59,13 @@ class _Remote:
     next_heartbeat: float
     tokens: int = 0  # tokens to load, decided by get_num_new_matched_tokens
     remote_block_ids: tuple[int, ...] = ()
+    trust_until: float | None = None  # reads ended before this (time.monotonic) need no confirmation
+
+    @classmethod
+    def received(cls, params: RemotePrefill, phase: Phase, next_heartbeat: float) -> _Remote:
+        """Params that arrived just now: their hold window is counted from here."""
+        trust_until = params.trust_deadline(time.monotonic(), time.time())
+        return cls(_ref(params), params, phase, next_heartbeat, trust_until=trust_until)
 
 
 def _ref(params: RemotePrefill) -> RemoteRef:
@@ -94,6 +103,7 @@ class SchedulerSide:
         self._remotes: dict[str, _Remote] = {}  # decode side, until request_finished
         self._rejected: set[str] = set()  # invalid params (logged once), until request_finished
         self._holding: set[str] = set()  # prefill side, until finished_sending
+        self._incarnation: str | None = None  # prefill side: names this process's ranks in the params
         self._reset_step()
         self.invalid_params = 0
         self.loads_scheduled = 0
@@ -112,6 +122,7 @@ class SchedulerSide:
         ``config.side_channel_host:port``; returns the port (useful with port 0)."""
         if self._server is not None:
             raise RuntimeError("the side channel is already running")
+        self._incarnation = incarnation_token(rank.agent_name for rank in sorted(ranks, key=lambda r: r.tp_rank))
         self._server = serve_engine(
             self.engine_id,
             ranks,
@@ -157,11 +168,8 @@ class SchedulerSide:
             with self._lock:
                 parsed = self._parse(request_id, kv_transfer_params, prompt_len)
                 if isinstance(parsed, RemotePrefill) and request_id not in self._remotes:
-                    self._remotes[request_id] = _Remote(
-                        ref=_ref(parsed),
-                        params=parsed,
-                        phase="queued",
-                        next_heartbeat=self._clock() + self.config.heartbeat_interval_s,
+                    self._remotes[request_id] = _Remote.received(
+                        parsed, "queued", self._clock() + self.config.heartbeat_interval_s
                     )
         except Exception:
             logger.exception("request %s: on_new_request failed", request_id)
@@ -189,8 +197,10 @@ class SchedulerSide:
         if not isinstance(parsed, RemotePrefill):
             return 0, False
         if remote is None:
-            remote = _Remote(ref=_ref(parsed), params=parsed, phase="matched", next_heartbeat=self._clock())
+            remote = _Remote.received(parsed, "matched", self._clock())
             self._remotes[request_id] = remote
+        elif parsed != remote.params:
+            remote.trust_until = None  # other params than those timed at arrival: confirm the read
         remote.params, remote.ref, remote.phase = parsed, _ref(parsed), "matched"
         remote.tokens, remote.remote_block_ids = 0, ()
         loadable = prompt_len if parsed.num_tokens is None else parsed.num_tokens
@@ -237,6 +247,8 @@ class SchedulerSide:
                     remote_block_ids=remote.remote_block_ids,
                     local_block_ids=tuple(int(b) for b in local_block_ids)[:needed],
                     num_tokens=num_external_tokens,
+                    trust_until=remote.trust_until,
+                    incarnation=remote.params.incarnation,
                 )
                 remote.phase = "loading"
                 self.loads_scheduled += 1
@@ -352,6 +364,9 @@ class SchedulerSide:
             tp_size=self.tp_size,
             num_tokens=num_computed_tokens,
             block_size=self.block_size,
+            hold_seconds=hold_window(self.config.lease_seconds),
+            incarnation=self._incarnation,
+            wall_now=time.time(),
         )
 
     def abort_held(self, request_id: str) -> None:

@@ -8,7 +8,8 @@ heartbeats go to a thread pool, so the engine step never waits on the network) a
 ``step_output``). Lease expiry is swept in ``get_finished``.
 
 A pull counts as received only when every prefill rank read from confirmed that the blocks were still held
-when our ``ReadDone`` arrived (``DecodeRank.pull_confirmed``). Anything else (handshake timeout, wrong
+when our ``ReadDone`` arrived, or when the read ended inside the hold window the prefill promised in its params
+(``DecodeRank.pull_confirmed``). Anything else (handshake timeout, wrong
 engine, bad block ids, failed or refused read, no confirmation) applies the failure policy: ``recompute``
 reports the request's local block ids as load errors, ``fail`` reports the request failed; either way the
 request is reported in ``finished_recving`` and nothing is raised into the engine.
@@ -219,6 +220,8 @@ class WorkerSide:
                 spec.num_tokens,
                 timeout_s=self.config.read_timeout_s,
                 confirm_timeout_s=self.config.confirm_timeout_s,
+                trust_until=spec.trust_until,
+                incarnation=spec.incarnation,
             )
         except Exception as error:
             self.metrics.pull_failures.labels(failure_kind(error)).inc()

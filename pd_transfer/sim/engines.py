@@ -120,6 +120,11 @@ class _PrefillEngine:
             _scribble(self.caches, self.lent.pop(request_id, ()))
         self.finished_sending |= results.finished_sending
 
+    def abort(self, request_id: str) -> None:
+        """The engine wants a held request's blocks back now (``abort_held``), then steps once."""
+        self.scheduler.abort_held(request_id)
+        self.step()
+
     def state(self, request_ids: Sequence[str]) -> dict[str, object]:
         return {
             "held_blocks": [ledger.blocks_held for ledger in self.ledgers],
@@ -157,6 +162,9 @@ def _child(conn: multiprocessing.connection.Connection, specs: bytes) -> None:
                     conn.send(("ok", engine.prefill(*args)))
                 elif command == "wait_sending":
                     conn.send(("ok", engine.wait_sending(*args)))
+                elif command == "abort":
+                    engine.abort(*args)
+                    conn.send(("ok", engine.state(args)))
                 elif command == "state":
                     engine.step()
                     conn.send(("ok", engine.state(*args)))
@@ -206,6 +214,10 @@ class PrefillEngines(ChildProcess):
 
     def state(self, engine_id: str, request_ids: Sequence[str] = ()) -> dict:
         return self._request("state", engine_id, list(request_ids))
+
+    def abort(self, engine_id: str, request_id: str) -> dict:
+        """Abort a held request on ``engine_id`` (the engine wants its blocks back); returns ``state``."""
+        return self._request("abort", engine_id, request_id)
 
 
 @dataclass
