@@ -1,17 +1,19 @@
 """Prometheus metrics of pd-transfer's endpoints in one process.
 
 Decode ranks record every pull (bytes, seconds, descriptor rows, fix-up time added, outcome), the loads
-that failed by kind, and the prefill engines handshaken afresh at a known address (a restart); prefill
-ranks record how each lease ended (read, expired, aborted) and the blocks they hold. ``default_metrics()``
-registers one set in prometheus_client's global registry, which an exporter of the process serves; pass
-a ``TransferMetrics(registry=...)`` of your own to keep them apart (tests, several engines).
+that failed by kind, the prefill engines handshaken afresh at a known address (a restart), their handshakes by
+outcome and seconds, and the requests waiting for remote KV; prefill ranks record how each lease ended (read,
+expired, aborted, released) and the blocks they hold; side-channel servers the frames they refused by reason and
+the nonces they refused. ``pd_transfer_info`` names the protocol version and the model fingerprint served.
+``default_metrics()`` registers one set in prometheus_client's global registry, which an exporter of the process
+serves; pass a ``TransferMetrics(registry=...)`` of your own to keep them apart (tests, several engines).
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ROWS = (1, 8, 64, 512, 4096, 32768, 262144, 2097152)
@@ -62,12 +64,48 @@ class TransferMetrics:
         )
         self.leases_ended = Counter(
             "pd_transfer_leases_ended",
-            "Prefill leases by how they ended: read, expired, aborted",
+            "Prefill leases by how they ended: read, expired, aborted, released (by the proxy: nobody will read them)",
             ["reason"],
             registry=r,
         )
         self.blocks_held = Gauge(
             "pd_transfer_prefill_blocks_held", "Blocks a prefill rank holds for readers", ["engine", "rank"], registry=r
+        )
+
+        self.handshakes = Counter(
+            "pd_transfer_handshakes",
+            "Side-channel handshakes a decode made (cache hits excluded), by outcome: ok, timeout, backoff (not"
+            " attempted: the peer failed moments ago), refused, auth, incompatible, version, error",
+            ["outcome"],
+            registry=r,
+        )
+        self.handshake_seconds = Histogram(
+            "pd_transfer_handshake_seconds",
+            "Seconds of a decode's side-channel handshake, every attempt included (back-offs excluded)",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.side_channel_rejected = Counter(
+            "pd_transfer_side_channel_rejected",
+            "Frames a side-channel server refused, by reason: malformed, too_large, unsupported_version,"
+            " unexpected_message, auth_required, auth_failed, incompatible, unknown_rank, unknown_engine",
+            ["reason"],
+            registry=r,
+        )
+        self.nonces_refused = Counter(
+            "pd_transfer_side_channel_nonces_refused",
+            "Authenticated requests a side-channel server refused for their nonce: unknown, expired, reused, busy",
+            ["reason"],
+            registry=r,
+        )
+        self.requests_waiting_for_kv = Gauge(
+            "pd_transfer_requests_waiting_for_kv",
+            "Decode requests whose KV a remote prefill holds and that are not loaded yet (queued or loading)",
+            ["engine"],
+            registry=r,
+        )
+        self.info = Info(
+            "pd_transfer", "pd-transfer's side-channel protocol version and the model fingerprint served", registry=r
         )
 
     def observe_pull(self, seconds: float, num_bytes: int, rows: int, fixup_exposed_seconds: float) -> None:

@@ -1,7 +1,8 @@
 """HMAC-SHA256 over the handshake: the client proves it knows the secret, then the server does.
 
 Each MAC covers a domain label (so a request MAC can never pass as a reply MAC), the length-prefixed
-nonce, and the payload bytes. The request MAC covers the whole ``GetMetadata`` encoded with ``mac=b""``.
+nonce, and the payload bytes. A request MAC covers the whole ``GetMetadata`` or ``Release`` encoded with ``mac=b""``
+(the encoding starts with the message's tag, so one kind can never pass as the other).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import secrets
 
 import msgspec
 
-from .messages import GetMetadata, encode
+from .messages import GetMetadata, Release, encode
 
 NONCE_BYTES = 32
 
@@ -63,7 +64,11 @@ def verify(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)
 
 
-def get_metadata_mac(secret: bytes | str, request: GetMetadata) -> bytes:
-    """The MAC a ``GetMetadata`` must carry: over the request with ``mac=b""`` and its server nonce."""
+def get_metadata_mac(secret: bytes | str, request: GetMetadata | Release) -> bytes:
+    """The MAC a ``GetMetadata`` (or a ``Release``) must carry: over the request with ``mac=b""`` and its server
+    nonce."""
     unsigned = msgspec.structs.replace(request, mac=b"")
     return request_mac(secret, request.server_nonce, encode(unsigned))
+
+
+signed_request_mac = get_metadata_mac

@@ -32,13 +32,13 @@ from types import TracebackType
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from pd_transfer.metrics import TransferMetrics
 from pd_transfer.spec import ModelFingerprint
 
-from .auth import as_secret, get_metadata_mac, new_nonce, reply_mac, verify
+from .auth import as_secret, new_nonce, reply_mac, signed_request_mac, verify
 from .compat import fingerprint_fields_differing
-from .endpoints import is_ipv6, peer_name, tcp_endpoint
+from .endpoints import peer_name
 from .errors import (
     AuthenticationError,
     HandshakeBackoff,
@@ -47,41 +47,17 @@ from .errors import (
     HandshakeTimeout,
     IncompatiblePeer,
 )
-from .messages import (
-    MAX_FRAME_BYTES,
-    Challenge,
-    EngineMetadata,
-    ErrorReply,
-    GetMetadata,
-    Hello,
-    Message,
-    Metadata,
-    decode,
-    encode,
-    encode_engine,
-)
-from .versions import PROTOCOL_VERSION
+from .link import AttemptFailed, greet, open_link, receive, unexpected
+from .messages import EngineMetadata, GetMetadata, Metadata, encode_engine
+from .versions import PROTOCOL_VERSION, SUPPORTED_VERSIONS
 
 logger = logging.getLogger(__name__)
 
 CacheKey = tuple[str, int, tuple[int, ...] | None]
 Endpoint = tuple[str, int]
 
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
 _REFUSED_PAUSE_S = 0.1  # before retrying a refused connection (doubling): a side channel restarting is caught
 _UNREACHABLE = ("connection refused", "no TCP connection", "connection closed by the peer")  # nobody listening
-
-
-class _AttemptFailed(Exception):
-    """One attempt failed at the connection level (internal: turned into a retry or ``HandshakeTimeout``).
-
-    ``retry``: whether another attempt may help (not after an attempt that never connected in its whole timeout).
-    """
-
-    def __init__(self, reason: str, *, retry: bool = True) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry = retry
 
 
 @dataclass
@@ -112,7 +88,10 @@ class HandshakeClient:
     and ``failure_backoff_max_s`` (default 3 x ``failure_backoff_s``) set the fail-fast window after a
     connection-level failure; ``knock_interval_s`` (0: off) and ``knock_timeout_s`` (default the smaller of 0.25 s
     and ``timeout_s``) the TCP knocks that end it early once a peer that was down listens again; ``clock``
-    (monotonic seconds) is for tests.
+    (monotonic seconds) is for tests. ``protocol_version`` is the version asked for in ``Hello``;
+    ``supported_versions`` the versions accepted in the server's ``Challenge`` (default: every version this
+    package speaks, or only ``protocol_version`` when another is set): a server answering in another version is
+    refused, naming both. ``metrics`` (optional) counts handshakes by outcome and their seconds.
     """
 
     def __init__(
@@ -128,6 +107,8 @@ class HandshakeClient:
         knock_interval_s: float = 0.5,
         knock_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        supported_versions: frozenset[int] | None = None,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -143,6 +124,10 @@ class HandshakeClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.protocol_version = protocol_version
+        if supported_versions is None:
+            supported_versions = SUPPORTED_VERSIONS if protocol_version == PROTOCOL_VERSION else frozenset()
+        self.supported_versions = frozenset(supported_versions) | {protocol_version}
+        self._metrics = metrics
         self.failure_backoff_s = failure_backoff_s
         self.failure_backoff_max_s = failure_backoff_max_s
         if knock_interval_s < 0:
@@ -195,9 +180,11 @@ class HandshakeClient:
         assert future is not None
         if not owner:
             return future.result()  # another thread's handshake, itself bounded by the timeouts
+        started = time.monotonic()
         try:
             engine = self._handshake(host, int(port), tp_ranks)
         except BaseException as exc:
+            self._count(exc, started)
             with self._lock:
                 del self._inflight[key]
                 self._record_failure(endpoint, exc, probe)
@@ -208,8 +195,16 @@ class HandshakeClient:
             self._cache[key] = engine
             self._failures.pop(endpoint, None)
             self.handshakes_performed += 1
+        self._count(None, started)
         future.set_result(engine)
         return engine
+
+    def _count(self, error: BaseException | None, started: float) -> None:
+        """Count one network handshake by outcome (``error`` None: ok) and its seconds."""
+        if self._metrics is None:
+            return
+        self._metrics.handshakes.labels(handshake_outcome(error)).inc()
+        self._metrics.handshake_seconds.observe(time.monotonic() - started)
 
     def _check_failures(self, endpoint: Endpoint) -> bool:
         """Under the lock, before a handshake: raises ``HandshakeBackoff`` while ``endpoint`` is in its window
@@ -323,7 +318,7 @@ class HandshakeClient:
         for attempt in range(1, attempts + 1):
             try:
                 return self._attempt(host, port, peer, tp_ranks)
-            except _AttemptFailed as exc:
+            except AttemptFailed as exc:
                 reasons.append(exc.reason)
                 logger.info("handshake with %s: attempt %d/%d failed (%s)", peer, attempt, attempts, exc.reason)
                 if not exc.retry:
@@ -335,59 +330,39 @@ class HandshakeClient:
     def _attempt(self, host: str, port: int, peer: str, tp_ranks: list[int] | None) -> EngineMetadata:
         deadline = time.monotonic() + self.timeout_s
         try:
-            socket = self._context.socket(zmq.DEALER)
+            link = open_link(self._context, host, port)
         except zmq.ZMQError as exc:
             raise HandshakeError(f"handshake with {peer}: cannot open a socket ({exc}); client closed?") from exc
-        monitor: zmq.Socket | None = None
         try:
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            if is_ipv6(host):
-                socket.setsockopt(zmq.IPV6, 1)
-            monitor = socket.get_monitor_socket(_MONITORED)
-            link = _Link(socket, monitor)
-            socket.connect(tcp_endpoint(host, port))
             client_nonce = new_nonce()
-
-            self._send(socket, Hello(protocol_version=self.protocol_version, client_nonce=client_nonce), deadline)
-            challenge = self._receive(link, peer, deadline, "Challenge")
-            if not isinstance(challenge, Challenge):
-                raise self._unexpected(peer, challenge, "Challenge")
-            if challenge.auth_required and self._secret is None:
-                raise AuthenticationError(
-                    f"handshake server {peer} requires a shared secret and this client has none: "
-                    "configure the same handshake secret on both sides"
-                )
-            if self._secret is not None and not challenge.auth_required:
-                raise AuthenticationError(
-                    f"handshake server {peer} does not authenticate, but this client has a secret: "
-                    "configure the same handshake secret on both sides"
-                )
-
+            challenge = greet(
+                link,
+                peer,
+                deadline,
+                self.timeout_s,
+                version=self.protocol_version,
+                accepted=self.supported_versions,
+                client_nonce=client_nonce,
+                has_secret=self._secret is not None,
+            )
             request = GetMetadata(
-                protocol_version=self.protocol_version,
+                protocol_version=challenge.protocol_version,
                 fingerprint=self.fingerprint,
                 tp_ranks=None if tp_ranks is None else list(tp_ranks),
                 client_nonce=client_nonce,
                 server_nonce=challenge.server_nonce,
             )
             if self._secret is not None:
-                request = msgspec.structs.replace(request, mac=get_metadata_mac(self._secret, request))
-            self._send(socket, request, deadline)
-            reply = self._receive(link, peer, deadline, "Metadata")
+                request = msgspec.structs.replace(request, mac=signed_request_mac(self._secret, request))
+            link.send(request, deadline)
+            reply = receive(link, peer, deadline, "Metadata", self.timeout_s)
             if not isinstance(reply, Metadata):
-                raise self._unexpected(peer, reply, "Metadata")
+                raise unexpected(peer, reply, "Metadata", self.protocol_version)
             return self._check(reply, peer, client_nonce, tp_ranks)
         except zmq.ContextTerminated as exc:
             raise HandshakeError(f"handshake with {peer} aborted: the client was closed") from exc
         finally:
-            if monitor is not None:
-                try:
-                    socket.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                monitor.close(linger=0)
-            socket.close(linger=0)
+            link.close()
 
     def _check(self, reply: Metadata, peer: str, client_nonce: bytes, tp_ranks: list[int] | None) -> EngineMetadata:
         engine = reply.engine
@@ -414,70 +389,19 @@ class HandshakeClient:
         logger.debug("handshake with %s: engine %r ranks %s", peer, engine.engine_id, got)
         return engine
 
-    @staticmethod
-    def _send(socket: zmq.Socket, message: Message, deadline: float) -> None:
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0:
-            raise _AttemptFailed(f"no time left to send {type(message).__name__}")
-        socket.setsockopt(zmq.SNDTIMEO, remaining_ms)
-        try:
-            socket.send(encode(message))
-        except zmq.Again as exc:
-            raise _AttemptFailed(f"no room to send {type(message).__name__}") from exc
 
-    def _receive(self, link: _Link, peer: str, deadline: float, waiting_for: str) -> Message:
-        frames = link.receive(deadline, waiting_for, self.timeout_s)
-        if len(frames) != 1:
-            raise HandshakeError(f"handshake server {peer} sent {len(frames)} frames, expected 1")
-        try:
-            return decode(frames[0])
-        except Exception as exc:
-            raise HandshakeError(f"handshake server {peer} sent an undecodable reply: {exc}") from exc
-
-    @staticmethod
-    def _unexpected(peer: str, message: Message, waiting_for: str) -> HandshakeError:
-        if isinstance(message, ErrorReply):
-            if message.code in ("auth_required", "auth_failed"):
-                return AuthenticationError(
-                    f"handshake server {peer} refused our credentials ({message.code}): {message.message}",
-                    code=message.code,
-                )
-            if message.code == "incompatible":
-                return IncompatiblePeer(message.message, message.fields, peer=peer)
-            return HandshakeRefused(message.code, message.message, peer=peer)
-        return HandshakeError(f"handshake server {peer} sent {type(message).__name__}, expected {waiting_for}")
-
-
-class _Link:
-    """One attempt's DEALER socket and its monitor: waits for a reply while watching the TCP connection."""
-
-    def __init__(self, socket: zmq.Socket, monitor: zmq.Socket) -> None:
-        self.socket = socket
-        self.monitor = monitor
-        self.connected = False
-        self._poller = zmq.Poller()
-        self._poller.register(socket, zmq.POLLIN)
-        self._poller.register(monitor, zmq.POLLIN)
-
-    def receive(self, deadline: float, waiting_for: str, timeout_s: float) -> list[bytes]:
-        """The next reply's frames; ``_AttemptFailed`` when the connection is refused or dropped, or at the
-        deadline."""
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                if not self.connected:
-                    raise _AttemptFailed(f"no TCP connection in {timeout_s:g} s", retry=False)
-                raise _AttemptFailed(f"no {waiting_for} in {timeout_s:g} s")
-            ready = dict(self._poller.poll(remaining_ms))
-            if self.socket in ready:
-                return self.socket.recv_multipart(zmq.NOBLOCK)
-            if self.monitor in ready:
-                self._event(recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"])
-
-    def _event(self, event: int) -> None:
-        if event == zmq.EVENT_CONNECTED:
-            self.connected = True
-        elif event == zmq.EVENT_CONNECT_RETRIED and not self.connected:
-            raise _AttemptFailed("connection refused")
-        elif event == zmq.EVENT_DISCONNECTED:
-            raise _AttemptFailed("connection closed by the peer")
+def handshake_outcome(error: BaseException | None) -> str:
+    """The ``outcome`` label of a handshake that ended with ``error`` (None: ``ok``)."""
+    if error is None:
+        return "ok"
+    if isinstance(error, HandshakeBackoff):
+        return "backoff"
+    if isinstance(error, HandshakeTimeout):
+        return "timeout"
+    if isinstance(error, AuthenticationError):
+        return "auth"
+    if isinstance(error, IncompatiblePeer):
+        return "incompatible"
+    if isinstance(error, HandshakeRefused):
+        return "version" if error.code == "unsupported_version" else "refused"
+    return "error"

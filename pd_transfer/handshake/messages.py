@@ -7,7 +7,16 @@ A decode process asks a prefill process for its metadata in two round trips::
     client -> server   GetMetadata(..., server_nonce, mac)      mac = HMAC(secret, server_nonce | request)
     server -> client   Metadata(engine, mac) | ErrorReply(code, message)
 
-Without a configured secret, ``mac`` fields are empty and ignored.
+Since version 2, the proxy may end a prefill's lease early the same way (the client of the request is gone, or
+its decode hop failed, so nobody will read those blocks)::
+
+    client -> server   Hello(protocol_version, client_nonce)
+    server -> client   Challenge(server_nonce, auth_required)
+    client -> server   Release(engine_id, request_id, server_nonce, mac)
+    server -> client   ReleaseReply(request_id, outcome) | ErrorReply(code, message)
+
+Without a configured secret, ``mac`` fields are empty and ignored. The ``Challenge`` carries the version the
+server will speak with this client (the client's own when the server supports it).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ ErrorCode = Literal[
     "auth_failed",  # the MAC did not verify, or the nonce was unknown or reused
     "incompatible",  # the fingerprints differ; the message names the fields
     "unknown_rank",  # a requested TP rank is not served here
+    "unknown_engine",  # a Release named another engine than the one served here
     "internal",  # the server failed; it keeps serving
 ]
 
@@ -93,6 +103,36 @@ class Metadata(msgspec.Struct, tag="metadata", frozen=True, forbid_unknown_field
     mac: Mac = b""  # HMAC(secret, client_nonce | encoded engine): the server proves it knows the secret
 
 
+class Release(msgspec.Struct, tag="release", frozen=True, forbid_unknown_fields=True):
+    """Version 2: free the blocks the prefill engine ``engine_id`` holds for ``request_id`` (nobody will read them).
+
+    ``read_possible``: a decode may have been given the request's params and be reading now (the client left while
+    the decode hop ran); the prefill then keeps the blocks to the end of the hold window it promised decodes, or
+    until the reader reports, whichever is first. False: no decode has the params (the decode hop was never sent,
+    or it ended), so the blocks are freed at once.
+
+    Answered with ``ReleaseReply``. Authenticated like ``GetMetadata``: ``mac`` covers the message encoded with
+    ``mac=b""`` under the server nonce of the ``Challenge``."""
+
+    protocol_version: int
+    engine_id: Name
+    request_id: Name
+    server_nonce: Nonce
+    read_possible: bool = True
+    mac: Mac = b""
+
+
+#: ``releasing``: the blocks were held and are being freed (unless a reader already reported: then they end as
+#: read); ``not_held``: nothing is held for that request here (already freed, read, expired, or never held).
+ReleaseOutcome = Literal["releasing", "not_held"]
+
+
+class ReleaseReply(msgspec.Struct, tag="release_reply", frozen=True, forbid_unknown_fields=True):
+    protocol_version: int
+    request_id: Name
+    outcome: ReleaseOutcome
+
+
 class ErrorReply(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     code: ErrorCode
     message: Name
@@ -100,7 +140,7 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True, forbid_unknown_fields
     fields: Annotated[list[FieldName], msgspec.Meta(max_length=16)] = []
 
 
-Message = Union[Hello, Challenge, GetMetadata, Metadata, ErrorReply]
+Message = Union[Hello, Challenge, GetMetadata, Metadata, Release, ReleaseReply, ErrorReply]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -1,4 +1,4 @@
-"""The prefill side of the side channel: a ZMQ ROUTER answering ``Hello`` and ``GetMetadata``.
+"""The prefill side of the side channel: a ZMQ ROUTER answering ``Hello``, ``GetMetadata`` and ``Release``.
 
 Each request is one frame from a DEALER client; the ROUTER sees ``[identity, payload]`` and answers
 ``[identity, reply]``. Nothing a peer sends can stop the serving loop: undecodable input gets
@@ -17,7 +17,9 @@ from types import TracebackType
 import msgspec
 import zmq
 
-from .auth import as_secret, get_metadata_mac, new_nonce, reply_mac, verify
+from pd_transfer.metrics import TransferMetrics
+
+from .auth import as_secret, new_nonce, reply_mac, signed_request_mac, verify
 from .compat import fingerprint_fields_differing
 from .endpoints import is_ipv6, tcp_endpoint
 from .messages import (
@@ -30,20 +32,34 @@ from .messages import (
     GetMetadata,
     Hello,
     Metadata,
+    Release,
+    ReleaseOutcome,
+    ReleaseReply,
     decode,
     encode,
     encode_engine,
 )
 from .nonces import NonceBook
-from .versions import PROTOCOL_VERSION, SUPPORTED_VERSIONS
+from .versions import PROTOCOL_VERSION, RELEASE_VERSION, SUPPORTED_VERSIONS
 
 logger = logging.getLogger(__name__)
 
-Reply = Challenge | Metadata | ErrorReply
+Reply = Challenge | Metadata | ReleaseReply | ErrorReply
+#: Ends the lease of a request's blocks, nobody will read them: (request id, a decode may be reading it now) ->
+#: whether they were held. Called on the serving thread: it must not block.
+ReleaseHandler = Callable[[str, bool], bool]
 
 #: Error codes counted as refusals in ``HandshakeServer.stats`` (the peer was understood, then refused).
 _REFUSALS: frozenset[str] = frozenset(
-    {"unsupported_version", "unexpected_message", "auth_required", "auth_failed", "incompatible", "unknown_rank"}
+    {
+        "unsupported_version",
+        "unexpected_message",
+        "auth_required",
+        "auth_failed",
+        "incompatible",
+        "unknown_rank",
+        "unknown_engine",
+    }
 )
 _NONCE_REFUSALS: dict[str, str] = {
     "unknown": "unknown server nonce (not issued by this server): send Hello first",
@@ -61,8 +77,11 @@ class HandshakeServer:
     ``engine`` is the metadata itself or a callable returning it (called for every ``GetMetadata``, so it
     may change over time). With ``secret`` set, requests must carry an HMAC over a single-use server
     nonce (valid ``nonce_ttl_s`` seconds; at most ``max_outstanding_nonces`` used ones remembered) and replies carry
-    one back. ``stats`` counts ``challenges``, ``served``, ``refused``, ``malformed``, ``too_large``,
-    ``internal`` and ``dropped`` (replies ZMQ could not queue); it is written by the serving thread only.
+    one back. ``on_release`` answers ``Release`` (version 2; without it a ``Release`` is refused as unexpected).
+    ``protocol_version`` / ``supported_versions``: what this server speaks (other values only to test mixed
+    versions). ``stats`` counts ``challenges``, ``served``, ``released``, ``refused``, ``malformed``,
+    ``too_large``, ``internal`` and ``dropped`` (replies ZMQ could not queue); it is written by the serving thread
+    only. ``metrics`` (optional) counts refused frames by reason and refused nonces by why.
     """
 
     def __init__(
@@ -76,6 +95,10 @@ class HandshakeServer:
         *,
         poll_interval_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        on_release: ReleaseHandler | None = None,
+        protocol_version: int = PROTOCOL_VERSION,
+        supported_versions: frozenset[int] = SUPPORTED_VERSIONS,
+        metrics: TransferMetrics | None = None,
     ) -> None:
         if not (0 <= port <= 65535):
             raise ValueError(f"port must be in 0..65535, got {port}")
@@ -86,8 +109,12 @@ class HandshakeServer:
         self._secret = as_secret(secret)
         self._nonces = NonceBook(nonce_ttl_s, max_outstanding_nonces, clock)
         self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._on_release = on_release
+        self.protocol_version = protocol_version
+        self.supported_versions = frozenset(supported_versions) | {protocol_version}
+        self._metrics = metrics
         self.stats: dict[str, int] = dict.fromkeys(
-            ("challenges", "served", "refused", "malformed", "too_large", "internal", "dropped"), 0
+            ("challenges", "served", "released", "refused", "malformed", "too_large", "internal", "dropped"), 0
         )
         self._port: int | None = None
         self._context: zmq.Context | None = None
@@ -226,6 +253,7 @@ class HandshakeServer:
             return self._malformed(peer, "empty frame")
         if len(data) > MAX_REQUEST_BYTES:  # ZMQ_MAXMSGSIZE normally drops these first
             self.stats["too_large"] += 1
+            self._count_rejected("too_large")
             return ErrorReply("too_large", f"frame of {len(data)} bytes exceeds {MAX_REQUEST_BYTES}")
         try:
             message = decode(data)
@@ -235,16 +263,23 @@ class HandshakeServer:
             return self._on_hello(message, peer)
         if isinstance(message, GetMetadata):
             return self._on_get_metadata(message, peer)
+        if isinstance(message, Release) and self._on_release is not None:
+            return self._on_release_message(message, peer)
         return self._refuse(peer, "unexpected_message", f"a server does not answer {type(message).__name__}")
 
     def _on_hello(self, hello: Hello, peer: str) -> Reply:
-        refusal = self._check_version(hello.protocol_version, peer)
+        """A ``Challenge`` in the version this server will speak with the peer: the peer's own, or this server's
+        when the peer is newer (the peer then decides whether it speaks that one too)."""
+        version = min(hello.protocol_version, self.protocol_version)
+        refusal = self._check_version(version, peer, asked=hello.protocol_version)
         if refusal is not None:
             return refusal
         nonce = self._nonces.issue() if self._secret is not None else new_nonce()  # checked only with a secret
         self.stats["challenges"] += 1
-        logger.debug("handshake server for engine %r: challenge sent to %s", self._engine_id, peer)
-        return Challenge(protocol_version=PROTOCOL_VERSION, server_nonce=nonce, auth_required=self._secret is not None)
+        logger.debug(
+            "handshake server for engine %r: challenge (version %d) sent to %s", self._engine_id, version, peer
+        )
+        return Challenge(protocol_version=version, server_nonce=nonce, auth_required=self._secret is not None)
 
     def _on_get_metadata(self, request: GetMetadata, peer: str) -> Reply:
         refusal = self._check_version(request.protocol_version, peer)
@@ -274,20 +309,44 @@ class HandshakeServer:
         mac = reply_mac(self._secret, request.client_nonce, encode_engine(served)) if self._secret else b""
         self.stats["served"] += 1
         logger.debug("handshake server for engine %r: ranks %s sent to %s", engine.engine_id, wanted, peer)
-        return Metadata(protocol_version=PROTOCOL_VERSION, engine=served, mac=mac)
+        return Metadata(protocol_version=request.protocol_version, engine=served, mac=mac)
 
-    def _authenticate(self, request: GetMetadata, secret: bytes, peer: str) -> ErrorReply | None:
+    def _on_release_message(self, request: Release, peer: str) -> Reply:
+        """End the lease of ``request.request_id`` through ``on_release``, after the same checks as a
+        ``GetMetadata`` (version, MAC over a fresh nonce) and that it names the engine served here."""
+        refusal = self._check_version(request.protocol_version, peer, minimum=RELEASE_VERSION)
+        if refusal is None and self._secret is not None:
+            refusal = self._authenticate(request, self._secret, peer)
+        if refusal is not None:
+            return refusal
+        engine_id = self._current_engine().engine_id
+        if request.engine_id != engine_id:
+            message = f"this side channel serves engine {engine_id!r}, not {_shown(request.engine_id)}"
+            return self._refuse(peer, "unknown_engine", message)
+        assert self._on_release is not None
+        outcome: ReleaseOutcome = (
+            "releasing" if self._on_release(request.request_id, request.read_possible) else "not_held"
+        )
+        self.stats["released"] += 1
+        logger.info(
+            "engine %r: release of request %s asked by %s: %s", engine_id, _shown(request.request_id), peer, outcome
+        )
+        return ReleaseReply(protocol_version=request.protocol_version, request_id=request.request_id, outcome=outcome)
+
+    def _authenticate(self, request: GetMetadata | Release, secret: bytes, peer: str) -> ErrorReply | None:
         """Refuse a request without a valid MAC over a nonce of ours that is fresh and unused. The MAC is checked
         before the nonce is marked used, so a peer without the secret cannot use up anyone's nonce."""
         if not request.mac:
             message = f"engine {self._engine_id!r} requires authentication: configure the shared handshake secret"
             return self._refuse(peer, "auth_required", message)
         if self._nonces.check(request.server_nonce) == "ok" and not verify(
-            get_metadata_mac(secret, request), request.mac
+            signed_request_mac(secret, request), request.mac
         ):
             return self._refuse(peer, "auth_failed", "request MAC does not verify (different shared secret?)")
         outcome = self._nonces.consume(request.server_nonce)
         if outcome != "ok":
+            if self._metrics is not None:
+                self._metrics.nonces_refused.labels(outcome).inc()
             return self._refuse(peer, "auth_failed", _NONCE_REFUSALS[outcome])
         return None
 
@@ -299,25 +358,41 @@ class HandshakeServer:
         self._engine_id = engine.engine_id
         return engine
 
-    def _check_version(self, version: int, peer: str) -> ErrorReply | None:
-        if version in SUPPORTED_VERSIONS:
+    def _check_version(
+        self, version: int, peer: str, *, asked: int | None = None, minimum: int = 0
+    ) -> ErrorReply | None:
+        """Refuse ``version`` (the peer asked for ``asked``, default ``version``) unless this server speaks it, naming
+        both sides' versions."""
+        if version in self.supported_versions and version >= minimum:
             return None
         message = (
-            f"engine {self._engine_id!r} does not support handshake protocol version {version}; "
-            f"it speaks {PROTOCOL_VERSION} (supported: {sorted(SUPPORTED_VERSIONS)})"
+            f"engine {self._engine_id!r} does not support handshake protocol version"
+            f" {version if asked is None else asked}{' for this message' if version < minimum else ''};"
+            f" it speaks {self.protocol_version} (supported: {sorted(self.supported_versions)})"
         )
         return self._refuse(peer, "unsupported_version", message)
 
+    def _count_rejected(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.side_channel_rejected.labels(reason).inc()
+
     def _refuse(self, peer: str, code: ErrorCode, message: str, fields: list[str] | None = None) -> ErrorReply:
         self.stats["refused"] += 1
+        self._count_rejected(code)
         logger.warning("handshake server for engine %r: refused %s (%s): %s", self._engine_id, peer, code, message)
         return ErrorReply(code=code, message=message, fields=fields or [])
 
     def _malformed(self, peer: str, reason: str) -> ErrorReply:
         self.stats["malformed"] += 1
+        self._count_rejected("malformed")
         reason = reason[:_MAX_REASON_CHARS]
         logger.info("handshake server for engine %r: malformed message from %s: %s", self._engine_id, peer, reason)
         return ErrorReply(code="malformed", message=reason)
+
+
+def _shown(text: str) -> str:
+    """Peer-supplied text for a reply or a log line: quoted, and cut to ``_MAX_REASON_CHARS``."""
+    return repr(text[:_MAX_REASON_CHARS]) + ("..." if len(text) > _MAX_REASON_CHARS else "")
 
 
 def _peer_label(identity: bytes, frames: list[zmq.Frame]) -> str:
