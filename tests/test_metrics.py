@@ -65,15 +65,19 @@ def test_lease_metrics() -> None:
     try:
         rank.hold("held-then-expired", [1, 2, 3])
         rank.hold("held-then-aborted", [4])
+        rank.hold("held-then-released", [5])
         assert (
-            samples(metrics)[("pd_transfer_prefill_blocks_held", (("engine", "metrics-prefill"), ("rank", "0")))] == 4
+            samples(metrics)[("pd_transfer_prefill_blocks_held", (("engine", "metrics-prefill"), ("rank", "0")))] == 5
         )
+        assert rank.release("held-then-released", read_possible=False) is not None  # no decode has its params
+        now[0] = 2.0  # past the hold window (a third of the lease): an abort frees at once
         rank.abort("held-then-aborted")
         now[0] = 6.0
         assert [freed.request_id for freed in rank.expire()] == ["held-then-expired"]
         got = samples(metrics)
         assert got[("pd_transfer_leases_ended_total", (("reason", "expired"),))] == 1
         assert got[("pd_transfer_leases_ended_total", (("reason", "aborted"),))] == 1
+        assert got[("pd_transfer_leases_ended_total", (("reason", "released"),))] == 1
         assert got[("pd_transfer_prefill_blocks_held", (("engine", "metrics-prefill"), ("rank", "0")))] == 0
     finally:
         rank.close()

@@ -6,7 +6,10 @@ go back to the engine exactly once, for the first of:
 * every expected decode reader reported (``ReadDone``, ``ReadFailed``; ``ReleaseUnread`` for a rank no
   decode rank reads): reason ``"read"``;
 * the lease ran out (``expire``; ``heartbeat`` pushes the end back): reason ``"expired"``;
-* the engine gave up on it (``abort``): reason ``"aborted"``, but never inside the hold window (below).
+* the engine gave up on it (``abort``): reason ``"aborted"``, but never inside the hold window (below);
+* nobody will read it (``release``, asked by the proxy when its client left or the decode hop failed): reason
+  ``"released"``; at once when no decode was given the params, else like an abort (never inside the hold window);
+  a request a reader reported on already is left to end as read.
 
 **The hold window.** From ``hold`` on, a request's blocks are held at least ``window_seconds`` (see
 :func:`hold_window`) unless every reader reported first: the prefill states that window in the
@@ -44,8 +47,8 @@ from .messages import LeaseConfirm, ReadDone, ReaderReport, ReadFailed, ReleaseU
 
 logger = logging.getLogger(__name__)
 
-FreeReason = Literal["read", "expired", "aborted"]
-Status = Literal["held", "pending", "read", "expired", "aborted", "unknown"]
+FreeReason = Literal["read", "expired", "aborted", "released"]
+Status = Literal["held", "pending", "read", "expired", "aborted", "released", "unknown"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Gone:
-    reason: Literal["read", "expired", "aborted", "unknown"]
+    reason: Literal["read", "expired", "aborted", "released", "unknown"]
     reports: tuple[ReaderReport, ...]
     complete: bool
 
@@ -95,6 +98,7 @@ _GONE_REASONS = {
     "read": "already freed: every expected reader had reported",
     "expired": "the lease had expired and the blocks were freed",
     "aborted": "the prefill aborted the request and freed its blocks",
+    "released": "the proxy released it (its client left or its decode hop failed) and the blocks were freed",
     "unknown": "unknown request: never held by this prefill rank",
 }
 
@@ -227,6 +231,18 @@ class LeaseLedger:
         reports, with reason ``"aborted"`` either way."""
         with self._lock:
             return self._free_early(request_id, "aborted")
+
+    def release(self, request_id: str, *, read_possible: bool = True) -> Freed | None:
+        """Free a held request nobody will read. ``read_possible`` (a decode may have its params): as ``abort``
+        (deferred to the end of the hold window); else at once. None when it is not held, when it is deferred, or
+        when a reader reported already (it then ends as read, or at the lease end). Idempotent."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.block_ids is None or entry.reports:
+                return None
+            if read_possible:
+                return self._free_early(request_id, "released")
+            return self._free(request_id, entry, "released")
 
     def expire(self) -> list[Freed]:
         """Free every held request whose lease ran out; drop pending reports whose hold never came."""

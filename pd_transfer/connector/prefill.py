@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
+from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import TransferError
@@ -94,6 +95,12 @@ class PrefillRank:
 
     def abort(self, request_id: str) -> Freed | None:
         freed = self.ledger.abort(request_id)
+        self._after_change([freed] if freed is not None else [])
+        return freed
+
+    def release(self, request_id: str, *, read_possible: bool = True) -> Freed | None:
+        """Free a held request nobody will read (see ``LeaseLedger.release``)."""
+        freed = self.ledger.release(request_id, read_possible=read_possible)
         self._after_change([freed] if freed is not None else [])
         return freed
 
@@ -209,8 +216,10 @@ def serve_engine(
     host: str = "127.0.0.1",
     port: int = 0,
     secret: bytes | str | None = None,
+    on_release: SideChannelRelease | None = None,
 ) -> HandshakeServer:
-    """Start the side channel for an engine whose ranks are ``ranks`` (all of one fingerprint)."""
+    """Start the side channel for an engine whose ranks are ``ranks`` (all of one fingerprint); ``on_release``
+    answers the proxy's ``Release`` messages."""
     if not ranks:
         raise ValueError("an engine needs at least one rank")
     fingerprint = ranks[0].layout.fingerprint
@@ -224,7 +233,7 @@ def serve_engine(
         tp_size=tp_size,
         ranks=sorted(ranks, key=lambda r: r.tp_rank),
     )
-    server = HandshakeServer(engine, host=host, port=port, secret=secret)
+    server = HandshakeServer(engine, host=host, port=port, secret=secret, on_release=on_release)
     server.start()
     logger.info("engine %s serves %d rank(s) on %s", engine_id, len(ranks), server.address)
     return server

@@ -114,6 +114,7 @@ class SchedulerSide:
         self._recv: dict[str, RecvSpec] = {}
         self._hold: dict[str, tuple[int, ...]] = {}
         self._abort: set[str] = set()
+        self._released: dict[str, bool] = {}
         self._release: dict[str, RemoteRef] = {}
 
     # ------------------------------------------------------------------ side channel
@@ -129,6 +130,7 @@ class SchedulerSide:
             host=self.config.side_channel_host,
             port=self.config.side_channel_port,
             secret=self.config.secret,
+            on_release=self.release_held,
         )
         return self._server.port
 
@@ -275,6 +277,7 @@ class SchedulerSide:
                 reqs_to_recv=self._recv,
                 reqs_to_hold=self._hold,
                 reqs_to_abort=frozenset(self._abort),
+                reqs_released=self._released,
                 reqs_to_release=self._release,
                 reqs_to_heartbeat=heartbeats,
             )
@@ -374,6 +377,15 @@ class SchedulerSide:
         with self._lock:
             if request_id in self._holding:
                 self._abort.add(request_id)
+
+    def release_held(self, request_id: str, read_possible: bool = True) -> bool:
+        """Prefill side, from the side channel (a ``Release`` from the proxy): nobody will read ``request_id``'s
+        blocks; the workers free them (see ``LeaseLedger.release``). Returns whether they are held here."""
+        with self._lock:
+            if request_id not in self._holding:
+                return False
+            self._released[request_id] = self._released.get(request_id, False) or read_possible
+            return True
 
     def update_connector_output(
         self,

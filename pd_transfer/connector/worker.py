@@ -136,6 +136,13 @@ class WorkerSide:
                         self._sending.add(request_id)
             except Exception:
                 logger.exception("worker tp%d: aborting request %s failed", self.rank, request_id)
+        for request_id, read_possible in metadata.reqs_released.items():
+            try:
+                if self.prefill.release(request_id, read_possible=read_possible) is not None:
+                    with self._lock:
+                        self._sending.add(request_id)
+            except Exception:
+                logger.exception("worker tp%d: releasing request %s failed", self.rank, request_id)
         for request_id, spec in metadata.reqs_to_recv.items():
             try:
                 self._pool.submit(self._load, request_id, spec)
