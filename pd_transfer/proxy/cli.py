@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pd_transfer.proxy.config import ProxyConfig
 from pd_transfer.proxy.routing import POLICIES
@@ -63,6 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=None, metavar="S", help="timeout of one hop (default: none)"
     )
+    parser.add_argument(
+        "--handshake-secret-env",
+        default=None,
+        metavar="NAME",
+        help="the environment variable holding the prefills' side-channel secret (the connectors' secret_env), used"
+        " to release blocks no decode will read; the secret itself never goes on the command line",
+    )
+    parser.add_argument(
+        "--release-timeout", type=float, default=1.0, metavar="S", help="timeout of one release (default 1)"
+    )
     for flag, field, kind, metavar, text in _LIMIT_FLAGS:
         default = ProxyConfig.__dataclass_fields__[field].default
         parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
@@ -96,8 +107,16 @@ _LIMIT_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
 )
 
 
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
+    """The config of parsed flags; the secret is read from ``environ`` (default ``os.environ``)."""
+    secret = None
+    if args.handshake_secret_env is not None:
+        secret = (os.environ if environ is None else environ).get(args.handshake_secret_env)
+        if not secret:
+            raise SystemExit(f"--handshake-secret-env: the environment variable {args.handshake_secret_env} is not set")
     return ProxyConfig(
+        handshake_secret=secret,
+        release_timeout_s=args.release_timeout,
         prefill=list(args.prefill),
         decode=list(args.decode),
         policy=args.policy,

@@ -20,3 +20,7 @@ class ProxyConfig:
     header_timeout_s: float = 15.0  # a connection's request headers must arrive within this of it opening or idling
     body_timeout_s: float = 30.0  # a request's body must arrive within this of its headers
     shutdown_timeout_s: float = 5.0  # on close, how long requests in flight may finish
+    # the prefills' side-channel secret, for releasing blocks no decode will read (None: the prefills have none);
+    # the CLI reads it from the environment variable --handshake-secret-env names, never from the command line
+    handshake_secret: str | None = None
+    release_timeout_s: float = 1.0  # one release of a prefill's blocks, connection to answer

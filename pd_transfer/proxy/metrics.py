@@ -45,6 +45,20 @@ class ProxyMetrics:
             "Bytes reserved for request bodies in flight (bounded by the budget)",
             registry=r,
         )
+        self.releases = Counter(
+            "pd_proxy_releases",
+            "Prefill leases the proxy released because no decode would read them (client gone between or during the"
+            " hops, decode hop failed), by outcome: releasing, not_held (already read or freed), unreachable, auth,"
+            " refused, version (the prefill speaks no Release), error, invalid (params naming nothing)",
+            ["outcome"],
+            registry=r,
+        )
+        self.drains = Counter(
+            "pd_proxy_drains",
+            "Backends the proxy saw draining (and stopped routing new requests to), by role",
+            ["role"],
+            registry=r,
+        )
         self.retries = Counter("pd_proxy_retries", "Hops retried on another backend", ["hop"], registry=r)
         self.hop_latency = Histogram(
             "pd_proxy_hop_latency_seconds",

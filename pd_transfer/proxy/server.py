@@ -2,7 +2,9 @@
 
 A request goes to a prefill server with ``kv_transfer_params: {"do_remote_decode": true, ...}``, ``max_tokens: 1``
 and no streaming; the ``kv_transfer_params`` of its answer go with the client's request to a decode server, whose
-answer (or SSE stream) goes back to the client. One ``X-Request-Id`` travels through both hops.
+answer (or SSE stream) goes back to the client. One ``X-Request-Id`` travels through both hops. When no decode will
+read what the prefill holds (the client left, the decode hop failed), the prefill is told to free it
+(:mod:`pd_transfer.proxy.release`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pd_transfer.proxy.config import ProxyConfig
 from pd_transfer.proxy.intake import BodyBudget, IntakeLimits, Rejected, check_media_type, decode_json, read_body
 from pd_transfer.proxy.intake import reservation as body_reservation
 from pd_transfer.proxy.metrics import ProxyMetrics
+from pd_transfer.proxy.release import DecodeProgress, KVReleases
 from pd_transfer.proxy.responses import (
     REQUEST_ID,
     ClientGone,
@@ -66,6 +69,7 @@ class Proxy:
         self._intake = IntakeLimits(config.max_body_bytes, config.body_timeout_s)
         self._bodies = BodyBudget(config.max_inflight_body_bytes)
         self.metrics.body_bytes_held.set_function(lambda: self._bodies.held_bytes)
+        self.releases = KVReleases(self.metrics, config.handshake_secret, config.release_timeout_s)
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.router.add_post(flow.COMPLETIONS, self._completions)
         self.app.router.add_post(flow.CHAT, self._chat)
@@ -123,6 +127,7 @@ class Proxy:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.releases.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -283,7 +288,12 @@ class Proxy:
         else:
             self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers)
-        return await self._decode_hop(request, endpoint, flow.decode_body(body, params), headers, rid, started)
+        decode_body = flow.decode_body(body, params)
+        return await self.releases.decode_then(
+            params,
+            rid,
+            lambda progress: self._decode_hop(request, endpoint, decode_body, headers, rid, started, progress),
+        )
 
     # ---- hops ----
 
@@ -376,9 +386,11 @@ class Proxy:
         headers: dict[str, str],
         rid: str,
         started: float,
+        progress: DecodeProgress,
     ) -> web.StreamResponse:
         """Sends to a decode server and relays its answer. A decode server that cannot be reached at all (the
-        request never got there) is taken out and the request tried once on another one."""
+        request never got there) is taken out and the request tried once on another one. ``progress``: whether the
+        request was sent and its answer read."""
         assert self._session is not None
         payload = msgspec.json.encode(body)
         tried: list[Backend] = []
@@ -393,10 +405,12 @@ class Proxy:
             since = self._enter(backend)
             try:
                 try:
+                    progress.sent = True
                     upstream = await self._session.post(
                         self._urls[id(backend), endpoint], data=payload, headers=headers
                     )
                 except aiohttp.ClientConnectorError as e:  # never connected: safe to send elsewhere
+                    progress.sent = False
                     self._connection_failed(backend, e)
                     failure = self._failed_attempt(
                         HopError(
@@ -409,7 +423,7 @@ class Proxy:
                         "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
                     ) from None
                 try:
-                    return await self._relay(request, endpoint, upstream, backend, rid, started)
+                    return await self._relay(request, endpoint, upstream, backend, rid, started, progress)
                 finally:
                     upstream.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
             finally:
@@ -426,6 +440,7 @@ class Proxy:
         backend: Backend,
         rid: str,
         started: float,
+        progress: DecodeProgress,
     ) -> web.StreamResponse:
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status != 200 or not content_type.startswith("text/event-stream"):
@@ -437,6 +452,7 @@ class Proxy:
                 raise HopError(
                     "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
                 ) from None
+            progress.answered = True
             if upstream.status >= 500:
                 raise HopError(
                     "decode",
@@ -472,5 +488,6 @@ class Proxy:
                 await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
             except ConnectionResetError:
                 raise ClientGone(response) from None
+        progress.answered = True
         await response.write_eof()
         return response
