@@ -127,13 +127,22 @@ def greet(
     has_secret: bool,
 ) -> Challenge:
     """``Hello`` -> ``Challenge``, checked: the version the server answers in must be one this client accepts, and
-    both sides must agree on whether there is a secret. Raises ``HandshakeRefused`` (code ``unsupported_version``,
-    naming both sides' versions), ``AuthenticationError``, ``HandshakeError`` or ``AttemptFailed``."""
-    link.send(Hello(protocol_version=version, client_nonce=client_nonce), deadline)
-    challenge = receive(link, peer, deadline, "Challenge", timeout_s)
-    if not isinstance(challenge, Challenge):
-        raise unexpected(peer, challenge, "Challenge", version)
-    if challenge.protocol_version not in accepted or challenge.protocol_version > version:
+    both sides must agree on whether there is a secret. A server refusing ``version`` (releases before version 2
+    refuse rather than answer in their own) is asked again in each older accepted version. Raises
+    ``HandshakeRefused`` (code ``unsupported_version``, naming both sides' versions), ``AuthenticationError``,
+    ``HandshakeError`` or ``AttemptFailed``."""
+    asked = version
+    while True:
+        link.send(Hello(protocol_version=asked, client_nonce=client_nonce), deadline)
+        challenge = receive(link, peer, deadline, "Challenge", timeout_s)
+        older = [v for v in accepted if v < asked]
+        if isinstance(challenge, ErrorReply) and challenge.code == "unsupported_version" and older:
+            asked = max(older)  # a server of an older release, which refuses rather than answering in its version
+            continue
+        if not isinstance(challenge, Challenge):
+            raise unexpected(peer, challenge, "Challenge", version)
+        break
+    if challenge.protocol_version not in accepted or challenge.protocol_version > asked:
         raise HandshakeRefused(
             "unsupported_version",
             f"handshake server {peer} speaks protocol version {challenge.protocol_version}; this client speaks"
