@@ -21,6 +21,7 @@ from pd_transfer.cluster.processes import ManagedProcess
 __all__ = [
     "CONNECTOR_CLASS",
     "CONNECTOR_MODULE",
+    "DRAIN_MIDDLEWARE",
     "OFFLOAD_CONNECTOR_CLASS",
     "ROLES",
     "TINY_MODEL_DIR",
@@ -39,6 +40,8 @@ VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 CONNECTOR_CLASS = "PdTransferConnector"
 CONNECTOR_MODULE = "pd_transfer.integrations.vllm"
 OFFLOAD_CONNECTOR_CLASS = "PdOffloadConnector"
+#: vLLM's ``--middleware`` that makes a draining server answer 503 (``pd_transfer.integrations.vllm.drain``)
+DRAIN_MIDDLEWARE = "pd_transfer.integrations.vllm.drain.DrainMiddleware"
 GIB = 1 << 30
 #: Where ``pd-transfer make-model`` puts the tiny model by default, relative to the working directory (the repo).
 TINY_MODEL_DIR = Path(".models/tiny-llama-f32")
@@ -70,6 +73,9 @@ class ServerSpec:
     offload_dir: str | None = None
     offload_dir_bytes: int = 10 * GIB
     offload_host_bytes: int = 0  # the host tier (0: none); needs offload_dir
+    #: SIGTERM drains for at most this many seconds (vLLM's ``--shutdown-timeout``, whole seconds, rounded up;
+    #: ``DRAIN_MIDDLEWARE`` answers 503 meanwhile); None: vLLM's default, SIGTERM aborts what runs and exits
+    drain_seconds: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +103,8 @@ class ServerSpec:
             problems.append("offload_dir must be a path and offload_dir_bytes positive")
         if self.offload_host_bytes < 0 or (self.offload_host_bytes and self.offload_dir is None):
             problems.append("offload_host_bytes must be non-negative and goes with offload_dir")
+        if self.drain_seconds is not None and not (self.drain_seconds > 0 and math.isfinite(self.drain_seconds)):
+            problems.append(f"drain_seconds must be positive, not {self.drain_seconds}")
         if not (self.kvcache_gib > 0 and math.isfinite(self.kvcache_gib)):
             problems.append(f"kvcache_gib must be positive, not {self.kvcache_gib}")
         if problems:
@@ -176,6 +184,8 @@ def vllm_command(spec: ServerSpec, python: str = sys.executable, *, connector: b
         command += ["--kv-cache-memory-bytes", str(int(spec.kvcache_gib * GIB))]
     if connector:
         command += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":"))]
+    if spec.drain_seconds is not None:
+        command += ["--shutdown-timeout", str(math.ceil(spec.drain_seconds)), "--middleware", DRAIN_MIDDLEWARE]
     return [*command, *spec.extra_args]
 
 

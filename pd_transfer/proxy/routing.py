@@ -5,12 +5,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_outstanding")
+#: A draining vLLM server's 503 carries this header (``pd_transfer.integrations.vllm.drain.DRAINING_HEADER``): the
+#: request never reached its engine, so it may go to another backend; the server takes no more.
+DRAINING_HEADER = "X-PD-Draining"
+DRAINING = "draining"  # the reason a draining backend is out
+
+
+def is_draining(status: int, headers: Mapping[str, str]) -> bool:
+    """Whether an answer (``status``, ``headers``: case-insensitive, as aiohttp gives them) says its server is
+    draining: a 503 with ``DRAINING_HEADER``. (A 503 without it, e.g. vLLM's full queue, is not a drain.)"""
+    return status == 503 and headers.get(DRAINING_HEADER) == "1"
+
+
+def health_reason(status: int, headers: Mapping[str, str]) -> str:
+    """Why a backend whose ``GET /health`` answered ``status`` is out: ``DRAINING``, or the status."""
+    return DRAINING if is_draining(status, headers) else f"GET /health answered {status}"
 
 
 @dataclass(eq=False)
@@ -64,6 +79,14 @@ class Pool:
             return candidates[start]
         rotated = candidates[start:] + candidates[:start]
         return min(rotated, key=lambda b: b.in_flight)
+
+    def note_answer(self, backend: Backend, status: int, headers: Mapping[str, str]) -> bool:
+        """Look at a backend's answer to a request: one saying it drains (:func:`is_draining`) takes it out until a
+        health check passes (after its restart). True for such an answer: the request never reached the engine."""
+        if not is_draining(status, headers):
+            return False
+        self.set_health(backend, False, DRAINING)
+        return True
 
     def set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
         if backend.healthy == healthy:

@@ -39,7 +39,7 @@ from pd_transfer.proxy.responses import (
     relayed_response,
     snippet,
 )
-from pd_transfer.proxy.routing import Backend, Pool, StateSignal
+from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class Proxy:
 
     def _state_changed(self, backend: Backend) -> None:
         self.metrics.healthy.labels(backend.role, backend.url).set(1 if backend.healthy else 0)
+        self.metrics.drains.labels(backend.role).inc(1 if backend.reason == DRAINING else 0)
         self.signal.fire(backend)
 
     async def check_health(self) -> None:
@@ -161,7 +162,7 @@ class Proxy:
                 backend.url + "/health", timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)
             ) as answer:
                 await answer.read()
-                healthy, reason = answer.status == 200, f"GET /health answered {answer.status}"
+                healthy, reason = answer.status == 200, health_reason(answer.status, answer.headers)
         except (aiohttp.ClientError, TimeoutError) as e:
             healthy, reason = False, f"GET /health failed: {describe_error(e)}"
         self._pool(backend).set_health(backend, healthy, reason)
@@ -342,6 +343,7 @@ class Proxy:
                 continue
             finally:
                 self._leave(backend, since)
+            self.prefill.note_answer(backend, answer.status, answer.headers)  # a drain's 503 is retried elsewhere
             if answer.status >= 500:
                 failure = self._failed_attempt(
                     HopError(
@@ -422,6 +424,11 @@ class Proxy:
                     raise HopError(
                         "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
                     ) from None
+                if self.decode.note_answer(backend, upstream.status, upstream.headers):  # refused before its engine
+                    upstream.close()
+                    progress.sent = False
+                    failure = self._failed_attempt(HopError("decode", backend, "draining", f"{backend.url} drains"))
+                    continue
                 try:
                     return await self._relay(request, endpoint, upstream, backend, rid, started, progress)
                 finally:
