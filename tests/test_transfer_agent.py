@@ -14,6 +14,7 @@ from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
 
 from pd_transfer.spec import region_from_tensor
 from pd_transfer.transfer import DescriptorList, PeerDisconnected, TransferAgent, TransferError, TransferTimeout
+from pd_transfer.transfer.probe import peer_gone
 
 BLOCK_BYTES = BLOCK_WORDS * 4
 
@@ -130,13 +131,13 @@ def test_liveness_probe_after_a_failed_read_tells_dead_from_alive(
         _, remote, local_list = connect(agent, peer, tensors)
         agent.read(local_list, np.arange(4), remote, np.arange(4), timeout_s=10)
         started = time.monotonic()
-        assert agent._peer_gone(local_list, remote, 5, 6) is None  # alive: the one-row read works
+        assert peer_gone(agent, local_list, remote, 5, 6) is None  # alive: the one-row read works
         assert torch.equal(tensors[0][5], pattern(0)[6])
         agent.read(local_list, np.arange(1), remote, np.arange(1), notification=b"after-probe", timeout_s=10)
         assert peer.notification() == (agent.name, b"after-probe")  # the probe itself notified nobody
         peer.process.kill()
         peer.process.join(10)
-        gone = agent._peer_gone(local_list, remote, 5, 6)
+        gone = peer_gone(agent, local_list, remote, 5, 6)
         assert gone is not None and "isconnect" in gone, gone
         assert time.monotonic() - started < 5.0  # bounded (0.5 s per probe at most, plus the kill)
         assert agent.unreleased_transfers == 0

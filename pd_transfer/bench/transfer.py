@@ -8,6 +8,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -83,6 +84,29 @@ def copy_runs_gbps(source: KVCache, target: KVCache, source_ids: list[int], targ
     return nbytes / min(per_run, gather) / 2**30
 
 
+def host_copy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """This host's in-process copy rate: ``nbytes`` contiguous, one thread, median of ``repeats`` (GiB/s)."""
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)  # fault the pages in
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        seconds.append(time.perf_counter() - started)
+    return nbytes / statistics.median(seconds) / 2**30
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (the bracketed word), or "unknown"."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
 def _case(
     decode: DecodeRank,
     prefill: PrefillProcess,
@@ -142,8 +166,16 @@ def _case(
     }
 
 
-def run(shape: Shape = Shape(), *, repeats: int = 5, idle_seconds: float = 5.0, seed: int = 7) -> dict:
-    """Run the whole benchmark; returns the JSON-ready result."""
+def run(
+    shape: Shape = Shape(),
+    *,
+    repeats: int = 5,
+    idle_seconds: float = 5.0,
+    seed: int = 7,
+    read_lanes: int | None = None,
+) -> dict:
+    """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
+    default)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
     layout = shape.layout_for()
@@ -157,12 +189,20 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, idle_seconds: float = 5.0, 
     )
     with PrefillProcess(spec) as prefill:
         expected = spec.caches()
-        decode = DecodeRank("bench-decode", KVCache.allocate(layout, shape.cache_blocks))
+        decode = DecodeRank("bench-decode", KVCache.allocate(layout, shape.cache_blocks), read_lanes=read_lanes)
         scratch = KVCache.allocate(layout, shape.cache_blocks)
         try:
+            decode.agent.lanes_ready.wait(30.0)  # made in the background; a server's first pulls may go without
             started = time.perf_counter()
             decode.connect(prefill.host, prefill.port)
             connect_ms = (time.perf_counter() - started) * 1e3
+            lanes = decode.agent.lanes
+            settings = {
+                "read_lanes": 1 + (len(lanes.lanes) if lanes is not None else 0),
+                "split_min_bytes": lanes.split_min_bytes if lanes is not None else None,
+                "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+                "transparent_hugepages": _thp_mode(),
+            }
             results = {
                 "contiguous": _case(
                     decode, prefill, expected, scratch, *contiguous, shape.request_tokens, repeats, "c"
@@ -182,6 +222,8 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, idle_seconds: float = 5.0, 
     one_block_bytes = layout.plane_block_bytes
     return {
         "shape": asdict(shape),
+        "host_copy_gbps": round(host_copy_gbps(results["contiguous"]["bytes"]), 3),
+        "settings": settings,
         "request_bytes": results["contiguous"]["bytes"],
         "connect_ms": round(connect_ms, 1),
         **results,

@@ -38,6 +38,7 @@ from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
+from pd_transfer.transfer.lanes import default_read_lanes
 
 from .cache import KVCache
 from .confirmations import LeaseConfirmations
@@ -111,12 +112,14 @@ class DecodeRank:
         metrics: TransferMetrics | None = None,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         packed_staging_bytes: int = 32 * 2**20,
+        read_lanes: int | None = None,
     ) -> None:
         """``staging_bytes``: each half of the staging area for plans that fix layouts up (0: in place);
         ``pipeline_groups``: plane groups of an in-place read with a fix-up. ``packed_formats(block_size)``
         gives the packing of a (block, head) for a block size, for caches whose layout names a ``packing``:
         pulls from engines of another block size then read whole remote blocks into a staging area of
-        ``packed_staging_bytes`` and regroup them (without it, such engines are refused)."""
+        ``packed_staging_bytes`` and regroup them (without it, such engines are refused). ``read_lanes``: agents
+        (and threads) a large read is split over (default :func:`~pd_transfer.transfer.lanes.default_read_lanes`)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -124,7 +127,8 @@ class DecodeRank:
         self.confirm_timeout_s = confirm_timeout_s
         name = agent_name or f"{engine_id}-decode-tp{cache.layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.confirmations = LeaseConfirmations(name)
-        self.agent = TransferAgent(name, on_notification=self.confirmations.on_notification)
+        lanes = default_read_lanes() if read_lanes is None else read_lanes
+        self.agent = TransferAgent(name, on_notification=self.confirmations.on_notification, read_lanes=lanes)
         reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
         self.client = HandshakeClient(

@@ -19,7 +19,9 @@ from nixl._api import nixl_agent, nixl_agent_config
 from pd_transfer.spec import KVRegion
 
 from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
+from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
 from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, quiet_native_logs
+from .probe import peer_gone
 from .progress import AdaptivePoller
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class DescriptorList:
         self.peer = peer  # "" for the local side
         self.num_rows = int(rows.shape[0])
         self.row_lengths = rows[:, 1].astype(np.int64, copy=True)
+        self.rows = rows  # kept to mirror the list on read lanes made later
+        self.lane_lists: list[DescriptorList] = []  # the same rows prepared on each read lane
         self.released = False
 
     def release(self) -> None:
@@ -69,7 +73,8 @@ class TransferAgent:
     """A NIXL agent without NIXL's busy progress thread.
 
     ``on_notification(peer_name, payload)`` is called on the poller thread for every notification
-    that arrives (keep it short: hand work to another thread).
+    that arrives (keep it short: hand work to another thread). ``read_lanes`` > 1 splits reads of at least
+    ``split_min_bytes`` over that many agents and threads (see :mod:`.lanes`), once the extra agents are up.
     """
 
     def __init__(
@@ -78,6 +83,8 @@ class TransferAgent:
         *,
         on_notification: NotificationHandler | None = None,
         idle_poll_interval_s: float = 0.02,
+        read_lanes: int = 1,
+        split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
     ) -> None:
         self.name = name
         self._lock = threading.RLock()
@@ -95,6 +102,32 @@ class TransferAgent:
         self.notifications_received = 0
         self._poller = AdaptivePoller(name, self._poll_once, idle_interval_s=idle_poll_interval_s)
         self._poller.start()
+        self._spans: list[tuple[object, list[tuple[int, int]]]] = []  # registrations, to mirror on lanes
+        self._peer_metadata: dict[str, bytes] = {}
+        self.lanes: ReadLanes | None = None
+        self.lanes_ready = threading.Event()
+        if read_lanes > 1:
+            threading.Thread(
+                target=self._start_lanes, args=(read_lanes - 1, split_min_bytes), name=f"{name}-lanes", daemon=True
+            ).start()
+        else:
+            self.lanes_ready.set()
+
+    def _start_lanes(self, count: int, split_min_bytes: int) -> None:
+        """Make ``count`` lane agents (slow: outside the lock), then mirror everything onto them."""
+        try:
+            lanes = ReadLanes.make(self.name, count, split_min_bytes, lambda lane: TransferAgent(lane))
+            with self._lock:
+                if self._closed:
+                    lanes.close()
+                    return
+                lanes.replay(self._spans, self._peer_metadata.values(), self._dlists)
+                self.lanes = lanes
+            logger.info("agent %s: %d read lane(s) up", self.name, count)
+        except Exception as error:
+            logger.warning("agent %s: no read lanes (reads stay on one thread): %s", self.name, error)
+        finally:
+            self.lanes_ready.set()
 
     # ------------------------------------------------------------------ memory
     def register_regions(self, regions: Sequence[KVRegion]) -> object:
@@ -114,6 +147,9 @@ class TransferAgent:
             except Exception as error:
                 raise TransferError(f"agent {self.name}: registering {len(rows)} spans failed: {error}") from error
             self._registrations.append(registration)
+            self._spans.append((registration, [(start, end) for start, end in spans if end > start]))
+            if self.lanes is not None:
+                self.lanes.register(registration, self._spans[-1][1])
         logger.debug("agent %s registered %.1f MiB", self.name, sum(r[1] for r in rows) / 2**20)
         return registration
 
@@ -121,6 +157,9 @@ class TransferAgent:
         with self._lock:
             if registration in self._registrations:
                 self._registrations.remove(registration)
+                self._spans = [(r, spans) for r, spans in self._spans if r is not registration]
+                if self.lanes is not None:
+                    self.lanes.deregister(registration)
                 try:
                     self._nixl.deregister_memory(registration)
                 except Exception as error:
@@ -154,6 +193,9 @@ class TransferAgent:
                 raise TransferError(f"agent {self.name}: adding a remote agent failed: {error}") from error
             peer = name.decode() if isinstance(name, bytes) else str(name)
             self._peers.add(peer)
+            self._peer_metadata[peer] = agent_metadata
+            if self.lanes is not None:
+                self.lanes.add_peer(agent_metadata)
         logger.info("agent %s added peer %s", self.name, peer)
         return peer
 
@@ -162,6 +204,9 @@ class TransferAgent:
         with self._lock:
             for dlist in [d for d in self._dlists if d.peer == peer]:
                 self._release_dlist(dlist)
+            self._peer_metadata.pop(peer, None)
+            if self.lanes is not None:
+                self.lanes.remove_peer(peer)
             if peer in self._peers:
                 self._peers.discard(peer)
                 try:
@@ -199,6 +244,8 @@ class TransferAgent:
                 ) from error
             dlist = DescriptorList(self, handle, "" if peer == _LOCAL else peer, rows)
             self._dlists.append(dlist)
+            if self.lanes is not None:
+                self.lanes.mirror(dlist, rows)
         logger.debug(
             "agent %s prepared %d rows for %s in %.2f ms",
             self.name,
@@ -215,6 +262,8 @@ class TransferAgent:
             dlist.released = True
             if dlist in self._dlists:
                 self._dlists.remove(dlist)
+            for mirrored in dlist.lane_lists:
+                mirrored.release()
             try:
                 self._nixl.release_dlist_handle(dlist.handle)
             except Exception as error:
@@ -237,8 +286,24 @@ class TransferAgent:
 
         Raises ``TransferTimeout`` past ``timeout_s`` (the transfer is cancelled, or its handle kept
         until NIXL lets go of it), ``PeerDisconnected`` when the peer is gone, ``TransferError``
-        otherwise.
+        otherwise. With read lanes up, a large read is split over them (the notification then follows the
+        last part).
         """
+        lanes = self.lanes
+        if lanes is not None and lanes.wants_split(local, remote, np.asarray(local_indices)):
+            return lanes.split_read(self, local, local_indices, remote, remote_indices, notification, timeout_s)
+        return self.read_whole(local, local_indices, remote, remote_indices, notification, timeout_s)
+
+    def read_whole(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        notification: bytes,
+        timeout_s: float,
+    ) -> ReadStats:
+        """:meth:`read` as one READ, never split."""
         if remote.released or local.released:
             raise TransferError(f"agent {self.name}: descriptor list for {remote.peer} was released")
         if len(local_indices) != len(remote_indices):
@@ -329,58 +394,10 @@ class TransferAgent:
         wrapped = self._wrap(error, what) if error is not None else TransferError(f"agent {self.name}: {what}")
         if isinstance(wrapped, PeerDisconnected) or (error is not None and not isinstance(error, NixlBackendError)):
             return wrapped
-        gone = self._peer_gone(local, remote, *probe_rows)
+        gone = peer_gone(self, local, remote, *probe_rows)
         if gone is None:
             return wrapped
         return PeerDisconnected(f"agent {self.name}: {what}: peer disconnected ({gone}; first reported as {wrapped})")
-
-    def _peer_gone(
-        self, local: DescriptorList, remote: DescriptorList, local_row: int, remote_row: int, budget_s: float = 0.5
-    ) -> str | None:
-        """After a failed read: progress NIXL, then read one row again without a notification (into a row the
-        failed read was writing anyway). Returns NIXL's disconnect error if the peer is gone, ``None`` if the
-        probe read worked or failed otherwise (the original error stands). Bounded by ``budget_s``."""
-        deadline = time.perf_counter() + budget_s
-        while True:
-            self._poll_once()  # runs UCX's pending endpoint error handlers (and hands out notifications)
-            outcome = self._probe_read(local, remote, local_row, remote_row, deadline)
-            if outcome != "retry" or time.perf_counter() >= deadline:
-                return outcome if outcome not in ("alive", "retry", "other") else None
-            time.sleep(0.001)  # let the progress engine see the failure before the next probe
-
-    def _probe_read(
-        self, local: DescriptorList, remote: DescriptorList, local_row: int, remote_row: int, deadline: float
-    ) -> str:
-        """One one-row read: "alive", "retry" (another backend error), "other", or a disconnect's message."""
-        rows = (np.array([local_row], np.int32), np.array([remote_row], np.int32))
-        with self._lock:
-            try:
-                handle = self._nixl.make_prepped_xfer("READ", local.handle, rows[0], remote.handle, rows[1])
-            except Exception as error:
-                if isinstance(error, NixlRemoteDisconnectError):
-                    return f"{type(error).__name__}: {error}"
-                if isinstance(error, NixlNotFoundError) and remote.peer in self._peers:
-                    return f"NIXL dropped the peer after a disconnect ({error})"  # we did not remove it
-                return "other"
-        try:
-            step: Callable[[object], str] = self._nixl.transfer
-            while True:
-                with self._lock:
-                    try:
-                        state = step(handle)
-                    except Exception as error:
-                        if isinstance(error, NixlRemoteDisconnectError):
-                            return f"{type(error).__name__}: {error}"
-                        return "retry" if isinstance(error, NixlBackendError) else "other"
-                step = self._nixl.check_xfer_state
-                if state == "DONE":
-                    return "alive"
-                if state != "PROC":
-                    return "retry"
-                if time.perf_counter() >= deadline:
-                    return "other"
-        finally:
-            self._release_xfer(handle)
 
     def _wrap(self, error: Exception, what: str) -> TransferError:
         if isinstance(error, NixlRemoteDisconnectError):
@@ -446,6 +463,9 @@ class TransferAgent:
         self._poller.stop()
         with self._lock:
             self._closed = True
+            if self.lanes is not None:
+                self.lanes.close()
+                self.lanes = None
             for dlist in list(self._dlists):
                 self._release_dlist(dlist)
             for peer in list(self._peers):

@@ -1,0 +1,242 @@
+"""Read lanes: one large read split over several NIXL agents, each part read on its own thread.
+
+On one host UCX reads with CMA: ``process_vm_readv`` inside ``transfer()``, one call per descriptor on the calling
+thread, the kernel pinning the source pages as it copies. One thread copies that way at well under an in-process
+``memcpy`` on hosts with fast memory, and the other core stays idle. A NIXL agent serialises its calls (and
+pd-transfer's agent holds a lock around them), so concurrency needs more agents: each lane is a
+:class:`~.agent.TransferAgent` of its own (its own UCX context and worker) that mirrors the owner's registered
+memory, peers and descriptor lists. A read of at least ``split_min_bytes`` is cut into byte-balanced runs of rows:
+the first is read by the owner on the calling thread, one per lane on the lane's thread; the owner sends the read's
+notification once every part is done, so the peer hears of the read only after all of its bytes landed.
+
+Lanes are made in the background (a NIXL agent takes about 0.4 s to start): until they are up, and whenever a
+read is small, reads go as one READ. Idle lanes cost no CPU (their threads block, each agent's poller backs off
+to 20 ms) and about one NIXL agent's memory each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pd_transfer.affinity import unpin_current_thread
+
+from .errors import PeerDisconnected
+
+if TYPE_CHECKING:
+    from .agent import DescriptorList, ReadStats, TransferAgent
+
+logger = logging.getLogger(__name__)
+
+#: Reads smaller than this (bytes) are not split: one READ's fixed cost is a few microseconds.
+DEFAULT_SPLIT_MIN_BYTES = 4 * 2**20
+_WARM_UP_TIMEOUT_S = 5.0
+_JOIN_GRACE_S = 5.0  # past a read's own timeout, how long to wait for a lane's part to return
+
+
+def default_read_lanes() -> int:
+    """Agents a decode rank reads with: ``PD_TRANSFER_READ_LANES``, else one per core up to 2."""
+    value = os.environ.get("PD_TRANSFER_READ_LANES", "")
+    if value.strip():
+        return max(1, int(value))
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+#: One part of a split read: (lane index, 0 for the owner; rows of the read) -> what it moved.
+ReadPart = Callable[[int, slice], "ReadStats"]
+
+
+def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:
+    """Cut rows of ``lengths`` bytes (in order) into at most ``parts`` consecutive non-empty runs of near-equal
+    bytes."""
+    count = len(lengths)
+    parts = max(1, min(parts, count))
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    total = int(ends[-1]) if count else 0
+    cuts = {0, count}
+    for k in range(1, parts):
+        cuts.add(min(count, int(np.searchsorted(ends, total * k / parts, side="left")) + 1))
+    edges = sorted(cuts)
+    return [slice(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+class ReadLanes:
+    """The lanes (extra agents) of the agent named ``owner``, and the threads that read on them. Every method but
+    ``read`` is called under the owner's lock."""
+
+    def __init__(self, owner: str, lanes: Sequence[TransferAgent], *, split_min_bytes: int) -> None:
+        self.owner = owner
+        self.lanes = list(lanes)
+        self.split_min_bytes = split_min_bytes
+        self._registrations: dict[int, list[object]] = {}  # id(owner's registration) -> the lanes'
+        self._warm: set[str] = set()  # peers every lane has read from
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(self.lanes),
+            thread_name_prefix=f"pd-transfer-lane-{owner}",
+            initializer=unpin_current_thread,
+        )
+        self.split_reads = 0
+
+    @classmethod
+    def make(cls, owner: str, count: int, split_min_bytes: int, new_agent: Callable[[str], TransferAgent]) -> ReadLanes:
+        """``count`` lanes made with ``new_agent(name)`` (closed again if one fails to start)."""
+        made: list[TransferAgent] = []
+        try:
+            for k in range(count):
+                made.append(new_agent(f"{owner}-lane{k + 1}"))
+        except Exception:
+            for lane in made:
+                lane.close()
+            raise
+        return cls(owner, made, split_min_bytes=split_min_bytes)
+
+    # ------------------------------------------------------------------ mirroring the owner
+    def replay(
+        self,
+        spans: Iterable[tuple[object, Sequence[tuple[int, int]]]],
+        peers: Iterable[bytes],
+        dlists: Iterable[DescriptorList],
+    ) -> None:
+        """Mirror what the owner has so far: registrations, peers (their metadata), descriptor lists."""
+        for registration, registered in spans:
+            self.register(registration, registered)
+        for metadata in peers:
+            self.add_peer(metadata)
+        for dlist in dlists:
+            self.mirror(dlist, dlist.rows)
+
+    def register(self, registration: object, spans: Sequence[tuple[int, int]]) -> None:
+        self._registrations[id(registration)] = [lane.register_spans(spans) for lane in self.lanes]
+
+    def deregister(self, registration: object) -> None:
+        for lane, mirrored in zip(self.lanes, self._registrations.pop(id(registration), []), strict=False):
+            lane.deregister(mirrored)
+
+    def add_peer(self, metadata: bytes) -> None:
+        for lane in self.lanes:
+            lane.add_peer(metadata)
+
+    def remove_peer(self, peer: str) -> None:
+        self._warm.discard(peer)
+        for lane in self.lanes:
+            lane.remove_peer(peer)
+
+    def mirror(self, dlist: DescriptorList, rows: np.ndarray) -> None:
+        """Prepare ``dlist``'s rows on every lane (they become ``dlist.lane_lists``); a lane reading from a peer
+        for the first time warms the connection up with a 64-byte read (the first read pays 25-36 ms)."""
+        if not dlist.peer:
+            dlist.lane_lists = [lane.prepare_local(rows) for lane in self.lanes]
+            return
+        dlist.lane_lists = [lane.prepare_remote(dlist.peer, rows) for lane in self.lanes]
+        if dlist.peer not in self._warm:
+            for lane in self.lanes:
+                _warm_up(lane, dlist.peer, int(rows[0, 0]), min(64, int(rows[0, 1])))
+            self._warm.add(dlist.peer)
+
+    # ------------------------------------------------------------------ reading
+    def wants_split(self, local: DescriptorList, remote: DescriptorList, local_indices: np.ndarray) -> bool:
+        """Whether a read of these rows is split: big enough, and both lists mirrored on every lane."""
+        lanes = len(self.lanes)
+        if len(local_indices) < 2 or len(local.lane_lists) != lanes or len(remote.lane_lists) != lanes:
+            return False
+        return int(local.row_lengths[local_indices].sum()) >= self.split_min_bytes
+
+    def split_read(
+        self,
+        owner: TransferAgent,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        notification: bytes,
+        timeout_s: float,
+    ) -> ReadStats:
+        """``owner.read`` as byte-balanced parts, one per lane, at once; the notification once all are done."""
+        from .agent import ReadStats
+
+        if len(local_indices) != len(remote_indices):
+            raise ValueError(f"{len(local_indices)} local rows but {len(remote_indices)} remote rows")
+        local_indices = np.asarray(local_indices, dtype=np.int32)
+        remote_indices = np.asarray(remote_indices, dtype=np.int32)
+        started = time.perf_counter()
+
+        def part(lane: int, rows: slice) -> ReadStats:
+            if lane == 0:
+                return owner.read_whole(local, local_indices[rows], remote, remote_indices[rows], b"", timeout_s)
+            agent, mine, theirs = self.lanes[lane - 1], local.lane_lists[lane - 1], remote.lane_lists[lane - 1]
+            return agent.read(mine, local_indices[rows], theirs, remote_indices[rows], timeout_s=timeout_s)
+
+        parts = self.read(part, local.row_lengths[local_indices], timeout_s)
+        if notification:
+            owner.notify(remote.peer, notification)
+        return ReadStats(
+            bytes=sum(p.bytes for p in parts),
+            descriptors=sum(p.descriptors for p in parts),
+            post_seconds=max(p.post_seconds for p in parts),
+            seconds=time.perf_counter() - started,
+        )
+
+    def read(self, read_part: ReadPart, lengths: np.ndarray, timeout_s: float) -> list[ReadStats]:
+        """Run ``read_part(lane, rows)`` for each byte-balanced part of rows of ``lengths`` bytes (lane 0, the
+        owner, on this thread); returns their stats once every part returned, else raises the first failure (a
+        disconnect before others). Each part is bounded by ``timeout_s`` itself."""
+        parts = split_rows(lengths, len(self.lanes) + 1)
+        futures: list[Future[ReadStats]] = [
+            self._pool.submit(read_part, lane, rows) for lane, rows in enumerate(parts[1:], start=1)
+        ]
+        errors: list[Exception] = []
+        results: list[ReadStats] = []
+        try:
+            results.append(read_part(0, parts[0]))
+        except Exception as error:
+            errors.append(error)
+        for future in futures:  # every part ends (done, failed or timed out) before its memory can be reused
+            try:
+                results.append(future.result(timeout=timeout_s + _JOIN_GRACE_S))
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise next((e for e in errors if isinstance(e, PeerDisconnected)), errors[0])
+        self.split_reads += 1
+        return results
+
+    def close(self) -> None:
+        """Stop the threads and close every lane agent."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for lane in self.lanes:
+            try:
+                lane.close()
+            except Exception as error:  # closing goes on for the others
+                logger.warning("agent %s: closing a read lane failed: %s", self.owner, error)
+
+
+def _warm_up(lane: TransferAgent, peer: str, address: int, nbytes: int) -> None:
+    """Read ``nbytes`` at ``address`` of ``peer`` into scratch memory of ``lane`` (best effort: a failure shows
+    again on the first real read)."""
+    scratch = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    start = scratch.ctypes.data
+    try:
+        registration = lane.register_spans([(start, start + scratch.nbytes)])
+    except Exception as error:
+        logger.info("agent %s: no warm-up read from %s: %s", lane.name, peer, error)
+        return
+    try:
+        local = lane.prepare_local(np.array([[start, scratch.nbytes, 0]], dtype=np.uint64))
+        remote = lane.prepare_remote(peer, np.array([[address, scratch.nbytes, 0]], dtype=np.uint64))
+        zero = np.zeros(1, dtype=np.int32)
+        try:
+            lane.read(local, zero, remote, zero, timeout_s=_WARM_UP_TIMEOUT_S)
+        finally:
+            local.release()
+            remote.release()
+    except Exception as error:
+        logger.info("agent %s: warm-up read from %s failed: %s", lane.name, peer, error)
+    finally:
+        lane.deregister(registration)

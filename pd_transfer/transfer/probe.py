@@ -1,0 +1,78 @@
+"""Telling a dead peer from another read failure: after a read failed, progress the agent and read one row again.
+
+NIXL reports a dead peer as a remote disconnect only once UCX ran the endpoint's error handler, which happens on
+a progress call *after* the failed copy itself; :func:`peer_gone` makes that call and probes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .native import NixlBackendError, NixlNotFoundError, NixlRemoteDisconnectError
+
+if TYPE_CHECKING:
+    from .agent import DescriptorList, TransferAgent
+
+
+def peer_gone(
+    agent: TransferAgent,
+    local: DescriptorList,
+    remote: DescriptorList,
+    local_row: int,
+    remote_row: int,
+    budget_s: float = 0.5,
+) -> str | None:
+    """After a failed read: progress NIXL, then read one row again without a notification (into a row the
+    failed read was writing anyway). Returns NIXL's disconnect error if the peer is gone, ``None`` if the
+    probe read worked or failed otherwise (the original error stands). Bounded by ``budget_s``."""
+    deadline = time.perf_counter() + budget_s
+    while True:
+        agent._poll_once()  # runs UCX's pending endpoint error handlers (and hands out notifications)
+        outcome = _probe_read(agent, local, remote, local_row, remote_row, deadline)
+        if outcome != "retry" or time.perf_counter() >= deadline:
+            return outcome if outcome not in ("alive", "retry", "other") else None
+        time.sleep(0.001)  # let the progress engine see the failure before the next probe
+
+
+def _probe_read(
+    agent: TransferAgent,
+    local: DescriptorList,
+    remote: DescriptorList,
+    local_row: int,
+    remote_row: int,
+    deadline: float,
+) -> str:
+    """One one-row read: "alive", "retry" (another backend error), "other", or a disconnect's message."""
+    rows = (np.array([local_row], np.int32), np.array([remote_row], np.int32))
+    with agent._lock:
+        try:
+            handle = agent._nixl.make_prepped_xfer("READ", local.handle, rows[0], remote.handle, rows[1])
+        except Exception as error:
+            if isinstance(error, NixlRemoteDisconnectError):
+                return f"{type(error).__name__}: {error}"
+            if isinstance(error, NixlNotFoundError) and remote.peer in agent._peers:
+                return f"NIXL dropped the peer after a disconnect ({error})"  # we did not remove it
+            return "other"
+    try:
+        step: Callable[[object], str] = agent._nixl.transfer
+        while True:
+            with agent._lock:
+                try:
+                    state = step(handle)
+                except Exception as error:
+                    if isinstance(error, NixlRemoteDisconnectError):
+                        return f"{type(error).__name__}: {error}"
+                    return "retry" if isinstance(error, NixlBackendError) else "other"
+            step = agent._nixl.check_xfer_state
+            if state == "DONE":
+                return "alive"
+            if state != "PROC":
+                return "retry"
+            if time.perf_counter() >= deadline:
+                return "other"
+    finally:
+        agent._release_xfer(handle)
