@@ -43,6 +43,9 @@ from pd_transfer.cluster.up_args import (
 __all__ = ["add_arguments", "cpu_binds", "main", "plan_servers", "run", "validate"]
 
 PROXY_START_TIMEOUT_S = 60.0
+#: A stop drains each connector server for at most this long (the connector's default 30 s lease, then vLLM's
+#: teardown): SIGTERM to its API server, vLLM's --shutdown-timeout, then what stop_all does.
+DRAIN_S = 45.0
 STATE_FILE = "cluster.json"
 
 
@@ -78,6 +81,7 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
             max_model_len=args.max_model_len,
             seed=0,
             extra_args=("--served-model-name", served_name),
+            drain_seconds=DRAIN_S if connector else None,
             **(_offload(args) if connector else {}),
         )
         planned.append(PlannedServer(name, spec, connector))
@@ -257,10 +261,12 @@ def run(args: argparse.Namespace) -> int:
     # nohup, which Python would otherwise keep ignoring)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    drain = False  # interrupted while serving: requests may be in flight
     try:
         return _run(args, out, children)
     except KeyboardInterrupt:
         out.say("interrupted")
+        drain = bool(children) and all(c.ready_after_s is not None for c in children)
         return 130 if not children or any(c.ready_after_s is None for c in children) else 0
     except StartupFailed as error:
         out.say(f"pd-transfer up: {error}")
@@ -272,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
             if children:
                 out.say(f"stopping {len(children)} processes ...")
                 stopping = time.monotonic()
-                left = stop_all(children)
+                left = _drain_then_stop(children, out) if drain else stop_all(children)
                 _mark_stopped(children)
                 if left:
                     out.say(f"pd-transfer up: still running after SIGKILL: {', '.join(left)}")
@@ -281,6 +287,33 @@ def run(args: argparse.Namespace) -> int:
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, previous)
+
+
+def _drain_then_stop(children: Sequence[ManagedProcess], out: _Output) -> list[str]:
+    """Drain every started vLLM server at once (SIGTERM to its API server only: its engine finishes the requests
+    and the leases it holds, its ``/health`` answers 503), wait for them (at most ``DRAIN_S`` + 15 s, or until a
+    second Ctrl-C or SIGTERM) with the proxy still relaying, then :func:`stop_all` of everything. Returns the names
+    of children still alive."""
+    servers = [c for c in children if c.process is not None and c.info.get("role") != "proxy"]
+    out.say(
+        f"draining {len(servers)} vLLM servers: what they hold finishes (at most {DRAIN_S + 15:.0f} s;"
+        " Ctrl-C again stops at once) ..."
+    )
+    for server in servers:
+        if server.process is not None and server.exit_code() is None:
+            server.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + DRAIN_S + 15.0
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        while any(s.exit_code() is None for s in servers) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling the servers' exits, bounded by the deadline
+    except KeyboardInterrupt:
+        out.say("interrupted again: stopping at once")
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return stop_all(children)
 
 
 def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess]) -> int:
