@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import os
 import signal
 import time
@@ -85,14 +86,18 @@ async def _lifespan(app: Any) -> None:
 @pytest.fixture
 def restored_signals() -> Iterator[list[int]]:
     """SIGTERM and SIGINT handled by a recorder for the test (so a real SIGTERM does not end pytest); the
-    process's own handlers are put back after. Yields the signals the recorder saw."""
+    process's own handlers are put back after. Yields the signals the recorder saw. (A handler on the package's
+    logger meanwhile, so that the middleware leaves the logging of the session's other tests alone.)"""
     seen: list[int] = []
     saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     for number in saved:
         signal.signal(number, lambda signum, _frame: seen.append(signum))
+    package, quiet = logging.getLogger("pd_transfer"), logging.NullHandler()
+    package.addHandler(quiet)
     try:
         yield seen
     finally:
+        package.removeHandler(quiet)
         for number, handler in saved.items():
             signal.signal(number, handler)
 

@@ -49,8 +49,7 @@ class DrainState:
     """Whether this process is draining, and since when (``time.monotonic()`` seconds). Thread-safe: set once."""
 
     def __init__(self) -> None:
-        self._since: float | None = None
-        self._lock = threading.Lock()
+        self._since: float | None = None  # one assignment, atomic: no lock (a signal handler sets it)
 
     @property
     def draining(self) -> bool:
@@ -58,10 +57,9 @@ class DrainState:
 
     def start(self, reason: str) -> bool:
         """Enter the drain (``reason``: what started it, for the log); False if it had started already."""
-        with self._lock:
-            if self._since is not None:
-                return False
-            self._since = time.monotonic()
+        if self._since is not None:
+            return False
+        self._since = time.monotonic()
         logger.warning("draining (%s): /health answers 503 and new requests are refused with 503", reason)
         return True
 
@@ -106,11 +104,23 @@ class DrainMiddleware:
 
     def _install(self) -> None:
         self._installed = True
+        _log_to_stderr()
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not in the main thread: the drain will not start on SIGTERM")
             return
         self.state.install_signal_handlers()
         logger.info("SIGTERM or SIGINT starts a drain: /health 503, new requests 503 (%s)", DRAINING_HEADER)
+
+
+def _log_to_stderr() -> None:
+    """vLLM's API server configures only vLLM's loggers: show the drain's lines in its log too (once)."""
+    package = logging.getLogger("pd_transfer")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pd-transfer %(name)s] %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(os.environ.get("PD_TRANSFER_LOG_LEVEL", "INFO").upper())
+        package.propagate = False
 
 
 def _refused(scope: Scope) -> bool:
