@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -204,6 +205,13 @@ def proxy_process(prefill: Sequence[str], decode: Sequence[str], logs: Path) -> 
     return ManagedProcess("proxy", command, dict(os.environ), logs / "proxy.log", f"http://127.0.0.1:{port}")
 
 
+def portable(readings: Mapping[str, Mapping[str, float]], model: str) -> dict[str, dict[str, float]]:
+    """:func:`settle`'s readings with the model's folder named by its last part (vLLM labels samples with the path
+    it was given), so that a result names no path of this machine."""
+    name = Path(model).name
+    return {server: {k.replace(model, name): v for k, v in gauges.items()} for server, gauges in readings.items()}
+
+
 def _rss_mib(processes: Sequence[ManagedProcess]) -> dict[str, float]:
     return {p.name: round(group_rss_bytes(p) / MIB, 1) for p in processes}
 
@@ -222,7 +230,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         before = _rss_mib(everything)
         leases_before = counters(scrape_metrics(servers[0].url), LEASES, "reason")
         load = drive(proxy.url, args.model, args.requests, args.concurrency, max_tokens=args.max_tokens)
-        readings = settle({p.name: p.url for p in everything})
+        readings = portable(settle({p.name: p.url for p in everything}), args.model)
         after = _rss_mib(everything)
         leases = counters(scrape_metrics(servers[0].url), LEASES, "reason")
         decode_text = scrape_metrics(servers[1].url)
@@ -230,7 +238,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         stop_all(everything)
     return {
         "bench": "soak",
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": Path(args.model).name,
         "max_tokens": args.max_tokens,
         "prompt_tokens": "16..600, random, distinct",
@@ -264,9 +272,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for servers to be healthy")
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """``pd-transfer bench soak``: 0 when no request failed and every gauge read 0 at the end, else 1."""
-    result = soak(args)
+    """``pd-transfer bench soak``: 0 when no request failed and every gauge read 0 at the end, else 1; 130 when
+    interrupted (SIGINT, SIGTERM or SIGHUP: every server is stopped first)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        result = soak(args)
+    except KeyboardInterrupt:
+        print("interrupted; every server stopped", file=sys.stderr)
+        return 130
     text = json.dumps(result, indent=1)
     if args.output is not None and str(args.output):
         args.output.parent.mkdir(parents=True, exist_ok=True)
