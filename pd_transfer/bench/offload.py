@@ -5,10 +5,15 @@
   the tier's copies);
 * disk tier: the same jobs against a :class:`~pd_transfer.offload.DirectoryTier` (a file per block, checksummed,
   temporary name and rename), against plain sequential writes and reads of the same bytes in one file.
-  Neither side fsyncs, so both measure the page cache of the filesystem named in the result. The rate of
-  the payload checksum the tier computes on every store and load is measured beside them.
+  Neither side fsyncs, so both measure the page cache of the filesystem named in the result. Two states of
+  the tier: empty (its files deleted before each store, so every block file is created; the headline) and
+  full (``full_tier``: at its bound, every store evicts the oldest job's files and rewrites them). The rate
+  of the payload checksum the tier computes on every store and load, and the cost of creating one file in
+  that filesystem, are measured beside them.
 
-Ratios are ours / baseline (1.0: as fast as the baseline). ``end_to_end`` is measured by ``--end-to-end``
+Ratios are baseline / ours (1.0: as fast as the baseline), by the wall clock and by this process's CPU
+seconds (``*_cpu_ratio_*``: on a machine shared with other jobs, the CPU time is the steadier of the two).
+``end_to_end`` is measured by ``--end-to-end``
 (:mod:`pd_transfer.bench.offload_vllm`, real vLLM servers).
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -86,9 +92,19 @@ def filesystem_of(path: Path) -> str:
 
 
 def _seconds(action: Callable[[], object]) -> float:
-    started = time.perf_counter()
+    return _timed(action)[0]
+
+
+def _timed(action: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system, every thread of this process) of ``action``."""
+    cpu, started = _cpu_seconds(), time.perf_counter()
     action()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, _cpu_seconds() - cpu
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _run_job(worker: TransferWorker, job: TransferJob) -> None:
@@ -120,31 +136,33 @@ def _tier_case(tier: HostPool | DirectoryTier, cache: list[torch.Tensor], shape:
     sources = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
     targets = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
     expected = [t[torch.from_numpy(sources)].clone() for t in cache]
-    times: dict[str, list[float]] = {"store": [], "load": [], "base_store": [], "base_load": []}
+    times: dict[str, list[tuple[float, float]]] = {"store": [], "load": [], "base_store": [], "base_load": []}
     worker = TransferWorker(cache, tier)
     try:
         for round_ in range(warm_up + repeats):
             blocks = _job_blocks(tier.name, shape, round_ if baseline.fresh_keys else 0)
             baseline.reset()
-            base = _seconds(baseline.store)
-            ours = _job_seconds(worker, TransferJob(1, "store", _ids(sources), blocks))
+            base = _timed(baseline.store)
+            ours = _job_timed(worker, TransferJob(1, "store", _ids(sources), blocks))
             if round_ >= warm_up:
                 times["base_store"].append(base)
                 times["store"].append(ours)
         for t in cache:
             t.zero_()
         for _ in range(repeats):
-            times["base_load"].append(_seconds(baseline.load))
-            times["load"].append(_job_seconds(worker, TransferJob(2, "load", _ids(targets), blocks)))
+            times["base_load"].append(_timed(baseline.load))
+            times["load"].append(_job_timed(worker, TransferJob(2, "load", _ids(targets), blocks)))
     finally:
         worker.close()
     verified = all(torch.equal(t[torch.from_numpy(targets)], e) for t, e in zip(cache, expected, strict=True))
     _fill(cache)
-    return {name: statistics.median(values) for name, values in times.items()} | {"verified": verified}
+    medians = {name: statistics.median(wall for wall, _ in values) for name, values in times.items()}
+    cpu = {f"{name}_cpu": statistics.median(cpu for _, cpu in values) for name, values in times.items()}
+    return medians | cpu | {"verified": verified}
 
 
-def _job_seconds(worker: TransferWorker, job: TransferJob) -> float:
-    return _seconds(lambda: _run_job(worker, job))
+def _job_timed(worker: TransferWorker, job: TransferJob) -> tuple[float, float]:
+    return _timed(lambda: _run_job(worker, job))
 
 
 def _job_blocks(tier: str, shape: Shape, prefix: int) -> TierBlocks:
@@ -209,8 +227,15 @@ def _rates(shape: Shape, case: dict, store_name: str, load_name: str) -> dict:
         "load_gb_s": _rate(shape.job_bytes, case["load"]),
         f"store_ratio_vs_{store_name}": round(case["base_store"] / case["store"], 3),
         f"load_ratio_vs_{load_name}": round(case["base_load"] / case["load"], 3),
+        f"store_cpu_ratio_vs_{store_name}": _ratio(case["base_store_cpu"], case["store_cpu"]),
+        f"load_cpu_ratio_vs_{load_name}": _ratio(case["base_load_cpu"], case["load_cpu"]),
         "verified": case["verified"],
     }
+
+
+def _ratio(baseline: float, ours: float) -> float | None:
+    """``baseline / ours`` (None when the clock saw no CPU time: too small a shape)."""
+    return round(baseline / ours, 3) if ours > 0 and baseline > 0 else None
 
 
 def _rate(num_bytes: int, seconds: float) -> float:
@@ -232,6 +257,7 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = Non
     root = Path(tempfile.mkdtemp(prefix="pd-offload-bench-", dir=directory))
     try:
         disk = _disk_cases(root, cache, shape, repeats)
+        create_us = file_create_us(root)
         filesystem = filesystem_of(root)
         blocks = [[t[b].numpy() for t in cache] for b in range(shape.blocks)]
         crc_s = statistics.median(_seconds(lambda: [payload_checksum(b) for b in blocks]) for _ in range(repeats))
@@ -244,6 +270,7 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = Non
         "fsync": False,
         "checksum": "XXH3-64 of each block's pages (offload/checksum.py)",
         "checksum_gb_s": _rate(shape.job_bytes, crc_s),
+        "file_create_us": create_us,
     }
     disk_result |= {label: _rates(shape, case, "file_write", "file_read") for label, case in disk.items()}
     return _summary(shape, repeats, host_result, disk_result)
@@ -267,6 +294,19 @@ def _disk_cases(root: Path, cache: list[torch.Tensor], shape: Shape, repeats: in
     return cases
 
 
+def file_create_us(directory: Path, count: int = 64) -> float:
+    """Median microseconds to create (and close) one empty file in a new directory under ``directory``;
+    the files are deleted afterwards (untimed)."""
+    target = Path(tempfile.mkdtemp(prefix="creates-", dir=directory))
+    seconds = []
+    for index in range(count):
+        started = time.perf_counter()
+        os.close(os.open(target / str(index), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        seconds.append(time.perf_counter() - started)
+    shutil.rmtree(target)
+    return round(statistics.median(seconds) * 1e6, 1)
+
+
 def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
     """The result, with the headline ratios (scattered engine blocks: what an engine hands over) on top."""
     for part, names in ((host, ("memcpy", "memcpy")), (disk, ("file_write", "file_read"))):
@@ -274,9 +314,10 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
             part[key] = part["scattered"][key]
     copies = [host[c][f"baseline_{d}_gb_s (memcpy)"] for c in ("contiguous", "scattered") for d in ("store", "load")]
     host["memcpy_gb_s"] = round(statistics.median(copies), 3)
-    full = disk["full_tier"]
-    disk["full_tier_store_ratio_vs_file_write"] = full["store_ratio_vs_file_write"]
-    disk["full_tier_load_ratio_vs_file_read"] = full["load_ratio_vs_file_read"]
+    for case, prefix in (("scattered", ""), ("full_tier", "full_tier_")):
+        for key in ("store_ratio_vs_file_write", "load_ratio_vs_file_read", "store_cpu_ratio_vs_file_write",
+                    "load_cpu_ratio_vs_file_read"):  # fmt: skip
+            disk[prefix + key] = disk[case][key]
     disk["file_write_gb_s"] = disk["scattered"]["baseline_store_gb_s (file_write)"]
     disk["file_read_gb_s"] = disk["scattered"]["baseline_load_gb_s (file_read)"]
     ratios = [host["store_ratio_vs_memcpy"], host["load_ratio_vs_memcpy"]]
@@ -288,7 +329,8 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
         "repeats": repeats,
         "torch_threads": 1,
         "machine": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
-        "units": "GB/s = 1e9 bytes per second; ratios are baseline seconds / our seconds",
+        "units": "GB/s = 1e9 bytes per second; ratios are baseline seconds / our seconds (wall clock; *_cpu_ratio_*:"
+        " CPU seconds of this process, user + system, which other jobs on the machine disturb less)",
         "host_copy_gb_s": host["memcpy_gb_s"],
         "host": host,
         "disk": disk,
