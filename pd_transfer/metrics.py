@@ -107,6 +107,12 @@ class TransferMetrics:
         self.info = Info(
             "pd_transfer", "pd-transfer's side-channel protocol version and the model fingerprint served", registry=r
         )
+        self.info_labels: dict[str, str] = {}
+
+    def describe(self, labels: dict[str, str]) -> None:
+        """Set ``pd_transfer_info`` (protocol version, fingerprint, ...); the last labels set are ``info_labels``."""
+        self.info.info(labels)
+        self.info_labels = dict(labels)
 
     def observe_pull(self, seconds: float, num_bytes: int, rows: int, fixup_exposed_seconds: float) -> None:
         self.pull_seconds.observe(seconds)

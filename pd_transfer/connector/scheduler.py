@@ -26,6 +26,7 @@ from typing import Literal
 
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
+from pd_transfer.metrics import default_metrics
 
 from .config import ConnectorConfig
 from .leases import hold_window
@@ -273,6 +274,8 @@ class SchedulerSide:
                 if remote.phase in ("queued", "matched") and remote.next_heartbeat <= now:
                     heartbeats[request_id] = remote.ref
                     remote.next_heartbeat = now + self.config.heartbeat_interval_s
+            waiting = sum(1 for remote in self._remotes.values() if remote.phase in ("queued", "matched", "loading"))
+            default_metrics().requests_waiting_for_kv.labels(self.engine_id).set(waiting)
             metadata = StepMetadata(
                 reqs_to_recv=self._recv,
                 reqs_to_hold=self._hold,

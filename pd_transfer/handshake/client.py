@@ -33,11 +33,11 @@ from types import TracebackType
 import msgspec
 import zmq
 
-from pd_transfer.metrics import TransferMetrics
+from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.spec import ModelFingerprint
 
 from .auth import as_secret, new_nonce, reply_mac, signed_request_mac, verify
-from .compat import fingerprint_fields_differing
+from .compat import fingerprint_fields_differing, info_labels
 from .endpoints import peer_name
 from .errors import (
     AuthenticationError,
@@ -91,7 +91,7 @@ class HandshakeClient:
     (monotonic seconds) is for tests. ``protocol_version`` is the version asked for in ``Hello``;
     ``supported_versions`` the versions accepted in the server's ``Challenge`` (default: every version this
     package speaks, or only ``protocol_version`` when another is set): a server answering in another version is
-    refused, naming both. ``metrics`` (optional) counts handshakes by outcome and their seconds.
+    refused, naming both. ``metrics`` (default: the process's) counts handshakes by outcome and their seconds.
     """
 
     def __init__(
@@ -127,7 +127,8 @@ class HandshakeClient:
         if supported_versions is None:
             supported_versions = SUPPORTED_VERSIONS if protocol_version == PROTOCOL_VERSION else frozenset()
         self.supported_versions = frozenset(supported_versions) | {protocol_version}
-        self._metrics = metrics
+        self.metrics = metrics if metrics is not None else default_metrics()
+        self.metrics.describe(info_labels(fingerprint, protocol_version))
         self.failure_backoff_s = failure_backoff_s
         self.failure_backoff_max_s = failure_backoff_max_s
         if knock_interval_s < 0:
@@ -201,10 +202,8 @@ class HandshakeClient:
 
     def _count(self, error: BaseException | None, started: float) -> None:
         """Count one network handshake by outcome (``error`` None: ok) and its seconds."""
-        if self._metrics is None:
-            return
-        self._metrics.handshakes.labels(handshake_outcome(error)).inc()
-        self._metrics.handshake_seconds.observe(time.monotonic() - started)
+        self.metrics.handshakes.labels(handshake_outcome(error)).inc()
+        self.metrics.handshake_seconds.observe(time.monotonic() - started)
 
     def _check_failures(self, endpoint: Endpoint) -> bool:
         """Under the lock, before a handshake: raises ``HandshakeBackoff`` while ``endpoint`` is in its window

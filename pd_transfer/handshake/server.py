@@ -17,10 +17,10 @@ from types import TracebackType
 import msgspec
 import zmq
 
-from pd_transfer.metrics import TransferMetrics
+from pd_transfer.metrics import TransferMetrics, default_metrics
 
 from .auth import as_secret, new_nonce, reply_mac, signed_request_mac, verify
-from .compat import fingerprint_fields_differing
+from .compat import fingerprint_fields_differing, info_labels
 from .endpoints import is_ipv6, tcp_endpoint
 from .messages import (
     MAX_FRAME_BYTES,
@@ -81,7 +81,7 @@ class HandshakeServer:
     ``protocol_version`` / ``supported_versions``: what this server speaks (other values only to test mixed
     versions). ``stats`` counts ``challenges``, ``served``, ``released``, ``refused``, ``malformed``,
     ``too_large``, ``internal`` and ``dropped`` (replies ZMQ could not queue); it is written by the serving thread
-    only. ``metrics`` (optional) counts refused frames by reason and refused nonces by why.
+    only. ``metrics`` (default: the process's) counts refused frames by reason and refused nonces by why.
     """
 
     def __init__(
@@ -112,7 +112,7 @@ class HandshakeServer:
         self._on_release = on_release
         self.protocol_version = protocol_version
         self.supported_versions = frozenset(supported_versions) | {protocol_version}
-        self._metrics = metrics
+        self.metrics = metrics if metrics is not None else default_metrics()
         self.stats: dict[str, int] = dict.fromkeys(
             ("challenges", "served", "released", "refused", "malformed", "too_large", "internal", "dropped"), 0
         )
@@ -164,6 +164,8 @@ class HandshakeServer:
             target=self._serve, args=(socket,), name=f"handshake-server-{self._port}", daemon=True
         )
         self._thread.start()
+        if isinstance(self._engine_source, EngineMetadata):
+            self.metrics.describe(info_labels(self._engine_source.fingerprint, self.protocol_version))
         logger.info("handshake server for engine %r listening on %s", self._engine_id, self.address)
         return self
 
@@ -345,8 +347,7 @@ class HandshakeServer:
             return self._refuse(peer, "auth_failed", "request MAC does not verify (different shared secret?)")
         outcome = self._nonces.consume(request.server_nonce)
         if outcome != "ok":
-            if self._metrics is not None:
-                self._metrics.nonces_refused.labels(outcome).inc()
+            self.metrics.nonces_refused.labels(outcome).inc()
             return self._refuse(peer, "auth_failed", _NONCE_REFUSALS[outcome])
         return None
 
@@ -373,8 +374,7 @@ class HandshakeServer:
         return self._refuse(peer, "unsupported_version", message)
 
     def _count_rejected(self, reason: str) -> None:
-        if self._metrics is not None:
-            self._metrics.side_channel_rejected.labels(reason).inc()
+        self.metrics.side_channel_rejected.labels(reason).inc()
 
     def _refuse(self, peer: str, code: ErrorCode, message: str, fields: list[str] | None = None) -> ErrorReply:
         self.stats["refused"] += 1

@@ -3,7 +3,9 @@
 A worker connector reports :class:`PdTransferStats` each step it has something to say (built by
 :class:`WorkerStatsCollector`); vLLM aggregates them across workers, ships ``data`` to the frontend, rebuilds
 them with ``PdTransferConnector.build_kv_connector_stats`` for its periodic log line (:meth:`PdTransferStats.reduce`)
-and hands ``data`` to :class:`PdTransferPromMetrics`, which exports ``vllm:pd_transfer_*`` per engine.
+and hands ``data`` to :class:`PdTransferPromMetrics`, which exports ``vllm:pd_transfer_*`` per engine. The scheduler's
+connector reports the same way (vLLM adds its stats to the workers'): its side channel's refusals, the requests
+waiting for remote KV (:class:`SchedulerStatsCollector`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,33 @@ logger = logging.getLogger(__name__)
 
 #: Counters of the worker process's own pd-transfer metrics whose per-report increments go to vLLM's /metrics:
 #: stats key -> (sample name in :func:`~pd_transfer.metrics.default_metrics`, its labels)
+LEASE_ENDS = ("read", "expired", "aborted", "released")
+HANDSHAKE_OUTCOMES = ("ok", "timeout", "backoff", "refused", "auth", "incompatible", "version", "error")
+REJECT_REASONS = (
+    "malformed",
+    "too_large",
+    "unsupported_version",
+    "unexpected_message",
+    "auth_required",
+    "auth_failed",
+    "incompatible",
+    "unknown_rank",
+    "unknown_engine",
+)
+NONCE_REFUSALS = ("unknown", "expired", "reused", "busy")
 COUNTED: dict[str, tuple[str, dict[str, str]]] = {
     "unconfirmed_reads": ("pd_transfer_unconfirmed_reads_total", {}),
-    "leases_read": ("pd_transfer_leases_ended_total", {"reason": "read"}),
-    "leases_expired": ("pd_transfer_leases_ended_total", {"reason": "expired"}),
-    "leases_aborted": ("pd_transfer_leases_ended_total", {"reason": "aborted"}),
+    **{f"leases_{reason}": ("pd_transfer_leases_ended_total", {"reason": reason}) for reason in LEASE_ENDS},
+    **{f"handshakes_{o}": ("pd_transfer_handshakes_total", {"outcome": o}) for o in HANDSHAKE_OUTCOMES},
+    "handshake_seconds": ("pd_transfer_handshake_seconds_sum", {}),
 }
+#: The same for the scheduler process's counters (its side channel), reported by the scheduler's connector
+SCHEDULER_COUNTED: dict[str, tuple[str, dict[str, str]]] = {
+    **{f"rejected_{r}": ("pd_transfer_side_channel_rejected_total", {"reason": r}) for r in REJECT_REASONS},
+    **{f"nonces_{r}": ("pd_transfer_side_channel_nonces_refused_total", {"reason": r}) for r in NONCE_REFUSALS},
+}
+#: Labels of ``vllm:pd_transfer_info``, in order
+INFO_LABELS = ("protocol_version", "fingerprint", "model", "dtype")
 
 #: Histogram buckets in seconds
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -44,7 +67,10 @@ class PdTransferStats(KVConnectorStats):
     """What the workers did since their last report (plain data: it crosses processes).
 
     ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read]`` per loaded
-    request; ``data["failed_loads"]``; and the increments of the counters in :data:`COUNTED`, under their keys.
+    request; ``data["failed_loads"]``; the increments of the counters in :data:`COUNTED` (workers) and
+    :data:`SCHEDULER_COUNTED` (scheduler), under their keys; ``data["waiting_for_kv"]``: the scheduler's requests
+    waiting for remote KV, once per change (a list: the last one counts); ``data["info"]``: ``[[protocol version,
+    fingerprint, model, dtype]]`` when it changed.
     """
 
     def __post_init__(self) -> None:
@@ -55,7 +81,7 @@ class PdTransferStats(KVConnectorStats):
         self.data: dict[str, Any] = {"pulls": [], "failed_loads": 0, **dict.fromkeys(COUNTED, 0)}
 
     def is_empty(self) -> bool:
-        return not self.data.get("pulls") and not any(self.data.get(key, 0) for key in ("failed_loads", *COUNTED))
+        return not any(self.data.values())
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add ``other``'s data to this one's (lists concatenated, counts summed); returns ``self``."""
@@ -69,7 +95,7 @@ class PdTransferStats(KVConnectorStats):
     # the lease counts read best as one "read/expired/aborted" field; vLLM only formats the values into its log line
     def reduce(self) -> dict[str, int | float | str]:  # type: ignore[override]
         """The periodic log line's fields: loads, failed loads, MiB loaded, mean load ms, unconfirmed reads,
-        and the lease ends as ``"read/expired/aborted"``."""
+        and the lease ends as ``"read/expired/aborted/released"``."""
         pulls = self.data.get("pulls", [])
         seconds = sum(pull[0] for pull in pulls)
         return {
@@ -78,8 +104,8 @@ class PdTransferStats(KVConnectorStats):
             "MiB loaded": round(sum(pull[1] for pull in pulls) / 2**20, 3),
             "avg load ms": round(seconds / len(pulls) * 1e3, 3) if pulls else 0.0,
             "unconfirmed_reads": self.data.get("unconfirmed_reads", 0),
-            "leases read/expired/aborted": "/".join(
-                str(self.data.get(key, 0)) for key in ("leases_read", "leases_expired", "leases_aborted")
+            "leases read/expired/aborted/released": "/".join(
+                str(self.data.get(f"leases_{reason}", 0)) for reason in LEASE_ENDS
             ),
         }
 
@@ -88,9 +114,12 @@ class WorkerStatsCollector:
     """One worker connector's source of :class:`PdTransferStats`: each :meth:`collect` reports the loads that
     ended and the :data:`COUNTED` counter increments since the previous call."""
 
-    def __init__(self) -> None:
+    def __init__(self, counted: dict[str, tuple[str, dict[str, str]]] | None = None) -> None:
+        """``counted``: the counters whose increments to report (default :data:`COUNTED`)."""
         self._last_outcome: LoadOutcome | None = None
-        self._counted: dict[str, float] = {}  # last values of the COUNTED counters
+        self._table = COUNTED if counted is None else counted
+        self._counted: dict[str, float] = {}  # last values of the counters
+        self._info: dict[str, str] = {}
 
     def collect(self, outcomes: Sequence[LoadOutcome]) -> PdTransferStats | None:
         """The stats since the last call, or ``None`` if nothing happened. ``outcomes``: the worker's bounded
@@ -106,6 +135,7 @@ class WorkerStatsCollector:
                     [outcome.seconds, pulled.bytes, pulled.descriptors, pulled.postprocess_exposed_seconds]
                 )
         self._add_counter_increments(stats)
+        self._add_info(stats)
         return None if stats.is_empty() else stats
 
     def _fresh_outcomes(self, outcomes: list[LoadOutcome]) -> list[LoadOutcome]:
@@ -122,10 +152,38 @@ class WorkerStatsCollector:
     def _add_counter_increments(self, stats: PdTransferStats) -> None:
         """Put each :data:`COUNTED` counter's increase since the previous call into ``stats``."""
         registry = default_metrics().registry
-        for key, (sample, labels) in COUNTED.items():
+        for key, (sample, labels) in self._table.items():
             value = registry.get_sample_value(sample, labels) or 0.0
-            stats.data[key] = int(value - self._counted.get(key, 0.0))
+            increment = value - self._counted.get(key, 0.0)
+            stats.data[key] = increment if sample.endswith("_sum") else int(increment)
             self._counted[key] = value
+
+    def _add_info(self, stats: PdTransferStats) -> None:
+        """``data["info"]`` when this process's ``pd_transfer_info`` changed since the last report."""
+        labels = default_metrics().info_labels
+        if labels and labels != self._info:
+            stats.data["info"] = [[labels.get(name, "") for name in INFO_LABELS]]
+            self._info = dict(labels)
+
+
+class SchedulerStatsCollector(WorkerStatsCollector):
+    """The scheduler connector's source of :class:`PdTransferStats`: its side channel's refusals
+    (:data:`SCHEDULER_COUNTED`), the requests waiting for remote KV when that changed, ``pd_transfer_info``."""
+
+    def __init__(self) -> None:
+        super().__init__(SCHEDULER_COUNTED)
+        self._waiting: float | None = None
+
+    def collect_scheduler(self) -> PdTransferStats | None:
+        stats = self.collect([])
+        if stats is None:
+            stats = PdTransferStats()
+        family = default_metrics().requests_waiting_for_kv
+        waiting = sum(sample.value for metric in family.collect() for sample in metric.samples)
+        if waiting != self._waiting:
+            stats.data["waiting_for_kv"] = [waiting]
+            self._waiting = waiting
+        return None if stats.is_empty() else stats
 
 
 def _log_outcome(outcome: LoadOutcome) -> None:
@@ -148,7 +206,10 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
 
     Histograms per loaded request: ``pull_seconds`` (first read to usable KV), ``pull_bytes``,
     ``fixup_exposed_seconds`` (block-size regroup after the last read). Counters (``_total``): ``pulled_bytes``,
-    ``failed_loads``, ``unconfirmed_reads``, ``leases_ended{reason=read|expired|aborted}``.
+    ``failed_loads``, ``unconfirmed_reads``, ``leases_ended{reason=read|expired|aborted|released}``,
+    ``handshakes{outcome}`` and ``handshake_seconds`` (their sum), ``side_channel_rejected{reason}``,
+    ``side_channel_nonces_refused{reason}``. Gauges: ``requests_waiting_for_kv``, ``info{protocol_version,
+    fingerprint, model, dtype}`` (1).
     """
 
     def __init__(
@@ -176,12 +237,56 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             "vllm:pd_transfer_unconfirmed_reads",
             "Reads the prefill did not confirm as covered by its lease: discarded, never used as KV",
         )
-        leases = self._counter_cls(
-            name="vllm:pd_transfer_leases_ended",
-            documentation="Blocks held for decode readers, by how the hold ended: read, expired, aborted",
-            labelnames=[*self._labelnames, "reason"],
+        #: stats key -> per-engine counter child
+        self.counted: dict[str, dict[int, Any]] = {}
+        self._labelled(
+            "vllm:pd_transfer_leases_ended",
+            "Blocks held for decode readers, by how the hold ended: read, expired, aborted, released (by the proxy)",
+            "reason",
+            {reason: f"leases_{reason}" for reason in LEASE_ENDS},
         )
-        self.leases = {reason: self._per_engine(leases, reason) for reason in ("read", "expired", "aborted")}
+        self._labelled(
+            "vllm:pd_transfer_handshakes",
+            "Side-channel handshakes of this engine's decode ranks, by outcome",
+            "outcome",
+            {outcome: f"handshakes_{outcome}" for outcome in HANDSHAKE_OUTCOMES},
+        )
+        self.counted["handshake_seconds"] = self._counter(
+            "vllm:pd_transfer_handshake_seconds", "Seconds spent in side-channel handshakes (every attempt)"
+        )
+        self._labelled(
+            "vllm:pd_transfer_side_channel_rejected",
+            "Frames this engine's side channel refused, by reason",
+            "reason",
+            {reason: f"rejected_{reason}" for reason in REJECT_REASONS},
+        )
+        self._labelled(
+            "vllm:pd_transfer_side_channel_nonces_refused",
+            "Authenticated side-channel requests refused for their nonce, by why",
+            "reason",
+            {reason: f"nonces_{reason}" for reason in NONCE_REFUSALS},
+        )
+        gauge_cls: Any = self._gauge_cls  # vLLM types it as any of its metric classes; it is its Gauge
+        self.waiting = self._per_engine(
+            gauge_cls(
+                name="vllm:pd_transfer_requests_waiting_for_kv",
+                documentation="Requests whose KV a remote prefill holds, not loaded yet (queued or loading)",
+                labelnames=self._labelnames,
+                multiprocess_mode="mostrecent",
+            )
+        )
+        self.info: Any = gauge_cls(
+            name="vllm:pd_transfer_info",
+            documentation="1, labelled with pd-transfer's protocol version and the model fingerprint",
+            labelnames=[*self._labelnames, *INFO_LABELS],
+            multiprocess_mode="mostrecent",
+        )
+
+    def _labelled(self, name: str, documentation: str, label: str, keys: dict[str, str]) -> None:
+        """A counter ``name`` with one more label; its child for each ``label value -> stats key`` in ``counted``."""
+        metric = self._counter_cls(name=name, documentation=documentation, labelnames=[*self._labelnames, label])
+        for value, key in keys.items():
+            self.counted[key] = self._per_engine(metric, value)
 
     def _per_engine(self, metric: Any, *extra: str) -> dict[int, Any]:
         """engine index -> ``metric`` labelled with that engine's label values, then ``extra``."""
@@ -210,6 +315,11 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         for key, metric in (("failed_loads", self.failed_loads), ("unconfirmed_reads", self.unconfirmed_reads)):
             if data.get(key):
                 metric[engine_idx].inc(data[key])
-        for reason, metric in self.leases.items():
-            if data.get(f"leases_{reason}"):
-                metric[engine_idx].inc(data[f"leases_{reason}"])
+        for key, counter in self.counted.items():
+            if data.get(key):
+                counter[engine_idx].inc(data[key])
+        if data.get("waiting_for_kv"):
+            self.waiting[engine_idx].set(data["waiting_for_kv"][-1])
+        values = self.per_engine_labelvalues.get(engine_idx, [])
+        for info in data.get("info", []):
+            self.info.labels(*values, *[str(v) for v in info]).set(1)
