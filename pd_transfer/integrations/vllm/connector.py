@@ -41,7 +41,7 @@ from pd_transfer.handshake.messages import RankMetadata
 from .cpu_cache import describe_cpu_cache
 from .cpu_packing import packed_format_source
 from .engine_spin import limit_engine_spin
-from .stats import PdTransferPromMetrics, PdTransferStats, WorkerStatsCollector
+from .stats import PdTransferPromMetrics, PdTransferStats, SchedulerStatsCollector, WorkerStatsCollector
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +108,7 @@ class PdTransferConnector(KVConnectorBase_V1):
         self._worker: WorkerContract | None = None
         self._local_hits: dict[str, int] = {}  # request id -> locally cached tokens at the last match
         self._stats = WorkerStatsCollector()
+        self._scheduler_stats = SchedulerStatsCollector()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._scheduler_side()
 
@@ -215,10 +216,11 @@ class PdTransferConnector(KVConnectorBase_V1):
             return set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """This rank's :class:`PdTransferStats` since the last call, ``None`` when there is nothing new."""
-        if self._worker is None:
-            return None
+        """This rank's :class:`PdTransferStats` since the last call (the scheduler's: its side channel's and
+        waiting requests'), ``None`` when there is nothing new."""
         try:
+            if self._worker is None:
+                return self._scheduler_stats.collect_scheduler() if self._scheduler is not None else None
             return self._stats.collect(self._worker.outcomes)
         except Exception:
             logger.exception("pd-transfer worker: stats failed")
