@@ -44,6 +44,9 @@ from vllm_servers import (  # noqa: E402
 
 from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
+from pd_transfer.handshake.messages import ErrorReply  # noqa: E402
+from pd_transfer.handshake.release import Releaser  # noqa: E402
+from pd_transfer.sim.handshake_server import RawPeer  # noqa: E402
 
 BLOCK = 128
 MAX_TOKENS = 16
@@ -377,3 +380,38 @@ def test_read_after_the_lease_fails_clearly(servers: Servers, small_blocks: str)
     assert tokens_of(completion(small_blocks, servers.model, fresh, MAX_TOKENS)) == tokens_of(
         completion(servers.reference, servers.model, fresh, MAX_TOKENS)
     )
+
+
+def test_a_proxy_release_frees_a_held_prefill_and_the_operator_metrics_reach_vllm(servers: Servers) -> None:
+    """Issue 11: a ``Release`` from the proxy frees the blocks a prefill holds for a decode that will not come (at
+    once: no decode was given the params), counted as ``released``; the side channel's refusals, the decode's
+    handshakes, the requests waiting for KV and ``pd_transfer_info`` reach vLLM's /metrics."""
+    prompt = _prompt(3 * BLOCK + 11, seed=601)
+    _pd(servers, prompt, f"metrics-{time.time_ns()}")  # a handshake and a load on the decode
+    _wait_prefill_idle(servers, timeout_s=10.0)
+    released_before = metric_value(servers.prefill, LEASES_METRIC, reason="released")
+    params = _live_params(servers, _prompt(2 * BLOCK + 3, seed=602), f"release-{time.time_ns()}")
+    assert metric_value(servers.prefill, USAGE_METRIC) > 0, "the prefill does not hold the blocks"
+    releaser = Releaser(timeout_s=5.0)
+    try:
+        where = (params["remote_host"], params["remote_port"], params["remote_engine_id"], params["remote_request_id"])
+        started = time.monotonic()
+        assert releaser.release(*where, read_possible=False) == "releasing"
+        freed = _wait_prefill_idle(servers, timeout_s=5.0)
+        assert releaser.release(*where, read_possible=False) == "not_held"
+    finally:
+        releaser.close()
+    print(
+        f"\nreleased: the prefill freed the blocks {time.monotonic() - started:.2f} s after the Release ({freed:.2f})"
+    )
+    _wait_metric(servers.prefill, LEASES_METRIC, released_before + 1, reason="released")
+
+    rejected = "vllm:pd_transfer_side_channel_rejected_total"
+    before = metric_value(servers.prefill, rejected, reason="malformed")
+    with RawPeer(params["remote_host"], int(params["remote_port"])) as raw:
+        assert isinstance(raw.request(b"\xc1 garbage"), ErrorReply)
+    _pd(servers, _prompt(BLOCK + 1, seed=603), f"after-garbage-{time.time_ns()}")  # engine steps report the stats
+    _wait_metric(servers.prefill, rejected, before + 1, reason="malformed")
+    assert _wait_metric(servers.decode, "vllm:pd_transfer_handshakes_total", 1, outcome="ok") >= 1
+    assert _wait_metric(servers.decode, "vllm:pd_transfer_info", 1) >= 1
+    assert metric_value(servers.decode, "vllm:pd_transfer_requests_waiting_for_kv") == 0
