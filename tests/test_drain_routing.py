@@ -206,3 +206,50 @@ def test_the_proxy_retries_a_draining_backends_503_elsewhere_and_routes_nothing_
                 await server.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_a_prefill_aborted_by_its_stopping_engine_is_retried_on_another_prefill() -> None:
+    """vLLM's engine, once it got its SIGTERM, aborts a request that reached it late: 200, an empty text,
+    ``finish_reason: "abort"``, no ``kv_transfer_params``. The proxy sends that request to the other prefill (the
+    client sees 200); a 200 without params that was not aborted stays a 502 (a server without a KV connector)."""
+
+    async def scenario() -> None:
+        prefills = [StandIn("prefill", engine_id=f"prefill-{i}") for i in range(2)]
+        decode = StandIn("decode", engine_id="decode-0")
+        mode = {"answer": ""}
+
+        @web.middleware
+        async def stopping(request: Any, handler: Callable[[Any], Awaitable[Any]]) -> Any:
+            if mode["answer"] and request.method == "POST":
+                choice = {"index": 0, "text": "", "finish_reason": mode["answer"]}
+                return web.json_response({"id": "x", "object": "text_completion", "choices": [choice]})
+            return await handler(request)
+
+        prefills[0].app.middlewares.append(stopping)
+        for server in [*prefills, decode]:
+            await server.start()
+        config = ProxyConfig(
+            prefill=[s.url for s in prefills],
+            decode=[decode.url],
+            policy="round_robin",
+            health_interval_s=30.0,
+            health_timeout_s=1.0,
+            connect_timeout_s=1.0,
+            request_timeout_s=10.0,
+        )
+        proxy = Proxy(config)
+        await proxy.start()
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
+                mode["answer"] = "abort"
+                assert [await _post(client, proxy, f"abort-{i}") for i in range(4)] == [200] * 4
+                assert len(prefills[1].records) == 4 and len(decode.records) == 4
+                mode["answer"] = "length"
+                statuses = [await _post(client, proxy, f"plain-{i}") for i in range(2)]
+                assert 502 in statuses, statuses  # the one that met prefill 0: no KV connector there
+        finally:
+            await proxy.close()
+            for server in [*prefills, decode]:
+                await server.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,20 @@ def is_draining(status: int, headers: Mapping[str, str]) -> bool:
     """Whether an answer (``status``, ``headers``: case-insensitive, as aiohttp gives them) says its server is
     draining: a 503 with ``DRAINING_HEADER``. (A 503 without it, e.g. vLLM's full queue, is not a drain.)"""
     return status == 503 and headers.get(DRAINING_HEADER) == "1"
+
+
+def prefill_without_params(url: str, answer: Any) -> tuple[str, str]:
+    """(kind, message) of a prefill's 200 answer without ``kv_transfer_params``. ``aborted`` when every choice
+    finished ``abort``: an engine that is stopping (vLLM's drain) aborts a request that reached it after its SIGTERM
+    and holds nothing for it, so the request may go to another prefill. Else the backend lacks a KV connector."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices):
+        if all(c.get("finish_reason") == "abort" for c in choices):
+            return "aborted", f"prefill backend {url} aborted the request (is it stopping?)"
+    return "no_kv_transfer_params", (
+        f"prefill backend {url} answered without kv_transfer_params"
+        " (is it running with a KV connector as kv_producer or kv_both?)"
+    )
 
 
 def health_reason(status: int, headers: Mapping[str, str]) -> str:

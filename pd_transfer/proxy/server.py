@@ -39,7 +39,7 @@ from pd_transfer.proxy.responses import (
     relayed_response,
     snippet,
 )
-from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason
+from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason, prefill_without_params
 
 log = logging.getLogger(__name__)
 
@@ -364,13 +364,12 @@ class Proxy:
                 ) from None
             params = flow.kv_params_from_prefill(decoded)
             if params is None:
-                raise HopError(
-                    "prefill",
-                    backend,
-                    "no_kv_transfer_params",
-                    f"prefill backend {backend.url} answered without kv_transfer_params "
-                    "(is it running with a KV connector as kv_producer or kv_both?)",
+                failure = self._failed_attempt(
+                    HopError("prefill", backend, *prefill_without_params(backend.url, decoded))
                 )
+                if failure.kind == "aborted":  # its engine is stopping and holds nothing for it: try another
+                    continue
+                raise failure
             return params
         if failure is None:
             raise HopError("prefill", None, "no_backend", "no healthy prefill backend", status=503)

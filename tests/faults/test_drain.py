@@ -14,6 +14,7 @@ prefill B and both decodes. Needs vLLM in the running interpreter and the tiny m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -58,6 +59,7 @@ PROMPTS = "vllm:prompt_tokens_by_source_total"
 LEASES = "vllm:pd_transfer_leases_ended_total"
 USAGE = "vllm:kv_cache_usage_perc"
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+ENGINE_DRAINS = "EngineCore: start mode=drain"  # vLLM's engine got its SIGTERM (without a drain: killed at once)
 SALT = int(os.environ.get("PD_TRANSFER_TEST_SALT", time.time_ns() % 10**9))
 
 
@@ -107,9 +109,9 @@ def servers() -> Iterator[Servers]:
     drained: dict[str, Any] = {"drain_seconds": DRAIN_S}
     made = Servers(
         model,
-        vllm_server("prefill-a", model, logs, cpu_index=0, lease_seconds=LEASE_S, **drained),
+        _over_tcp(vllm_server("prefill-a", model, logs, cpu_index=0, lease_seconds=LEASE_S, **drained)),
         vllm_server("prefill-b", model, logs, cpu_index=1, lease_seconds=LEASE_S, **drained),
-        vllm_server("decode-a", model, logs, cpu_index=0, **drained),
+        _over_tcp(vllm_server("decode-a", model, logs, cpu_index=0, **drained)),
         vllm_server("decode-b", model, logs, cpu_index=1, **drained),
         reference_server(model, logs),
     )
@@ -120,6 +122,12 @@ def servers() -> Iterator[Servers]:
         yield made
     finally:
         stop_all(made.everything())
+
+
+def _over_tcp(server: ManagedProcess) -> ManagedProcess:
+    """``server`` with UCX on TCP only: a read from prefill A then needs its worker alive and progressing (over
+    shared memory, CMA, a decode could still copy the blocks of a prefill being killed)."""
+    return dataclasses.replace(server, env={**server.env, "UCX_TLS": "tcp"})
 
 
 class Traffic:
@@ -229,6 +237,7 @@ def test_prefill_drain_lets_the_outstanding_read_finish_and_fails_no_request(ser
     wait_until(lambda: traffic.done >= 3, 120, "three requests through the proxy before the drain")
     since = sigterm(a)
     refused_after = wait_until(lambda: health_status(a) != 200, 10, "the drained prefill's /health leaves 200")
+    wait_until(lambda: ENGINE_DRAINS in a.log_path.read_text(errors="replace"), 30, "prefill A's engine drains")
     answer = completion(decode.url, servers.model, prompt(1), MAX_TOKENS, kv_transfer_params=params)
     assert tokens_of(answer) == servers.reference_tokens(1), "the outstanding read gave other tokens"
     loaded = metric_value(decode.url, PROMPTS, source=EXTERNAL) - loaded_before
