@@ -26,6 +26,8 @@ from aiohttp import web  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from test_multihost import HTTP, Server, get_json, standins  # noqa: E402
 
+from pd_transfer.connector.leases import LeaseLedger  # noqa: E402
+from pd_transfer.connector.messages import ReadDone  # noqa: E402
 from pd_transfer.handshake.errors import AuthenticationError  # noqa: E402
 from pd_transfer.handshake.release import Releaser  # noqa: E402
 from pd_transfer.proxy.cli import add_arguments, config_from_args  # noqa: E402
@@ -260,3 +262,23 @@ def test_the_proxy_takes_the_secret_from_the_environment_variable_it_is_named_by
         config_from_args(args, {})
     plain = parser.parse_args(["--prefill", "http://p", "--decode", "http://d"])
     assert config_from_args(plain, {SECRET_ENV: "s3"}).handshake_secret is None
+
+
+def test_the_ledger_releases_at_once_only_when_no_decode_can_be_reading() -> None:
+    """The prefill side of a ``Release``: no decode has the params: freed now; a decode may be reading: not before
+    the hold window ends (nor after a reader reported: that lease ends as read); twice: nothing more."""
+    now = [0.0]
+    ledger = LeaseLedger(9.0, clock=lambda: now[0])  # hold window: 3 s
+    for name in ("unread", "maybe-read", "reported"):
+        ledger.hold(name, [1, 2])
+    freed = ledger.release("unread", read_possible=False)
+    assert freed is not None and freed.reason == "released"
+    assert ledger.release("unread", read_possible=False) is None and ledger.status("unread") == "released"
+    assert ledger.release("maybe-read", read_possible=True) is None  # deferred to the window's end
+    assert ledger.status("maybe-read") == "held"
+    report = ReadDone(request_id="reported", reader_engine_id="d", reader_rank=0, expected_readers=2)
+    ledger.report(report)
+    assert ledger.release("reported", read_possible=False) is None  # a reader reported: left to end as read
+    now[0] = 3.0
+    assert [(f.request_id, f.reason) for f in ledger.expire()] == [("maybe-read", "released")]
+    assert ledger.status("reported") == "held"
