@@ -71,6 +71,7 @@ def test_pull_metrics(prefill: PrefillProcess) -> None:
     assert got[("pd_transfer_pulls_total", (("outcome", "ok"),))] == 1
     assert got[("pd_transfer_pull_seconds_count", ())] == 1
     assert got[("pd_transfer_pull_descriptor_rows_sum", ())] == stats.descriptors
+    assert got[("pd_transfer_handshakes_total", (("outcome", "ok"),))] == 1  # the decode rank's own registry
 
 
 def test_lease_metrics() -> None:

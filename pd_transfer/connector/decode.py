@@ -136,6 +136,7 @@ class DecodeRank:
             secret=secret,
             timeout_s=handshake_timeout_s,
             failure_backoff_s=handshake_failure_backoff_s,  # a dead prefill's endpoint fails fast this long
+            metrics=self.metrics,
         )
         self.remotes = RemoteEngines(
             self.agent,
