@@ -368,6 +368,11 @@ def cli_run(args: argparse.Namespace) -> int:
             f" ({disk['file_write_gb_s']} GB/s), load {disk['load_ratio_vs_file_read']:.3f} x plain read"
             f" ({disk['file_read_gb_s']} GB/s)"
         )
+        print(
+            f"  disk, full tier  store {disk['full_tier_store_ratio_vs_file_write']:.3f} x plain write,"
+            f" load {disk['full_tier_load_ratio_vs_file_read']:.3f} x plain read;"
+            f" creating a file {disk['file_create_us']} us"
+        )
         print(f"  verified {result['verified']}, goals met {result['goals_met']}")
     return 0 if result["verified"] else 1
 
