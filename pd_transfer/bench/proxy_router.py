@@ -22,7 +22,7 @@ from pd_transfer.cluster.http_client import free_port, is_healthy
 __all__ = ["RouterProcess", "find_router", "router_command", "start_router"]
 
 ROUTER_ENV = "PD_TRANSFER_VLLM_ROUTER"
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 120.0  # the router reads every backend at start: slow on a loaded 2-core host
 LOG_TAIL_CHARS = 2000
 
 
