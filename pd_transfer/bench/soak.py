@@ -197,9 +197,10 @@ def _pair(model: str, python: str, logs: Path, lease_s: float) -> list[ManagedPr
     return servers
 
 
-def proxy_process(prefill: Sequence[str], decode: Sequence[str], logs: Path) -> ManagedProcess:
-    """The proxy (``python -m pd_transfer.proxy``, this interpreter) over those servers, on a free port; not started."""
-    port = free_port()
+def proxy_process(prefill: Sequence[str], decode: Sequence[str], logs: Path, port: int | None = None) -> ManagedProcess:
+    """The proxy (``python -m pd_transfer.proxy``, this interpreter) over those servers, on ``port`` (default: a free
+    one); not started."""
+    port = port or free_port()
     command = [sys.executable, "-m", "pd_transfer.proxy", "--prefill", *prefill, "--decode", *decode]
     command += ["--port", str(port)]
     return ManagedProcess("proxy", command, dict(os.environ), logs / "proxy.log", f"http://127.0.0.1:{port}")
