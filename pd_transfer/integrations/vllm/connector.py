@@ -17,7 +17,6 @@ regroups blocks with the packing :mod:`.cpu_packing` measures.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,7 @@ from pd_transfer.handshake.messages import RankMetadata
 from .cpu_cache import describe_cpu_cache
 from .cpu_packing import packed_format_source
 from .engine_spin import limit_engine_spin
+from .logs import log_to_stderr
 from .stats import PdTransferPromMetrics, PdTransferStats, SchedulerStatsCollector, WorkerStatsCollector
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class PdTransferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _log_to_stderr()
+        log_to_stderr()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         self.config = ConnectorConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
@@ -375,18 +375,6 @@ def register_by_name(name: str) -> None:
         KVConnectorFactory.register_connector(name, "pd_transfer.integrations.vllm", name)
     except ValueError:
         pass  # registered already (by this process, or vLLM knows the name)
-
-
-def _log_to_stderr() -> None:
-    """vLLM configures only its own loggers: show ours (INFO and up, or ``PD_TRANSFER_LOG_LEVEL``) in the
-    server's log too, once per process."""
-    package = logging.getLogger("pd_transfer")
-    if not package.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pd-transfer %(name)s] %(message)s"))
-        package.addHandler(handler)
-        package.setLevel(os.environ.get("PD_TRANSFER_LOG_LEVEL", "INFO").upper())
-        package.propagate = False
 
 
 def _align_failure_policy(transfer: KVTransferConfig, failure_policy: FailurePolicy, role: KVConnectorRole) -> None:

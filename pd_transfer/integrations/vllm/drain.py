@@ -32,6 +32,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from types import FrameType
 from typing import Any
 
+from .logs import log_to_stderr
+
 logger = logging.getLogger(__name__)
 
 #: The header of a draining server's 503 (the proxy's ``pd_transfer.proxy.routing.DRAINING_HEADER``).
@@ -104,23 +106,12 @@ class DrainMiddleware:
 
     def _install(self) -> None:
         self._installed = True
-        _log_to_stderr()
+        log_to_stderr()
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not in the main thread: the drain will not start on SIGTERM")
             return
         self.state.install_signal_handlers()
         logger.info("SIGTERM or SIGINT starts a drain: /health 503, new requests 503 (%s)", DRAINING_HEADER)
-
-
-def _log_to_stderr() -> None:
-    """vLLM's API server configures only vLLM's loggers: show the drain's lines in its log too (once)."""
-    package = logging.getLogger("pd_transfer")
-    if not package.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pd-transfer %(name)s] %(message)s"))
-        package.addHandler(handler)
-        package.setLevel(os.environ.get("PD_TRANSFER_LOG_LEVEL", "INFO").upper())
-        package.propagate = False
 
 
 def _refused(scope: Scope) -> bool:

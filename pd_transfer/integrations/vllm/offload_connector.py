@@ -49,7 +49,8 @@ from pd_transfer.offload import (
     chain_block_keys,
 )
 
-from .connector import _log_to_stderr, register_by_name
+from .connector import register_by_name
+from .logs import log_to_stderr
 from .offload_config import OffloadConfig, check_supported, layer_names, page_format, tp_size
 from .offload_events import OffloadEventNames
 from .offload_scheduler import OffloadScheduler, StepJobs
@@ -102,7 +103,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _log_to_stderr()
+        log_to_stderr()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         self.config = OffloadConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
