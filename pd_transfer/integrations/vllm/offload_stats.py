@@ -129,12 +129,13 @@ class PdOffloadPromMetrics(KVConnectorPromMetrics):
                 documentation=documentation,
                 labelnames=[*self._labelnames, "tier"],
             )
-        self.rejected = self._counter_cls(
+        self.rejected: Any = self._counter_cls(
             name="vllm:pd_transfer_offload_rejected_blocks",
             documentation="Stored blocks refused on load (truncated, corrupt, foreign, missing)",
             labelnames=[*self._labelnames, "tier", "reason"],
         )
-        self.held = self._gauge_cls(
+        gauge_cls: Any = self._gauge_cls  # vLLM types it as any of its metric classes; it is its Gauge
+        self.held = gauge_cls(
             name="vllm:pd_transfer_offload_held_bytes",
             documentation="Bytes of KV blocks an offload tier holds",
             labelnames=[*self._labelnames, "tier"],
