@@ -8,12 +8,14 @@ The end-to-end drains of real vLLM servers are in ``tests/faults/test_drain.py``
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import importlib
 import json
 import logging
 import os
 import signal
+import sys
 import time
+import types
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -21,13 +23,16 @@ import pytest
 
 import pd_transfer.integrations
 
-# The middleware imports no vLLM, but its package does (the connector): load the module from its file, so that this
-# test runs where vLLM is not installed.
-_DRAIN_PATH = os.path.join(os.path.dirname(pd_transfer.integrations.__file__), "vllm", "drain.py")
-_spec = importlib.util.spec_from_file_location("pd_transfer_drain_under_test", _DRAIN_PATH)
-assert _spec is not None and _spec.loader is not None
-drain = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(drain)
+# The middleware imports no vLLM, but its package's __init__ does (the connector): import the module from its folder
+# under a stand-in parent package (no __init__ run; relative imports such as ``.logs`` resolve in the same folder),
+# so that this test runs where vLLM is not installed.
+_VLLM_DIR = os.path.join(os.path.dirname(pd_transfer.integrations.__file__), "vllm")
+_PARENT = "pd_transfer_vllm_under_test"
+if _PARENT not in sys.modules:
+    _parent = types.ModuleType(_PARENT)
+    _parent.__path__ = [_VLLM_DIR]
+    sys.modules[_PARENT] = _parent
+drain = importlib.import_module(f"{_PARENT}.drain")
 DRAINING_HEADER, DrainMiddleware, DrainState = drain.DRAINING_HEADER, drain.DrainMiddleware, drain.DrainState
 
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
