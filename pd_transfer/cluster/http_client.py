@@ -9,6 +9,7 @@ Every call is bounded by a timeout in seconds. An error status, a timeout or a r
 from __future__ import annotations
 
 import json
+import random
 import socket
 import time
 import urllib.error
@@ -263,8 +264,20 @@ def wait_metric(
         time.sleep(poll_s)
 
 
+#: Ports :func:`free_port` picks from: below Linux's default ephemeral range (32768-60999), which the kernel hands
+#: out to outgoing connections and ``bind(0)`` callers, so a port picked now is rarely taken before a slow server
+#: (vLLM starts in minutes) binds it.
+LISTEN_PORT_RANGE = (20000, 32768)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the kernel's choice; another process may take it before it is used)."""
+    """A TCP port free on ``host`` now: a random one of :data:`LISTEN_PORT_RANGE` that can be bound, else the kernel's
+    choice. Another process may still take it before it is used; the range makes that unlikely."""
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(*LISTEN_PORT_RANGE)
+        if not busy_ports([port], host):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
