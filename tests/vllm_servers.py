@@ -96,7 +96,7 @@ def free_base_port() -> int:
     """A base port whose server ports (base+0..2, base+100..102) and proxy port (base-1) are free now."""
     rng = random.Random()
     for _ in range(200):
-        base = rng.randrange(20000, 40000)
+        base = rng.randrange(20001, 32600)  # below the ephemeral range, as free_port
         if not busy_ports([base - 1, base, base + 1, base + 2, base + 100, base + 101, base + 102]):
             return base
     raise RuntimeError("no free port range found")
