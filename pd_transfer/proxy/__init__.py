@@ -35,7 +35,8 @@ upstream connection: the decode server sees the disconnect and aborts the reques
 ``pd_proxy_time_to_first_token_seconds{endpoint}`` (streams), ``pd_proxy_backend_in_flight{role,backend}``,
 ``pd_proxy_backend_healthy{role,backend}``.
 
-Modules: ``server`` (``Proxy``, ``ProxyConfig``), ``flow`` (validation and the bodies of both hops, no HTTP),
+Modules: ``server`` (``Proxy``, ``ProxyConfig``, the prefill hop), ``decode_hop`` (the decode hop and its relay),
+``flow`` (validation and the bodies of both hops, no HTTP),
 ``routing`` (backends, policies), ``metrics``, ``cli`` (``pd-transfer proxy`` / ``python -m pd_transfer.proxy``).
 Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy`.
 """

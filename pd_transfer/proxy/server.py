@@ -22,10 +22,11 @@ from aiohttp import web
 
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.config import ProxyConfig
+from pd_transfer.proxy.decode_hop import DecodeCall, DecodeHop
 from pd_transfer.proxy.intake import BodyBudget, IntakeLimits, Rejected, check_media_type, decode_json, read_body
 from pd_transfer.proxy.intake import reservation as body_reservation
-from pd_transfer.proxy.metrics import ProxyMetrics
-from pd_transfer.proxy.release import DecodeProgress, KVReleases
+from pd_transfer.proxy.metrics import HopMeter, ProxyMetrics
+from pd_transfer.proxy.release import KVReleases
 from pd_transfer.proxy.responses import (
     REQUEST_ID,
     ClientGone,
@@ -55,13 +56,14 @@ class Proxy:
         self.signal = StateSignal()
         self.prefill = Pool("prefill", config.prefill, config.policy, on_change=self._state_changed)
         self.decode = Pool("decode", config.decode, config.policy, on_change=self._state_changed)
+        self._meter = HopMeter(self.metrics)
         # Label children resolved once: labels() costs a lock and a dict lookup per call on the request path.
-        self._hop_latency = {role: self.metrics.hop_latency.labels(role) for role in ("prefill", "decode")}
         self._request_latency = {e: self.metrics.request_latency.labels(e) for e in flow.ENDPOINTS}
         self._routes = {path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated")}
         self._requests: dict[tuple[str, int], Any] = {}
         # Parsed once: aiohttp would parse a string URL on every request.
         self._urls = {(id(b), e): yarl.URL(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
+        self._decode_hop = DecodeHop(self.decode, self._meter, self._urls)
         for backend in self._backends():
             self.metrics.healthy.labels(backend.role, backend.url).set(1)
             # Read when scraped, not set twice per hop.
@@ -289,29 +291,14 @@ class Proxy:
         else:
             self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers)
-        decode_body = flow.decode_body(body, params)
+        call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started)
+        session = self._session
+        assert session is not None
         return await self.releases.decode_then(
-            params,
-            rid,
-            lambda progress: self._decode_hop(request, endpoint, decode_body, headers, rid, started, progress),
+            params, rid, lambda progress: self._decode_hop.run(session, call, progress)
         )
 
     # ---- hops ----
-
-    def _enter(self, backend: Backend) -> float:
-        backend.in_flight += 1
-        backend.served += 1
-        return time.perf_counter()
-
-    def _leave(self, backend: Backend, since: float) -> None:
-        backend.in_flight -= 1
-        self._hop_latency[backend.role].observe(time.perf_counter() - since)
-
-    def _failed_attempt(self, failure: HopError) -> HopError:
-        """Counts a failed attempt at a hop as it fails (it may be retried); returns it."""
-        self.metrics.errors.labels(failure.hop, failure.kind).inc()
-        failure.counted = True
-        return failure
 
     async def _prefill_hop(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """Runs the prefill; on a connection error or a 5xx, once more on another prefill server."""
@@ -326,7 +313,7 @@ class Proxy:
             if tried:
                 self.metrics.retries.labels("prefill").inc()
             tried.append(backend)
-            since = self._enter(backend)
+            since = self._meter.enter(backend)
             try:
                 async with self._session.post(
                     self._urls[id(backend), endpoint], data=payload, headers=headers
@@ -335,17 +322,17 @@ class Proxy:
             except (aiohttp.ClientError, TimeoutError) as e:
                 if isinstance(e, aiohttp.ClientConnectorError):
                     self._connection_failed(backend, e)
-                failure = self._failed_attempt(
+                failure = self._meter.failed_attempt(
                     HopError(
                         "prefill", backend, "connect", f"prefill backend {backend.url} failed: {describe_error(e)}"
                     )
                 )
                 continue
             finally:
-                self._leave(backend, since)
+                self._meter.leave(backend, since)
             self.prefill.note_answer(backend, answer.status, answer.headers)  # a drain's 503 is retried elsewhere
             if answer.status >= 500:
-                failure = self._failed_attempt(
+                failure = self._meter.failed_attempt(
                     HopError(
                         "prefill",
                         backend,
@@ -364,7 +351,7 @@ class Proxy:
                 ) from None
             params = flow.kv_params_from_prefill(decoded)
             if params is None:
-                failure = self._failed_attempt(
+                failure = self._meter.failed_attempt(
                     HopError("prefill", backend, *prefill_without_params(backend.url, decoded))
                 )
                 if failure.kind == "aborted":  # its engine is stopping and holds nothing for it: try another
@@ -378,122 +365,3 @@ class Proxy:
                 f"{failure}; the retry on another prefill backend failed too: " + ", ".join(b.url for b in tried),
             )
         raise failure
-
-    async def _decode_hop(
-        self,
-        request: web.Request,
-        endpoint: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        rid: str,
-        started: float,
-        progress: DecodeProgress,
-    ) -> web.StreamResponse:
-        """Sends to a decode server and relays its answer. A decode server that cannot be reached at all (the
-        request never got there) is taken out and the request tried once on another one. ``progress``: whether the
-        request was sent and its answer read."""
-        assert self._session is not None
-        payload = msgspec.json.encode(body)
-        tried: list[Backend] = []
-        failure: HopError | None = None
-        while len(tried) < 2:
-            backend = self.decode.pick(exclude=tried)
-            if backend is None:
-                break
-            if tried:
-                self.metrics.retries.labels("decode").inc()
-            tried.append(backend)
-            since = self._enter(backend)
-            try:
-                try:
-                    progress.sent = True
-                    upstream = await self._session.post(
-                        self._urls[id(backend), endpoint], data=payload, headers=headers
-                    )
-                except aiohttp.ClientConnectorError as e:  # never connected: safe to send elsewhere
-                    progress.sent = False
-                    self._connection_failed(backend, e)
-                    failure = self._failed_attempt(
-                        HopError(
-                            "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
-                        )
-                    )
-                    continue
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    raise HopError(
-                        "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
-                    ) from None
-                if self.decode.note_answer(backend, upstream.status, upstream.headers):  # refused before its engine
-                    upstream.close()
-                    progress.sent = False
-                    failure = self._failed_attempt(HopError("decode", backend, "draining", f"{backend.url} drains"))
-                    continue
-                try:
-                    return await self._relay(request, endpoint, upstream, backend, rid, started, progress)
-                finally:
-                    upstream.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
-            finally:
-                self._leave(backend, since)
-        if failure is None:
-            raise HopError("decode", None, "no_backend", "no healthy decode backend", status=503)
-        raise failure
-
-    async def _relay(
-        self,
-        request: web.Request,
-        endpoint: str,
-        upstream: aiohttp.ClientResponse,
-        backend: Backend,
-        rid: str,
-        started: float,
-        progress: DecodeProgress,
-    ) -> web.StreamResponse:
-        content_type = upstream.headers.get("Content-Type", "")
-        if upstream.status != 200 or not content_type.startswith("text/event-stream"):
-            try:
-                raw = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                if isinstance(e, aiohttp.ClientConnectorError):
-                    self._connection_failed(backend, e)
-                raise HopError(
-                    "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
-                ) from None
-            progress.answered = True
-            if upstream.status >= 500:
-                raise HopError(
-                    "decode",
-                    backend,
-                    "status",
-                    f"decode backend {backend.url} answered {upstream.status}: {snippet(raw)}",
-                )
-            return relayed_response(upstream, raw, rid)
-        response = web.StreamResponse(
-            status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: rid}
-        )
-        await response.prepare(request)
-        first = True
-        try:
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-                if first:
-                    self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started)
-                    first = False
-        except ConnectionResetError:
-            self.metrics.errors.labels("client", "disconnect").inc()
-            raise ClientGone(response) from None
-        except (aiohttp.ClientError, TimeoutError) as e:
-            # The decode server failed mid-stream: the status is sent already; end the stream with an error event.
-            self.metrics.errors.labels("decode", "stream").inc()
-            event = flow.error_body(
-                f"decode backend {backend.url} failed mid-stream: {describe_error(e)}",
-                "bad_gateway",
-                hop="decode",
-                backend=backend.url,
-            )
-            try:
-                await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
-            except ConnectionResetError:
-                raise ClientGone(response) from None
-        progress.answered = True
-        await response.write_eof()
-        return response
