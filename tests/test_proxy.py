@@ -295,7 +295,7 @@ def test_stopped_decode_is_taken_out_on_connection_error_and_the_request_goes_el
             assert status == 200, answer
         assert not c.backend(gone).healthy and "connection error" in c.backend(gone).reason
         assert served(c.decodes) == [0, 3]
-        assert 'pd_proxy_retries_total{hop="decode"} 1.0' in await c.metrics()
+        assert 'pd_proxy_retries_total{hop="decode",reason="connect"} 1.0' in await c.metrics()
         await gone.start()
         await c.proxy.check_health()
         assert c.backend(gone).healthy
@@ -312,7 +312,7 @@ def test_failing_prefill_is_retried_on_the_other_then_502_naming_the_hop() -> No
         status, answer, _ = await c.call(flow.COMPLETIONS, completion())  # it fails, the retry succeeds
         assert status == 200, answer
         assert served(c.prefills) == [1, 1] and c.prefills[1].records[0].request_id == answer["id"][len("cmpl-") :]
-        assert 'pd_proxy_retries_total{hop="prefill"} 1.0' in await c.metrics()
+        assert 'pd_proxy_retries_total{hop="prefill",reason="status"} 1.0' in await c.metrics()
 
         # A 4xx is the request's fault: handed back as it is, not retried.
         c.prefills[0].fail_next(400)

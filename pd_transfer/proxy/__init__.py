@@ -25,12 +25,13 @@ Errors, OpenAI style ``{"error": {"message", "type", "code", ...}}``: invalid JS
 ``model`` / ``prompt`` / ``messages``, or a client-sent ``kv_transfer_params`` (the proxy owns the flow): 400. A
 prefill that fails (connection error or 5xx) is retried once on another prefill server, then 502 with ``hop`` and
 ``backend``; a prefill answer without ``kv_transfer_params``: 502 naming them; a decode 5xx or connection error:
-502 with ``hop: "decode"`` (a decode server that refuses the connection is taken out and the request sent to another
-one); a backend's 4xx is handed back as it is. A client that goes away cancels its handler, which closes the
-upstream connection: the decode server sees the disconnect and aborts the request, freeing its blocks.
+502 with ``hop: "decode"`` (a decode server that refuses the connection, answers a drain's 503, or answers 200 with no
+output and ``finish_reason: "abort"`` (its engine is stopping) is taken out and the request sent to another one,
+:mod:`.decode_hop`); a backend's 4xx is handed back as it is. A client that goes away cancels its handler, which
+closes the upstream connection: the decode server sees the disconnect and aborts the request, freeing its blocks.
 
 ``GET /metrics`` (Prometheus, the proxy's own registry): ``pd_proxy_requests_total{endpoint,status}``,
-``pd_proxy_routes_total{path}``, ``pd_proxy_errors_total{hop,kind}``, ``pd_proxy_retries_total{hop}``,
+``pd_proxy_routes_total{path}``, ``pd_proxy_errors_total{hop,kind}``, ``pd_proxy_retries_total{hop,reason}``,
 ``pd_proxy_hop_latency_seconds{hop}``, ``pd_proxy_request_latency_seconds{endpoint}``,
 ``pd_proxy_time_to_first_token_seconds{endpoint}`` (streams), ``pd_proxy_backend_in_flight{role,backend}``,
 ``pd_proxy_backend_healthy{role,backend}``.

@@ -1,16 +1,23 @@
 """The proxy's decode hop: the client's request (with the prefill's ``kv_transfer_params``) to a decode server, and
 its answer relayed back, whole (a JSON answer) or event by event (an SSE stream).
 
-A decode server that cannot be reached at all, or that refuses the request with a drain's 503 (the request never got
-to its engine), is taken out and the request tried once on another decode server. Anything else a decode answers
-goes to the client: a 4xx as it is, a 5xx or a failed read as a 502 naming the hop and the backend (before any byte
-was relayed), a failure mid-stream as a final error event.
+The request is tried once more on another decode server, and the first one taken out, when it never reached the
+first one's engine: the server could not be connected to; it refused with a drain's 503 (``X-PD-Draining``); or it
+answered 200 with no output and ``finish_reason: "abort"`` (:mod:`pd_transfer.proxy.aborts`: its engine is stopping
+and refused the request; a stream is held back until its first output, so the client has seen nothing). After such
+an abort the second decode gets the prefill's params without their hold window (:func:`flow.without_hold_window`),
+so that it confirms its read with the prefill; the prefill still holds the blocks (no decode read them, its lease
+runs). Retries are counted in ``pd_proxy_retries_total{hop="decode",reason}`` (reason: the first attempt's failure
+kind: ``connect``, ``draining``, ``aborted``). Anything else a decode answers goes to the client: a 4xx as it is, a
+5xx, a failed read or a second empty abort as a 502 naming the hop and the backend (before any byte was relayed), a
+failure mid-stream as a final error event.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +27,23 @@ import yarl
 from aiohttp import web
 
 from pd_transfer.proxy import flow
+from pd_transfer.proxy.aborts import StreamOpening, Verdict, is_empty_abort
 from pd_transfer.proxy.metrics import HopMeter
 from pd_transfer.proxy.release import DecodeProgress
 from pd_transfer.proxy.responses import REQUEST_ID, ClientGone, HopError, describe_error, relayed_response, snippet
-from pd_transfer.proxy.routing import Backend, Pool
+from pd_transfer.proxy.routing import DRAINING, Backend, Pool
+
+log = logging.getLogger(__name__)
+
+ABORTED = "aborted"  # the failure kind (and retry reason) of an empty abort
+
+
+class _Retryable(Exception):
+    """An attempt that failed before the decode's engine took the request (``failure``): it may go elsewhere."""
+
+    def __init__(self, failure: HopError) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 @dataclass(frozen=True)
@@ -57,9 +77,9 @@ class DecodeHop:
     async def run(
         self, session: aiohttp.ClientSession, call: DecodeCall, progress: DecodeProgress
     ) -> web.StreamResponse:
-        """Sends ``call`` to a decode server and relays its answer. A decode server that cannot be reached at all
-        (the request never got there) is taken out and the request tried once on another one. ``progress``: whether
-        the request was sent and its answer read (for the release of the prefill's blocks)."""
+        """Sends ``call`` to a decode server and relays its answer; once more on another decode server when the
+        first attempt never reached its engine (see the module). ``progress``: whether the request was sent and its
+        answer read (for the release of the prefill's blocks)."""
         payload = msgspec.json.encode(call.body)
         tried: list[Backend] = []
         failure: HopError | None = None
@@ -67,45 +87,65 @@ class DecodeHop:
             backend = self.pool.pick(exclude=tried)
             if backend is None:
                 break
-            if tried:
-                self.metrics.retries.labels("decode").inc()
+            if failure is not None:
+                self.metrics.retries.labels("decode", failure.kind).inc()
             tried.append(backend)
             since = self.meter.enter(backend)
             try:
-                try:
-                    progress.sent = True
-                    upstream = await session.post(
-                        self._urls[id(backend), call.endpoint], data=payload, headers=call.headers
-                    )
-                except aiohttp.ClientConnectorError as e:  # never connected: safe to send elsewhere
-                    progress.sent = False
-                    self._connection_failed(backend, e)
-                    failure = self.meter.failed_attempt(
-                        HopError(
-                            "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
-                        )
-                    )
-                    continue
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    raise HopError(
-                        "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
-                    ) from None
-                if self.pool.note_answer(backend, upstream.status, upstream.headers):  # refused before its engine
-                    upstream.close()
-                    progress.sent = False
-                    failure = self.meter.failed_attempt(
-                        HopError("decode", backend, "draining", f"{backend.url} drains")
-                    )
-                    continue
-                try:
-                    return await self._relay(call, upstream, backend, progress)
-                finally:
-                    upstream.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
+                return await self._attempt(session, call, backend, payload, progress)
+            except _Retryable as retry:
+                failure = self.meter.failed_attempt(retry.failure)
+                if failure.kind == ABORTED:
+                    payload = msgspec.json.encode(flow.without_hold_window(call.body))
             finally:
                 self.meter.leave(backend, since)
         if failure is None:
             raise HopError("decode", None, "no_backend", "no healthy decode backend", status=503)
         raise failure
+
+    async def _attempt(
+        self,
+        session: aiohttp.ClientSession,
+        call: DecodeCall,
+        backend: Backend,
+        payload: bytes,
+        progress: DecodeProgress,
+    ) -> web.StreamResponse:
+        """One decode server's try at ``call`` (``payload``: its encoded body); raises :class:`_Retryable` when the
+        request never reached that server's engine."""
+        try:
+            progress.sent = True
+            upstream = await session.post(self._urls[id(backend), call.endpoint], data=payload, headers=call.headers)
+        except aiohttp.ClientConnectorError as e:  # never connected: safe to send elsewhere
+            progress.sent = False
+            self._connection_failed(backend, e)
+            message = f"decode backend {backend.url} failed: {describe_error(e)}"
+            raise _Retryable(HopError("decode", backend, "connect", message)) from None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise HopError(
+                "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
+            ) from None
+        try:
+            if self.pool.note_answer(backend, upstream.status, upstream.headers):  # refused before its engine
+                progress.sent = False
+                raise _Retryable(HopError("decode", backend, "draining", f"{backend.url} drains"))
+            return await self._relay(call, upstream, backend, progress)
+        finally:
+            upstream.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
+
+    def _aborted(self, call: DecodeCall, backend: Backend, progress: DecodeProgress) -> _Retryable:
+        """``backend`` answered 200 with no output and ``finish_reason: "abort"``: its engine is stopping. It is
+        out as a drain's 503 would take it out; the request never reached its engine (nothing read, nothing
+        relayed). Returns the exception to raise."""
+        self.pool.set_health(backend, False, DRAINING)
+        progress.sent = progress.answered = False
+        log.warning(
+            "request %s: decode backend %s answered with no output, finish_reason abort (its engine is stopping?)",
+            call.rid,
+            backend.url,
+        )
+        message = f"decode backend {backend.url} aborted the request with no output (is it stopping?)"
+        return _Retryable(HopError("decode", backend, ABORTED, message))
 
     async def _relay(
         self, call: DecodeCall, upstream: aiohttp.ClientResponse, backend: Backend, progress: DecodeProgress
@@ -128,6 +168,8 @@ class DecodeHop:
                     "status",
                     f"decode backend {backend.url} answered {upstream.status}: {snippet(raw)}",
                 )
+            if upstream.status == 200 and is_empty_abort(raw):
+                raise self._aborted(call, backend, progress)
             return relayed_response(upstream, raw, call.rid)
         return await self._stream(call, upstream, backend, progress, content_type)
 
@@ -139,17 +181,27 @@ class DecodeHop:
         progress: DecodeProgress,
         content_type: str,
     ) -> web.StreamResponse:
+        """Relays an SSE stream: its opening held until its first output (:class:`StreamOpening`), then chunk by
+        chunk as it comes. A stream that ends with an abort and no output raises :class:`_Retryable`."""
+        opening = StreamOpening()
+        chunks = upstream.content.iter_any()
+        try:
+            verdict = await _judge(opening, chunks)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            message = f"decode backend {backend.url} failed before its first output: {describe_error(e)}"
+            raise HopError("decode", backend, "stream", message) from None
+        if verdict is Verdict.ABORTED:
+            raise self._aborted(call, backend, progress)
         response = web.StreamResponse(
             status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: call.rid}
         )
         await response.prepare(call.request)
-        first = True
         try:
-            async for chunk in upstream.content.iter_any():
+            if opening.held:
+                await response.write(bytes(opening.held))
+                self.metrics.ttft.labels(call.endpoint).observe(time.perf_counter() - call.started)
+            async for chunk in chunks:
                 await response.write(chunk)
-                if first:
-                    self.metrics.ttft.labels(call.endpoint).observe(time.perf_counter() - call.started)
-                    first = False
         except ConnectionResetError:
             self.metrics.errors.labels("client", "disconnect").inc()
             raise ClientGone(response) from None
@@ -169,3 +221,12 @@ class DecodeHop:
         progress.answered = True
         await response.write_eof()
         return response
+
+
+async def _judge(opening: StreamOpening, chunks: AsyncIterator[bytes]) -> Verdict:
+    """Feeds ``chunks`` to ``opening`` until it can tell whether to relay the stream (or the stream ends)."""
+    async for chunk in chunks:
+        verdict = opening.feed(chunk)
+        if verdict is not Verdict.HOLD:
+            return verdict
+    return opening.end()

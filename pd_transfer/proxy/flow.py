@@ -99,6 +99,23 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     return out
 
 
+#: The hold window a prefill promises in its params (see :mod:`pd_transfer.connector.params`): a decode whose read ends
+#: inside it uses the KV without asking the prefill to confirm the blocks were still held.
+HOLD_WINDOW_KEYS = ("remote_hold_seconds", "remote_hold_until", "remote_incarnation")
+
+
+def without_hold_window(body: dict[str, Any]) -> dict[str, Any]:
+    """The decode ``body`` for a second decode after a first one may have seen the params: the same, with the hold
+    window's keys dropped from its ``kv_transfer_params`` (if any), so that the second decode confirms its read with
+    the prefill instead of trusting a window a first reader's report may have ended (the blocks freed)."""
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict) or not any(key in params for key in HOLD_WINDOW_KEYS):
+        return body
+    out = dict(body)
+    out["kv_transfer_params"] = {k: v for k, v in params.items() if k not in HOLD_WINDOW_KEYS}
+    return out
+
+
 def kv_params_from_prefill(answer: Any) -> dict[str, Any] | None:
     """The prefill answer's kv_transfer_params, or None when it has none (or a non-object)."""
     if not isinstance(answer, dict):

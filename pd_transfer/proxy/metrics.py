@@ -34,7 +34,7 @@ class ProxyMetrics:
         self.errors = Counter(
             "pd_proxy_errors",
             "Failures by hop (prefill, decode, client) and kind (connect, status, no_kv_transfer_params, "
-            "bad_answer, disconnect, no_backend)",
+            "bad_answer, disconnect, no_backend, draining, aborted, stream), failed attempts that were retried too",
             ["hop", "kind"],
             registry=r,
         )
@@ -64,7 +64,13 @@ class ProxyMetrics:
             ["role"],
             registry=r,
         )
-        self.retries = Counter("pd_proxy_retries", "Hops retried on another backend", ["hop"], registry=r)
+        self.retries = Counter(
+            "pd_proxy_retries",
+            "Hops retried on another backend, by hop and reason (the first attempt's failure: connect, status,"
+            " draining, aborted: a stopping engine's 200 with no output and finish_reason abort)",
+            ["hop", "reason"],
+            registry=r,
+        )
         self.hop_latency = Histogram(
             "pd_proxy_hop_latency_seconds",
             "Time of one hop, request sent to answer read (decode streams: to the end of the stream)",

@@ -310,8 +310,8 @@ class Proxy:
             backend = self.prefill.pick(exclude=tried)
             if backend is None:
                 break
-            if tried:
-                self.metrics.retries.labels("prefill").inc()
+            if failure is not None:
+                self.metrics.retries.labels("prefill", failure.kind).inc()
             tried.append(backend)
             since = self._meter.enter(backend)
             try:

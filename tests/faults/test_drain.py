@@ -258,14 +258,10 @@ def test_prefill_drain_lets_the_outstanding_read_finish_and_fails_no_request(ser
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap (issue 11): a request reaching a decode engine just after its SIGTERM can come back 200 with"
-    " no tokens (finish_reason abort); the proxy retries that only for prefills (1 of 30 in a clean-clone run)",
-)
 def test_decode_drain_finishes_its_requests_and_fails_no_request(servers: Servers) -> None:
     """SIGTERM to decode A while it generates: its requests finish, new ones go to decode B (the proxy's first 503
-    from A is retried there), A exits 0, no request fails, and prefill B's leases all end read."""
+    from A is retried there, and so is a request that reached A's engine after the signal: vLLM answers it 200 with
+    no tokens and ``finish_reason: "abort"``), A exits 0, no request fails, and prefill B's leases all end read."""
     a, b, prefill = servers.decode_a, servers.decode_b, servers.prefill_b
     proxy = servers.proxy([prefill], [a, b])
     read_before = metric_value(prefill.url, LEASES, reason="read")
@@ -289,8 +285,12 @@ def test_decode_drain_finishes_its_requests_and_fails_no_request(servers: Server
         "a lease ended read on prefill B for every request",
     )
     wait_until(lambda: metric_value(prefill.url, USAGE) == 0, 30, "prefill B holds no block")
+    retried = {
+        reason: metric_value(proxy.url, "pd_proxy_retries_total", hop="decode", reason=reason)
+        for reason in ("draining", "aborted", "connect")
+    }
     print(
         f"\ndecode drain: /health 503 {refused_after:.2f} s after SIGTERM, exit 0 after {exited:.1f} s;"
         f" {traffic.done} requests through the proxy, none failed (leases read within {read:.1f} s);"
-        f" load {os.getloadavg()[0]:.1f}"
+        f" decode retries by reason {retried}; load {os.getloadavg()[0]:.1f}"
     )
