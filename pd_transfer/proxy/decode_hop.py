@@ -7,10 +7,13 @@ answered 200 with no output and ``finish_reason: "abort"`` (:mod:`pd_transfer.pr
 and refused the request; a stream is held back until its first output, so the client has seen nothing). After such
 an abort the second decode gets the prefill's params without their hold window (:func:`flow.without_hold_window`),
 so that it confirms its read with the prefill; the prefill still holds the blocks (no decode read them, its lease
-runs). Retries are counted in ``pd_proxy_retries_total{hop="decode",reason}`` (reason: the first attempt's failure
-kind: ``connect``, ``draining``, ``aborted``). Anything else a decode answers goes to the client: a 4xx as it is, a
-5xx, a failed read or a second empty abort as a 502 naming the hop and the backend (before any byte was relayed), a
-failure mid-stream as a final error event.
+runs). (Were they freed meanwhile, by an engine that had the request and reported it dropped, the confirmation fails
+and the decode's failure policy decides: recomputed or a clear error, never KV read from freed blocks.)
+
+Retries are counted in ``pd_proxy_retries_total{hop="decode",reason}`` (reason: the first attempt's failure kind:
+``connect``, ``draining``, ``aborted``). Anything else a decode answers goes to the client: a 4xx as it is, a 5xx, a
+failed read or a second empty abort as a 502 naming the hop and the backend (before any byte was relayed), a failure
+mid-stream as a final error event.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ the ``kv_transfer_params`` the prefill answered:
 
 A client leaving during the prefill hop closes the prefill's connection, and the prefill aborts the request (it holds
 nothing). Releases run off the event loop, each bounded by ``timeout_s``, and are counted in
-``pd_proxy_releases_total{outcome}``; a failed release costs nothing but the lease.
+``pd_proxy_releases_total{outcome}``; a failed release costs nothing but the lease. The prefill's ``ReleaseReply``
+is not authenticated (the ``Release`` is): its outcome only labels that count and a log line, and nothing here acts on
+it (README, Guarantees).
 """
 
 from __future__ import annotations
