@@ -47,8 +47,9 @@ def _event(chat: bool, text: str, finish: str | None) -> bytes:
 
 
 def _stopping(server: StandIn) -> dict[str, str]:
-    """A middleware on decode ``server`` answering as a decode whose engine refused the request while ``mode`` says
-    so: ``empty`` (no output, abort), ``partial`` (one word, then abort). It records the request first."""
+    """A middleware on decode ``server`` answering as vLLM 0.32 does for a request its stopping engine refused while
+    ``mode`` says so: ``empty`` (JSON: no output, finish ``abort``; a stream: no event but a chat stream's opening
+    role, then ``[DONE]``), ``partial`` (one word, then ``abort``). It records the request first."""
     mode = {"answer": ""}
 
     @web.middleware
@@ -64,9 +65,9 @@ def _stopping(server: StandIn) -> dict[str, str]:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         opening = _event(chat, "", None) if chat else b""  # vLLM's chat stream opens with the role
-        if text:
-            opening += _event(chat, text, None)
-        await response.write(opening + _event(chat, "", "abort") + b"data: [DONE]\n\n")
+        if text:  # an empty abort event is skipped by vLLM; one after output is sent
+            opening += _event(chat, text, None) + _event(chat, "", "abort")
+        await response.write(opening + b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
@@ -227,7 +228,9 @@ def _opening(chat: bool, events: list[tuple[str, str | None]]) -> bytes:
         (_opening(False, [(" hi", "abort")]) + b"data: [DONE]\n\n", Verdict.RELAY),
         (b'data: {"error": {"message": "no"}}\n\n', Verdict.RELAY),
         (b"data: not json\n\n", Verdict.RELAY),
-        (b"data: [DONE]\n\n", Verdict.RELAY),
+        (b"data: [DONE]\n\n", Verdict.ABORTED),  # vLLM's completions stream of a refused request
+        (_opening(True, [("", None)]), Verdict.ABORTED),  # its chat stream (ended without [DONE] here)
+        (b'data: {"choices": [], "usage": {"completion_tokens": 0}}\n\ndata: [DONE]\n\n', Verdict.ABORTED),
     ],
 )
 def test_the_stream_judge_byte_by_byte(stream: bytes, verdict: Verdict) -> None:

@@ -2,11 +2,13 @@
 
 vLLM's engine, once it got its SIGTERM, refuses every request that reaches it later, and its API server (which goes
 on serving until the engine exits) answers such a request 200 with no output: a JSON answer whose choices all
-finished ``abort`` with an empty text or message and no completion tokens, or an SSE stream whose events carry
-nothing before a choice finishes ``abort``. The request never got into the engine's scheduler (our connector never
-saw it, so the prefill's blocks were not read), and the client has seen nothing yet: the proxy may send it to
-another decode (:mod:`pd_transfer.proxy.decode_hop`). Anything with output, or anything this module cannot parse,
-is relayed as it is.
+finished ``abort`` with an empty text or message and no completion tokens, or an SSE stream that ends without any
+output (vLLM 0.32 skips the empty event that would say ``abort``: a completions stream is then only ``data:
+[DONE]``, a chat stream its opening role event and ``[DONE]``; an ``abort`` event with no output is taken the same
+way). The request never got into the engine's scheduler (our connector never saw it, so the prefill's blocks were
+not read), and the client has seen nothing yet: the proxy may send it to another decode
+(:mod:`pd_transfer.proxy.decode_hop`). A stream with output, or a finish other than ``abort``, or anything this module
+cannot parse, is relayed as it is.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ _DONE = b"[DONE]"
 
 
 class Verdict(enum.Enum):
-    """What to do with a stream's opening: ``HOLD`` (read on), ``RELAY`` (it has output, or cannot be judged: send
-    what is held and the rest as it comes), ``ABORTED`` (it ended with an abort and no output: relay nothing)."""
+    """What to do with a stream's opening: ``HOLD`` (read on), ``RELAY`` (it has output, a finish other than
+    ``abort``, or cannot be judged: send what is held and the rest as it comes), ``ABORTED`` (it ended with no output
+    and no other finish: relay nothing)."""
 
     HOLD = "hold"
     RELAY = "relay"
@@ -63,7 +66,6 @@ class StreamOpening:
         self.held = bytearray()
         self._limit = limit
         self._scanned = 0  # bytes of ``held`` already parsed into events
-        self._aborted = False  # a choice finished ``abort`` (with no output so far)
 
     def feed(self, chunk: bytes) -> Verdict:
         """Adds ``chunk`` and judges the complete events in what is held."""
@@ -78,8 +80,9 @@ class StreamOpening:
                 return verdict
 
     def end(self) -> Verdict:
-        """The stream ended (no ``[DONE]`` seen): ``ABORTED`` if a choice finished ``abort`` with no output."""
-        return Verdict.ABORTED if self._aborted else Verdict.RELAY
+        """The stream ended (``[DONE]``, or the end of the body) while held: it carried no output and no finish
+        other than ``abort``, so ``ABORTED``."""
+        return Verdict.ABORTED
 
     def _event(self, event: bytes) -> Verdict:
         data = b"\n".join(
@@ -101,10 +104,7 @@ class StreamOpening:
         for choice in choices:
             if not isinstance(choice, dict) or _has_output(choice):
                 return Verdict.RELAY
-            finish = choice.get("finish_reason")
-            if finish == ABORT:
-                self._aborted = True
-            elif finish is not None:
+            if choice.get("finish_reason") not in (None, ABORT):
                 return Verdict.RELAY
         return Verdict.HOLD
 
