@@ -7,15 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
+from vllm_servers import logs_dir, vllm_missing
 
 from pd_transfer.affinity import allowed_cpu
 from pd_transfer.bench import vllm_connectors
 from pd_transfer.bench.vllm_pairs import bench_server
 from pd_transfer.bench.vllm_report import build_result, percentile, render_table
 from pd_transfer.bench.vllm_requests import EXTERNAL
-from pd_transfer.bench.vllm_run import portable_path
+from pd_transfer.bench.vllm_run import BenchSettings, portable_path
+from pd_transfer.bench.vllm_scale import run_scale
+from pd_transfer.bench.vllm_scale_report import render_scale_table
 from pd_transfer.cli import build_parser
 from pd_transfer.cluster.http_client import metric_sum
+
+SCALE_TEST_TIMEOUT_S = 1800  # five vLLM servers started one phase after another on a shared 2-core machine
 
 
 def _record(length: int, decode_s: float, tokens: list[str], nbytes: int) -> dict:
@@ -54,9 +59,18 @@ def _fake_result() -> dict:
 def test_arguments_and_defaults() -> None:
     args = build_parser().parse_args(["bench", "vllm"])
     assert args.func is vllm_connectors.run
-    assert (args.requests, args.lengths, args.max_tokens, args.json) == (30, [50, 677, 1500], 16, False)
+    settings = vllm_connectors._settings(args)
+    assert (settings.requests, list(settings.lengths), settings.max_tokens, args.json) == (
+        30,
+        [50, 677, 1500],
+        16,
+        False,
+    )
     args = build_parser().parse_args(["bench", "vllm", "--json", "--requests", "6", "--lengths", "10,20"])
-    assert (args.requests, args.lengths, args.json) == (6, [10, 20], True)
+    settings = vllm_connectors._settings(args)
+    assert (settings.requests, list(settings.lengths), args.json) == (6, [10, 20], True)
+    scale = vllm_connectors._settings(build_parser().parse_args(["bench", "vllm", "--scale"]))
+    assert (scale.requests, list(scale.lengths), Path(scale.model).name) == (3, [256, 1024, 4096], "llama8b-kv-f32")
     for bad in (["--requests", "0"], ["--lengths", "x"], ["--lengths", "5000"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "vllm", *bad])
@@ -125,3 +139,38 @@ def test_recorded_paths_are_not_machine_specific(tmp_path: Path, monkeypatch: py
     assert portable_path(tmp_path / "runs" / "bench") == "runs/bench"  # under the working directory: relative
     assert portable_path("runs/bench") == "runs/bench"
     assert portable_path("/elsewhere/models/tiny-llama-f32") == "tiny-llama-f32"  # elsewhere: its name only
+
+
+@pytest.mark.timeout(SCALE_TEST_TIMEOUT_S)
+def test_scale_run_at_8b_kv_geometry_against_a_plain_server(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``bench vllm --scale``'s run on real vLLM servers at Llama-3-8B's KV geometry, one short prompt: the plain
+    server, then NixlConnector's pair, then ours; the JSON's shape, every KV byte moved, tokens equal the plain
+    server's. A small KV cache and context (the test's prompt is short) keep the servers' memory low, and
+    ``--enforce-eager`` skips the minutes of graph compilation a 32-layer model costs each server at startup."""
+    reason = vllm_missing()
+    if reason:
+        pytest.skip(reason)
+    from pd_transfer.bench.vllm_model import build_kv8b_model, kv_bytes_per_token
+
+    model = build_kv8b_model(tmp_path_factory.mktemp("models") / "llama8b-kv-f32")
+    logs = logs_dir("pd-transfer-bench-scale")
+    settings = BenchSettings(model=str(model), log_dir=logs, lengths=[256], requests=1, max_tokens=4)
+    scale = run_scale(settings, max_model_len=512, kvcache_gib=0.25, extra_args=["--enforce-eager"])
+    result = json.loads(json.dumps(scale))
+    errors = {name: entry["error"] for name, entry in result["setups"].items() if entry["error"]}
+    assert not errors, f"{errors} (logs in {logs})"
+    assert result["tokens_equal"] is True, result["by_length"]
+    assert set(result["setups"]) == {"plain", "nixl", "ours"}
+    assert result["longest_prompt_tokens"] == 256 and set(result["by_length"]) == {"256"}
+    for key in ("decode_ttft_ratio", "ttft_overhead_ratio", "ttft_over_plain", "kv_gbps", "host_copy_gbps"):
+        assert key in result
+    assert set(result["kv_gbps"]) == {"ours", "nixl"} and all(v and v > 0 for v in result["kv_gbps"].values())
+    assert result["setups"]["plain"]["by_length"]["256"]["ttft_p50_s"] > 0
+    for name in ("nixl", "ours"):
+        at = result["setups"][name]["by_length"]["256"]
+        assert at["bytes"] == 256 * kv_bytes_per_token(), (name, at["bytes"])  # two full 128-token blocks
+        assert at["every_prompt_token_external"] is True and at["tokens_equal_plain"] == "1/1"
+        assert at["pd_ttft_p50_s"] >= at["decode_ttft_p50_s"] > 0
+    assert result["setup"]["model"] == "llama8b-kv-f32"  # no machine path
+    assert str(tmp_path_factory.getbasetemp()) not in json.dumps(result)
+    assert "| 256 |" in render_scale_table(result)

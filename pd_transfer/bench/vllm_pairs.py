@@ -43,7 +43,7 @@ NIXL_KV_TRANSFER_CONFIG: Mapping[str, str] = {
 }
 
 
-def _spec(role: str, model: str) -> ServerSpec:
+def _spec(role: str, model: str, max_model_len: int, kvcache_gib: float, extra_args: Sequence[str]) -> ServerSpec:
     return ServerSpec(
         role="both" if role == "reference" else role,  # type: ignore[arg-type]
         model=model,
@@ -51,10 +51,11 @@ def _spec(role: str, model: str) -> ServerSpec:
         side_channel_port=free_port(),
         block_size=BLOCK_SIZE,
         cpu_bind=allowed_cpu(CPU_INDEX[role]),
-        kvcache_gib=1.0,
+        kvcache_gib=kvcache_gib,
         dtype="float32",
-        max_model_len=2048,
+        max_model_len=max_model_len,
         seed=0,
+        extra_args=tuple(extra_args),
     )
 
 
@@ -68,10 +69,21 @@ def _nixl_server(name: str, spec: ServerSpec, python: str, log_path: Path) -> Ma
     return ManagedProcess(name, command, env, log_path, spec.url)
 
 
-def bench_server(connector: str | None, role: str, model: str, python: str, log_dir: Path) -> ManagedProcess:
+def bench_server(
+    connector: str | None,
+    role: str,
+    model: str,
+    python: str,
+    log_dir: Path,
+    *,
+    max_model_len: int = 2048,
+    kvcache_gib: float = 1.0,
+    extra_args: Sequence[str] = (),
+) -> ManagedProcess:
     """One vLLM server (not started) of ``role`` (prefill, decode, reference): ``connector`` ``"nixl"``, ``"ours"``
-    or None (plain); same flags for all, fresh free ports, its log in ``log_dir/NAME.log``."""
-    spec = _spec(role, model)
+    or None (plain); same flags for all (``max_model_len`` tokens, ``kvcache_gib`` GiB of KV cache, then
+    ``extra_args``), fresh free ports, its log in ``log_dir/NAME.log``."""
+    spec = _spec(role, model, max_model_len, kvcache_gib, extra_args)
     name = role if connector is None else f"{connector}-{role}"
     log_path = log_dir / f"{name}.log"
     if connector == "nixl":
@@ -90,11 +102,16 @@ def _available_gib() -> float:
     return math.inf
 
 
-def start_servers(servers: Sequence[ManagedProcess], timeout_s: float, log: Callable[[str], None]) -> None:
+def start_servers(
+    servers: Sequence[ManagedProcess],
+    timeout_s: float,
+    log: Callable[[str], None],
+    gib_each: float = MEMORY_PER_SERVER_GIB,
+) -> None:
     """Start ``servers`` at once and wait (at most ``timeout_s`` s) until all answer /health, noting every 30 s which
-    are still starting. Raises ``RuntimeError`` when memory is short, ``StartupFailed`` on a server that exits or is
-    late (the caller stops them)."""
-    need = MEMORY_PER_SERVER_GIB * len(servers)
+    are still starting. Raises ``RuntimeError`` when less than ``gib_each`` GiB per server is available,
+    ``StartupFailed`` on a server that exits or is late (the caller stops them)."""
+    need = gib_each * len(servers)
     if (have := _available_gib()) < need:
         raise RuntimeError(f"{have:.1f} GiB available, {len(servers)} vLLM servers need about {need:.0f} GiB")
     for server in servers:
