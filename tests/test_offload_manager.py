@@ -131,7 +131,7 @@ def test_bad_calls_raise_typed_errors_and_change_nothing() -> None:
 
 def test_probe_adopts_blocks_stored_elsewhere_and_invalidate_drops_them() -> None:
     elsewhere = set(KEYS[:3])
-    m = OffloadManager("disk", 2 * BLOCK_BYTES, BLOCK_BYTES, probe=lambda key: key in elsewhere)
+    m = OffloadManager("disk", 2 * BLOCK_BYTES, BLOCK_BYTES, probe=lambda key, _file: key in elsewhere)
     assert m.lookup(KEYS[:4]) == 3  # the third adoption evicts the first: the budget holds
     assert m.blocks_held == 2
     assert m.invalidate([KEYS[2]]) == [KEYS[2]] and m.state(KEYS[2]) == "absent"

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from msgspec import msgpack
 
 from pd_transfer.offload import DirectoryTier, OffloadMetrics, PageFormat, TierBlocks, chain_block_keys
 from pd_transfer.offload.checksum import payload_checksum
-from pd_transfer.offload.files import HEADER_BYTES, check_header
+from pd_transfer.offload.files import HEADER_BYTES, _NewFile, check_header
 from pd_transfer.spec import ModelFingerprint
 
 MODEL = ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=2, head_size=8)
@@ -95,10 +96,11 @@ def test_a_reused_file_another_process_swept_meanwhile_is_replaced_by_a_new_one(
     cache = engine(4)
     tier.store(KEYS[0], block(cache, 0))
     tier.store(KEYS[1], block(cache, 1))
-    evicted, spares = tier._sweep(1)
+    evicted, kept = tier._sweep(Counter({FILE_BYTES: 1}))
+    spares = kept[FILE_BYTES]
     assert evicted >= 1 and len(spares) == 1 and not tier.exists(KEYS[0])
     spares[0].unlink()  # what a sweep of another process does to a temporary file it finds stale
-    tier._write_new(KEYS[2], block(cache, 2), payload_checksum(block(cache, 2)), spares[0])
+    tier._write_new(_NewFile(tier.path_of(KEYS[2]), KEYS[2], [(KEYS[2], block(cache, 2))]), spares[0])
     out = empty()
     assert tier.load(KEYS[2], out) == "ok" and same(out, block(cache, 2))
     assert temporary_files(tmp_path) == []

@@ -48,6 +48,7 @@ from pd_transfer.integrations.vllm.offload_scheduler import OffloadScheduler  # 
 from pd_transfer.integrations.vllm.offload_worker import OffloadWorkerSide, StepResults  # noqa: E402
 
 BLOCK = 128
+GROUP = 4
 CACHE_BLOCKS = 16  # vLLM's own cache: 2048 tokens, about three of these requests
 PREFIX = 5 * BLOCK
 TAIL = 40
@@ -145,7 +146,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         pytest.skip(f"no model at {model} (make it with `pd-transfer make-model`)")
     logs = logs_dir("pd-transfer-vllm-offload")
     directory = tmp_path_factory.mktemp("offload-dir")
-    shared = {"offload_host_bytes": HOST_BYTES, "offload_dir": str(directory), "offload_dir_bytes": DIR_BYTES}
+    shared = {
+        "offload_host_bytes": HOST_BYTES,
+        "offload_dir": str(directory),
+        "offload_dir_bytes": DIR_BYTES,
+        "offload_dir_group_blocks": GROUP,  # a 5-block prefix: a group file of blocks 0-3, a block file for 4
+    }
     events = KVEvents(free_port())
     handles = [
         _offload_server("off1", model, logs, 0, shared, events.port),
@@ -251,15 +257,15 @@ def test_shared_directory_serves_another_server(servers: Servers) -> None:
 def test_damaged_directory_blocks_are_recomputed(servers: Servers) -> None:
     prefix = _tokens(PREFIX, 30)
     prompt_a, prompt_b = prefix + _tokens(TAIL, 31), prefix + _tokens(TAIL, 32)
-    before = set(servers.directory.rglob("*.kvblock"))
+    before = set(servers.directory.rglob("*.kv*"))
     stored = metric_value(servers.off1, STORED, tier="disk")
     _ask(servers.off1, servers, prompt_a, "offload-bad-a")
     _wait_at_least(servers.off1, STORED, stored + 5 * BLOCK_BYTES, tier="disk")
-    written = sorted(set(servers.directory.rglob("*.kvblock")) - before)
-    assert len(written) == 5, written
-    for path in written:  # a storage fault: a page of every block overwritten
+    written = sorted(set(servers.directory.rglob("*.kv*")) - before)
+    assert sorted(path.suffix for path in written) == [".kvblock", ".kvgroup"], written  # blocks 0-3, block 4
+    for path in written:  # a storage fault: a page of the first block of each file overwritten
         with path.open("r+b") as file:
-            file.seek(64 + BLOCK_BYTES // 2)
+            file.seek(512 + BLOCK_BYTES // 2)
             file.write(os.urandom(4096))
     rejected = metric_value(servers.off2, REJECTED, tier="disk")
     tokens_b = _ask(servers.off2, servers, prompt_b, "offload-bad-b")
@@ -392,13 +398,56 @@ def test_the_configuration_refuses_what_it_does_not_know() -> None:
     from pd_transfer.integrations.vllm.offload_config import OffloadConfig
 
     assert OffloadConfig.from_dict({"offload_host_bytes": 1 << 20}).load_mode == "auto"
+    assert OffloadConfig.from_dict({"offload_host_bytes": 1, "offload_dir_group_blocks": 2}).group_blocks == 2
     assert OffloadConfig.from_dict({"offload_host_bytes": 1 << 20, "offload_load": "async"}).load_mode == "async"
     for extra, says in (
         ({"offload_host_bytes": 1 << 20, "offload_load": "later"}, "offload_load must be one of"),
         ({"offload_host_bytes": -1}, "non-negative integer"),
         ({"offload_dir": "/x"}, "offload_dir_bytes"),
+        ({"offload_host_bytes": 1, "offload_dir_group_blocks": 0}, "offload_dir_group_blocks must be"),
         ({}, "set offload_host_bytes"),
         ({"offload_host_bytes": 1, "offload_hots_bytes": 1}, "unknown kv_connector_extra_config keys"),
     ):
         with pytest.raises(ValueError, match=says):
             OffloadConfig.from_dict(extra)
+
+
+def test_the_scheduler_names_whole_groups_and_another_engine_finds_them(tmp_path: Path) -> None:
+    """The scheduler gives the directory tier each block's file: a prompt stored in two store jobs (a chunked
+    prefill) keeps its whole groups in group files and the rest in block files; another engine's scheduler finds
+    every block (its probe looks for the group file first) and loads it byte-exact."""
+    import torch
+
+    from pd_transfer.offload import DirectoryTier, OffloadManager, PageFormat, TransferWorker, chain_block_keys
+    from pd_transfer.spec import ModelFingerprint
+
+    fingerprint = ModelFingerprint(model="m", dtype="float32", num_layers=2, total_num_kv_heads=1, head_size=8)
+    fmt = PageFormat(fingerprint=fingerprint, page_bytes=(64, 64), block_size=4)
+    caches = [torch.randint(0, 256, (24, 64), dtype=torch.uint8) for _ in range(2)]
+    prompt = list(range(3, 3 + 4 * 11 + 2))  # 11 full blocks: groups 0-3 and 4-7, blocks 8-10 alone
+
+    def engine(group: int) -> tuple[OffloadScheduler, OffloadWorkerSide]:
+        tier = DirectoryTier(tmp_path, fmt, max_bytes=1 << 20, group_blocks=group)
+        manager = OffloadManager("disk", 1 << 20, fmt.block_bytes, probe=tier.exists)
+        keys_of = lambda tokens: chain_block_keys(fingerprint, tokens, 4)  # noqa: E731
+        scheduler = OffloadScheduler({"disk": manager}, 4, keys_of, load_mode="async", group_blocks=group)
+        return scheduler, OffloadWorkerSide({"disk": TransferWorker(caches, tier)})
+
+    (first, first_side), (second, second_side) = engine(GROUP), engine(GROUP)
+    try:
+        first.match("a", prompt, 0)
+        for computed in (4 * 6, len(prompt)):  # blocks 0-5, then 6-10: the group 4-7 is split
+            first.computed("a", computed, list(range(11)))
+            first_side.start_stores(first.take_step())
+            first.on_results(_collect_until(first_side, lambda r: bool(r.results), set()).results)
+        assert first.jobs_in_flight == 0
+        assert sorted(p.suffix for p in tmp_path.rglob("*.kv*")) == [".kvblock"] * 7 + [".kvgroup"]
+        assert second.match("b", prompt, 0) == 4 * 11  # every block found, none computed by this engine
+        second.after_alloc("b", list(range(12, 23)), 4 * 11)
+        second_side.start_loads(second.take_step())
+        loaded = _collect_until(second_side, lambda r: bool(r.finished_recving), set())
+        assert loaded.invalid_block_ids == set() and loaded.finished_recving == {"b"}
+        assert all(torch.equal(c[12:23], c[0:11]) for c in caches)
+    finally:
+        first_side.close()
+        second_side.close()

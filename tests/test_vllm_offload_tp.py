@@ -100,7 +100,7 @@ def test_both_ranks_store_and_load_their_share(server: Server) -> None:
     moved = wait_metric(server.url, LOADED, lambda v: v >= loaded + 5 * BLOCK_BYTES, 10.0, labels={"tier": "host"})
     assert moved.reached, f"host tier loaded {moved.value - loaded} bytes"
     assert again == first
-    files = sorted(server.directory.rglob("*.kvblock"))
+    files = sorted(server.directory.rglob("*.kv*"))
     formats = {path.parent.parent.name for path in files}
     assert len(formats) == 2, f"block files of {len(formats)} rank formats: {formats}"
 

@@ -37,6 +37,7 @@ import torch
 
 from pd_transfer.bench import offload_vllm
 from pd_transfer.offload import (
+    DEFAULT_GROUP_BLOCKS,
     DirectoryTier,
     HostPool,
     PageFormat,
@@ -44,6 +45,7 @@ from pd_transfer.offload import (
     TransferJob,
     TransferWorker,
     chain_block_keys,
+    file_keys,
 )
 from pd_transfer.offload.checksum import payload_checksum
 from pd_transfer.spec import ModelFingerprint
@@ -140,7 +142,7 @@ def _tier_case(tier: HostPool | DirectoryTier, cache: list[torch.Tensor], shape:
     worker = TransferWorker(cache, tier)
     try:
         for round_ in range(warm_up + repeats):
-            blocks = _job_blocks(tier.name, shape, round_ if baseline.fresh_keys else 0)
+            blocks = _job_blocks(tier, shape, round_ if baseline.fresh_keys else 0)
             baseline.reset()
             base = _timed(baseline.store)
             ours = _job_timed(worker, TransferJob(1, "store", _ids(sources), blocks))
@@ -165,11 +167,13 @@ def _job_timed(worker: TransferWorker, job: TransferJob) -> tuple[float, float]:
     return _timed(lambda: _run_job(worker, job))
 
 
-def _job_blocks(tier: str, shape: Shape, prefix: int) -> TierBlocks:
-    """The keys of a ``shape.blocks``-block prompt (``prefix`` tells prompts apart) in tier rows 0.."""
+def _job_blocks(tier: HostPool | DirectoryTier, shape: Shape, prefix: int) -> TierBlocks:
+    """The keys of a ``shape.blocks``-block prompt (``prefix`` tells prompts apart) in tier rows 0.., and for
+    the disk tier the file of each (its group's, as the vLLM connector names them)."""
     tokens = [prefix, *range(1, 16 * shape.blocks)]
     keys = chain_block_keys(shape.page_format().fingerprint, tokens, 16)
-    return TierBlocks(tier, tuple(keys), tuple(range(shape.blocks)))  # type: ignore[arg-type]
+    files = file_keys(keys, tier.group_blocks) if isinstance(tier, DirectoryTier) else ()
+    return TierBlocks(tier.name, tuple(keys), tuple(range(shape.blocks)), files)  # type: ignore[arg-type]
 
 
 def _ids(blocks: np.ndarray) -> tuple[int, ...]:
@@ -213,7 +217,7 @@ def _file_baseline(root: Path, tier: DirectoryTier, cache: list[torch.Tensor], s
 
     def reset() -> None:  # the fan-out directories stay, as they do in a tier in use
         path.unlink(missing_ok=True)
-        for block_file in [] if full else tier.directory.glob("*/*.kvblock"):
+        for block_file in [] if full else tier.directory.glob("*/*.kv*"):
             block_file.unlink()
 
     return Baseline(store=write, load=read, reset=reset, fresh_keys=full)
@@ -242,9 +246,12 @@ def _rate(num_bytes: int, seconds: float) -> float:
     return round(num_bytes / seconds / _GB, 3)
 
 
-def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = None) -> dict:
+def run(
+    shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = None, group_blocks: int = DEFAULT_GROUP_BLOCKS
+) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``directory``: where the disk tier's
-    files go (default: a new directory under ``$TMPDIR``), removed afterwards."""
+    files go (default: a new directory under ``$TMPDIR``), removed afterwards. ``group_blocks``: the disk
+    tier's blocks per group file (the per-block layout, 1, is measured beside it in the same run)."""
     torch.set_num_threads(1)
     cache = [torch.empty((shape.engine_blocks, shape.page_bytes), dtype=torch.uint8) for _ in range(shape.num_tensors)]
     _fill(cache)
@@ -256,7 +263,10 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = Non
         pool.close()
     root = Path(tempfile.mkdtemp(prefix="pd-offload-bench-", dir=directory))
     try:
-        disk = _disk_cases(root, cache, shape, repeats)
+        disk = _disk_cases(root, cache, shape, repeats, group_blocks)
+        per_block = (
+            _disk_cases(root, cache, shape, repeats, 1, cases=(("scattered", True),)) if group_blocks > 1 else {}
+        )
         create_us = file_create_us(root)
         filesystem = filesystem_of(root)
         blocks = [[t[b].numpy() for t in cache] for b in range(shape.blocks)]
@@ -271,27 +281,41 @@ def run(shape: Shape = Shape(), *, repeats: int = 5, directory: str | None = Non
         "checksum": "XXH3-64 of each block's pages (offload/checksum.py)",
         "checksum_gb_s": _rate(shape.job_bytes, crc_s),
         "file_create_us": create_us,
+        "group_blocks": group_blocks,
     }
     disk_result |= {label: _rates(shape, case, "file_write", "file_read") for label, case in disk.items()}
+    if per_block:  # the same cases with a file per block (group_blocks 1), measured in this run
+        disk_result["per_block"] = {
+            label: _rates(shape, case, "file_write", "file_read") for label, case in per_block.items()
+        }
     return _summary(shape, repeats, host_result, disk_result)
 
 
 _CASES = (("contiguous", False), ("scattered", True))
 
 
-def _disk_cases(root: Path, cache: list[torch.Tensor], shape: Shape, repeats: int) -> dict[str, dict]:
-    """The disk tier's cases: an empty tier (contiguous and scattered engine blocks), and a full one (its
-    bound two jobs, two untimed rounds to fill it, then every store evicts the oldest job's files)."""
-    tier = DirectoryTier(root / "tier", shape.page_format(), max_bytes=4 * shape.job_bytes)
+def _disk_cases(
+    root: Path,
+    cache: list[torch.Tensor],
+    shape: Shape,
+    repeats: int,
+    group_blocks: int,
+    cases: tuple[tuple[str, bool], ...] = _CASES,
+) -> dict[str, dict]:
+    """The disk tier's cases: an empty tier (``cases``: contiguous and scattered engine blocks), and a full one
+    (its bound two jobs, two untimed rounds to fill it, then every store evicts the oldest job's files)."""
+    fmt = shape.page_format()
+    tier = DirectoryTier(root / f"tier{group_blocks}", fmt, max_bytes=4 * shape.job_bytes, group_blocks=group_blocks)
     files = _file_baseline(root, tier, cache, shape, full=False)
-    cases = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in _CASES}
-    tier.close()
-    bound = 2 * shape.blocks * (tier.file_bytes)
-    full = DirectoryTier(root / "full", shape.page_format(), max_bytes=bound)
+    result = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in cases}
+    shutil.rmtree(tier.directory, ignore_errors=True)
+    groups, tail = divmod(shape.blocks, group_blocks) if group_blocks > 1 else (0, shape.blocks)
+    bound = 2 * (groups * tier.group_file_bytes + tail * tier.file_bytes)  # two jobs' files
+    full = DirectoryTier(root / f"full{group_blocks}", fmt, max_bytes=bound, group_blocks=group_blocks)
     baseline = _file_baseline(root, full, cache, shape, full=True)
-    cases["full_tier"] = _tier_case(full, cache, shape, repeats, True, baseline, warm_up=2)
-    full.close()
-    return cases
+    result["full_tier"] = _tier_case(full, cache, shape, repeats, True, baseline, warm_up=2)
+    shutil.rmtree(full.directory, ignore_errors=True)
+    return result
 
 
 def file_create_us(directory: Path, count: int = 64) -> float:
@@ -348,6 +372,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the disk tier's files go (default: $TMPDIR)")
+    parser.add_argument(
+        "--group-blocks", type=int, default=DEFAULT_GROUP_BLOCKS, help="the disk tier's blocks per group file"
+    )
     offload_vllm.add_arguments(parser)
 
 
@@ -356,7 +383,8 @@ def cli_run(args: argparse.Namespace) -> int:
     (:mod:`pd_transfer.bench.offload_vllm`) instead."""
     if args.end_to_end:
         return offload_vllm.cli_run(args)
-    result = run(QUICK_SHAPE if args.quick else Shape(), repeats=3 if args.quick else args.repeats, directory=args.dir)
+    shape, repeats = (QUICK_SHAPE, 3) if args.quick else (Shape(), args.repeats)
+    result = run(shape, repeats=repeats, directory=args.dir, group_blocks=args.group_blocks)
     if args.json:
         print(json.dumps(result))
     else:
@@ -373,6 +401,11 @@ def cli_run(args: argparse.Namespace) -> int:
             f" load {disk['full_tier_load_ratio_vs_file_read']:.3f} x plain read;"
             f" creating a file {disk['file_create_us']} us"
         )
+        for label, case in disk.get("per_block", {}).items():
+            print(
+                f"  disk, a file per block ({label})  store {case['store_ratio_vs_file_write']:.3f} x plain write,"
+                f" load {case['load_ratio_vs_file_read']:.3f} x plain read"
+            )
         print(f"  verified {result['verified']}, goals met {result['goals_met']}")
     return 0 if result["verified"] else 1
 

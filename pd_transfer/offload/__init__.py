@@ -8,7 +8,8 @@ scheduler and :class:`TransferWorker` from its workers. See docs/offload.md.
 from __future__ import annotations
 
 from .errors import OffloadError, OffloadInputError, OffloadStateError, WorkerClosedError, brief
-from .files import DirectoryTier, ReadOutcome
+from .file_format import file_keys
+from .files import DEFAULT_GROUP_BLOCKS, DirectoryTier, ReadOutcome
 from .host import HostPool
 from .keys import KEY_BYTES, BlockKey, chain_block_keys, fingerprint_digest
 from .manager import OffloadManager, StorePlan
@@ -25,6 +26,7 @@ from .specs import (
 from .worker import TransferWorker, canonical_views
 
 __all__ = [
+    "DEFAULT_GROUP_BLOCKS",
     "KEY_BYTES",
     "BlockKey",
     "BlocksEvicted",
@@ -48,5 +50,6 @@ __all__ = [
     "brief",
     "canonical_views",
     "chain_block_keys",
+    "file_keys",
     "fingerprint_digest",
 ]

@@ -65,13 +65,14 @@ class OffloadManager:
         block_bytes: int,
         *,
         first_row: int = 0,
-        probe: Callable[[BlockKey], bool] | None = None,
+        probe: Callable[[BlockKey, BlockKey], bool] | None = None,
         metrics: OffloadMetrics | None = None,
     ) -> None:
         """``capacity_bytes // block_bytes`` blocks fit, in rows ``first_row ..`` (engines sharing one host
-        pool each take their own range). ``probe(key)``, if
+        pool each take their own range). ``probe(key, file key)``, if
         given, is asked about keys this manager does not know (the disk tier: another process may have
-        stored them); a True adopts the block as ready, if there is room."""
+        stored them; the file key is the one :meth:`lookup` was given, else the key itself); a True adopts
+        the block as ready, if there is room."""
         if block_bytes <= 0 or capacity_bytes < block_bytes or first_row < 0:
             raise OffloadInputError(f"need 0 < block_bytes <= capacity_bytes, got {block_bytes}, {capacity_bytes}")
         self.tier: TierName = tier
@@ -89,14 +90,17 @@ class OffloadManager:
         return self.capacity_blocks * self.block_bytes
 
     # ------------------------------------------------------------------ operations
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading blocks of ``keys`` are ready to load (stops at the first that is not)."""
+    def lookup(self, keys: Sequence[BlockKey], files: Sequence[BlockKey] = ()) -> int:
+        """How many leading blocks of ``keys`` are ready to load (stops at the first that is not). ``files``
+        (optional, one per key): the key of the file holding each block, for the probe (the disk tier's groups)."""
         keys = [check_key(key) for key in keys]
+        if files and len(files) != len(keys):
+            raise OffloadInputError(f"{len(files)} file keys for {len(keys)} keys")
         with self._lock:
             hits = 0
-            for key in keys:
+            for index, key in enumerate(keys):
                 entry = self._entries.get(key)
-                if entry is None and not self._adopt(key):
+                if entry is None and not self._adopt(key, files[index] if files else key):
                     break
                 entry = self._entries[key]
                 if entry.storing:
@@ -228,8 +232,8 @@ class OffloadManager:
                 victims.append(key)
         return victims
 
-    def _adopt(self, key: BlockKey) -> bool:
-        if self._probe is None or not self._probe(key):
+    def _adopt(self, key: BlockKey, file: BlockKey) -> bool:
+        if self._probe is None or not self._probe(key, file):
             return False
         if not self._free_rows:
             victims = self._victims(1)

@@ -53,11 +53,15 @@ class PageFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TierBlocks(msgspec.Struct, frozen=True):
-    """Blocks in one tier: ``keys[i]`` lives in pool row ``rows[i]`` (host tier; empty for the disk tier)."""
+    """Blocks in one tier: ``keys[i]`` lives in pool row ``rows[i]`` (host tier; empty for the disk tier).
+    ``files[i]`` (disk tier, optional): the key naming the file that holds ``keys[i]``, from
+    :func:`~.file_format.file_keys` over the prompt's whole chain of keys (the key of the last block of
+    ``keys[i]``'s group, or ``keys[i]`` itself); empty: every block in its own file."""
 
     tier: TierName
     keys: tuple[BlockKey, ...]
     rows: tuple[int, ...] = ()
+    files: tuple[BlockKey, ...] = ()
 
 
 class TransferJob(msgspec.Struct, frozen=True):

@@ -4,7 +4,9 @@
 
 * ``offload_host_bytes``: size of the host-memory tier (a pool outside vLLM's cache), 0 for none;
 * ``offload_dir``: a directory tier (shareable between servers and machines), with ``offload_dir_bytes``
-  its size bound (required with ``offload_dir``) and ``offload_fsync`` (default false);
+  its size bound (required with ``offload_dir``), ``offload_fsync`` (default false) and
+  ``offload_dir_group_blocks``: blocks per group file (default :data:`~pd_transfer.offload.DEFAULT_GROUP_BLOCKS`;
+  1: a file per block);
 * ``offload_max_queued_jobs``: jobs a tier's worker thread may have waiting (default 64);
 * ``offload_load``: when hits are loaded: ``auto`` (default: in the step that computes the rest of the prompt
   when every hit block is in host memory, asynchronously when any comes from the directory), ``sync``, ``async``.
@@ -19,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pd_transfer.offload import PageFormat
+from pd_transfer.offload import DEFAULT_GROUP_BLOCKS, OffloadInputError, PageFormat
+from pd_transfer.offload.file_format import check_group_blocks
 from pd_transfer.spec import ModelFingerprint
 
 from .cpu_packing import PACKING_PREFIX, attention_isa
@@ -33,6 +36,7 @@ _KEYS = {
     "offload_dir",
     "offload_dir_bytes",
     "offload_fsync",
+    "offload_dir_group_blocks",
     "offload_max_queued_jobs",
     "offload_load",
 }
@@ -47,6 +51,7 @@ class OffloadConfig:
     dir: str | None = None
     dir_bytes: int = 0
     fsync: bool = False
+    group_blocks: int = DEFAULT_GROUP_BLOCKS
     max_queued_jobs: int = 64
     load_mode: str = "auto"
 
@@ -61,6 +66,7 @@ class OffloadConfig:
             dir=str(extra["offload_dir"]) if extra.get("offload_dir") else None,
             dir_bytes=_size(extra, "offload_dir_bytes"),
             fsync=bool(extra.get("offload_fsync", False)),
+            group_blocks=_group_blocks(extra),
             max_queued_jobs=_size(extra, "offload_max_queued_jobs") or 64,
             load_mode=str(extra.get("offload_load", "auto")),
         )
@@ -71,6 +77,14 @@ class OffloadConfig:
         if config.host_bytes <= 0 and config.dir is None:
             raise ValueError("PdOffloadConnector: set offload_host_bytes and/or offload_dir (+ offload_dir_bytes)")
         return config
+
+
+def _group_blocks(extra: dict[str, Any]) -> int:
+    """``offload_dir_group_blocks`` (default :data:`DEFAULT_GROUP_BLOCKS`)."""
+    try:
+        return check_group_blocks(extra.get("offload_dir_group_blocks", DEFAULT_GROUP_BLOCKS))
+    except OffloadInputError as error:
+        raise ValueError(f"PdOffloadConnector: offload_dir_{error}") from None
 
 
 def _size(extra: dict[str, Any], key: str) -> int:

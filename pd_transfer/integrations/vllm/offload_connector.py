@@ -136,12 +136,16 @@ class PdOffloadConnector(KVConnectorBase_V1):
         if self.config.host_bytes:
             managers["host"] = OffloadManager("host", self.config.host_bytes, block_bytes, metrics=self._metrics)
         if self.config.dir:
-            probes = [DirectoryTier(self.config.dir, f, max_bytes=self.config.dir_bytes) for f in self.page_formats]
+            groups = self.config.group_blocks
+            probes = [
+                DirectoryTier(self.config.dir, f, max_bytes=self.config.dir_bytes, group_blocks=groups)
+                for f in self.page_formats
+            ]
             managers["disk"] = OffloadManager(
                 "disk",
                 self.config.dir_bytes,
                 block_bytes,
-                probe=lambda key: all(tier.exists(key) for tier in probes),
+                probe=lambda key, file: all(tier.exists(key, file) for tier in probes),
                 metrics=self._metrics,
             )
 
@@ -158,7 +162,14 @@ class PdOffloadConnector(KVConnectorBase_V1):
             self.config.dir,
             self.config.dir_bytes / 2**20,
         )
-        return OffloadScheduler(managers, self.block_size, keys_of, load_mode=self.config.load_mode, ranks=self.tp_size)
+        return OffloadScheduler(
+            managers,
+            self.block_size,
+            keys_of,
+            load_mode=self.config.load_mode,
+            ranks=self.tp_size,
+            group_blocks=self.config.group_blocks,
+        )
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -179,6 +190,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
                 max_bytes=self.config.dir_bytes,
                 fsync=self.config.fsync,
                 metrics=self._metrics,
+                group_blocks=self.config.group_blocks,
             )
             workers["disk"] = TransferWorker(caches, tier, max_queued_jobs=queued, metrics=self._metrics)
         self._worker = OffloadWorkerSide(workers)

@@ -21,13 +21,17 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pd_transfer.offload import (
+    DEFAULT_GROUP_BLOCKS,
     BlockKey,
     OffloadManager,
     OffloadStateError,
     TierBlocks,
     TransferJob,
     TransferResult,
+    file_keys,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ class StepJobs:
 @dataclass
 class _Request:
     keys: list[BlockKey]  # keys of the prompt's full blocks
+    files: tuple[BlockKey, ...]  # the disk tier's file of each (file_keys)
     prompt_len: int
     skip: int = 0  # blocks computed locally at the last match
     plan: list[tuple[str, int]] = field(default_factory=list)  # (tier, blocks) of the planned load, in order
@@ -81,13 +86,16 @@ class OffloadScheduler:
         keys_of: Callable[[Sequence[int]], list[BlockKey]],
         load_mode: str = "auto",
         ranks: int = 1,
+        group_blocks: int = DEFAULT_GROUP_BLOCKS,
     ) -> None:
-        """``ranks``: the TP ranks whose workers each report every job (a job is done when all have)."""
+        """``ranks``: the TP ranks whose workers each report every job (a job is done when all have);
+        ``group_blocks``: the directory tier's blocks per group file (its workers' setting)."""
         if load_mode not in LOAD_MODES:
             raise ValueError(f"load mode must be one of {LOAD_MODES}, got {load_mode!r}")
         self.load_mode = load_mode
         self.managers = {tier: managers[tier] for tier in TIER_ORDER if tier in managers}
         self.block_size = block_size
+        self.group_blocks = group_blocks
         self._keys_of = keys_of
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, tuple[str, TierBlocks]] = {}  # job id -> (direction, blocks)
@@ -102,7 +110,9 @@ class OffloadScheduler:
         never the prompt's last token, which vLLM recomputes anyway)."""
         request = self._requests.get(req_id)
         if request is None:
-            request = self._requests[req_id] = _Request(keys=self._keys_of(prompt), prompt_len=len(prompt))
+            keys = self._keys_of(prompt)
+            files = file_keys(keys, self.group_blocks)
+            request = self._requests[req_id] = _Request(keys=keys, files=files, prompt_len=len(prompt))
         request.skip = num_computed_tokens // self.block_size
         request.plan = []
         usable = min(len(request.keys), (request.prompt_len - 1) // self.block_size)
@@ -110,7 +120,7 @@ class OffloadScheduler:
         for tier, manager in self.managers.items():
             if at >= usable:
                 break
-            hits = manager.lookup(request.keys[at:usable])
+            hits = manager.lookup(request.keys[at:usable], request.files[at:usable] if tier == "disk" else ())
             if hits:
                 request.plan.append((tier, hits))
                 at += hits
@@ -136,9 +146,10 @@ class OffloadScheduler:
         for tier, count in plan:
             keys = request.keys[at : at + count]
             engine_blocks = tuple(int(b) for b in block_ids[at : at + count])
+            files = request.files[at : at + count]
             at += count
             try:
-                blocks = self.managers[tier].prepare_load(keys)
+                blocks = self._with_files(self.managers[tier].prepare_load(keys), dict(zip(keys, files, strict=True)))
             except OffloadStateError as error:  # evicted since the match: recompute these blocks
                 logger.warning("offload: load of request %s from %s not prepared: %s", req_id, tier, error)
                 (self._pending.sync_doomed if request.sync else self._pending.doomed).append((req_id, engine_blocks))
@@ -170,20 +181,30 @@ class OffloadScheduler:
         start, request.stored_upto = request.stored_upto, full
         keys = request.keys[start:full]
         where = {key: int(block_ids[start + i]) for i, key in enumerate(keys)}
+        file_of = dict(zip(keys, request.files[start:full], strict=True))
         for manager in self.managers.values():
             plan = manager.prepare_store(keys)
             if plan is None or not plan.blocks.keys:
                 continue
+            blocks = self._with_files(plan.blocks, file_of)
             job = TransferJob(
                 job_id=next(self._ids),
                 direction="store",
-                block_ids=tuple(where[key] for key in plan.blocks.keys),
-                tier_blocks=plan.blocks,
+                block_ids=tuple(where[key] for key in blocks.keys),
+                tier_blocks=blocks,
             )
-            self._jobs[job.job_id] = ("store", plan.blocks)
+            self._jobs[job.job_id] = ("store", blocks)
             self._pending.stores.append((req_id, job))
             request.store_jobs += 1
         return start, keys
+
+    @staticmethod
+    def _with_files(blocks: TierBlocks, file_of: dict[BlockKey, BlockKey]) -> TierBlocks:
+        """Disk-tier blocks with the file of each key (its group file or its own), so the worker writes whole
+        groups to one file and finds them again."""
+        if blocks.tier != "disk":
+            return blocks
+        return msgspec.structs.replace(blocks, files=tuple(file_of[key] for key in blocks.keys))
 
     def preempted(self, req_ids: Sequence[str]) -> None:
         """Requests whose blocks vLLM frees this step: the worker waits for their stores first."""
