@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " by `make-model --kv-8b`)",
     )
     parser.add_argument("--plot", type=Path, default=None, help="--scale: also draw TTFT by prompt length (PNG)")
+    parser.add_argument(
+        "--eager", action="store_true", help="--scale: every server with --enforce-eager (no minutes of compiling)"
+    )
 
 
 def _settings(args: argparse.Namespace) -> BenchSettings:
@@ -112,7 +115,7 @@ def _run_scale(args: argparse.Namespace, settings: BenchSettings) -> int:
     if not Path(settings.model).is_dir():
         print(f"no model at {settings.model}: build it with `pd-transfer make-model --kv-8b`", file=sys.stderr)
         return 2
-    result = run_scale(settings)
+    result = run_scale(settings, extra_args=["--enforce-eager"] if args.eager else [])
     _write(args, result, render_scale_table(result))
     if args.plot is not None:
         print(plot_ttft(result, args.plot), file=sys.stderr)

@@ -43,12 +43,21 @@ NIXL_KV_TRANSFER_CONFIG: Mapping[str, str] = {
 }
 
 
+def _two_ports() -> tuple[int, int]:
+    """Two different free ports (``free_port`` draws at random: two calls can give the same one)."""
+    first = free_port()
+    while (second := free_port()) == first:
+        pass
+    return first, second
+
+
 def _spec(role: str, model: str, max_model_len: int, kvcache_gib: float, extra_args: Sequence[str]) -> ServerSpec:
+    port, side_channel_port = _two_ports()
     return ServerSpec(
         role="both" if role == "reference" else role,  # type: ignore[arg-type]
         model=model,
-        port=free_port(),
-        side_channel_port=free_port(),
+        port=port,
+        side_channel_port=side_channel_port,
         block_size=BLOCK_SIZE,
         cpu_bind=allowed_cpu(CPU_INDEX[role]),
         kvcache_gib=kvcache_gib,
