@@ -65,25 +65,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from pd_transfer.bench.transfer import QUICK_SHAPE, Shape, run
+    from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
+    from pd_transfer.bench.transfer_tcp import run_sections, summary_lines
 
     shape = QUICK_SHAPE if args.quick else Shape()
-    result = run(shape, repeats=3 if args.quick else args.repeats, idle_seconds=1.0 if args.quick else 5.0)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"request: {result['request_bytes'] / 2**20:.0f} MiB, connect {result['connect_ms']} ms")
-        for case in ("contiguous", "scattered"):
-            r = result[case]
-            print(
-                f"  {case:10s} {r['gbps']:6.2f} GiB/s  raw NIXL {r['raw_nixl_gbps']:6.2f}"
-                f"  memcpy {r['memcpy_gbps']:6.2f}"
-                f"  ratio vs raw {r['ratio_vs_raw_nixl']:.3f}  vs memcpy {r['ratio_vs_memcpy']:.3f}"
-                f"  descriptors {r['descriptors']}  verified {r['verified']}"
-            )
-        print(f"  idle CPU {result['idle_cpu_percent']}%  one-block p50 {result['one_block_p50_us']} us")
-    ok = all(result[c]["verified"] for c in ("contiguous", "scattered"))
-    return 0 if ok else 1
+    sections = [s for s, on in (("default", not args.only_tcp), ("tcp", args.tcp), ("tcp_netns", args.netns)) if on]
+    result = run_sections(
+        sections, shape, repeats=3 if args.quick else args.repeats, idle_seconds=1.0 if args.quick else 5.0
+    )
+    print(json.dumps(result) if args.json else "\n".join(summary_lines(result)))
+    cases = [
+        r[c]
+        for r in (result, result.get("tcp"), result.get("tcp_netns"))
+        if r
+        for c in ("contiguous", "scattered")
+        if c in r
+    ]
+    return 0 if cases and all(c["verified"] for c in cases) else 1
 
 
 def _bench_topology(args: argparse.Namespace) -> int:
@@ -161,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--json", action="store_true", help="print one JSON object")
     transfer.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
     transfer.add_argument("--repeats", type=int, default=5)
+    transfer.add_argument("--tcp", action="store_true", help="also over UCX's tcp transport, against a TCP stream")
+    transfer.add_argument("--netns", action="store_true", help="also over TCP across a veth into a network namespace")
+    transfer.add_argument("--only-tcp", action="store_true", help="skip the default-transport (CMA) section")
     transfer.set_defaults(func=_bench_transfer)
     topology = which.add_parser("topology", help="heterogeneous TP and block sizes vs homogeneous")
     topology.add_argument("--json", action="store_true", help="print one JSON object")

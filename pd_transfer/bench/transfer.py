@@ -56,6 +56,8 @@ class Shape:
         )
 
 
+_LEASE = "bench-lease"  # the request whose lease the prefill holds while reads are measured
+
 QUICK_SHAPE = Shape(num_layers=4, request_tokens=1024, cache_blocks=128)
 
 
@@ -173,13 +175,20 @@ def run(
     idle_seconds: float = 5.0,
     seed: int = 7,
     read_lanes: int | None = None,
+    prefill_options: dict[str, str] | None = None,
 ) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
-    default)."""
+    default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
     layout = shape.layout_for()
-    spec = PrefillSpec(engine_id="bench-prefill", layouts=[layout], num_blocks=shape.cache_blocks, seed=seed)
+    spec = PrefillSpec(
+        engine_id="bench-prefill",
+        layouts=[layout],
+        num_blocks=shape.cache_blocks,
+        seed=seed,
+        **(prefill_options or {}),  # type: ignore[arg-type]
+    )
     rng = np.random.default_rng(seed)
     n = shape.request_blocks
     contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
@@ -203,6 +212,8 @@ def run(
                 "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                 "transparent_hugepages": _thp_mode(),
             }
+            # as in a real request, the prefill holds a lease while the decode reads (it then polls fast)
+            prefill.request("hold", _LEASE, [0])
             results = {
                 "contiguous": _case(
                     decode, prefill, expected, scratch, *contiguous, shape.request_tokens, repeats, "c"
@@ -211,6 +222,7 @@ def run(
             }
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
             latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
+            prefill.request("release", _LEASE)  # idle: nothing held
             # idle: both sides at once, the decode measured in this process
             prefill.send("idle_cpu", idle_seconds)
             cpu_start, wall_start = time.process_time(), time.perf_counter()

@@ -7,6 +7,7 @@ agent, serves the side channel, and answers commands until told to stop or until
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing.connection
 import os
 import time
@@ -21,6 +22,11 @@ from pd_transfer.spec import KVCacheLayout
 
 _READY_TIMEOUT_S = 120.0
 _REPLY_TIMEOUT_S = 120.0
+_CLONE_NEWNET = 0x40000000  # <sched.h> and <sys/mount.h> constants for _enter_netns
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_SLAVE = 1 << 19
+_MNT_DETACH = 2
 
 
 def fill_pattern(cache: KVCache, seed: int) -> None:
@@ -45,6 +51,9 @@ class PrefillSpec:
     seed: int = 1
     secret: str | None = None
     port: int = 0  # the side channel's port (0: any free one; a fixed one to restart an engine where it was)
+    host: str = "127.0.0.1"  # the side channel's address (inside ``netns`` when that is set)
+    netns: str = ""  # a named network namespace (``ip netns``) the child enters before anything opens a socket
+    ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
 
     def caches(self) -> list[KVCache]:
         """The caches the child holds, recomputed in this process."""
@@ -56,13 +65,37 @@ class PrefillSpec:
         return out
 
 
+def _enter_netns(name: str) -> None:
+    """Move this process (its only thread, before it opens sockets) into the network namespace ``name``, and show
+    it that namespace's /sys (UCX finds network devices in /sys/class/net), as ``ip netns exec`` does: a mount
+    namespace of its own, /sys mounted again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"entering network namespace {name}: {what} failed")
+
+    with open(f"/var/run/netns/{name}", "rb") as handle:
+        check(libc.setns(handle.fileno(), _CLONE_NEWNET), "setns")
+    check(libc.unshare(_CLONE_NEWNS), "unshare of the mount namespace")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "making / a slave mount")
+    check(libc.umount2(b"/sys", _MNT_DETACH), "unmounting /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mounting /sys")
+
+
 def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> None:
+    spec = msgspec.msgpack.decode(spec_bytes, type=PrefillSpec)
+    if spec.netns:
+        _enter_netns(spec.netns)
+    if spec.ucx_net_devices:
+        os.environ["UCX_NET_DEVICES"] = spec.ucx_net_devices
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from pd_transfer.connector.prefill import PrefillRank, serve_engine
 
-    spec = msgspec.msgpack.decode(spec_bytes, type=PrefillSpec)
     ranks = [PrefillRank(spec.engine_id, cache) for cache in spec.caches()]
-    server = serve_engine(spec.engine_id, [rank.rank_metadata for rank in ranks], port=spec.port, secret=spec.secret)
+    server = serve_engine(
+        spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
+    )
     conn.send(("ready", server.port))
     try:
         for command, *args in commands(conn):
@@ -76,6 +109,12 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
                 request_id, timeout_s = args
                 reports = [rank.wait_released(request_id, timeout_s) for rank in ranks]
                 conn.send(("released", [None if r is None else len(r) for r in reports]))
+            elif command == "hold":  # hold blocks for readers, as a finished request does (its lease)
+                request_id, block_ids = args
+                conn.send(("held", [rank.hold(request_id, list(block_ids)) is None for rank in ranks]))
+            elif command == "release":
+                (request_id,) = args
+                conn.send(("released", [rank.release(request_id, read_possible=False) is not None for rank in ranks]))
             elif command == "notifications":
                 conn.send(("notifications", [rank.agent.notifications_received for rank in ranks]))
             else:
@@ -94,7 +133,7 @@ class PrefillProcess(ChildProcess):
         super().__init__(_child, msgspec.msgpack.encode(spec), what="prefill process", ready_timeout_s=_READY_TIMEOUT_S)
         kind, port = self.ready
         assert kind == "ready", self.ready
-        self.host = "127.0.0.1"
+        self.host = spec.host
         self.port: int = port
 
     def request(self, *command: object, timeout_s: float = _REPLY_TIMEOUT_S) -> tuple:

@@ -1,0 +1,107 @@
+"""``pd-transfer bench transfer --netns``: the TCP benchmark across a veth pair, the prefill (and the stream's
+sender) inside a network namespace of its own, the decode in this process's namespace: two hosts on one wire.
+
+Needs root and ``ip`` (iproute2); otherwise the section says why it was skipped. The namespace and the veth are
+deleted again on the way out (deleting the namespace takes its end of the veth, and the pair with it). Addresses
+come from 10.232.N.0/24 with N not in use on this host. The veth's byte counters, read before and after, show the
+KV crossed it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .transfer import Shape
+from .transfer_tcp import environment, run
+
+_IP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Veth:
+    """A namespace ``ns`` holding ``inner`` (``inner_address``); ``outer`` (``outer_address``) here."""
+
+    ns: str
+    outer: str
+    inner: str
+    outer_address: str
+    inner_address: str
+
+
+def _ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()[:300]}")
+    return done.stdout
+
+
+def _free_subnet() -> str:
+    used = _ip("-4", "-o", "addr", "show")
+    for _ in range(50):
+        subnet = f"10.232.{secrets.randbelow(200) + 20}"
+        if f" {subnet}." not in used:
+            return subnet
+    raise RuntimeError("no free 10.232.N.0/24 subnet")
+
+
+def make_veth() -> Veth:
+    """Create the namespace and the veth pair, addresses up; deletes what it made and raises RuntimeError on any
+    failure."""
+    tag = f"{os.getpid() % 100000}{secrets.token_hex(1)}"
+    subnet = _free_subnet()
+    net = Veth(f"pdt-bench-{tag}", f"pdtb{tag}o", f"pdtb{tag}i", f"{subnet}.1", f"{subnet}.2")
+    _ip("netns", "add", net.ns)
+    try:
+        _ip("link", "add", net.outer, "type", "veth", "peer", "name", net.inner)
+        _ip("link", "set", net.inner, "netns", net.ns)
+        _ip("addr", "add", f"{net.outer_address}/24", "dev", net.outer)
+        _ip("link", "set", net.outer, "up")
+        _ip("-n", net.ns, "addr", "add", f"{net.inner_address}/24", "dev", net.inner)
+        _ip("-n", net.ns, "link", "set", net.inner, "up")
+        _ip("-n", net.ns, "link", "set", "lo", "up")
+    except RuntimeError:
+        delete_veth(net)
+        raise
+    return net
+
+
+def delete_veth(net: Veth) -> None:
+    """Delete the namespace (with its end of the pair) and the outer end if it is still there (best effort)."""
+    for args in (("netns", "delete", net.ns), ("link", "delete", net.outer)):
+        subprocess.run(["ip", *args], capture_output=True, timeout=_IP_TIMEOUT_S, check=False)
+
+
+def _rx_bytes(device: str) -> int:
+    return int(Path(f"/sys/class/net/{device}/statistics/rx_bytes").read_text())
+
+
+def run_netns(shape: Shape, *, repeats: int, idle_seconds: float) -> dict:
+    """:func:`.transfer_tcp.run` with the prefill across a veth; ``{"skipped": reason}`` where that cannot be
+    built."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return {"skipped": "network namespaces need root and iproute2's ip"}
+    try:
+        net = make_veth()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+        return {"skipped": f"could not build a namespace and veth: {error}"}
+    try:
+        received = _rx_bytes(net.outer)
+        with environment({"UCX_NET_DEVICES": net.outer}):
+            result = run(
+                shape,
+                repeats=repeats,
+                idle_seconds=idle_seconds,
+                prefill_host=net.inner_address,
+                decode_host=net.outer_address,
+                stream_prefix=["ip", "netns", "exec", net.ns],
+                prefill_options={"netns": net.ns, "ucx_net_devices": net.inner},
+            )
+        result["veth_rx_bytes"] = _rx_bytes(net.outer) - received
+    finally:
+        delete_veth(net)
+    return result

@@ -1,0 +1,131 @@
+"""``pd-transfer bench transfer --tcp``: the transfer benchmark with UCX forced onto TCP, against the raw limit of
+that path measured in the same run: a plain TCP stream between the same two endpoints (two processes, Python
+sockets; ``iperf3`` too where installed) and raw NIXL on the same descriptors.
+
+With TCP a NIXL READ is emulated by the target: the prefill's progress thread serves it, so its polling decides
+latency and throughput (see :mod:`pd_transfer.transfer.progress`). The UCX settings come from
+:data:`pd_transfer.transfer.tcp.TCP_UCX_ENV` (the user's own ``UCX_*`` variables win); the JSON names them and the
+transports UCX chose. GiB/s throughout (``gbps`` keys, 2**30 bytes per second).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from pd_transfer.transfer.tcp import tcp_ucx_env
+from pd_transfer.transfer.transports import ucx_transports
+
+from . import transfer
+from .tcp_stream import iperf3_gbps, stream_gbps
+from .transfer import Shape
+
+
+def request_bytes_of(shape: Shape) -> int:
+    """Bytes of one request of ``shape`` (K and V of every layer), what the benchmark's reads move."""
+    itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
+    per_token = shape.num_layers * 2 * shape.num_kv_heads * shape.head_size * itemsize
+    return shape.request_blocks * shape.block_size * per_token
+
+
+@contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` (children started meanwhile inherit them), restore on exit."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run(
+    shape: Shape,
+    *,
+    repeats: int = 5,
+    idle_seconds: float = 5.0,
+    read_lanes: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    prefill_host: str = "127.0.0.1",
+    decode_host: str = "127.0.0.1",
+    stream_prefix: Sequence[str] = (),
+    prefill_options: dict[str, str] | None = None,
+) -> dict:
+    """The transfer benchmark over UCX's tcp transport, the TCP stream measured before and after it (the median of
+    both is the stream's rate the ratios use). ``extra_env``: UCX settings to try on top of the defaults;
+    ``prefill_host``, ``stream_prefix`` and ``prefill_options`` (``netns``, ``ucx_net_devices``) put the prefill
+    and the stream's sender elsewhere (another network namespace); the stream's receiver listens on
+    ``decode_host``."""
+    env = {**tcp_ucx_env(), "UCX_TLS": "tcp,self", **(extra_env or {})}
+    with environment(env):
+        request_bytes = request_bytes_of(shape)
+        before = stream_gbps(request_bytes, repeats, host=decode_host, prefix=stream_prefix)
+        result = transfer.run(
+            shape,
+            repeats=repeats,
+            idle_seconds=idle_seconds,
+            read_lanes=read_lanes,
+            prefill_options={"host": prefill_host, **(prefill_options or {})},
+        )
+        after = stream_gbps(request_bytes, repeats, host=decode_host, prefix=stream_prefix)
+        iperf3 = iperf3_gbps(4 * request_bytes, host=decode_host, prefix=stream_prefix)
+        transports = ucx_transports()
+    stream = statistics.median([before["gbps"], after["gbps"]])
+    for case in ("contiguous", "scattered"):
+        result[case]["ratio_vs_tcp_stream"] = round(result[case]["gbps"] / stream, 3)
+        result[case]["raw_nixl_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_gbps"] / stream, 3)
+    result["settings"]["ucx_transports"] = transports
+    result["tcp_stream"] = {
+        "gbps": stream,
+        "before_gbps": before["gbps"],
+        "after_gbps": after["gbps"],
+        "bytes": request_bytes,
+        "bytes_ok": before["bytes_ok"] and after["bytes_ok"],
+        "iperf3_gbps": iperf3,
+    }
+    return result
+
+
+def run_sections(sections: Sequence[str], shape: Shape, *, repeats: int, idle_seconds: float) -> dict:
+    """The benchmark's sections by name: ``default`` (the transports UCX picks: CMA on one host) at the top level,
+    ``tcp`` and ``tcp_netns`` (across a veth, where network namespaces can be made) under their names."""
+    result: dict = {}
+    if "default" in sections:
+        result.update(transfer.run(shape, repeats=repeats, idle_seconds=idle_seconds))
+    if "tcp" in sections:
+        result["tcp"] = run(shape, repeats=repeats, idle_seconds=idle_seconds)
+    if "tcp_netns" in sections:
+        from .transfer_netns import run_netns
+
+        result["tcp_netns"] = run_netns(shape, repeats=repeats, idle_seconds=idle_seconds)
+    return result
+
+
+def summary_lines(result: dict) -> list[str]:
+    """The text form of :func:`run_sections`'s result: one line per case, then idle CPU and one-block latency."""
+    lines = []
+    for name, section in (("default", result), ("tcp", result.get("tcp")), ("tcp_netns", result.get("tcp_netns"))):
+        if not section or "contiguous" not in section:
+            if section and "skipped" in section:
+                lines.append(f"{name}: skipped ({section['skipped']})")
+            continue
+        stream = section.get("tcp_stream", {}).get("gbps")
+        lines.append(f"{name}: request {section['request_bytes'] / 2**20:.0f} MiB, connect {section['connect_ms']} ms")
+        for case in ("contiguous", "scattered"):
+            r = section[case]
+            vs_stream = f"  vs TCP stream ({stream} GiB/s) {r['ratio_vs_tcp_stream']:.3f}" if stream else ""
+            lines.append(
+                f"  {case:10s} {r['gbps']:6.2f} GiB/s  raw NIXL {r['raw_nixl_gbps']:6.2f}"
+                f"  memcpy {r['memcpy_gbps']:6.2f}"
+                f"  ratio vs raw {r['ratio_vs_raw_nixl']:.3f}{vs_stream}  verified {r['verified']}"
+            )
+        lines.append(f"  idle CPU {section['idle_cpu_percent']}%  one-block p50 {section['one_block_p50_us']} us")
+    return lines

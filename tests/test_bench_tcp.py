@@ -1,0 +1,69 @@
+"""``pd-transfer bench transfer --tcp --netns``, small: a real prefill process and real NIXL reads over UCX's tcp
+transport, a TCP stream between two processes, on loopback and (where network namespaces can be made: root, ip)
+across a veth into a namespace; the JSON's shape, and bytes read equal to bytes written (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pd_transfer.bench.transfer import QUICK_SHAPE
+from pd_transfer.bench.transfer_tcp import request_bytes_of
+from pd_transfer.transfer.transports import ucx_transports
+
+pytestmark = pytest.mark.timeout(600)
+
+_RUN_TIMEOUT_S = 540.0
+
+
+@pytest.fixture(scope="module")
+def tcp_result() -> dict:
+    env = {**os.environ, "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    if "tcp" not in ucx_transports(env):
+        pytest.skip("UCX has no tcp transport here")
+    argv = [sys.executable, "-m", "pd_transfer.cli", "bench", "transfer", "--quick", "--tcp", "--netns", "--only-tcp"]
+    argv.append("--json")
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_tcp_section_names_the_transport_and_its_settings(tcp_result: dict) -> None:
+    assert set(tcp_result) == {"tcp", "tcp_netns"}  # --only-tcp: no default-transport section
+    tcp = tcp_result["tcp"]
+    assert "tcp/" in tcp["settings"]["ucx_transports"]
+    assert "cma" not in tcp["settings"]["ucx_transports"]
+    assert tcp["settings"]["ucx_env"]["UCX_TLS"] == "tcp,self"
+    for key in ("one_block_p50_us", "one_block_p99_us", "idle_cpu_percent_prefill", "idle_cpu_percent_decode"):
+        assert isinstance(tcp[key], float) and tcp[key] >= 0, key
+
+
+@pytest.mark.parametrize("section", ["tcp", "tcp_netns"])
+def test_tcp_reads_and_stream_move_every_byte(tcp_result: dict, section: str) -> None:
+    tcp = tcp_result[section]
+    if "skipped" in tcp:
+        pytest.skip(f"no two-namespace run here: {tcp['skipped']}")
+    expected = request_bytes_of(QUICK_SHAPE)
+    assert tcp["request_bytes"] == expected
+    assert tcp["tcp_stream"]["bytes"] == expected and tcp["tcp_stream"]["bytes_ok"] is True
+    assert tcp["tcp_stream"]["gbps"] > 0
+    for case in ("contiguous", "scattered"):
+        measured = tcp[case]
+        assert measured["bytes"] == expected, case
+        assert measured["verified"] is True, case  # every byte read compared with what the prefill wrote
+        for key in ("ratio_vs_tcp_stream", "raw_nixl_ratio_vs_tcp_stream", "ratio_vs_raw_nixl"):
+            assert measured[key] > 0, (case, key)
+    assert tcp["prefill_saw_notification"] is True
+
+
+def test_netns_section_crossed_the_veth(tcp_result: dict) -> None:
+    netns = tcp_result["tcp_netns"]
+    if "skipped" in netns:
+        pytest.skip(f"no two-namespace run here: {netns['skipped']}")
+    assert "tcp/" in netns["settings"]["ucx_transports"] and "/lo" not in netns["settings"]["ucx_transports"]
+    # every read (2 cases x repeats, ours and raw NIXL) and both streams came in over the veth
+    assert netns["veth_rx_bytes"] >= 2 * netns["request_bytes"] * netns["contiguous"]["repeats"]
