@@ -178,14 +178,25 @@ class Dockerfile:
         return cls(instructions)
 
     def all(self, keyword: str) -> list[str]:
-        return [rest for key, rest in self.instructions if key == keyword]
+        """The arguments of every ``keyword`` instruction, build arguments replaced by their defaults."""
+        return [self.expand(rest) for key, rest in self.instructions if key == keyword]
+
+    def arg_defaults(self) -> dict[str, str]:
+        """``ARG NAME=default`` (what a build without ``--build-arg`` uses); an ARG without one is left unset."""
+        found = [rest.partition("=") for key, rest in self.instructions if key == "ARG"]
+        return {name.strip(): default.strip() for name, equals, default in found if equals}
+
+    def expand(self, text: str) -> str:
+        """``text`` with ``${NAME}`` / ``$NAME`` of the build arguments replaced by their defaults."""
+        defaults = self.arg_defaults()
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults.get(m[1] or m[2], m[0]), text)
 
     def commands(self) -> list[list[str]]:
         """Every command the build and the image run: RUN lines split at ``&&``, CMD and ENTRYPOINT."""
         found: list[list[str]] = []
         for key, rest in self.instructions:
             if key == "RUN":
-                words = shlex.split(rest)
+                words = shlex.split(self.expand(rest))
                 current: list[str] = []
                 for word in [*words, "&&"]:
                     if word in ("&&", ";", "||"):
@@ -549,3 +560,18 @@ def test_dockerfile_copies_what_exists_and_exposes_the_default_ports() -> None:
         if parsed.command == "serve":
             listening.add(parsed.side_channel_port)
     assert exposed == listening, f"EXPOSE {sorted(exposed)} != the default ports {sorted(listening)}"
+
+
+def test_dockerfile_build_arguments_default_to_the_public_sources() -> None:
+    """docker/test-cluster builds offline through build arguments; a user's plain build must not see them."""
+    dockerfile = Dockerfile.read(DOCKERFILE)
+    declared = [rest.partition("=")[0].strip() for rest in dockerfile.all("ARG")]
+    assert dockerfile.instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim"), dockerfile.instructions[0]
+    assert dockerfile.arg_defaults() == {
+        "BASE_IMAGE": "python:3.11-slim",
+        "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
+    }
+    assert {"PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX", "PIP_TRUSTED_HOST"} <= set(declared)
+    assert all(
+        dockerfile.expand(rest) == rest for key, rest in dockerfile.instructions if key in ("COPY", "ENV", "USER")
+    ), "build arguments only choose the base image and where pip looks"
