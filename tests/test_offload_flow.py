@@ -106,8 +106,11 @@ def test_the_host_pool_closes_once() -> None:
 
 
 def test_the_benchmark_runs_verifies_and_names_no_machine_path(tmp_path: Path) -> None:
-    result = run(Shape(num_tensors=2, page_bytes=4096, blocks=4, engine_blocks=8), repeats=1, directory=str(tmp_path))
+    shape = Shape(num_tensors=2, page_bytes=4096, blocks=4, engine_blocks=8)
+    result = run(shape, repeats=1, directory=str(tmp_path), group_blocks=2)
     assert result["verified"] and result["end_to_end"] is None
+    per_block = result["disk"]["per_block"]  # the layout before groups, measured beside them
+    assert result["disk"]["group_blocks"] == 2 and all(per_block[c]["verified"] for c in ("scattered", "full_tier"))
     for key in ("store_ratio_vs_memcpy", "load_ratio_vs_memcpy"):
         assert result["host"][key] > 0
     for key in ("store_ratio_vs_file_write", "load_ratio_vs_file_read"):

@@ -361,7 +361,8 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
         "goal_ratio": GOAL_RATIO,
         "goals_met": all(ratio >= GOAL_RATIO for ratio in ratios),
         "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered"))
-        and disk["full_tier"]["verified"],
+        and disk["full_tier"]["verified"]
+        and all(case["verified"] for case in disk.get("per_block", {}).values()),
         "end_to_end": None,
         "end_to_end_note": "measured by `bench offload --end-to-end` (real vLLM servers), not by this run",
     }
