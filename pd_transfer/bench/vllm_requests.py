@@ -112,10 +112,12 @@ def _counters_after(pair: Pair, before: DecodeCounters) -> DecodeCounters:
     return DecodeCounters.read(pair.decode.url, pair.connector)
 
 
-def prefill_hop(pair: Pair, prompt: list[int], request_id: str) -> dict[str, Any]:
-    """The proxy's first hop: ``prompt`` to the prefill, 1 token, ``do_remote_decode``; its answer."""
+def prefill_hop(pair: Pair, prompt: list[int], request_id: str, timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    """The proxy's first hop: ``prompt`` to the prefill, 1 token, ``do_remote_decode``; its answer (within
+    ``timeout_s`` seconds)."""
     params = {"do_remote_decode": True}
-    return completion(pair.prefill.url, pair.model, prompt, 1, kv_transfer_params=params, request_id=request_id)
+    url, model = pair.prefill.url, pair.model
+    return completion(url, model, prompt, 1, kv_transfer_params=params, request_id=request_id, timeout_s=timeout_s)
 
 
 def decode_hop(

@@ -127,7 +127,7 @@ def pd_stream_request(pair: Pair, prompt: list[int], tag: str) -> dict[str, Any]
     blocks are free, tokens. Raises ``RequestFailed``, ``RuntimeError`` on a prefill without params."""
     before = DecodeCounters.read(pair.decode.url, pair.connector)
     started = time.perf_counter()
-    params = prefill_hop(pair, prompt, tag).get("kv_transfer_params")
+    params = prefill_hop(pair, prompt, tag, SCALE_TIMEOUT_S).get("kv_transfer_params")
     prefill_s = time.perf_counter() - started
     if not params:
         raise RuntimeError(f"{pair.connector}: the prefill returned no kv_transfer_params")
