@@ -187,10 +187,11 @@ def plot_ttft(result: Mapping[str, Any], path: Path) -> str:
         ("ours", "decode_ttft_p50_s", "C1--^"),
     ):
         entry = result["setups"].get(name)
-        values = [(entry or {}).get("by_length", {}).get(str(n), {}).get(key) for n in lengths]
-        if entry and all(v is not None for v in values):
+        points = [(n, (entry or {}).get("by_length", {}).get(str(n), {}).get(key)) for n in lengths]
+        points = [(n, value) for n, value in points if value is not None]  # a setup that failed part-way: its points
+        if points:
             label = NAMES[name] + ("" if name == "plain" else (" P/D" if key.startswith("pd") else " decode only"))
-            axes.plot(lengths, values, style, label=label)
+            axes.plot([n for n, _ in points], [value for _, value in points], style, label=label)
     axes.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token, p50 (s)")
     axes.set_xticks(lengths, [str(n) for n in lengths])
     axes.tick_params(axis="x", which="minor", labelbottom=False)
