@@ -197,7 +197,7 @@ def plot_ttft(result: Mapping[str, Any], path: Path) -> str:
     axes.tick_params(axis="x", which="minor", labelbottom=False)
     axes.set_title(f"TTFT at Llama-3-8B KV geometry (256 KiB/token), host copy {result['host_copy_gbps']} GiB/s")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(figure)
