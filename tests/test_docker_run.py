@@ -1,0 +1,49 @@
+"""The image built and the compose cluster run for real: ``docker/test-cluster`` as a process.
+
+It needs a Docker engine (or root to start one), minutes of CPU and gigabytes of disk (docs/deploy.md: a cold run
+and a warm one), so it runs only when ``PD_TRANSFER_DOCKER_TEST=1``; scripts/test does not set it. The help text
+is checked always: the script runs on the host's own Python with the standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "docker" / "test-cluster"
+#: A cold run (no cache: debootstrap, the wheelhouse, the image, two cluster starts) took about 40 min here.
+RUN_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_DOCKER_TIMEOUT_S", "5400"))
+
+
+def test_script_runs_on_the_standard_library() -> None:
+    done = subprocess.run([sys.executable, "-I", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--keep" in done.stdout and "--no-cluster" in done.stdout
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_image_builds_and_the_compose_cluster_answers_like_a_plain_server() -> None:
+    if os.environ.get("PD_TRANSFER_DOCKER_TEST") != "1":
+        pytest.skip("set PD_TRANSFER_DOCKER_TEST=1 to build the image and run the compose cluster (tens of minutes)")
+    try:
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"docker/test-cluster ran longer than {RUN_TIMEOUT_S:.0f} s:\n{error.stdout!r}")
+    print(done.stdout)
+    assert done.returncode == 0, f"docker/test-cluster exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    first = re.search(r"1P1D: (\d+) requests equal .* pulled (\d+) bytes", done.stdout)
+    second = re.search(
+        r"2P1D: (\d+) requests equal, prefills served \[(\d+)\.0, (\d+)\.0\].* pulled (\d+) bytes", done.stdout
+    )
+    assert first and second, done.stdout
+    assert int(first[1]) >= 5 and int(first[2]) > 0
+    assert int(second[1]) >= 10 and int(second[2]) > 0 and int(second[3]) > 0 and int(second[4]) > 0
+    assert "removed the containers and the network" in done.stdout
