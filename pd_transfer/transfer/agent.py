@@ -22,7 +22,7 @@ from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPee
 from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
 from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, quiet_native_logs
 from .probe import peer_gone
-from .progress import AdaptivePoller
+from .progress import AdaptivePoller, busy_poll_seconds, read_wait_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ class TransferAgent:
         self._unreleased_xfers: list[object] = []  # handles NIXL could not cancel yet; retried by the poller
         self._closed = False
         self.notifications_received = 0
+        self._busy_poll_s = busy_poll_seconds()
+        self._read_wait_s = read_wait_seconds()
         self._poller = AdaptivePoller(name, self._poll_once, idle_interval_s=idle_poll_interval_s)
         self._poller.start()
         self._spans: list[tuple[object, list[tuple[int, int]]]] = []  # registrations, to mirror on lanes
@@ -341,7 +343,7 @@ class TransferAgent:
                     raise TransferTimeout(f"agent {self.name}: read from {peer} not done after {timeout_s:.3f} s")
                 spins += 1
                 if spins > 64:  # tcp-emulated reads progress slowly: stop spinning, keep latency bounded
-                    time.sleep(min(0.0005, deadline - now))
+                    time.sleep(min(self._read_wait_s, deadline - now))
                 with self._lock:
                     try:
                         state = self._nixl.check_xfer_state(handle)
@@ -435,9 +437,12 @@ class TransferAgent:
                     except Exception:
                         still.append(handle)
                 self._unreleased_xfers = still
-            notifications = self._nixl.get_new_notifs()
+            started = time.perf_counter()
+            notifications = self._nixl.get_new_notifs()  # progresses UCX until it has nothing more to do
+            # a long poll moved data; only counted while reads are expected (idle, it is a preempted thread)
+            busy = self._poller.expecting and time.perf_counter() - started > self._busy_poll_s
         if not notifications:
-            return False
+            return busy
         for peer, payloads in notifications.items():
             peer_name = peer.decode() if isinstance(peer, bytes) else str(peer)
             for payload in payloads:
