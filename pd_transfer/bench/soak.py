@@ -197,6 +197,44 @@ def _pair(model: str, python: str, logs: Path, lease_s: float) -> list[ManagedPr
     return servers
 
 
+def _plain(model: str, python: str, logs: Path) -> ManagedProcess:
+    """The yardstick: a vLLM server without any connector, shaped as the pair's prefill (same core, cache, model)."""
+    spec = ServerSpec(
+        role="prefill",
+        model=model,
+        port=free_port(),
+        side_channel_port=free_port(),
+        cpu_bind=allowed_cpu(0),
+        kvcache_gib=0.25,
+        dtype="float32",
+        max_model_len=2048,
+        seed=0,
+    )
+    return server_process("plain", spec, logs / "plain.log", python=python, connector=False)
+
+
+def plain_soak(args: argparse.Namespace, logs: Path, salt: int) -> dict[str, Any]:
+    """The same warm-up and load (same prompts: ``salt``) sent straight to :func:`_plain`'s server, its RSS before
+    and after: how much a vLLM server grows under these prompts without us."""
+    plain = _plain(args.model, args.python, logs)
+    try:
+        plain.start()
+        wait_ready([plain], args.startup_timeout)
+        drive(plain.url, args.model, 2 * args.concurrency, args.concurrency, max_tokens=args.max_tokens, salt=salt + 1)
+        before = group_rss_bytes(plain) / MIB
+        load = drive(plain.url, args.model, args.requests, args.concurrency, max_tokens=args.max_tokens, salt=salt)
+        after = group_rss_bytes(plain) / MIB
+    finally:
+        stop_all([plain])
+    return {
+        "requests": load.requests,
+        "failed": load.failed,
+        "seconds": round(load.seconds, 1),
+        "rss_mib_before": round(before, 1),
+        "rss_mib_after": round(after, 1),
+    }
+
+
 def proxy_process(prefill: Sequence[str], decode: Sequence[str], logs: Path, port: int | None = None) -> ManagedProcess:
     """The proxy (``python -m pd_transfer.proxy``, this interpreter) over those servers, on ``port`` (default: a free
     one); not started."""
@@ -220,6 +258,7 @@ def _rss_mib(processes: Sequence[ManagedProcess]) -> dict[str, float]:
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Start the pair and the proxy, warm up, measure RSS, run the load, settle, measure again; stop everything."""
     logs = args.log_dir or Path("runs") / time.strftime("bench-soak-%Y%m%d-%H%M%S")
+    salt = time.time_ns() % 10**9
     servers = _pair(args.model, args.python, logs, args.lease)
     proxy = proxy_process([servers[0].url], [servers[1].url], logs)
     everything = [*servers, proxy]
@@ -227,16 +266,19 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         for process in everything:
             process.start()
         wait_ready(everything, args.startup_timeout)
-        warm = drive(proxy.url, args.model, 2 * args.concurrency, args.concurrency, max_tokens=args.max_tokens)
+        warm = drive(
+            proxy.url, args.model, 2 * args.concurrency, args.concurrency, max_tokens=args.max_tokens, salt=salt + 1
+        )
         before = _rss_mib(everything)
         leases_before = counters(scrape_metrics(servers[0].url), LEASES, "reason")
-        load = drive(proxy.url, args.model, args.requests, args.concurrency, max_tokens=args.max_tokens)
+        load = drive(proxy.url, args.model, args.requests, args.concurrency, max_tokens=args.max_tokens, salt=salt)
         readings = portable(settle({p.name: p.url for p in everything}), args.model)
         after = _rss_mib(everything)
         leases = counters(scrape_metrics(servers[0].url), LEASES, "reason")
         decode_text = scrape_metrics(servers[1].url)
     finally:
         stop_all(everything)
+    plain = plain_soak(args, logs, salt) if args.plain else None
     return {
         "bench": "soak",
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -253,6 +295,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         "decode_unconfirmed_reads": sum(counters(decode_text, UNCONFIRMED, "engine").values()),
         "rss_mib_before": before,
         "rss_mib_after": after,
+        "plain_server": plain,
         "load_average": [round(v, 2) for v in os.getloadavg()],
         "cpus": len(os.sched_getaffinity(0)),
     }
@@ -271,6 +314,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs vLLM (this one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (runs/bench-soak-TIMESTAMP)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for servers to be healthy")
+    parser.add_argument(
+        "--plain",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="then send the same prompts to a vLLM server without connector and record its RSS too (default: on)",
+    )
 
 
 def _interrupt(signum: int, _frame: object) -> None:
