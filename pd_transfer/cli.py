@@ -66,7 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
-    from pd_transfer.bench.transfer_tcp import run_sections, summary_lines
+    from pd_transfer.bench.transfer_sections import run_sections, summary_lines
 
     shape = QUICK_SHAPE if args.quick else Shape()
     sections = [s for s, on in (("default", not args.only_tcp), ("tcp", args.tcp), ("tcp_netns", args.netns)) if on]

@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
@@ -23,6 +22,7 @@ from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
 from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, quiet_native_logs
 from .probe import peer_gone
 from .progress import AdaptivePoller, busy_poll_seconds, read_wait_seconds
+from .read_stats import ReadStats
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +40,6 @@ def _merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
         else:
             merged.append((start, end))
     return merged
-
-
-@dataclass(frozen=True)
-class ReadStats:
-    """What one read moved and how long it took."""
-
-    bytes: int
-    descriptors: int  # rows handed to NIXL (before NIXL merges adjacent ones)
-    post_seconds: float  # building and posting the transfer
-    seconds: float  # post to DONE
 
 
 class DescriptorList:

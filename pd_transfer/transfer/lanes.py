@@ -29,9 +29,10 @@ import numpy as np
 from pd_transfer.affinity import unpin_current_thread
 
 from .errors import PeerDisconnected
+from .read_stats import ReadStats
 
 if TYPE_CHECKING:
-    from .agent import DescriptorList, ReadStats, TransferAgent
+    from .agent import DescriptorList, TransferAgent
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,6 @@ class ReadLanes:
         timeout_s: float,
     ) -> ReadStats:
         """``owner.read`` as byte-balanced parts, one per lane, at once; the notification once all are done."""
-        from .agent import ReadStats
-
         if len(local_indices) != len(remote_indices):
             raise ValueError(f"{len(local_indices)} local rows but {len(remote_indices)} remote rows")
         local_indices = np.asarray(local_indices, dtype=np.int32)
