@@ -69,7 +69,11 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.bench.transfer_sections import run_sections, summary_lines
 
     shape = QUICK_SHAPE if args.quick else Shape()
-    sections = [s for s, on in (("default", not args.only_tcp), ("tcp", args.tcp), ("tcp_netns", args.netns)) if on]
+    sections = [
+        s
+        for s, on in (("default", not args.only_tcp), ("tcp", args.tcp or args.only_tcp), ("tcp_netns", args.netns))
+        if on
+    ]
     result = run_sections(
         sections, shape, repeats=3 if args.quick else args.repeats, idle_seconds=1.0 if args.quick else 5.0
     )
@@ -161,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--repeats", type=int, default=5)
     transfer.add_argument("--tcp", action="store_true", help="also over UCX's tcp transport, against a TCP stream")
     transfer.add_argument("--netns", action="store_true", help="also over TCP across a veth into a network namespace")
-    transfer.add_argument("--only-tcp", action="store_true", help="skip the default-transport (CMA) section")
+    transfer.add_argument(
+        "--only-tcp", action="store_true", help="skip the default-transport (CMA) section (implies --tcp)"
+    )
     transfer.set_defaults(func=_bench_transfer)
     topology = which.add_parser("topology", help="heterogeneous TP and block sizes vs homogeneous")
     topology.add_argument("--json", action="store_true", help="print one JSON object")
