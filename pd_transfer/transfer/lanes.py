@@ -29,6 +29,7 @@ import numpy as np
 from pd_transfer.affinity import unpin_current_thread
 
 from .errors import PeerDisconnected
+from .progress import env_number
 from .read_stats import ReadStats
 
 if TYPE_CHECKING:
@@ -44,10 +45,7 @@ _JOIN_GRACE_S = 5.0  # past a read's own timeout, how long to wait for a lane's 
 
 def default_read_lanes() -> int:
     """Agents a decode rank reads with: ``PD_TRANSFER_READ_LANES``, else one per core up to 2."""
-    value = os.environ.get("PD_TRANSFER_READ_LANES", "")
-    if value.strip():
-        return max(1, int(value))
-    return max(1, min(2, os.cpu_count() or 1))
+    return max(1, int(env_number("PD_TRANSFER_READ_LANES", min(2, os.cpu_count() or 1))))
 
 
 #: One part of a split read: (lane index, 0 for the owner; rows of the read) -> what it moved.

@@ -26,11 +26,22 @@ from pd_transfer.affinity import unpin_current_thread
 logger = logging.getLogger(__name__)
 
 
+def env_number(name: str, default: float) -> float:
+    """The number in environment variable ``name``, or ``default`` when it is unset or blank. Raises ``ValueError``
+    naming the variable (and at most 40 characters of its value) when it is not a number."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {value[:40]!r}") from None
+
+
 def busy_poll_seconds() -> float:
     """A poll longer than this (seconds) moved data (an idle one takes a few microseconds): the poller then polls
     again at once. ``PD_TRANSFER_BUSY_POLL_US`` (default 30; 0 counts every poll as idle but for notifications)."""
-    value = os.environ.get("PD_TRANSFER_BUSY_POLL_US", "").strip()
-    micros = float(value) if value else 30.0
+    micros = env_number("PD_TRANSFER_BUSY_POLL_US", 30.0)
     return micros * 1e-6 if micros > 0 else float("inf")
 
 
@@ -39,8 +50,7 @@ def read_wait_seconds() -> float:
     (default 50). Over TCP each check also receives what arrived, and a one-block read takes a few hundred
     microseconds: at 500 us a one-block read's p50 was 745-757 us, at 50 us 326 us (one round, load 18-22).
     A CMA read is done inside the post, so it never waits here."""
-    value = os.environ.get("PD_TRANSFER_READ_WAIT_US", "").strip()
-    return (float(value) if value else 50.0) * 1e-6
+    return max(0.0, env_number("PD_TRANSFER_READ_WAIT_US", 50.0)) * 1e-6
 
 
 class AdaptivePoller:
