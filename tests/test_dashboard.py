@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -31,29 +30,12 @@ from pd_transfer.cluster.http_client import get_text, metric_value, post_json, p
 from pd_transfer.cluster.monitoring import ScrapeTarget, cluster_targets, prometheus_config
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
 
-DASHBOARD = REPO / "docker" / "grafana" / "pd-transfer.json"
+sys.path.insert(0, str(REPO / "docker"))  # the panel queries, shared with docker/test-cluster (docker/ is no package)
+from dashboard_panels import DASHBOARD, await_data, panels, query
+
 COMPOSE_CONFIG = REPO / "docker" / "prometheus.yml"
 RATE_WINDOW = "10m"  # what $__rate_interval becomes here: longer than the test, so its traffic stays in view
 DATA_TIMEOUT_S = 120.0
-#: Metrics that appear only once their event happened (a stored block refused on load): a panel showing them
-#: beside others may lack that one series here.
-EVENT_ONLY = {"vllm:pd_transfer_offload_rejected_blocks_total"}
-#: Panels whose value must be above zero after the traffic (not only present).
-POSITIVE = {
-    "Request rate by endpoint and status",
-    "Hop latency (p50, p99): prefill, decode",
-    "Time to first token at the proxy (p50, p99, streams)",
-    "Time to first token per vLLM server (p50, p99)",
-    "KV bytes pulled per second",
-    "Pull seconds (p50, p99)",
-    "Leases by outcome (prefill)",
-    "Offload bytes stored and loaded per second",
-    "Offload bytes held",
-}
-
-
-def _panels() -> list[dict[str, Any]]:
-    return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -125,11 +107,11 @@ def test_compose_prometheus_config_scrapes_every_service() -> None:
 
 def test_dashboard_is_well_formed() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    panels = _panels()
-    assert dashboard["uid"] == "pd-transfer" and len(panels) >= 20
+    chosen = panels()
+    assert dashboard["uid"] == "pd-transfer" and len(chosen) >= 20
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource"]
-    for panel in panels:
+    for panel in chosen:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["targets"] and panel["description"], panel["title"]
         assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
@@ -138,14 +120,6 @@ def test_dashboard_is_well_formed() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
-    """The result vector of an instant query (now); raises ``AssertionError`` on a query Prometheus refuses."""
-    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    answer = json.loads(get_text(url))
-    assert answer["status"] == "success", f"{expr}: {answer}"
-    return list(answer["data"]["result"])
-
-
 def _targets_up(prometheus: str) -> bool:
     targets = json.loads(get_text(f"{prometheus}/api/v1/targets"))["data"]["activeTargets"]
     return bool(targets) and all(t["health"] == "up" for t in targets)
@@ -189,7 +163,7 @@ def _traffic(cluster: UpCluster, prometheus: str) -> None:
     proxy, model = cluster.proxy, cluster.model
     _proxy_round(proxy, model, 0)
     deadline = time.monotonic() + 30.0
-    while len(_query(prometheus, 'pd_proxy_time_to_first_token_seconds_count{job="pd-proxy"}')) < 2:
+    while len(query(prometheus, 'pd_proxy_time_to_first_token_seconds_count{job="pd-proxy"}')) < 2:
         assert time.monotonic() < deadline, "Prometheus did not see the proxy's first requests"
         time.sleep(0.5)
     for k in range(1, 4):  # with round 0: 4 x 2 prompts of about 3 blocks: more than the 4 MiB host tier holds
@@ -232,39 +206,14 @@ def _leave_mid_stream(proxy: str, model: str, count: int) -> None:
     assert wait_metric(proxy, "pd_proxy_errors_total", lambda v: v >= count, 30.0, labels=labels).reached
 
 
-def _panel_results(prometheus: str, panel: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    return [_query(prometheus, t["expr"].replace("$__rate_interval", RATE_WINDOW)) for t in panel["targets"]]
-
-
-def _value(results: list[list[dict[str, Any]]]) -> float:
-    """The largest finite value of a panel's series (NaN when none: e.g. a quantile of no observations)."""
-    values = [float(s["value"][1]) for series in results for s in series]
-    finite = [v for v in values if v == v and abs(v) != float("inf")]
-    return max(finite) if finite else float("nan")
-
-
 @pytest.mark.timeout(UP_TIMEOUT_S + 900)
 def test_every_panel_returns_data(monitored: tuple[UpCluster, str]) -> None:
     cluster, prometheus = monitored
     started = time.monotonic()
     _traffic(cluster, prometheus)
     print(f"\ntraffic sent in {time.monotonic() - started:.1f} s")
-    panels = _panels()
-    used = {n for p in panels for t in p["targets"] for n in re.findall(r"[a-z_:]+(?=\{)", t["expr"])}
-    best: dict[str, float] = {}  # each panel's largest value so far (NaN: no data yet)
-    deadline = time.monotonic() + DATA_TIMEOUT_S
-    while True:
-        for panel in panels:
-            value = _value(_panel_results(prometheus, panel))
-            previous = best.get(panel["title"], float("nan"))
-            best[panel["title"]] = value if previous != previous else max(previous, value)
-        lacking = [title for title, v in best.items() if v != v or (title in POSITIVE and v <= 0)]
-        unseen = used - set(json.loads(get_text(f"{prometheus}/api/v1/label/__name__/values"))["data"]) - EVENT_ONLY
-        if not (lacking or unseen) or time.monotonic() >= deadline:
-            break
-        time.sleep(1.0)
+    coverage = await_data(prometheus, panels(), RATE_WINDOW, DATA_TIMEOUT_S)
     print(f"every panel's largest value within {time.monotonic() - started:.0f} s of the first request:")
-    for title, value in best.items():
-        print(f"  {value:14.6g}  {title}")
-    assert not lacking, f"panels without data after {DATA_TIMEOUT_S:.0f} s: {lacking}"
-    assert not unseen, f"the dashboard names metrics Prometheus never saw: {sorted(unseen)}"
+    print("\n".join(coverage.lines()))
+    assert not coverage.lacking, f"panels without data after {DATA_TIMEOUT_S:.0f} s: {coverage.lacking}"
+    assert not coverage.unseen, f"the dashboard names metrics Prometheus never saw: {coverage.unseen}"
