@@ -4,6 +4,10 @@ built from a tiny fake run (no timings are asserted)."""
 from __future__ import annotations
 
 import json
+import os
+import select
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from pd_transfer.bench.vllm_report import build_result, percentile, render_table
 from pd_transfer.bench.vllm_requests import EXTERNAL
 from pd_transfer.bench.vllm_run import BenchSettings, portable_path
 from pd_transfer.bench.vllm_scale import run_scale
+from pd_transfer.bench.vllm_scale_affinity import affinity_census, pinned_command, restore_strays, thread_affinities
 from pd_transfer.bench.vllm_scale_report import render_scale_table
 from pd_transfer.cli import build_parser
 from pd_transfer.cluster.http_client import metric_sum
@@ -141,6 +146,55 @@ def test_recorded_paths_are_not_machine_specific(tmp_path: Path, monkeypatch: py
     assert portable_path("/elsewhere/models/tiny-llama-f32") == "tiny-llama-f32"  # elsewhere: its name only
 
 
+#: a child that reports its process's CPUs, starts one thread that moves itself to CPU argv[1] only and one that
+#: widens itself to argv[1] and argv[2], says where both are, then waits for its stdin to close
+_STRAY_CHILD = """
+import os, sys, threading
+first, second = int(sys.argv[2]), int(sys.argv[1])
+ready = threading.Barrier(3)
+def run(cpus):
+    os.sched_setaffinity(0, cpus)
+    ready.wait()
+    sys.stdin.read()
+threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in ({second}, {first, second})]
+for t in threads:
+    t.start()
+ready.wait()
+print(sorted(os.sched_getaffinity(0)), threads[0].native_id, threads[1].native_id, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_pinned_server_and_its_stray_threads_put_back() -> None:
+    """``bench vllm --scale``'s placement on a real process: bound to one CPU from its start (every thread
+    inherits it); a thread that moved itself to another CPU only is put back, one that widened to more CPUs
+    including its own keeps that."""
+    if not hasattr(os, "sched_setaffinity") or len(cpus := sorted(os.sched_getaffinity(0))) < 2:
+        pytest.skip("needs Linux sched_setaffinity and two allowed CPUs")
+    first, second = cpus[0], cpus[1]
+    command = pinned_command({first}, [sys.executable, "-c", _STRAY_CHILD, str(second), str(first)])
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        readable, _, _ = select.select([child.stdout], [], [], 30.0)
+        assert readable, "the child did not report within 30 s"
+        own, stray, widened = child.stdout.readline().decode().strip().rsplit(" ", 2)
+        assert own == f"[{first}]"  # the process was bound before its program ran
+        before = thread_affinities(child.pid)
+        assert before[int(stray)][1] == {second} and before[int(widened)][1] == {first, second}
+        assert len(restore_strays(child.pid, {first})) == 1
+        after = thread_affinities(child.pid)
+        assert after[int(stray)][1] == {first} and after[int(widened)][1] == {first, second}
+        census = affinity_census(child.pid)
+        assert census == {str(first): len(after) - 1, f"{first},{second}": 1}, census
+        child.stdin.close()
+        assert child.wait(timeout=30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+
+
 @pytest.mark.timeout(SCALE_TEST_TIMEOUT_S)
 def test_scale_run_at_8b_kv_geometry_against_a_plain_server(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``bench vllm --scale``'s run on real vLLM servers at Llama-3-8B's KV geometry, one short prompt: the plain
@@ -171,6 +225,9 @@ def test_scale_run_at_8b_kv_geometry_against_a_plain_server(tmp_path_factory: py
         assert at["bytes"] == 256 * kv_bytes_per_token(), (name, at["bytes"])  # two full 128-token blocks
         assert at["every_prompt_token_external"] is True and at["tokens_equal_plain"] == "1/1"
         assert at["pd_ttft_p50_s"] >= at["decode_ttft_p50_s"] > 0
+        for server, placed in result["setups"][name]["threads"].items():  # every thread allowed on its own core
+            core = str(allowed_cpu(0 if server.endswith("prefill") else 1))
+            assert all(core in cpus.split(",") for cpus in placed["threads_by_cpus"]), (server, placed)
     assert result["setup"]["model"] == "llama8b-kv-f32"  # no machine path
     assert str(tmp_path_factory.getbasetemp()) not in json.dumps(result)
     assert "| 256 |" in render_scale_table(result)

@@ -29,10 +29,11 @@ import os
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from pd_transfer.bench.vllm_pairs import Pair, bench_server, start_servers
+from pd_transfer.affinity import allowed_cpu
+from pd_transfer.bench.vllm_pairs import CPU_INDEX, Pair, bench_server, start_servers
 from pd_transfer.bench.vllm_requests import (
     USAGE,
     DecodeCounters,
@@ -42,6 +43,7 @@ from pd_transfer.bench.vllm_requests import (
     vocab_size,
 )
 from pd_transfer.bench.vllm_run import BenchSettings, _scrub, _terminate_as_interrupt, portable_path
+from pd_transfer.bench.vllm_scale_affinity import affinity_census, pinned_command, restore_strays
 from pd_transfer.cluster.http_client import RequestFailed, answer_tokens, wait_metric
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
 
@@ -53,6 +55,14 @@ SCALE_KVCACHE_GIB = 2.0  # one 4,608-token request is 1.125 GiB at 256 KiB per t
 SERVER_GIB = 3.0  # what a server of this model takes besides its KV cache
 SCALE_TIMEOUT_S = 900.0  # one request: a 4,096-token prefill on one core under load
 FREE_WAIT_S = 45.0  # longer than both connectors' 30 s lease
+CPU_PLACEMENT = (
+    "each server's whole process bound to its core at launch (sched_setaffinity before exec; every thread inherits"
+    " it) and VLLM_CPU_OMP_THREADS_BIND to the same core; once healthy, every thread whose affinity no longer"
+    " includes its server's core is put back on it (NixlConnector's CPU worker moves its model thread to the"
+    " machine's last core, the decode's here; see setups.*.threads.moved_back); threads allowed on more cores"
+    " including their own keep that: ours widen to every CPU (PD_TRANSFER_THREAD_CPUS unset, as in production),"
+    " NixlConnector's NIXL threads stay on their server's core"
+)
 
 
 def host_copy_gbps(mib: int = 256, repeats: int = 5) -> float:
@@ -160,8 +170,11 @@ class _Scale:
     kvcache_gib: float
     extra_args: tuple[str, ...]
     everything: list[ManagedProcess]
+    cores: dict[str, set[int]] = field(default_factory=dict)  # server name -> the CPU its process is bound to
 
     def server(self, connector: str | None, role: str) -> ManagedProcess:
+        """A server of ``role`` (not started), its whole process bound to its role's core
+        (``vllm_scale_affinity``)."""
         s = self.settings
         server = bench_server(
             connector,
@@ -173,8 +186,19 @@ class _Scale:
             kvcache_gib=self.kvcache_gib,
             extra_args=self.extra_args,
         )
+        self.cores[server.name] = {int(allowed_cpu(CPU_INDEX[role]))}
+        server.command = pinned_command(self.cores[server.name], server.command)
         self.everything.append(server)
         return server
+
+    def place_threads(self, servers: Sequence[ManagedProcess]) -> dict[str, Any]:
+        """Put back on its server's core every thread that left it (``restore_strays``); per server what was
+        moved and then how many threads may run where."""
+        placed = {}
+        for server in servers:
+            moved = restore_strays(server.pid, self.cores[server.name])
+            placed[server.name] = {"moved_back": moved, "threads_by_cpus": affinity_census(server.pid)}
+        return placed
 
 
 def _phase(
@@ -188,6 +212,8 @@ def _phase(
         log(f"{name}: starting {', '.join(s.name for s in servers)}")
         start_servers(servers, run.settings.startup_timeout_s, log, SERVER_GIB + run.kvcache_gib)
         data["startup_s"] = {s.name: round(s.ready_after_s or 0.0, 1) for s in servers}
+        data["threads"] = run.place_threads(servers)
+        log(f"  threads: {data['threads']}")
         data["load_average_1m"] = {"before": round(os.getloadavg()[0], 2)}
         data["first_request"] = measure(run.prompts["warmup"][0], f"scale-{name}-warmup-{time.time_ns()}")
         data["first_request"].pop("tokens")
@@ -241,6 +267,7 @@ def _setup(run: _Scale, started_utc: str, copy_gbps: float) -> dict[str, Any]:
         "max_tokens": settings.max_tokens,
         "order": ["plain", *settings.order],
         "setups": "one after the other, never two at once; prefill on core 0, decode on core 1, plain on core 0",
+        "cpu_placement": CPU_PLACEMENT,
         "flags": f"--dtype float32 --max-model-len {run.max_model_len} --seed 0 --block-size 128"
         + "".join(f" {arg}" for arg in run.extra_args)
         + f", {kv}",
