@@ -3,9 +3,10 @@
 Three setups, one after the other, never two at once: a plain vLLM server alone (the TTFT a user gets without P/D,
 and the reference tokens), then for each connector a prefill (core 0) + decode (core 1) pair with the same flags
 (``--dtype float32 --max-model-len 4608 --seed 0 --block-size 128``, ``VLLM_CPU_KVCACHE_SPACE=2``: one 4,096-token
-request is 1 GiB of KV at 256 KiB per token, and each server holds one request at a time). Each setup gets one
-warm-up request (for a pair it includes the connectors' handshake), then ``requests`` per prompt length,
-interleaved. A P/D request is driven as a proxy drives it: the prompt to the prefill (``max_tokens`` 1,
+request is 1 GiB of KV at 256 KiB per token, and each server holds one request at a time). Each server's whole
+process runs on its core, threads that left it are put back once it is healthy (``vllm_scale_affinity``, which says
+why). Each setup gets one warm-up request (for a pair it includes the connectors' handshake), its servers' idle CPU
+over 5 s, then ``requests`` per prompt length, interleaved. A P/D request is driven as a proxy drives it: the prompt to the prefill (``max_tokens`` 1,
 ``do_remote_decode``), then the prompt with the returned params to the decode, streamed. Measured from outside, the
 same way for both connectors:
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_transfer.affinity import allowed_cpu
-from pd_transfer.bench.vllm_pairs import CPU_INDEX, Pair, bench_server, start_servers
+from pd_transfer.bench.vllm_pairs import CPU_INDEX, Pair, bench_server, idle_cpu_percent, start_servers
 from pd_transfer.bench.vllm_requests import (
     USAGE,
     DecodeCounters,
@@ -218,6 +219,8 @@ def _phase(
         data["first_request"] = measure(run.prompts["warmup"][0], f"scale-{name}-warmup-{time.time_ns()}")
         data["first_request"].pop("tokens")
         log(f"  warm-up: {data['first_request']}")
+        data["idle_cpu_percent"] = idle_cpu_percent(servers)
+        log(f"  idle CPU (% of a core): {data['idle_cpu_percent']}")
         for index, prompt in enumerate(run.prompts["measured"]):
             record = measure(prompt, f"scale-{name}-{index}-{time.time_ns()}")
             data["requests"].append(record)

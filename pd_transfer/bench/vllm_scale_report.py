@@ -79,6 +79,7 @@ def _setup_entry(name: str, data: Mapping[str, Any], plain: Mapping[str, Any] | 
         "first_request": data.get("first_request"),
         "load_average_1m": data.get("load_average_1m"),
         "threads": data.get("threads"),
+        "idle_cpu_percent": data.get("idle_cpu_percent"),
         "by_length": by_length,
         "requests": [{k: v for k, v in r.items() if k != "tokens"} for r in records],
         "error": data.get("error"),
