@@ -6,9 +6,9 @@ and the reference tokens), then for each connector a prefill (core 0) + decode (
 request is 1 GiB of KV at 256 KiB per token, and each server holds one request at a time). Each server's whole
 process runs on its core, threads that left it are put back once it is healthy (``vllm_scale_affinity``, which says
 why). Each setup gets one warm-up request (for a pair it includes the connectors' handshake), its servers' idle CPU
-over 5 s, then ``requests`` per prompt length, interleaved. A P/D request is driven as a proxy drives it: the prompt to the prefill (``max_tokens`` 1,
-``do_remote_decode``), then the prompt with the returned params to the decode, streamed. Measured from outside, the
-same way for both connectors:
+over 5 s, then ``requests`` per prompt length, interleaved. A P/D request is driven as a proxy drives it: the
+prompt to the prefill (``max_tokens`` 1, ``do_remote_decode``), then the prompt with the returned params to the
+decode, streamed. Measured from outside, the same way for both connectors:
 
 - ``decode_ttft_s``: the decode request sent until its first streamed token (the KV load is on this path);
 - ``pd_ttft_s``: the prefill hop's seconds plus ``decode_ttft_s`` (what a user of the proxy waits);
