@@ -21,6 +21,7 @@ from msgspec import msgpack
 from pd_transfer.offload import DirectoryTier, OffloadMetrics, PageFormat, TierBlocks, chain_block_keys
 from pd_transfer.offload.checksum import payload_checksum
 from pd_transfer.offload.files import HEADER_BYTES, _NewFile, check_header
+from pd_transfer.offload.hash_ahead import ChecksumsAhead
 from pd_transfer.spec import ModelFingerprint
 
 MODEL = ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=2, head_size=8)
@@ -100,7 +101,8 @@ def test_a_reused_file_another_process_swept_meanwhile_is_replaced_by_a_new_one(
     spares = kept[FILE_BYTES]
     assert evicted >= 1 and len(spares) == 1 and not tier.exists(KEYS[0])
     spares[0].unlink()  # what a sweep of another process does to a temporary file it finds stale
-    tier._write_new(_NewFile(tier.path_of(KEYS[2]), KEYS[2], [(KEYS[2], block(cache, 2))]), spares[0])
+    with ChecksumsAhead([[block(cache, 2)]], ahead=False) as hashes:
+        tier._write_new(_NewFile(tier.path_of(KEYS[2]), KEYS[2], [(KEYS[2], block(cache, 2))]), spares[0], hashes, 0)
     out = empty()
     assert tier.load(KEYS[2], out) == "ok" and same(out, block(cache, 2))
     assert temporary_files(tmp_path) == []

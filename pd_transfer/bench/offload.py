@@ -9,7 +9,9 @@
   the tier: empty (its files deleted before each store, so every block file is created; the headline) and
   full (``full_tier``: at its bound, every store evicts the oldest job's files and rewrites them). The rate
   of the payload checksum the tier computes on every store and load, and the cost of creating one file in
-  that filesystem, are measured beside them.
+  that filesystem, are measured beside them, and the empty tier's store once more with every checksum computed
+  on the store's own thread (``checksum_serial``; the tier's default computes them on a helper thread while it
+  writes when the process may use two or more CPUs: ``checksum_thread``).
 
 Ratios are baseline / ours (1.0: as fast as the baseline), by the wall clock and by this process's CPU
 seconds (``*_cpu_ratio_*``: on a machine shared with other jobs, the CPU time is the steadier of the two).
@@ -48,6 +50,7 @@ from pd_transfer.offload import (
     file_keys,
 )
 from pd_transfer.offload.checksum import payload_checksum
+from pd_transfer.offload.hash_ahead import helper_useful
 from pd_transfer.spec import ModelFingerprint
 
 GOAL_RATIO = 0.7
@@ -267,6 +270,8 @@ def run(
         per_block = (
             _disk_cases(root, cache, shape, repeats, 1, cases=(("scattered", True),)) if group_blocks > 1 else {}
         )
+        serial = _disk_cases(root, cache, shape, repeats, group_blocks, cases=(("scattered", True),),
+                             checksum_thread=False, full_tier=False)  # fmt: skip
         create_us = file_create_us(root)
         filesystem = filesystem_of(root)
         blocks = [[t[b].numpy() for t in cache] for b in range(shape.blocks)]
@@ -282,8 +287,14 @@ def run(
         "checksum_gb_s": _rate(shape.job_bytes, crc_s),
         "file_create_us": create_us,
         "group_blocks": group_blocks,
+        "checksum_thread": helper_useful(),  # the tier's default here: a helper thread with 2+ CPUs
     }
     disk_result |= {label: _rates(shape, case, "file_write", "file_read") for label, case in disk.items()}
+    # the empty tier's scattered case again, every checksum computed on the store's own thread (the code before
+    # the helper thread), in this run
+    disk_result["checksum_serial"] = {
+        label: _rates(shape, case, "file_write", "file_read") for label, case in serial.items()
+    }
     if per_block:  # the same cases with a file per block (group_blocks 1), measured in this run
         disk_result["per_block"] = {
             label: _rates(shape, case, "file_write", "file_read") for label, case in per_block.items()
@@ -301,14 +312,21 @@ def _disk_cases(
     repeats: int,
     group_blocks: int,
     cases: tuple[tuple[str, bool], ...] = _CASES,
+    *,
+    checksum_thread: bool | None = None,
+    full_tier: bool = True,
 ) -> dict[str, dict]:
     """The disk tier's cases: an empty tier (``cases``: contiguous and scattered engine blocks), and a full one
-    (its bound two jobs, two untimed rounds to fill it, then every store evicts the oldest job's files)."""
+    (its bound two jobs, two untimed rounds to fill it, then every store evicts the oldest job's files).
+    ``checksum_thread``: the tier's (None: its default)."""
     fmt = shape.page_format()
-    tier = DirectoryTier(root / f"tier{group_blocks}", fmt, max_bytes=4 * shape.job_bytes, group_blocks=group_blocks)
+    tier = DirectoryTier(root / f"tier{group_blocks}", fmt, max_bytes=4 * shape.job_bytes, group_blocks=group_blocks,
+                         checksum_thread=checksum_thread)  # fmt: skip
     files = _file_baseline(root, tier, cache, shape, full=False)
     result = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in cases}
     shutil.rmtree(tier.directory, ignore_errors=True)
+    if not full_tier:
+        return result
     groups, tail = divmod(shape.blocks, group_blocks) if group_blocks > 1 else (0, shape.blocks)
     bound = 2 * (groups * tier.group_file_bytes + tail * tier.file_bytes)  # two jobs' files
     full = DirectoryTier(root / f"full{group_blocks}", fmt, max_bytes=bound, group_blocks=group_blocks)
@@ -362,7 +380,7 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
         "goals_met": all(ratio >= GOAL_RATIO for ratio in ratios),
         "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered"))
         and disk["full_tier"]["verified"]
-        and all(case["verified"] for case in disk.get("per_block", {}).values()),
+        and all(case["verified"] for key in ("per_block", "checksum_serial") for case in disk.get(key, {}).values()),
         "end_to_end": None,
         "end_to_end_note": "measured by `bench offload --end-to-end` (real vLLM servers), not by this run",
     }
@@ -402,6 +420,8 @@ def cli_run(args: argparse.Namespace) -> int:
             f" load {disk['full_tier_load_ratio_vs_file_read']:.3f} x plain read;"
             f" creating a file {disk['file_create_us']} us"
         )
+        serial = disk["checksum_serial"]["scattered"]
+        print(f"  disk, checksum on the store's thread  store {serial['store_ratio_vs_file_write']:.3f} x plain write")
         for label, case in disk.get("per_block", {}).items():
             print(
                 f"  disk, a file per block ({label})  store {case['store_ratio_vs_file_write']:.3f} x plain write,"

@@ -18,9 +18,10 @@ must be recomputed. A writer killed before its rename leaves only a temporary fi
 and :meth:`DirectoryTier.sweep` deletes once it is ``stale_temp_seconds`` old. Files of the per-block
 format (version 2) written before groups existed are block files: still read, and swept like any other.
 
-The checksum of each block is computed right before its write and right after its read, on the worker's
-thread, while its bytes are in the CPU's caches (a second thread was slower under load: full tier 560
-against 469 ms per 256 MiB).
+A file's payload is written first and its header, which holds the payload checksums, last, at offset 0, before
+the rename. With two or more CPUs a store job's checksums are computed on a helper thread while the job writes
+(:mod:`.hash_ahead`: the checksum off the write's critical path); else each file's right before its payload is
+written. A load checks each block right after its read, while its bytes are in the CPU's caches.
 
 The size bound covers every block and group file under ``root``. Before a batch of new files is written, a
 sweep scans them when this process's estimate plus the batch passes ``max_bytes`` and after every 10% of
@@ -62,6 +63,7 @@ from .file_format import (
 )
 from .file_io import TEMP_SUFFIX, publish, temp_name, touch, walk, write_all, writing
 from .groups import GroupReader
+from .hash_ahead import MIN_AHEAD_BYTES, ChecksumsAhead, helper_useful
 from .keys import BlockKey, check_key, short
 from .metrics import OffloadMetrics
 from .specs import PageFormat, TierBlocks
@@ -108,10 +110,13 @@ class DirectoryTier:
         metrics: OffloadMetrics | None = None,
         clock: Callable[[], float] = time.time,
         group_blocks: int = DEFAULT_GROUP_BLOCKS,
+        checksum_thread: bool | None = None,
     ) -> None:
         """``fsync``: flush each file before its rename (survives power loss, costs a disk flush per file;
         without it a process crash still never leaves a torn file). ``clock`` is wall time, compared with
-        file mtimes to find stale temporary files. ``group_blocks``: blocks per group file (1: none)."""
+        file mtimes to find stale temporary files. ``group_blocks``: blocks per group file (1: none).
+        ``checksum_thread``: compute a store job's checksums on a helper thread while it writes
+        (:mod:`.hash_ahead`); None: when this process may use more than one CPU."""
         if max_bytes < page_format.block_bytes + HEADER_BYTES:
             raise OffloadInputError(f"max_bytes {max_bytes} holds no block of {page_format.block_bytes} bytes")
         self.root = Path(root)
@@ -120,6 +125,7 @@ class DirectoryTier:
         self.fsync = fsync
         self.stale_temp_seconds = stale_temp_seconds
         self.group_blocks = check_group_blocks(group_blocks)
+        self.checksum_thread = helper_useful() if checksum_thread is None else bool(checksum_thread)
         self._metrics = metrics
         self._clock = clock
         self._tag = page_format.tag
@@ -157,39 +163,40 @@ class DirectoryTier:
         return self.path_of(key).is_file()
 
     # ------------------------------------------------------------------ writing files
-    def write_temp(
-        self, key: BlockKey, pages: Pages, checksum: int | None = None, *, reuse: Path | None = None
-    ) -> Path:
+    def write_temp(self, key: BlockKey, pages: Pages, *, reuse: Path | None = None) -> Path:
         """Write ``key``'s block to a temporary block file and return its path: a new file beside the block's
-        final name, or ``reuse`` (a temporary file of this process, e.g. an evicted file, overwritten whole).
-        ``checksum``: the pages' :func:`payload_checksum` if the caller has it (else computed here)."""
+        final name, or ``reuse`` (a temporary file of this process, e.g. an evicted file, overwritten whole)."""
         self._check_pages(pages)
-        if checksum is None:
-            checksum = payload_checksum(pages)
-        header = encode_header(key, self._tag, self.page_format.block_bytes, checksum)
-        temp, fd = self._open_temp(self.path_of(key), reuse)
-        with writing(fd, temp):
-            write_all(fd, [memoryview(header), *(page.data for page in pages)])
-            self._finish(fd, reuse is not None, self.file_bytes)
-        return temp
+        with ChecksumsAhead([[pages]], ahead=False) as hashes:
+            return self._write_file(_NewFile(self.path_of(key), key, [(key, pages)]), reuse, hashes, 0)
 
-    def _write_group_temp(self, new: _NewFile, reuse: Path | None) -> Path:
-        """Write a group file to a temporary file (new, or ``reuse``): payloads first, each block checksummed
-        right before its write, then the header naming the blocks and their checksums."""
-        block_bytes = self.page_format.block_bytes
-        header_bytes = group_header_bytes(len(new.blocks))
+    def _write_file(self, new: _NewFile, reuse: Path | None, hashes: ChecksumsAhead, index: int) -> Path:
+        """Write ``new`` (file ``index`` of ``hashes``) to a temporary file (new, or ``reuse`` overwritten
+        whole) and return its path: the payload first, then the header with the blocks' checksums at offset 0.
+        Until that header is written the file has none (a hole, or a reused file's old header, which the new
+        payload fails); no reader opens a temporary file anyway."""
+        header_bytes = self._size_of(new) - len(new.blocks) * self.page_format.block_bytes
         temp, fd = self._open_temp(new.final, reuse)
         with writing(fd, temp):
             os.lseek(fd, header_bytes, os.SEEK_SET)
-            entries = []
-            for key, pages in new.blocks:
-                entries.append((key, payload_checksum(pages)))
+            checksums = []
+            for _key, pages in new.blocks:
+                if not hashes.ahead:  # right before its write, so the write reads the bytes from the CPU's caches
+                    checksums.append(payload_checksum(pages))
                 write_all(fd, [page.data for page in pages])
-            header = encode_group_header(new.name_key, self._tag, block_bytes, entries)
+            header = self._header_of(new, hashes.result(index) if hashes.ahead else checksums)
             if os.pwrite(fd, header, 0) != len(header):
-                raise OSError("short write of a group file's header")
-            self._finish(fd, reuse is not None, header_bytes + len(new.blocks) * block_bytes)
+                raise OSError(f"short write of the header of {new.final.name}")
+            self._finish(fd, reuse is not None, self._size_of(new))
         return temp
+
+    def _header_of(self, new: _NewFile, checksums: list[int]) -> bytes:
+        """The header of ``new``, given its blocks' payload checksums in order."""
+        block_bytes = self.page_format.block_bytes
+        if not new.grouped:
+            return encode_header(new.name_key, self._tag, block_bytes, checksums[0])
+        entries = [(key, checksum) for (key, _pages), checksum in zip(new.blocks, checksums, strict=True)]
+        return encode_group_header(new.name_key, self._tag, block_bytes, entries)
 
     def _finish(self, fd: int, reused: bool, size: int) -> None:
         """Cut a reused file to ``size`` bytes; fsync if configured."""
@@ -231,15 +238,22 @@ class DirectoryTier:
     def _store_new(self, new: Sequence[_NewFile]) -> None:
         """Write and publish files not on disk yet. One sweep for the whole batch makes room first when it
         is due, and the files it evicts are rewritten with new ones of the same size (none created or deleted)."""
-        spares = self._make_room([self._size_of(f) for f in new]) if new else {}
-        try:
-            for file in new:
-                pool = spares.get(self._size_of(file))
-                self._write_new(file, pool.pop() if pool else None)
-        finally:
-            for pool in spares.values():  # a batch cut short by an error
-                for spare in pool:
-                    spare.unlink(missing_ok=True)
+        if not new:
+            return
+        ahead = (
+            self.checksum_thread and sum(len(f.blocks) for f in new) * self.page_format.block_bytes >= MIN_AHEAD_BYTES
+        )
+        spares: dict[int, list[Path]] = {}
+        with ChecksumsAhead([[pages for _key, pages in f.blocks] for f in new], ahead=ahead) as hashes:  # starts now
+            try:
+                spares = self._make_room([self._size_of(f) for f in new])
+                for index, file in enumerate(new):
+                    pool = spares.get(self._size_of(file))
+                    self._write_new(file, pool.pop() if pool else None, hashes, index)
+            finally:
+                for pool in spares.values():  # a batch cut short by an error
+                    for spare in pool:
+                        spare.unlink(missing_ok=True)
 
     def _make_room(self, sizes: list[int]) -> dict[int, list[Path]]:
         """Sweep before writing files of ``sizes`` bytes if the bound or the periodic rescan is due; returns the
@@ -250,13 +264,13 @@ class DirectoryTier:
             return self._sweep(Counter(sizes))[1]
         return {}
 
-    def _write_new(self, new: _NewFile, spare: Path | None) -> None:
+    def _write_new(self, new: _NewFile, spare: Path | None, hashes: ChecksumsAhead, index: int) -> None:
         """Write and publish one file (into ``spare``, an evicted file of its size, if given); account for it."""
-        temp = self._write_temp_of(new, spare)
+        temp = self._write_file(new, spare, hashes, index)
         try:
             publish(temp, new.final)
         except FileNotFoundError:  # another process's sweep took the reused file for a stale temporary one
-            publish(self._write_temp_of(new, None), new.final)
+            publish(self._write_file(new, None, hashes, index), new.final)
             temp.unlink(missing_ok=True)
         size = self._size_of(new)
         self._written_since_scan += size
@@ -264,12 +278,6 @@ class DirectoryTier:
             self._estimated_bytes += size
             if self._estimated_bytes > self.max_bytes:  # a batch larger than the room its sweep made
                 self.sweep()
-
-    def _write_temp_of(self, new: _NewFile, spare: Path | None) -> Path:
-        if new.grouped:
-            return self._write_group_temp(new, spare)
-        key, pages = new.blocks[0]
-        return self.write_temp(key, pages, reuse=spare)
 
     def _size_of(self, new: _NewFile) -> int:
         if not new.grouped:

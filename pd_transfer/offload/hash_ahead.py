@@ -1,0 +1,100 @@
+"""The payload checksums of a disk store job's files, computed on a helper thread while the job writes them.
+
+The disk tier writes each file's payload first and its header, which holds the payload checksums, last
+(:mod:`.files`). With ``ahead``, one helper thread hashes the job's files in order while the store's thread
+writes them: ``xxhash`` releases the GIL while it hashes a buffer and ``os.writev`` while the kernel copies one,
+so on two cores the checksum leaves the write's critical path, and the store waits for a file's checksums only
+right before writing that file's header (measured: docs/offload.md, "Benchmark"). Without ``ahead`` (one CPU,
+or a job too small to gain) the store hashes each block on its own thread right before writing it, while the
+bytes are in the CPU's caches.
+
+The helper is one thread per process, started on first use and blocked on its queue while idle (it never
+spins); a forked child starts its own. Contract: the pages stay unchanged until the context exits; on exit
+every file not started is cancelled and a running one is waited for, so nothing reads them after the store
+returns (the engine may then reuse its blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from types import TracebackType
+
+import numpy as np
+
+from .checksum import payload_checksum
+
+#: a job of fewer payload bytes hashes on the caller's thread (a hand-off costs tens of microseconds)
+MIN_AHEAD_BYTES = 1 << 20
+#: seconds a store waits for one file's checksums (CPU work only: reached only if the process is starved)
+WAIT_SECONDS = 300.0
+
+Pages = Sequence[np.ndarray]
+
+_lock = threading.Lock()
+_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, the helper)
+
+
+def helper_useful() -> bool:
+    """Whether this process may run on more than one CPU (else a helper thread only adds hand-offs)."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except AttributeError:  # no sched_getaffinity on this platform
+        return (os.cpu_count() or 1) > 1
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's helper thread (a new one in a forked child: the parent's thread does not exist there)."""
+    global _helper
+    with _lock:
+        if _helper is None or _helper[0] != os.getpid():
+            _helper = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-offload-checksum"))
+        return _helper[1]
+
+
+def file_checksums(blocks: Sequence[Pages]) -> list[int]:
+    """The :func:`~.checksum.payload_checksum` of each block (its pages in format order), in order."""
+    return [payload_checksum(pages) for pages in blocks]
+
+
+class ChecksumsAhead:
+    """The checksums of ``files`` (each a list of blocks, each block's pages), for one store job. ``ahead``:
+    all files are queued on the helper thread at once, in order; else computed when asked."""
+
+    def __init__(self, files: Sequence[Sequence[Pages]], *, ahead: bool) -> None:
+        self._files = files
+        self._futures: list[Future[list[int]]] = []
+        if ahead and files:
+            pool = _pool()
+            self._futures = [pool.submit(file_checksums, blocks) for blocks in files]
+
+    @property
+    def ahead(self) -> bool:
+        """Whether the helper thread computes the checksums."""
+        return bool(self._futures)
+
+    def __enter__(self) -> ChecksumsAhead:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.settle()
+
+    def result(self, index: int) -> list[int]:
+        """File ``index``'s checksums, one per block in order: the helper's (waits at most ``WAIT_SECONDS``, then
+        :class:`TimeoutError`), or without ``ahead`` computed here."""
+        if not self._futures:
+            return file_checksums(self._files[index])
+        return self._futures[index].result(timeout=WAIT_SECONDS)
+
+    def settle(self) -> None:
+        """Cancel the files not started; wait for a running one. Afterwards no helper task reads the pages."""
+        for future in self._futures:
+            future.cancel()
+        wait(self._futures, timeout=WAIT_SECONDS)
+
+    @property
+    def pending(self) -> int:
+        """Helper tasks of this job not finished (0 after :meth:`settle`)."""
+        return sum(not future.done() for future in self._futures)
