@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from msgspec import msgpack
 
-from pd_transfer.offload import DirectoryTier, PageFormat, TierBlocks, chain_block_keys, file_keys
+from pd_transfer.offload import DirectoryTier, PageFormat, TierBlocks, chain_block_keys, file_keys, hash_ahead
 from pd_transfer.offload.hash_ahead import MIN_AHEAD_BYTES, ChecksumsAhead, file_checksums, helper_useful
 from pd_transfer.spec import ModelFingerprint
 
@@ -188,3 +188,20 @@ def test_a_forked_child_hashes_on_its_own_helper(tmp_path: Path) -> None:
     out = zeros()
     assert parent.load_blocks(job(chain(22)), range(BLOCKS), out)[1] == []
     assert all(np.array_equal(a, b) for a, b in zip(out, engine(22), strict=True))
+
+
+def test_a_file_the_helper_has_not_started_is_hashed_by_the_store_itself() -> None:
+    cache = engine(5, 16)
+    files = [[[page[b] for page in cache] for b in range(first, first + 4)] for first in range(0, 16, 4)]
+    release = threading.Event()
+    busy = hash_ahead._pool().submit(release.wait, 60)  # the helper busy elsewhere (no CPU for it, say)
+    try:
+        with ChecksumsAhead(files, ahead=True) as hashes:
+            assert hashes.result(2) == file_checksums(files[2])  # not started: computed here, no wait
+            assert hashes.pending == len(files) - 1
+            release.set()
+            assert [hashes.result(i) for i in (0, 1, 3)] == [file_checksums(files[i]) for i in (0, 1, 3)]
+        assert hashes.pending == 0
+    finally:
+        release.set()
+        busy.result(60)

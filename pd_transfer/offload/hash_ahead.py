@@ -4,9 +4,10 @@ The disk tier writes each file's payload first and its header, which holds the p
 (:mod:`.files`). With ``ahead``, one helper thread hashes the job's files in order while the store's thread
 writes them: ``xxhash`` releases the GIL while it hashes a buffer and ``os.writev`` while the kernel copies one,
 so on two cores the checksum leaves the write's critical path, and the store waits for a file's checksums only
-right before writing that file's header (measured: docs/offload.md, "Benchmark"). Without ``ahead`` (one CPU,
-or a job too small to gain) the store hashes each block on its own thread right before writing it, while the
-bytes are in the CPU's caches.
+right before writing that file's header (measured: docs/offload.md, "Benchmark"). A file the helper has not
+started by then is hashed by the store itself (the helper falls behind when the other CPUs are busy), so a store
+never waits for a helper that gets no CPU. Without ``ahead`` (one CPU, or a job too small to gain) the store
+hashes each block on its own thread right before writing it, while the bytes are in the CPU's caches.
 
 The helper is one thread per process, started on first use and blocked on its queue while idle (it never
 spins); a forked child starts its own. Contract: the pages stay unchanged until the context exits; on exit
@@ -83,10 +84,12 @@ class ChecksumsAhead:
 
     def result(self, index: int) -> list[int]:
         """File ``index``'s checksums, one per block in order: the helper's (waits at most ``WAIT_SECONDS``, then
-        :class:`TimeoutError`), or without ``ahead`` computed here."""
-        if not self._futures:
+        :class:`TimeoutError`); computed here without ``ahead`` or when the helper has not started the file yet
+        (then it never will: a store never waits for a helper that gets no CPU)."""
+        future = self._futures[index] if self._futures else None
+        if future is None or future.cancel():  # not started (the helper is behind, e.g. no free CPU): here
             return file_checksums(self._files[index])
-        return self._futures[index].result(timeout=WAIT_SECONDS)
+        return future.result(timeout=WAIT_SECONDS)
 
     def settle(self) -> None:
         """Cancel the files not started; wait for a running one. Afterwards no helper task reads the pages."""
