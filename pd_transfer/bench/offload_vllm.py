@@ -2,7 +2,8 @@
 on real vLLM servers, against recomputing that prefix.
 
 One vLLM server per setup, one at a time, all with the same model, flags and a small KV cache
-(``CACHE_BLOCKS`` blocks of ``BLOCK`` tokens):
+(``CACHE_BLOCKS`` blocks of ``BLOCK`` tokens); the tiers' byte budgets follow the model's KV bytes per token
+(:mod:`.offload_vllm_sizing`, which also saves the results per model):
 
 * ``recompute``: no connector; the prefix is computed again (the baseline, and the reference tokens);
 * ``pd_host``: ``PdOffloadConnector`` with a host tier (and a directory behind it): B's prefix from host memory;
@@ -58,18 +59,10 @@ from pd_transfer.cluster.launch import (
 )
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, wait_ready
 
+from .offload_vllm_sizing import BLOCK, MAX_TOKENS, PREFIX, TAIL, Sizing, save_result, sizing_for
+
 __all__ = ["SETUPS", "Settings", "add_arguments", "cli_run", "run_end_to_end", "vllm_absent"]
 
-BLOCK = 128
-CACHE_BLOCKS = 18  # vLLM's own cache (one block is vLLM's null block): room for --max-model-len 2048
-PREFIX = 1500
-TAIL = 24
-MAX_TOKENS = 8
-MAX_MODEL_LEN = 2048
-KV_CACHE_GIB = 64 / 1024
-HOST_BYTES = 64 * 2**20
-DIR_BYTES = 256 * 2**20
-VLLM_CPU_BYTES = 64 * 2**20
 GOAL_HOST_VS_BEST_VLLM = 0.8
 PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
@@ -79,8 +72,9 @@ MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"
 _EXCEPTION = re.compile(r"^(\(\w+ pid=\d+\) )?([\w.]+)?(Error|Exception)\b: ")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-#: setup -> (what it is, its ``--kv-transfer-config`` given a fresh scratch directory; None: no connector)
-ConfigOf = Callable[[Path], dict[str, object] | None]
+#: setup -> (what it is, its ``--kv-transfer-config`` given a fresh scratch directory and the model's budgets;
+#: None: no connector)
+ConfigOf = Callable[[Path, Sizing], dict[str, object] | None]
 
 
 def _pd_config(extra: dict[str, object]) -> dict[str, object]:
@@ -92,34 +86,36 @@ def _pd_config(extra: dict[str, object]) -> dict[str, object]:
     }
 
 
-def _pd_host(scratch: Path) -> dict[str, object]:
-    return _pd_config({"offload_host_bytes": HOST_BYTES, "offload_dir": str(scratch), "offload_dir_bytes": DIR_BYTES})
+def _pd_host(scratch: Path, size: Sizing) -> dict[str, object]:
+    return _pd_config(
+        {"offload_host_bytes": size.host_bytes, "offload_dir": str(scratch), "offload_dir_bytes": size.dir_bytes}
+    )
 
 
-def _pd_host_only(scratch: Path) -> dict[str, object]:
-    return _pd_config({"offload_host_bytes": HOST_BYTES})
+def _pd_host_only(scratch: Path, size: Sizing) -> dict[str, object]:
+    return _pd_config({"offload_host_bytes": size.host_bytes})
 
 
-def _pd_host_async(scratch: Path) -> dict[str, object]:
-    return _pd_config({"offload_host_bytes": HOST_BYTES, "offload_load": "async"})
+def _pd_host_async(scratch: Path, size: Sizing) -> dict[str, object]:
+    return _pd_config({"offload_host_bytes": size.host_bytes, "offload_load": "async"})
 
 
-def _pd_disk(scratch: Path) -> dict[str, object]:
-    return _pd_config({"offload_dir": str(scratch), "offload_dir_bytes": DIR_BYTES})
+def _pd_disk(scratch: Path, size: Sizing) -> dict[str, object]:
+    return _pd_config({"offload_dir": str(scratch), "offload_dir_bytes": size.dir_bytes})
 
 
-def _vllm_offloading(scratch: Path) -> dict[str, object]:
-    extra = {"cpu_bytes_to_use": VLLM_CPU_BYTES}
+def _vllm_offloading(scratch: Path, size: Sizing) -> dict[str, object]:
+    extra = {"cpu_bytes_to_use": size.vllm_cpu_bytes}
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
-def _vllm_example(scratch: Path) -> dict[str, object]:
+def _vllm_example(scratch: Path, size: Sizing) -> dict[str, object]:
     extra = {"shared_storage_path": str(scratch)}
     return {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 SETUPS: dict[str, tuple[str, ConfigOf]] = {
-    "recompute": ("no connector: the prefix is computed again", lambda scratch: None),
+    "recompute": ("no connector: the prefix is computed again", lambda scratch, size: None),
     "pd_host": ("PdOffloadConnector, host tier hit", _pd_host),
     "pd_host_only": ("PdOffloadConnector, host tier alone (no directory behind it)", _pd_host_only),
     "pd_host_async": ("PdOffloadConnector, host tier alone, loads asynchronous (offload_load: async)", _pd_host_async),
@@ -132,7 +128,7 @@ VLLM_SETUPS = ("vllm_offloading", "vllm_example")
 LOCAL_HIT = "local_hit"
 SETUPS[LOCAL_HIT] = (
     "no connector, no flush: B's prefix is a hit in vLLM's own prefix cache (the floor)",
-    lambda _: None,
+    lambda scratch, size: None,
 )
 
 
@@ -147,7 +143,16 @@ class Settings:
     startup_timeout_s: float = 900.0
     setups: tuple[str, ...] = tuple(SETUPS)
     salt: int = field(default_factory=lambda: time.time_ns() % 10**9)
+    sizing: Sizing | None = None  # None: from the model's config.json when the run starts
+    note: str = ""  # what this run left out or changed, saved with it
+    load_at_start: float | None = None
     log: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _size(settings: Settings) -> Sizing:
+    if settings.sizing is None:
+        settings.sizing = sizing_for(settings.model)
+    return settings.sizing
 
 
 def vllm_absent(python: str) -> str | None:
@@ -168,7 +173,8 @@ def _tokens(length: int, seed: int, salt: int) -> list[int]:
 
 
 def _server(name: str, config: dict[str, object] | None, settings: Settings) -> ManagedProcess:
-    args: tuple[str, ...] = ("--num-gpu-blocks-override", str(CACHE_BLOCKS))
+    size = _size(settings)
+    args: tuple[str, ...] = ("--num-gpu-blocks-override", str(size.cache_blocks))
     if config is not None:
         args += ("--kv-transfer-config", json.dumps(config))
     spec = ServerSpec(
@@ -178,10 +184,10 @@ def _server(name: str, config: dict[str, object] | None, settings: Settings) -> 
         side_channel_port=free_port(),
         block_size=BLOCK,
         cpu_bind=allowed_cpu(0),
-        kvcache_gib=KV_CACHE_GIB,
+        kvcache_gib=size.kv_cache_bytes / 2**30,
         extra_args=args,
         dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=size.max_model_len,
         seed=0,
     )
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
@@ -290,7 +296,7 @@ def _run_setup(name: str, settings: Settings) -> dict[str, Any]:
     """Start the setup's server, run its rounds, stop it: the rounds, or the error that stopped it."""
     describe, config_of = SETUPS[name]
     scratch = Path(tempfile.mkdtemp(prefix=f"pd-e2e-{name}-"))
-    server = _server(name, config_of(scratch), settings)
+    server = _server(name, config_of(scratch, _size(settings)), settings)
     result: dict[str, Any] = {"what": describe, "log": f"{name}.log"}
     try:
         server.start()
@@ -359,6 +365,7 @@ def _verdict(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def run_end_to_end(settings: Settings) -> dict[str, Any]:
     """Every setup in turn (recompute first: its tokens are the reference); the JSON-ready result."""
     settings.log_dir.mkdir(parents=True, exist_ok=True)
+    settings.load_at_start = round(os.getloadavg()[0], 2)
     rows: dict[str, dict[str, Any]] = {}
     reference: list[list[str]] | None = None
     for name in settings.setups:
@@ -374,18 +381,29 @@ def run_end_to_end(settings: Settings) -> dict[str, Any]:
 
 
 def _result(settings: Settings, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    size = _size(settings)
+    load_end = round(os.getloadavg()[0], 2)
     return {
         "method": (
-            f"one vLLM server per setup, one at a time, bound to one core; {CACHE_BLOCKS} blocks of {BLOCK} tokens; "
+            f"one vLLM server per setup, one at a time, bound to one core; {size.cache_blocks} blocks of {BLOCK} "
+            f"tokens, --max-model-len {size.max_model_len}, float32; tier budgets from the model's KV bytes per token "
+            f"(sizing); "
             f"request A ({PREFIX}-token prefix + {TAIL}-token tail), POST /reset_prefix_cache (vLLM's own cache "
             f"only), then B (same prefix, another tail) streamed, timed to its first token, then B again (a hit "
             f"in vLLM's own cache: over_local_hit_ms is the median of the differences); 1 warm-up round, "
             f"{settings.repeats} measured rounds with fresh prefixes; greedy, {MAX_TOKENS} tokens"
         ),
         "model": Path(settings.model).name,
+        "kv_bytes_per_token": size.kv_bytes_per_token,
+        "sizing": size.as_json(),
         "prefix_tokens": PREFIX,
         "repeats": settings.repeats,
-        "machine": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
+        "note": settings.note,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1m": load_end,
+            "load_average_1m_start": settings.load_at_start,
+        },
         "setups": rows,
     } | _verdict(rows)
 
@@ -394,12 +412,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The end-to-end flags of ``pd-transfer bench offload`` (``--repeats`` and ``--json`` are the command's)."""
     parser.add_argument("--end-to-end", action="store_true", help="TTFT of prefix hits on real vLLM servers")
     parser.add_argument("--output", type=Path, default=None,
-                        help="end-to-end: merge the result into this JSON file's end_to_end key")  # fmt: skip
+                        help="end-to-end: merge the result into this JSON file (end_to_end*)")  # fmt: skip
     parser.add_argument("--model", default=None, help=f"end-to-end: model folder (${MODEL_ENV} or {TINY_MODEL_DIR})")
     parser.add_argument("--python", default=sys.executable, help="end-to-end: the interpreter that runs vLLM")
     parser.add_argument("--log-dir", type=Path, default=None, help="end-to-end: server logs (runs/bench-offload-*)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="end-to-end: seconds to healthy")
     parser.add_argument("--setups", default=",".join(SETUPS), help=f"end-to-end: a subset of {','.join(SETUPS)}")
+    parser.add_argument("--note", default="", help="end-to-end: a note saved with the result (what was left out)")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -414,16 +433,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         repeats=args.repeats,
         startup_timeout_s=args.startup_timeout,
         setups=setups,
+        note=args.note,
     )
-
-
-def _save(path: Path, result: dict[str, Any]) -> None:
-    """Merge ``result`` into ``path``'s ``end_to_end`` key (the rest of the file kept)."""
-    whole: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    whole["end_to_end"] = result
-    whole.pop("end_to_end_note", None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(whole, indent=4) + "\n")
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -454,9 +465,14 @@ def cli_run(args: argparse.Namespace) -> int:
         print(f"pd-transfer bench offload --end-to-end: no model at {settings.model} (pd-transfer make-model)",
               file=sys.stderr)  # fmt: skip
         return 2
+    try:
+        settings.sizing = sizing_for(settings.model)
+    except ValueError as error:
+        print(f"pd-transfer bench offload --end-to-end: {error}", file=sys.stderr)
+        return 2
     result = run_end_to_end(settings)
     if args.output is not None:
-        _save(args.output, result)
+        save_result(args.output, result)
     print(json.dumps(result, indent=1) if args.json else _table(result))
     ran = all("error" not in row for row in result["setups"].values())
     return 0 if ran and result["verified"] else 1
