@@ -35,7 +35,17 @@ WAIT_SECONDS = 300.0
 Pages = Sequence[np.ndarray]
 
 _lock = threading.Lock()
-_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, the helper)
+_helper: ThreadPoolExecutor | None = None
+
+
+def _forget_helper() -> None:
+    """In a forked child: the parent's helper thread does not exist there, and the lock may have been held."""
+    global _lock, _helper
+    _lock, _helper = threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper)
 
 
 def helper_useful() -> bool:
@@ -47,12 +57,12 @@ def helper_useful() -> bool:
 
 
 def _pool() -> ThreadPoolExecutor:
-    """The process's helper thread (a new one in a forked child: the parent's thread does not exist there)."""
+    """The process's helper thread, started on first use."""
     global _helper
     with _lock:
-        if _helper is None or _helper[0] != os.getpid():
-            _helper = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-offload-checksum"))
-        return _helper[1]
+        if _helper is None:
+            _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-offload-checksum")
+        return _helper
 
 
 def file_checksums(blocks: Sequence[Pages]) -> list[int]:
