@@ -23,6 +23,7 @@ from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemot
 from .probe import peer_gone
 from .progress import AdaptivePoller, busy_poll_seconds, read_wait_seconds
 from .read_stats import ReadStats
+from .tcp import apply_tcp_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class TransferAgent:
         self._lock = threading.RLock()
         self._on_notification = on_notification
         quiet_native_logs()
+        apply_tcp_defaults()  # UCX reads them when the agent's context is made
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         started = time.perf_counter()
         self._nixl = nixl_agent(name, config)

@@ -9,6 +9,7 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from .native import quiet_native_logs
+from .tcp import apply_tcp_defaults
 
 
 class RawNixlReader:
@@ -25,6 +26,7 @@ class RawNixlReader:
         remote_rows: np.ndarray,
     ) -> None:
         quiet_native_logs()
+        apply_tcp_defaults()  # UCX configured as for our agents: the comparison is of the read path alone
         self._agent = nixl_agent(f"raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
         self._registration = self._agent.register_memory(
             [(start, end - start, 0, "") for start, end in local_spans], "DRAM"
