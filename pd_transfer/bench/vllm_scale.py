@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_transfer.affinity import ENV as THREAD_CPUS_ENV
 from pd_transfer.affinity import allowed_cpu
 from pd_transfer.bench.vllm_pairs import CPU_INDEX, Pair, bench_server, idle_cpu_percent, start_servers
 from pd_transfer.bench.vllm_requests import (
@@ -61,8 +62,8 @@ CPU_PLACEMENT = (
     " it) and VLLM_CPU_OMP_THREADS_BIND to the same core; once healthy, every thread whose affinity no longer"
     " includes its server's core is put back on it (NixlConnector's CPU worker moves its model thread to the"
     " machine's last core, the decode's here; see setups.*.threads.moved_back); threads allowed on more cores"
-    " including their own keep that: ours widen to every CPU (PD_TRANSFER_THREAD_CPUS unset, as in production),"
-    " NixlConnector's NIXL threads stay on their server's core"
+    " including their own keep that: ours as PD_TRANSFER_THREAD_CPUS says (unset: widen to every CPU, as in"
+    " production), NixlConnector's NIXL threads stay on their server's core"
 )
 
 
@@ -271,6 +272,7 @@ def _setup(run: _Scale, started_utc: str, copy_gbps: float) -> dict[str, Any]:
         "order": ["plain", *settings.order],
         "setups": "one after the other, never two at once; prefill on core 0, decode on core 1, plain on core 0",
         "cpu_placement": CPU_PLACEMENT,
+        "pd_transfer_thread_cpus": os.environ.get(THREAD_CPUS_ENV),
         "flags": f"--dtype float32 --max-model-len {run.max_model_len} --seed 0 --block-size 128"
         + "".join(f" {arg}" for arg in run.extra_args)
         + f", {kv}",
