@@ -85,15 +85,16 @@ def test_the_helper_computes_what_the_store_thread_would_and_a_failed_job_leaves
     cache = engine(4, 64)
     files = [[[page[b] for page in cache] for b in range(first, first + 4)] for first in range(0, 64, 4)]
     with ChecksumsAhead(files, ahead=True) as hashes:
-        assert hashes.ahead
+        assert hashes.ahead and all(hashes.start(i) for i in range(len(files)))
         assert [hashes.result(i) for i in range(len(files))] == [file_checksums(f) for f in files]
     assert hashes.pending == 0
     with pytest.raises(OSError, match="disk full"), ChecksumsAhead(files * 8, ahead=True) as hashes:
-        hashes.result(0)
+        for i in range(len(files) * 8):
+            hashes.start(i)
         raise OSError("disk full")  # what a failed write does: the job ends before its other files
     assert hashes.pending == 0  # cancelled or finished: nothing reads the engine's blocks after the job
     with ChecksumsAhead(files, ahead=False) as hashes:
-        assert not hashes.ahead and hashes.result(3) == file_checksums(files[3])
+        assert not hashes.ahead and not hashes.start(3) and hashes.result(3) == file_checksums(files[3])
 
 
 WRITER = """
@@ -197,6 +198,7 @@ def test_a_file_the_helper_has_not_started_is_hashed_by_the_store_itself() -> No
     busy = hash_ahead._pool().submit(release.wait, 60)  # the helper busy elsewhere (no CPU for it, say)
     try:
         with ChecksumsAhead(files, ahead=True) as hashes:
+            assert all(hashes.start(i) for i in range(len(files)))
             assert hashes.result(2) == file_checksums(files[2])  # not started: computed here, no wait
             assert hashes.pending == len(files) - 1
             release.set()

@@ -19,9 +19,9 @@ and :meth:`DirectoryTier.sweep` deletes once it is ``stale_temp_seconds`` old. F
 format (version 2) written before groups existed are block files: still read, and swept like any other.
 
 A file's payload is written first and its header, which holds the payload checksums, last, at offset 0, before
-the rename. With two or more CPUs a store job's checksums are computed on a helper thread while the job writes
-(:mod:`.hash_ahead`: the checksum off the write's critical path); else each file's right before its payload is
-written. A load checks each block right after its read, while its bytes are in the CPU's caches.
+the rename. With two or more CPUs a file's checksums are computed on a helper thread while its payload is written
+(:mod:`.hash_ahead`: the checksum off the write's critical path); else each block's right before its write. A
+load checks each block right after its read, while its bytes are in the CPU's caches.
 
 The size bound covers every block and group file under ``root``. Before a batch of new files is written, a
 sweep scans them when this process's estimate plus the batch passes ``max_bytes`` and after every 10% of
@@ -179,12 +179,15 @@ class DirectoryTier:
         temp, fd = self._open_temp(new.final, reuse)
         with writing(fd, temp):
             os.lseek(fd, header_bytes, os.SEEK_SET)
-            checksums = []
-            for _key, pages in new.blocks:
-                if not hashes.ahead:  # right before its write, so the write reads the bytes from the CPU's caches
+            if hashes.start(index):  # the helper hashes the file while this one call writes it
+                write_all(fd, [page.data for _key, pages in new.blocks for page in pages])
+                checksums = hashes.result(index)
+            else:  # each block right before its write, so the write reads its bytes from the CPU's caches
+                checksums = []
+                for _key, pages in new.blocks:
                     checksums.append(payload_checksum(pages))
-                write_all(fd, [page.data for page in pages])
-            header = self._header_of(new, hashes.result(index) if hashes.ahead else checksums)
+                    write_all(fd, [page.data for page in pages])
+            header = self._header_of(new, checksums)
             if os.pwrite(fd, header, 0) != len(header):
                 raise OSError(f"short write of the header of {new.final.name}")
             self._finish(fd, reuse is not None, self._size_of(new))
@@ -244,7 +247,7 @@ class DirectoryTier:
             self.checksum_thread and sum(len(f.blocks) for f in new) * self.page_format.block_bytes >= MIN_AHEAD_BYTES
         )
         spares: dict[int, list[Path]] = {}
-        with ChecksumsAhead([[pages for _key, pages in f.blocks] for f in new], ahead=ahead) as hashes:  # starts now
+        with ChecksumsAhead([[pages for _key, pages in f.blocks] for f in new], ahead=ahead) as hashes:
             try:
                 spares = self._make_room([self._size_of(f) for f in new])
                 for index, file in enumerate(new):

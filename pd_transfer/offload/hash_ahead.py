@@ -1,13 +1,17 @@
 """The payload checksums of a disk store job's files, computed on a helper thread while the job writes them.
 
 The disk tier writes each file's payload first and its header, which holds the payload checksums, last
-(:mod:`.files`). With ``ahead``, one helper thread hashes the job's files in order while the store's thread
-writes them: ``xxhash`` releases the GIL while it hashes a buffer and ``os.writev`` while the kernel copies one,
-so on two cores the checksum leaves the write's critical path, and the store waits for a file's checksums only
-right before writing that file's header (measured: docs/offload.md, "Benchmark"). A file the helper has not
-started by then is hashed by the store itself (the helper falls behind when the other CPUs are busy), so a store
-never waits for a helper that gets no CPU. Without ``ahead`` (one CPU, or a job too small to gain) the store
-hashes each block on its own thread right before writing it, while the bytes are in the CPU's caches.
+(:mod:`.files`). With ``ahead``, the store hands a file to one helper thread right before it writes the file's
+payload in one ``os.writev``; the helper hashes it while the kernel copies it (``xxhash`` and ``os.writev``
+both release the GIL), and the store takes the checksums right before writing the header. So on two cores the
+checksum leaves the write's critical path (measured: docs/offload.md, "Benchmark"). One file at a time, not the
+whole job queued at once: a helper that runs while the store's thread is back in Python makes that thread wait
+for the GIL (CPython hands it over only after its 5 ms switch interval when the holder keeps taking it back, as
+a hash of 64 KiB pages one call each does); hashing a file takes less time than writing it, so the helper is idle
+again when the write returns. A file the helper has not started by then is hashed by the store itself (the
+helper falls behind when the other CPUs are busy): a store never waits for a helper that gets no CPU. Without
+``ahead`` (one CPU, or a job too small to gain) the store hashes each block on its own thread right before
+writing it, while the bytes are in the CPU's caches.
 
 The helper is one thread per process, started on first use and blocked on its queue while idle (it never
 spins); a forked child starts its own. Contract: the pages stay unchanged until the context exits; on exit
@@ -71,20 +75,19 @@ def file_checksums(blocks: Sequence[Pages]) -> list[int]:
 
 
 class ChecksumsAhead:
-    """The checksums of ``files`` (each a list of blocks, each block's pages), for one store job. ``ahead``:
-    all files are queued on the helper thread at once, in order; else computed when asked."""
+    """The checksums of ``files`` (each a list of blocks, each block's pages), for one store job. ``ahead``: the
+    helper thread hashes a file while the store writes it (:meth:`start`, then the write, then :meth:`result`);
+    else :meth:`result` computes them on the caller's thread."""
 
     def __init__(self, files: Sequence[Sequence[Pages]], *, ahead: bool) -> None:
         self._files = files
-        self._futures: list[Future[list[int]]] = []
-        if ahead and files:
-            pool = _pool()
-            self._futures = [pool.submit(file_checksums, blocks) for blocks in files]
+        self._ahead = ahead
+        self._futures: dict[int, Future[list[int]]] = {}
 
     @property
     def ahead(self) -> bool:
         """Whether the helper thread computes the checksums."""
-        return bool(self._futures)
+        return self._ahead
 
     def __enter__(self) -> ChecksumsAhead:
         return self
@@ -92,22 +95,29 @@ class ChecksumsAhead:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.settle()
 
+    def start(self, index: int) -> bool:
+        """With ``ahead``, hand file ``index`` to the helper thread (call right before writing its payload in one
+        ``os.writev``: the helper takes the GIL while the write has released it) and return True; else False."""
+        if self._ahead:
+            self._futures[index] = _pool().submit(file_checksums, self._files[index])
+        return self._ahead
+
     def result(self, index: int) -> list[int]:
         """File ``index``'s checksums, one per block in order: the helper's (waits at most ``WAIT_SECONDS``, then
-        :class:`TimeoutError`); computed here without ``ahead`` or when the helper has not started the file yet
-        (then it never will: a store never waits for a helper that gets no CPU)."""
-        future = self._futures[index] if self._futures else None
-        if future is None or future.cancel():  # not started (the helper is behind, e.g. no free CPU): here
+        :class:`TimeoutError`); computed here without ``ahead``, without :meth:`start`, or when the helper has not
+        started the file yet (then it never will: a store never waits for a helper that gets no CPU)."""
+        future = self._futures.get(index)
+        if future is None or future.cancel():
             return file_checksums(self._files[index])
         return future.result(timeout=WAIT_SECONDS)
 
     def settle(self) -> None:
         """Cancel the files not started; wait for a running one. Afterwards no helper task reads the pages."""
-        for future in self._futures:
+        for future in self._futures.values():
             future.cancel()
-        wait(self._futures, timeout=WAIT_SECONDS)
+        wait(self._futures.values(), timeout=WAIT_SECONDS)
 
     @property
     def pending(self) -> int:
         """Helper tasks of this job not finished (0 after :meth:`settle`)."""
-        return sum(not future.done() for future in self._futures)
+        return sum(not future.done() for future in self._futures.values())
