@@ -45,7 +45,7 @@ def test_a_budget_too_short_skips_with_its_reason() -> None:
         [sys.executable, str(SCRIPT), "--budget-seconds", "60"], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 3, done.stdout + done.stderr
-    assert re.search(r"skipped: a (cold|warm|image cached) run takes about \d+ s; 60 s are left", done.stderr)
+    assert re.search(r"skipped: a (cold|warm|cached-image) run takes about \d+ s; 60 s are left", done.stderr)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
