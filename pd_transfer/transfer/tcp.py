@@ -12,12 +12,17 @@ UCX's defaults accepts, and RX is raised, which costs nothing to a peer that sen
 
 UCX reads its configuration from the environment when a context is made: :func:`apply_tcp_defaults` puts these
 values into this process's environment before an agent is made, leaving any ``UCX_*`` variable the user set as it
-is. They only concern UCX's tcp transport: reads over CMA on one host do not change.
+is, when ``PD_TRANSFER_TCP_SEGMENTS=1`` (opt-in: with them on by default the compose cluster's decode loaded no KV
+between containers, cause not found yet; the benchmark sets them explicitly). They only concern UCX's tcp
+transport: reads over CMA on one host do not change.
 """
 
 from __future__ import annotations
 
 import os
+
+#: Opt-in switch for :func:`apply_tcp_defaults` ("1": on).
+OPT_IN_ENV = "PD_TRANSFER_TCP_SEGMENTS"
 
 #: Segment sizes for UCX's tcp transport (UCX memory units).
 TCP_SEGMENT_ENV: dict[str, str] = {"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_RX_SEG_SIZE": "256k"}
@@ -32,7 +37,10 @@ def tcp_ucx_env() -> dict[str, str]:
 
 
 def apply_tcp_defaults() -> dict[str, str]:
-    """Set :data:`TCP_SEGMENT_ENV` in ``os.environ`` where unset (children inherit it); returns what is in force."""
+    """With ``PD_TRANSFER_TCP_SEGMENTS=1``, set :data:`TCP_SEGMENT_ENV` in ``os.environ`` where unset (children
+    inherit it); returns what is in force (nothing when not opted in)."""
+    if os.environ.get(OPT_IN_ENV, "").strip() != "1":
+        return {}
     for key, value in TCP_SEGMENT_ENV.items():
         if not os.environ.get(key, "").strip():
             os.environ[key] = value
