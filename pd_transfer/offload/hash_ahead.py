@@ -29,6 +29,8 @@ from types import TracebackType
 
 import numpy as np
 
+from pd_transfer.affinity import allowed_cpus
+
 from .checksum import payload_checksum
 
 #: a job of fewer payload bytes hashes on the caller's thread (a hand-off costs tens of microseconds)
@@ -54,10 +56,7 @@ if hasattr(os, "register_at_fork"):
 
 def helper_useful() -> bool:
     """Whether this process may run on more than one CPU (else a helper thread only adds hand-offs)."""
-    try:
-        return len(os.sched_getaffinity(0)) > 1
-    except AttributeError:  # no sched_getaffinity on this platform
-        return (os.cpu_count() or 1) > 1
+    return len(allowed_cpus()) > 1
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -12,9 +12,9 @@ UCX's defaults accepts, and RX is raised, which costs nothing to a peer that sen
 
 UCX reads its configuration from the environment when a context is made: :func:`apply_tcp_defaults` puts these
 values into this process's environment before an agent is made, leaving any ``UCX_*`` variable the user set as it
-is, when ``PD_TRANSFER_TCP_SEGMENTS=1`` (opt-in: with them on by default the compose cluster's decode loaded no KV
-between containers, cause not found yet; the benchmark sets them explicitly). They only concern UCX's tcp
-transport: reads over CMA on one host do not change.
+is, when ``PD_TRANSFER_TCP_SEGMENTS=1``. Opt-in: with them, a decode container of the compose cluster loads no KV
+from its prefill container (cause unknown; README, "Over TCP"); the benchmark sets them itself. They only concern
+UCX's tcp transport: reads over CMA on one host do not change.
 """
 
 from __future__ import annotations
