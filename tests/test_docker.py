@@ -51,6 +51,9 @@ MOVED = {
     "PREFILL_2_PUBLISH_PORT": "9101",
     "MODEL": "/models/other",
 }
+# The host's own UCX settings (scripts/test exports UCX_NET_DEVICES=lo): none may reach a container, where lo
+# cannot carry KV between containers (UCX refuses tcp/lo across PID namespaces).
+HOST_UCX = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"}
 EXTERNAL_MODULES = {"vllm"}  # checked only where installed (the image has them; the dev venv has not)
 VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
 
@@ -446,7 +449,7 @@ def pyproject_pins() -> dict[str, str]:
 @pytest.mark.parametrize("cluster", list(CLUSTERS))
 @pytest.mark.parametrize("settings", ["defaults", "moved"])
 def test_cluster_agrees_with_itself_and_the_cli(cluster: str, settings: str) -> None:
-    env = MOVED if settings == "moved" else {}
+    env = {**HOST_UCX, **(MOVED if settings == "moved" else {})}
     model_dir = image_model_dir(Dockerfile.read(DOCKERFILE)) if settings == "defaults" else env["MODEL"]
     services = load_compose(CLUSTERS[cluster], env)
     problems = check_services(services, cluster, model_dir)
@@ -462,7 +465,7 @@ def test_compose_tool_validates_and_resolves_the_same(tmp_path: Path) -> None:
             "apt-get install docker-compose, or docker/validate"
         )
     model_dir = image_model_dir(Dockerfile.read(DOCKERFILE))
-    cases = [(cluster, env) for cluster in CLUSTERS for env in ({}, MOVED)]
+    cases = [(cluster, {**HOST_UCX, **env}) for cluster in CLUSTERS for env in ({}, MOVED)]
     with ThreadPoolExecutor(len(cases)) as pool:  # each run starts the tool afresh: seconds
         results = list(pool.map(lambda case: compose_config(tool, CLUSTERS[case[0]], case[1], tmp_path), cases))
     for (cluster, env), resolved in zip(cases, results, strict=True):
