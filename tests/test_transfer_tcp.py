@@ -22,15 +22,15 @@ UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "64k"}  # UC
 _START_TIMEOUT_S = 60.0
 
 
-def test_segment_sizes_are_left_alone_unless_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PD_TRANSFER_TCP_SEGMENTS", raising=False)
+def test_segment_sizes_are_left_alone_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PD_TRANSFER_TCP_SEGMENTS", "0")
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "")
     assert apply_tcp_defaults() == {}
     assert os.environ["UCX_TCP_TX_SEG_SIZE"] == ""
 
 
 def test_segment_sizes_are_set_unless_the_user_set_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_TRANSFER_TCP_SEGMENTS", "1")
+    monkeypatch.delenv("PD_TRANSFER_TCP_SEGMENTS", raising=False)  # on by default
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "")  # blank counts as unset (and is restored after the test)
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "128k")
     in_force = apply_tcp_defaults()

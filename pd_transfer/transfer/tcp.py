@@ -12,17 +12,16 @@ UCX's defaults accepts, and RX is raised, which costs nothing to a peer that sen
 
 UCX reads its configuration from the environment when a context is made: :func:`apply_tcp_defaults` puts these
 values into this process's environment before an agent is made, leaving any ``UCX_*`` variable the user set as it
-is, when ``PD_TRANSFER_TCP_SEGMENTS=1``. Opt-in: with them, a decode container of the compose cluster loads no KV
-from its prefill container (cause unknown; README, "Over TCP"); the benchmark sets them itself. They only concern
-UCX's tcp transport: reads over CMA on one host do not change.
+is; ``PD_TRANSFER_TCP_SEGMENTS=0`` leaves UCX's own sizes. They only concern UCX's tcp transport: reads over CMA on
+one host do not change.
 """
 
 from __future__ import annotations
 
 import os
 
-#: Opt-in switch for :func:`apply_tcp_defaults` ("1": on).
-OPT_IN_ENV = "PD_TRANSFER_TCP_SEGMENTS"
+#: Switch of :func:`apply_tcp_defaults` ("0": off; anything else or unset: on).
+SWITCH_ENV = "PD_TRANSFER_TCP_SEGMENTS"
 
 #: Segment sizes for UCX's tcp transport (UCX memory units).
 TCP_SEGMENT_ENV: dict[str, str] = {"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_RX_SEG_SIZE": "256k"}
@@ -37,9 +36,9 @@ def tcp_ucx_env() -> dict[str, str]:
 
 
 def apply_tcp_defaults() -> dict[str, str]:
-    """With ``PD_TRANSFER_TCP_SEGMENTS=1``, set :data:`TCP_SEGMENT_ENV` in ``os.environ`` where unset (children
-    inherit it); returns what is in force (nothing when not opted in)."""
-    if os.environ.get(OPT_IN_ENV, "").strip() != "1":
+    """Unless ``PD_TRANSFER_TCP_SEGMENTS=0``, set :data:`TCP_SEGMENT_ENV` in ``os.environ`` where unset (children
+    inherit it); returns what is in force (nothing when switched off)."""
+    if os.environ.get(SWITCH_ENV, "").strip() == "0":
         return {}
     for key, value in TCP_SEGMENT_ENV.items():
         if not os.environ.get(key, "").strip():
