@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from pd_transfer.handshake.client import HandshakeClient
@@ -71,6 +71,8 @@ class PullStats:
     postprocess_seconds: float  # fixing layouts up, summed over plane groups (overlaps the reads)
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
     seconds: float  # whole pull, handshake excluded when cached
+    connect_seconds: float = 0.0  # reaching the engine: handshake, NIXL peers and warm-up on first contact, else ~0
+    confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
 
     @classmethod
     def of(cls, request_id: str, totals: ReadTotals, seconds: float) -> PullStats:
@@ -238,6 +240,7 @@ class DecodeRank:
         """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted)."""
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
+        connected = time.perf_counter()
         deadline = started + (self.read_timeout_s if timeout_s is None else timeout_s)
         ids = (request_id, remote_block_ids, local_block_ids, num_tokens, deadline)
         told: RemoteEngine | None = None  # already sent ReadFailed
@@ -252,7 +255,9 @@ class DecodeRank:
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=remote is not told)
             raise
-        stats = PullStats.of(request_id, totals, time.perf_counter() - started)
+        stats = replace(
+            PullStats.of(request_id, totals, time.perf_counter() - started), connect_seconds=connected - started
+        )
         self.metrics.observe_pull(stats.seconds, stats.bytes, stats.descriptors, stats.postprocess_exposed_seconds)
         return stats, remote
 
@@ -326,10 +331,12 @@ class DecodeRank:
         do not use them), and whatever :meth:`pull` raises. On the way, decode rank 0 tells prefill ranks that
         no decode rank reads (``ReleaseUnread``).
         """
+        started = time.perf_counter()
         remote = self.remotes.connect(host, port)
+        connect_seconds = time.perf_counter() - started
         if self._window_usable(remote, trust_until, incarnation):
             assert trust_until is not None
-            return self._pull_in_window(
+            stats = self._pull_in_window(
                 request_id,
                 host,
                 port,
@@ -340,6 +347,7 @@ class DecodeRank:
                 trust_until,
                 incarnation,
             )
+            return replace(stats, connect_seconds=stats.connect_seconds + connect_seconds)
         with self.confirmations.awaiting(request_id, self.agent.set_expecting_reads):  # poll fast meanwhile
             with self._pull_lock:
                 stats, remote = self._pull(
@@ -348,11 +356,13 @@ class DecodeRank:
             peers = [source.peer for source in remote.sources]  # of the incarnation read from
             self._release_unread(request_id, host, port)
             timeout = self.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
+            waiting = time.perf_counter()
             ok, reason = self.wait_confirmed(request_id, peers, timeout)
+            confirm_seconds = time.perf_counter() - waiting
         if not ok:
             self._unconfirmed(request_id, reason)
         self.reads_confirmed += 1
-        return stats
+        return replace(stats, connect_seconds=stats.connect_seconds + connect_seconds, confirm_seconds=confirm_seconds)
 
     @staticmethod
     def _window_usable(remote: RemoteEngine, trust_until: float | None, incarnation: str | None) -> bool:

@@ -225,6 +225,7 @@ class DecodeKV:
     engine_id: str
     model: KVModel
     config: ConnectorConfig
+    hold_window: bool = False  # trust the prefill's hold window as the vLLM connector does (else always confirm)
     pulls: int = 0
     failures: int = 0
     bytes_moved: int = 0
@@ -251,10 +252,12 @@ class DecodeKV:
     def pull(self, request_id: str, remote: RemotePrefill, tokens: Sequence[int], blocks: list[int]) -> dict[str, Any]:
         """Pull ``remote`` into ``blocks`` and verify it (blocking: run it off the event loop). The report."""
         started = time.perf_counter()
+        trust_until = remote.trust_deadline(time.monotonic(), time.time()) if self.hold_window else None
         num_tokens = remote.num_tokens if remote.num_tokens is not None else len(tokens)
         engine = self.rank.check_engine(remote.host, remote.port, remote.engine_id)
         if engine.tp_size != remote.tp_size:
             raise ValueError(f"tp_size {remote.tp_size} in the params, but the engine runs TP {engine.tp_size}")
+        checked = time.perf_counter()
         stats = self.rank.pull_confirmed(
             remote.request_id,
             remote.host,
@@ -264,6 +267,8 @@ class DecodeKV:
             num_tokens,
             timeout_s=self.config.read_timeout_s,
             confirm_timeout_s=self.config.confirm_timeout_s,
+            trust_until=trust_until,
+            incarnation=remote.incarnation,
         )
         pulled = time.perf_counter()
         verified = holds_pattern(self.rank.cache, blocks, kv_pattern(self.layout, tokens[:num_tokens]))
@@ -276,6 +281,12 @@ class DecodeKV:
             "ms": round((pulled - started) * 1e3, 3),  # handshake (first time), reads, lease confirmation
             "pull_ms": round(stats.seconds * 1e3, 3),
             "read_ms": round(stats.read_seconds * 1e3, 3),
+            # the parts of "ms": reaching the engine (handshake, NIXL peers, warm-up: first contact only), the
+            # reads (first post to last completion), the layout fix-up after the last read, the lease confirmation
+            "connect_ms": round((checked - started + stats.connect_seconds) * 1e3, 3),
+            "fixup_exposed_ms": round(stats.postprocess_exposed_seconds * 1e3, 3),
+            "confirm_ms": round(stats.confirm_seconds * 1e3, 3),
+            "in_window": trust_until is not None and stats.confirm_seconds == 0.0,
             "verify_ms": round((time.perf_counter() - pulled) * 1e3, 3),
             "verified": verified,
         }
@@ -393,8 +404,12 @@ class KVStandIn(StandIn):
         return answer
 
 
-def make_engine(role: str, engine_id: str, model: KVModel, config: ConnectorConfig) -> PrefillKV | DecodeKV:
-    return PrefillKV(engine_id, model, config) if role == "prefill" else DecodeKV(engine_id, model, config)
+def make_engine(
+    role: str, engine_id: str, model: KVModel, config: ConnectorConfig, *, hold_window: bool = False
+) -> PrefillKV | DecodeKV:
+    if role == "prefill":
+        return PrefillKV(engine_id, model, config)
+    return DecodeKV(engine_id, model, config, hold_window=hold_window)
 
 
 async def _serve_forever(args: argparse.Namespace) -> None:
@@ -414,7 +429,7 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         read_timeout_s=args.read_timeout,
     )
     engine_id = args.engine_id or f"kv-standin-{args.role}-{uuid.uuid4().hex[:8]}"
-    engine = await asyncio.to_thread(make_engine, args.role, engine_id, model, config)
+    engine = await asyncio.to_thread(make_engine, args.role, engine_id, model, config, hold_window=args.hold_window)
     server = KVStandIn(args.role, engine, engine_id=engine_id, default_tokens=args.tokens, keep_bodies=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -449,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-seconds", type=float, default=30.0)
     parser.add_argument("--read-timeout", type=float, default=30.0, help="decode: seconds for one request's reads")
     parser.add_argument("--secret", default=None, help="shared secret of the side channel")
+    parser.add_argument(
+        "--hold-window",
+        action="store_true",
+        help="decode: a read that ends inside the prefill's hold window needs no lease confirmation (as in vLLM)",
+    )
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens when the request sets none")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     args = parser.parse_args(argv)
