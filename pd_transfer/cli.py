@@ -173,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     topology.add_argument("--json", action="store_true", help="print one JSON object")
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
     topology.set_defaults(func=_bench_topology)
+    from pd_transfer.bench import pd_tcp
+
+    bench_pd_tcp = which.add_parser("pd-tcp", help="one P/D request's KV load over TCP, broken down (veth, loopback)")
+    pd_tcp.add_arguments(bench_pd_tcp)
+    bench_pd_tcp.set_defaults(func=pd_tcp.cli_run)
     from pd_transfer.bench import proxy as proxy_bench
 
     bench_proxy = which.add_parser("proxy", help="the proxy's added latency vs calling the backends directly")
