@@ -51,5 +51,7 @@ def test_every_request_is_broken_down_and_verified(result: dict, path: str) -> N
     assert section["hold_window.1MiB"]["confirm_ms"] == 0.0
     assert section["confirm.1MiB"]["in_window"] is False
     assert section["confirm.1MiB"]["confirm_ms"] > 0
+    assert section["tcp_stream"]["bytes_ok"] is True and section["tcp_stream"]["gbps"] > 0
+    assert section["confirm.1MiB"]["read_ratio_vs_tcp_stream"] > 0
     if path == "veth":
         assert section["decode_rx_bytes"] >= 2 * 3 * 2**20  # every request's KV crossed the veth

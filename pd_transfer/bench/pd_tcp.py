@@ -16,7 +16,9 @@ decode's report of where the time from its first step to usable KV went:
   time, the path of a prefill that promises no window);
 - ``other_ms``: the rest of ``ms`` (descriptor planning, posting, notifications, locks).
 
-Results in milliseconds, medians over the rounds; GiB/s (2**30 bytes per second) of the reads.
+Results in milliseconds, medians over the rounds; GiB/s (2**30 bytes per second) of the reads, and beside them
+the path's own limit: a plain TCP stream of the largest request's bytes from the prefill's side to the decode's
+(:func:`.tcp_stream.stream_gbps`, median of 5).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 from pd_transfer.sim.kv_standin import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
+from .tcp_stream import stream_gbps
 from .transfer_netns import Veth, delete_veth, make_veth
 
 SIZES_MIB = (1, 64)
@@ -197,7 +200,12 @@ def run_path(
                         wait_idle(prefill_url)
                         reports.append(one_request(prefill_url, decode_url, tokens))
                     results[f"{mode}.{size}MiB"] = summarize(reports[0], reports[1:])
-    return results
+    # the wire's own limit on the same path, for the largest request: a plain TCP stream, prefill side sending
+    prefix = ["ip", "netns", "exec", net.ns] if net else []
+    stream = stream_gbps(max(sizes_mib) * 2**20, 5, host=decode_host, prefix=prefix)
+    for row in results.values():
+        row["read_ratio_vs_tcp_stream"] = round(row["read_gbps"] / stream["gbps"], 3) if row["read_gbps"] else None
+    return {**results, "tcp_stream": stream}
 
 
 def rx_bytes(device: str) -> int:
@@ -232,9 +240,11 @@ def lines(result: dict[str, Any]) -> list[str]:
             out.append(f"{path}: skipped: {section['skipped']}")
             continue
         for name, row in section.items():
-            if isinstance(row, dict):
+            if isinstance(row, dict) and "ms" in row:
                 parts = ", ".join(f"{key[:-3]} {row[key]}" for key in (*PARTS, "other_ms"))
-                out.append(f"{path} {name}: {row['ms']} ms ({parts}); reads {row['read_gbps']} GiB/s")
+                reads = f"reads {row['read_gbps']} GiB/s ({row['read_ratio_vs_tcp_stream']} of the stream)"
+                out.append(f"{path} {name}: {row['ms']} ms ({parts}); {reads}")
+        out.append(f"{path} TCP stream: {section['tcp_stream']['gbps']} GiB/s")
     return out
 
 
