@@ -498,7 +498,7 @@ def test_bodies_in_flight_are_bounded_and_the_excess_is_refused_with_503() -> No
         assert c.proxy._bodies.held_bytes == 0
         async with c.post(flow.COMPLETIONS, big) as answer:  # accepted, then refused by the stand-in (1 MiB limit)
             assert answer.status == 413 and 'reason="busy"} 1.0' in await c.metrics()
-        assert 'reason="too_large"' not in await c.metrics()
+        assert 'pd_proxy_rejected_total{reason="too_large"} 0.0' in await c.metrics()
 
     run(scenario, body_timeout_s=2.0, max_body_bytes=4 * 2**20, max_inflight_body_bytes=7 * 2**20)
 
@@ -599,6 +599,13 @@ def test_metrics_expose_requests_errors_latencies_ttft_and_in_flight() -> None:
             f'pd_proxy_backend_in_flight{{backend="{c.decodes[0].url}",role="decode"}} 0.0',
             f'pd_proxy_backend_healthy{{backend="{c.prefills[1].url}",role="prefill"}} 1.0',
             "# TYPE pd_proxy_errors_total counter",
+            # failure series exist at zero before their first event (Prometheus's increase() needs a sample before)
+            'pd_proxy_errors_total{hop="decode",kind="connect"} 0.0',
+            'pd_proxy_errors_total{hop="client",kind="disconnect"} 0.0',
+            'pd_proxy_retries_total{hop="prefill",reason="status"} 0.0',
+            'pd_proxy_rejected_total{reason="invalid_json"} 0.0',
+            'pd_proxy_releases_total{outcome="releasing"} 0.0',
+            'pd_proxy_drains_total{role="decode"} 0.0',
         ):
             assert line in metrics, line
         async with c.client.get(c.proxy.url + "/v1/models") as r:

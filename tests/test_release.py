@@ -113,7 +113,7 @@ def test_a_decode_refusing_the_request_frees_the_prefill_blocks_at_once(pair: di
                 await asyncio.to_thread(wait_for, lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
                 freed = time.monotonic() - answered
                 await asyncio.to_thread(wait_for, lambda: sum(releases(proxy).values()) == 1, FREED_WITHIN_S)
-                assert releases(proxy) == {"releasing": 1}
+                assert {outcome: n for outcome, n in releases(proxy).items() if n} == {"releasing": 1}
                 return freed
         finally:
             await runner.cleanup()

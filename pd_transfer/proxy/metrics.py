@@ -10,6 +10,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pd_transfer.proxy.responses import HopError
 from pd_transfer.proxy.routing import Backend
 
+#: Label values each failure counter can take, created at zero when the proxy starts: a series that appears only
+#: with its first event is invisible to ``increase()`` and ``rate()`` (Prometheus needs a sample before it).
+HOPS = ("prefill", "decode")
+ERROR_KINDS = (
+    "connect", "status", "no_kv_transfer_params", "bad_answer", "disconnect", "no_backend", "draining", "aborted",
+    "stream",
+)  # fmt: skip
+REJECT_REASONS = ("media_type", "too_large", "body_timeout", "busy", "invalid_json", "invalid_request")
+RELEASE_OUTCOMES = ("releasing", "not_held", "unreachable", "auth", "refused", "version", "error", "invalid")
+RETRY_REASONS = ("connect", "status", "draining", "aborted")
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -101,6 +112,22 @@ class ProxyMetrics:
             ["role", "backend"],
             registry=r,
         )
+
+        self._create_failure_series()
+
+    def _create_failure_series(self) -> None:
+        """Every known failure series at zero (see :data:`ERROR_KINDS` and the tuples beside it)."""
+        for hop in HOPS:
+            self.drains.labels(hop)
+            for kind in ERROR_KINDS:
+                self.errors.labels(hop, kind)
+            for reason in RETRY_REASONS:
+                self.retries.labels(hop, reason)
+        self.errors.labels("client", "disconnect")
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for outcome in RELEASE_OUTCOMES:
+            self.releases.labels(outcome)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
