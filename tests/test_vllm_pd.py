@@ -157,8 +157,12 @@ def test_pd_tokens_match_reference(servers: Servers, length: int, name: str) -> 
         + "\n".join(metric_lines(servers.decode, "prompt_tokens_by_source"))
     )
     # our own metrics on vLLM's /metrics: the decode's load, the prefill's lease ended by the read
-    _wait_metric(servers.decode, PULLS_METRIC, pulls_before + 1)
+    pulls = _wait_metric(servers.decode, PULLS_METRIC, pulls_before + 1)
     _wait_metric(servers.prefill, LEASES_METRIC, reads_before + 1, reason="read")
+    # and where each load's time went: one sample per load in each part's histogram
+    for part in ("read", "connect", "confirm"):
+        assert metric_value(servers.decode, f"vllm:pd_transfer_{part}_seconds_count") == pulls, part
+    assert metric_value(servers.decode, "vllm:pd_transfer_read_seconds_sum") > 0
 
 
 def _wait_prefill_idle(servers: Servers, timeout_s: float) -> float:

@@ -62,13 +62,18 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _BYTES = tuple(2.0 ** (12 + 2 * i) for i in range(12))
 
 
+#: The fields of one ``data["pulls"]`` entry, in order.
+PULL_FIELDS = ("seconds", "bytes", "rows", "fixup_seconds", "read_seconds", "connect_seconds", "confirm_seconds")
+
+
 @dataclass
 class PdTransferStats(KVConnectorStats):
     """What the workers did since their last report (plain data: it crosses processes).
 
-    ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read]`` per loaded
-    request; ``data["failed_loads"]``; the increments of the counters in :data:`COUNTED` (workers) and
-    :data:`SCHEDULER_COUNTED` (scheduler), under their keys; ``data["waiting_for_kv"]``: the scheduler's requests
+    ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read, read seconds,
+    connect seconds, confirmation seconds]`` per loaded request (:data:`PULL_FIELDS`); ``data["failed_loads"]``;
+    the increments of the counters in :data:`COUNTED` (workers) and :data:`SCHEDULER_COUNTED` (scheduler), under
+    their keys; ``data["waiting_for_kv"]``: the scheduler's requests
     waiting for remote KV, once per change (a list: the last one counts); ``data["info"]``: ``[[protocol version,
     fingerprint, model, dtype]]`` when it changed.
     """
@@ -132,7 +137,15 @@ class WorkerStatsCollector:
             elif outcome.stats is not None:
                 pulled = outcome.stats
                 stats.data["pulls"].append(
-                    [outcome.seconds, pulled.bytes, pulled.descriptors, pulled.postprocess_exposed_seconds]
+                    [
+                        outcome.seconds,
+                        pulled.bytes,
+                        pulled.descriptors,
+                        pulled.postprocess_exposed_seconds,
+                        pulled.read_seconds,
+                        pulled.connect_seconds,
+                        pulled.confirm_seconds,
+                    ]
                 )
         self._add_counter_increments(stats)
         self._add_info(stats)
@@ -205,7 +218,10 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
     """pd-transfer's metrics on vLLM's ``/metrics`` (``vllm:pd_transfer_*``), labelled per engine.
 
     Histograms per loaded request: ``pull_seconds`` (first read to usable KV), ``pull_bytes``,
-    ``fixup_exposed_seconds`` (block-size regroup after the last read). Counters (``_total``): ``pulled_bytes``,
+    ``fixup_exposed_seconds`` (block-size regroup after the last read), and where the pull's time went besides:
+    ``read_seconds`` (first post to last completion), ``connect_seconds`` (reaching the prefill: handshake, NIXL
+    peers and warm-up on first contact), ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read
+    inside the prefill's hold window). Counters (``_total``): ``pulled_bytes``,
     ``failed_loads``, ``unconfirmed_reads``, ``leases_ended{reason=read|expired|aborted|released}``,
     ``handshakes{outcome}`` and ``handshake_seconds`` (their sum), ``side_channel_rejected{reason}``,
     ``side_channel_nonces_refused{reason}``. Gauges: ``requests_waiting_for_kv``, ``info{protocol_version,
@@ -227,6 +243,19 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         self.fixup_seconds = self._histogram(
             "vllm:pd_transfer_fixup_exposed_seconds",
             "Seconds the layout fix-up (block-size regroup) added after a load's last read",
+            _SECONDS,
+        )
+        self.read_seconds = self._histogram(
+            "vllm:pd_transfer_read_seconds", "Seconds of a KV load's reads, first post to last completion", _SECONDS
+        )
+        self.connect_seconds = self._histogram(
+            "vllm:pd_transfer_connect_seconds",
+            "Seconds a KV load spent reaching its prefill (handshake, NIXL peers, warm-up: first contact only)",
+            _SECONDS,
+        )
+        self.confirm_seconds = self._histogram(
+            "vllm:pd_transfer_confirm_seconds",
+            "Seconds a KV load waited for the prefill's lease confirmation (0: the read ended in the hold window)",
             _SECONDS,
         )
         self.pulled_bytes = self._counter("vllm:pd_transfer_pulled_bytes", "Bytes of KV loaded from prefill engines")
@@ -307,10 +336,14 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one aggregated :class:`PdTransferStats` ``data`` for engine ``engine_idx``."""
         data = transfer_stats_data
-        for seconds, num_bytes, _rows, fixup in data.get("pulls", []):
+        for pull in data.get("pulls", []):
+            seconds, num_bytes, _rows, fixup, read, connect, confirm = pull
             self.pull_seconds[engine_idx].observe(seconds)
             self.pull_bytes[engine_idx].observe(num_bytes)
             self.fixup_seconds[engine_idx].observe(fixup)
+            self.read_seconds[engine_idx].observe(read)
+            self.connect_seconds[engine_idx].observe(connect)
+            self.confirm_seconds[engine_idx].observe(confirm)
             self.pulled_bytes[engine_idx].inc(num_bytes)
         for key, metric in (("failed_loads", self.failed_loads), ("unconfirmed_reads", self.unconfirmed_reads)):
             if data.get(key):
