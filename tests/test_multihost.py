@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -37,6 +35,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
 
 from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
+from pd_transfer.sim.child import die_with_parent, stop_process  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,12 +61,6 @@ def kv_bytes(tokens: int) -> int:
 # ---- processes ----
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the test process dies (kept across exec, also by ``ip netns exec``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Server:
     role: str
@@ -85,7 +78,7 @@ def start_standin(role: str, log: Path, env: dict[str, str], args: list[str], ne
         command = ["ip", "netns", "exec", netns, *command]
     with log.open("wb") as err:
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=err, env=env, preexec_fn=_die_with_parent, cwd=Path.cwd()
+            command, stdout=subprocess.PIPE, stderr=err, env=env, preexec_fn=die_with_parent, cwd=Path.cwd()
         )
     return Server(role, process, log)
 
@@ -121,18 +114,6 @@ def wait_ready(server: Server, deadline: float) -> None:
         time.sleep(0.05)  # polling pace
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=STOP_TIMEOUT_S)
-    if process.stdout is not None:
-        process.stdout.close()
-
-
 @contextlib.contextmanager
 def standins(
     tmp_path: Path, specs: dict[str, tuple[dict[str, str], list[str], str | None]]
@@ -148,7 +129,7 @@ def standins(
         yield servers
     finally:
         for server in servers.values():
-            stop(server.process)
+            stop_process(server.process, STOP_TIMEOUT_S)
 
 
 def get_json(url: str) -> Any:

@@ -24,12 +24,10 @@ the path's own limit: a plain TCP stream of the largest request's bytes from the
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import selectors
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pd_transfer.sim.child import die_with_parent, stop_process
 from pd_transfer.sim.kv_standin import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
@@ -61,11 +60,6 @@ def bytes_per_token(model: KVModel = MODEL) -> int:
     return model.layers * 2 * model.kv_heads * model.head_size * itemsize
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the benchmark dies (kept across exec and ``ip netns exec``)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def start_standin(role: str, args: Sequence[str], env: dict[str, str], netns: str | None) -> subprocess.Popen[bytes]:
     """``python -m pd_transfer.sim.kv_standin --role ROLE ARGS`` (inside ``netns`` when given), stderr discarded."""
     command = [sys.executable, "-m", "pd_transfer.sim.kv_standin", "--role", role, "--engine-id", f"bench-{role}"]
@@ -73,7 +67,7 @@ def start_standin(role: str, args: Sequence[str], env: dict[str, str], netns: st
     if netns is not None:
         command = ["ip", "netns", "exec", netns, *command]
     return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent
     )
 
 
@@ -99,18 +93,6 @@ def ready_url(process: subprocess.Popen[bytes], role: str, timeout_s: float = _S
     return words[2]
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=_STOP_TIMEOUT_S)
-    if process.stdout is not None:
-        process.stdout.close()
-
-
 @contextmanager
 def standin(role: str, args: Sequence[str], env: dict[str, str], netns: str | None = None) -> Iterator[str]:
     """A running stand-in's URL; stopped on the way out."""
@@ -118,7 +100,7 @@ def standin(role: str, args: Sequence[str], env: dict[str, str], netns: str | No
     try:
         yield ready_url(process, role)
     finally:
-        stop(process)
+        stop_process(process, _STOP_TIMEOUT_S)
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,15 @@
 """A spawned child process driven over a pipe: the shared plumbing of the prefill stand-ins that the
-benchmarks, the demo and the tests run in their own OS processes."""
+benchmarks, the demo and the tests run in their own OS processes; and the two ends of a stand-in run as a command
+(:func:`die_with_parent` before its exec, :func:`stop_process` after)."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any, Self
 
@@ -77,3 +81,22 @@ class ChildProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def die_with_parent() -> None:
+    """For ``subprocess.Popen(preexec_fn=...)``: the child gets SIGKILL when its parent dies (kept across exec, also
+    through ``ip netns exec``)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``; closes its stdout pipe."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=timeout_s)
+    if process.stdout is not None:
+        process.stdout.close()
