@@ -105,3 +105,14 @@ def test_cli_help_lists_the_flag() -> None:
     done = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "bench", "offload", "--help"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     assert "--end-to-end" in done.stdout
+
+
+def test_a_yardstick_refusing_to_start_is_recorded_not_failed() -> None:
+    refused = {"error": "refused to start: NotImplementedError: CPU offloading is not supported"}
+    ran = {"rounds": []}
+    setups = {"recompute": ran, "pd_host": ran, "vllm_offloading": refused, "vllm_example": ran}
+    assert offload_vllm.exit_code({"setups": setups, "verified": True}) == 0
+    assert offload_vllm.exit_code({"setups": setups, "verified": False}) == 1
+    assert offload_vllm.exit_code({"setups": {**setups, "pd_host": refused}, "verified": True}) == 1  # ours: a failure
+    broke = {"error": "failed while serving: timed out"}
+    assert offload_vllm.exit_code({"setups": {**setups, "vllm_example": broke}, "verified": True}) == 1
