@@ -37,6 +37,14 @@ def test_step_skips_on_purpose() -> None:
     assert done.returncode == 0 and done.stderr.strip() == "docker/test-cluster skipped: PD_TRANSFER_DOCKER_TEST=0"
 
 
+def test_step_does_not_run_the_cluster_twice() -> None:
+    # under scripts/test, PD_TRANSFER_DOCKER_TEST=1 has its pytest run build and run the cluster already
+    env = {**os.environ, "PD_TRANSFER_DOCKER_TEST": "1", "PD_TRANSFER_TEST_STARTED": "1"}
+    done = subprocess.run([str(STEP)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().endswith("ran it in scripts/test's pytest run already")
+
+
 def test_a_budget_too_short_skips_with_its_reason() -> None:
     engine = shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
     if not engine and not (shutil.which("dockerd") and os.geteuid() == 0):
