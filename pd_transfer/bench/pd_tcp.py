@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import selectors
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,6 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from pd_transfer.sim.child import die_with_parent, stop_process
@@ -43,7 +41,7 @@ from pd_transfer.sim.kv_standin import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
 from .tcp_stream import stream_gbps
-from .transfer_netns import Veth, delete_veth, make_veth
+from .transfer_netns import Veth, rx_bytes, veth_or_reason
 
 SIZES_MIB = (1, 64)
 MODES = ("hold_window", "confirm")
@@ -55,9 +53,9 @@ _STOP_TIMEOUT_S = 10.0
 
 
 def bytes_per_token(model: KVModel = MODEL) -> int:
-    """K and V of every layer for one token (bfloat16 and float16: 2 bytes an element, float32: 4)."""
-    itemsize = 4 if model.dtype == "float32" else 2
-    return model.layers * 2 * model.kv_heads * model.head_size * itemsize
+    """K and V of every layer for one token, from the stand-in's cache layout."""
+    layout = model.layout()
+    return model.layers * 2 * layout.plane_block_bytes // layout.block_size
 
 
 def start_standin(role: str, args: Sequence[str], env: dict[str, str], netns: str | None) -> subprocess.Popen[bytes]:
@@ -190,26 +188,20 @@ def run_path(
     return {**results, "tcp_stream": stream}
 
 
-def rx_bytes(device: str) -> int:
-    return int(Path(f"/sys/class/net/{device}/statistics/rx_bytes").read_text())
-
-
 def run(sizes_mib: Sequence[int] = SIZES_MIB, rounds: int = 5, netns: bool = True) -> dict[str, Any]:
     """The whole benchmark: the veth path where it can be built (else the reason), and loopback."""
     result: dict[str, Any] = {"ucx_env": {**tcp_ucx_env()}, "model": {"bytes_per_token": bytes_per_token()}}
     result["loopback"] = run_path(sizes_mib, rounds, MODES, None)
     if not netns:
         result["veth"] = {"skipped": "not asked for (--no-netns)"}
-    elif os.geteuid() != 0 or shutil.which("ip") is None:
-        result["veth"] = {"skipped": "network namespaces need root and iproute2's ip"}
     else:
-        net = make_veth()
-        try:
-            before = rx_bytes(net.outer)
-            result["veth"] = run_path(sizes_mib, rounds, MODES, net)
-            result["veth"]["decode_rx_bytes"] = rx_bytes(net.outer) - before
-        finally:
-            delete_veth(net)
+        with veth_or_reason() as net:
+            if isinstance(net, str):
+                result["veth"] = {"skipped": net}
+            else:
+                before = rx_bytes(net.outer)
+                result["veth"] = run_path(sizes_mib, rounds, MODES, net)
+                result["veth"]["decode_rx_bytes"] = rx_bytes(net.outer) - before
     result["load_average"] = list(os.getloadavg())
     return result
 

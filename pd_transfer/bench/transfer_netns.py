@@ -13,6 +13,8 @@ import os
 import secrets
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,21 +78,36 @@ def delete_veth(net: Veth) -> None:
         subprocess.run(["ip", *args], capture_output=True, timeout=_IP_TIMEOUT_S, check=False)
 
 
-def _rx_bytes(device: str) -> int:
+def rx_bytes(device: str) -> int:
+    """Bytes ``device`` (in this namespace) has received so far."""
     return int(Path(f"/sys/class/net/{device}/statistics/rx_bytes").read_text())
+
+
+@contextmanager
+def veth_or_reason() -> Iterator[Veth | str]:
+    """A namespace and veth pair from :func:`make_veth`, deleted on the way out; or, where none can be made here,
+    the reason (a string)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        yield "network namespaces need root and iproute2's ip"
+        return
+    try:
+        net = make_veth()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+        yield f"could not build a namespace and veth: {error}"
+        return
+    try:
+        yield net
+    finally:
+        delete_veth(net)
 
 
 def run_netns(shape: Shape, *, repeats: int, idle_seconds: float) -> dict:
     """:func:`.transfer_tcp.run` with the prefill across a veth; ``{"skipped": reason}`` where that cannot be
     built."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return {"skipped": "network namespaces need root and iproute2's ip"}
-    try:
-        net = make_veth()
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
-        return {"skipped": f"could not build a namespace and veth: {error}"}
-    try:
-        received = _rx_bytes(net.outer)
+    with veth_or_reason() as net:
+        if isinstance(net, str):
+            return {"skipped": net}
+        received = rx_bytes(net.outer)
         with environment({"UCX_NET_DEVICES": net.outer}):
             result = run(
                 shape,
@@ -101,7 +118,5 @@ def run_netns(shape: Shape, *, repeats: int, idle_seconds: float) -> dict:
                 stream_prefix=["ip", "netns", "exec", net.ns],
                 prefill_options={"netns": net.ns, "ucx_net_devices": net.inner},
             )
-        result["veth_rx_bytes"] = _rx_bytes(net.outer) - received
-    finally:
-        delete_veth(net)
+        result["veth_rx_bytes"] = rx_bytes(net.outer) - received
     return result
