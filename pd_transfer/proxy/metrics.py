@@ -44,15 +44,14 @@ class ProxyMetrics:
         )
         self.errors = Counter(
             "pd_proxy_errors",
-            "Failures by hop (prefill, decode, client) and kind (connect, status, no_kv_transfer_params, "
-            "bad_answer, disconnect, no_backend, draining, aborted, stream), failed attempts that were retried too",
+            f"Failures by hop (prefill, decode, client) and kind ({', '.join(ERROR_KINDS)}), failed attempts that"
+            " were retried too",
             ["hop", "kind"],
             registry=r,
         )
         self.rejected = Counter(
             "pd_proxy_rejected",
-            "Requests refused before routing, by reason (media_type, too_large, body_timeout, busy, invalid_json, "
-            "invalid_request)",
+            f"Requests refused before routing, by reason ({', '.join(REJECT_REASONS)})",
             ["reason"],
             registry=r,
         )

@@ -62,16 +62,12 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _BYTES = tuple(2.0 ** (12 + 2 * i) for i in range(12))
 
 
-#: The fields of one ``data["pulls"]`` entry, in order.
-PULL_FIELDS = ("seconds", "bytes", "rows", "fixup_seconds", "read_seconds", "connect_seconds", "confirm_seconds")
-
-
 @dataclass
 class PdTransferStats(KVConnectorStats):
     """What the workers did since their last report (plain data: it crosses processes).
 
     ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read, read seconds,
-    connect seconds, confirmation seconds]`` per loaded request (:data:`PULL_FIELDS`); ``data["failed_loads"]``;
+    connect seconds, confirmation seconds]`` per loaded request; ``data["failed_loads"]``;
     the increments of the counters in :data:`COUNTED` (workers) and :data:`SCHEDULER_COUNTED` (scheduler), under
     their keys; ``data["waiting_for_kv"]``: the scheduler's requests
     waiting for remote KV, once per change (a list: the last one counts); ``data["info"]``: ``[[protocol version,
