@@ -305,6 +305,7 @@ def _run_setup(name: str, settings: Settings) -> dict[str, Any]:
         result["rounds"] = _measure(server, settings, flush=name != LOCAL_HIT)
     except StartupFailed:
         result["error"] = "refused to start: " + _error_line(server.log_path)
+        result["refused_to_start"] = True
     except (RequestFailed, ValueError) as error:
         result["error"] = f"failed while serving: {_scrub(str(error))[:300]}; log: {_error_line(server.log_path)}"
     finally:
@@ -483,6 +484,6 @@ def exit_code(result: dict[str, Any]) -> int:
     failed = [
         name
         for name, row in result["setups"].items()
-        if "error" in row and not (name in VLLM_SETUPS and str(row["error"]).startswith("refused to start"))
+        if "error" in row and not (name in VLLM_SETUPS and row.get("refused_to_start"))
     ]
     return 0 if not failed and result["verified"] else 1
