@@ -40,3 +40,30 @@ def serve(conn: multiprocessing.connection.Connection, env: dict[str, str]) -> N
         elif command == "stop":
             break
     agent.close()
+
+
+def large_pattern(words: int) -> torch.Tensor:
+    """``words`` unique int32 words (0, 1, 2, ...): what :func:`serve_large` registers."""
+    return torch.arange(words, dtype=torch.int32)
+
+
+def serve_large(conn: multiprocessing.connection.Connection, words: int) -> None:
+    """Register ``words`` int32 words written on the allocator's small pages (so the agent's huge-page collapse
+    has work to do while the parent reads), send (metadata, base address), then answer "collapse" with the
+    collapse results and the bytes of the span now in huge pages once the collapse ended."""
+    from pd_transfer.transfer.agent import TransferAgent
+    from pd_transfer.transfer.huge_pages import resident_huge_page_bytes
+
+    memory = large_pattern(words)
+    span = (memory.data_ptr(), memory.data_ptr() + memory.numel() * 4)
+    agent = TransferAgent("peer-large")
+    agent.register_spans([span])
+    conn.send((agent.metadata, span[0]))
+    while conn.poll(120):
+        command = conn.recv()
+        if command == "collapse":
+            ended = agent.huge_pages.wait(60.0)
+            conn.send((ended, list(agent.huge_pages.results), resident_huge_page_bytes([span])))
+        elif command == "stop":
+            break
+    agent.close()

@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_enabled, resident_huge_page_bytes
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,12 @@ def copy_runs_gbps(source: KVCache, target: KVCache, source_ids: list[int], targ
     return nbytes / min(per_run, gather) / 2**30
 
 
-def host_copy_gbps(nbytes: int, repeats: int = 5) -> float:
-    """This host's in-process copy rate: ``nbytes`` contiguous, one thread, median of ``repeats`` (GiB/s)."""
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    target = torch.empty_like(source)
+def host_copy_gbps(nbytes: int, repeats: int = 5, *, huge_pages: bool = False) -> float:
+    """This host's in-process copy rate: ``nbytes`` contiguous, one thread, median of ``repeats`` (GiB/s); on
+    memory in huge pages where the kernel gives them (``huge_pages``), else on the allocator's pages."""
+    source = zeroed_host_tensor((nbytes,), torch.uint8) if huge_pages else torch.zeros(nbytes, dtype=torch.uint8)
+    target = zeroed_host_tensor((nbytes,), torch.uint8) if huge_pages else torch.zeros(nbytes, dtype=torch.uint8)
+    source.fill_(1)
     target.copy_(source)  # fault the pages in
     seconds = []
     for _ in range(repeats):
@@ -97,6 +100,14 @@ def host_copy_gbps(nbytes: int, repeats: int = 5) -> float:
         target.copy_(source)
         seconds.append(time.perf_counter() - started)
     return nbytes / statistics.median(seconds) / 2**30
+
+
+def _huge_fraction(cache: KVCache) -> float:
+    """The share of ``cache``'s bytes in huge pages (its regions' whole span, from /proc/self/smaps)."""
+    low = min(r.base_address for r in cache.regions)
+    high = max(r.base_address + r.span_bytes for r in cache.regions)
+    slack = HUGE_PAGE_BYTES  # the aligned run advised sits inside the tensor's own mapping
+    return resident_huge_page_bytes([(low - slack, high + slack)]) / max(1, cache.nbytes)
 
 
 def _thp_mode() -> str:
@@ -202,6 +213,7 @@ def run(
         scratch = KVCache.allocate(layout, shape.cache_blocks)
         try:
             decode.agent.lanes_ready.wait(30.0)  # made in the background; a server's first pulls may go without
+            decode.agent.huge_pages.wait(60.0)  # likewise: reads before it are correct, only slower
             started = time.perf_counter()
             decode.connect(prefill.host, prefill.port)
             connect_ms = (time.perf_counter() - started) * 1e3
@@ -211,6 +223,8 @@ def run(
                 "split_min_bytes": lanes.split_min_bytes if lanes is not None else None,
                 "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                 "transparent_hugepages": _thp_mode(),
+                "huge_pages": huge_pages_enabled(),
+                "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
             }
             # as in a real request, the prefill holds a lease while the decode reads (it then polls fast)
             prefill.request("hold", _LEASE, [0])
@@ -232,9 +246,12 @@ def run(
         finally:
             decode.close()
     one_block_bytes = layout.plane_block_bytes
+    copies = {kind: host_copy_gbps(results["contiguous"]["bytes"], huge_pages=kind) for kind in (False, True)}
     return {
         "shape": asdict(shape),
-        "host_copy_gbps": round(host_copy_gbps(results["contiguous"]["bytes"]), 3),
+        "host_copy_gbps": round(max(copies.values()), 3),
+        "host_copy_gbps_4k_pages": round(copies[False], 3),
+        "host_copy_gbps_huge_pages": round(copies[True], 3),
         "settings": settings,
         "request_bytes": results["contiguous"]["bytes"],
         "connect_ms": round(connect_ms, 1),

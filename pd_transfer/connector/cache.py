@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pd_transfer.spec import KVCacheLayout, KVRegion, region_from_tensor
+from pd_transfer.transfer.huge_pages import advise_huge_pages
 
 
 @dataclass
@@ -51,22 +52,31 @@ class KVCache:
         kinds: list[tuple[str, ...]] = []
         layers: list[int] = []
         if fp.use_mla or layout.packing is not None:
-            storage = torch.zeros((fp.num_layers, num_blocks, *block_shape), dtype=dtype)
+            storage = zeroed_host_tensor((fp.num_layers, num_blocks, *block_shape), dtype=dtype)
             for layer in range(fp.num_layers):
                 tensors.append(storage[layer])
                 kinds.append(("latent",) if fp.use_mla else ("k",))
                 layers.append(layer)
         elif kv_split:
-            storage = torch.zeros((fp.num_layers, 2, num_blocks, *block_shape), dtype=dtype)
+            storage = zeroed_host_tensor((fp.num_layers, 2, num_blocks, *block_shape), dtype=dtype)
             for layer in range(fp.num_layers):
                 for index, kind in enumerate(("k", "v")):
                     tensors.append(storage[layer, index])
                     kinds.append((kind,))
                     layers.append(layer)
         else:
-            storage = torch.zeros((fp.num_layers, num_blocks, 2, *block_shape), dtype=dtype)
+            storage = zeroed_host_tensor((fp.num_layers, num_blocks, 2, *block_shape), dtype=dtype)
             for layer in range(fp.num_layers):
                 tensors.append(storage[layer])
                 kinds.append(("k", "v"))
                 layers.append(layer)
         return cls.from_tensors(layout, tensors, kinds, layers)
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory was advised to use huge pages before it was first written, so that it is
+    in huge pages from the start (registering it then has nothing to collapse; see ``transfer.huge_pages``)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    start = tensor.data_ptr()
+    advise_huge_pages([(start, start + tensor.numel() * tensor.element_size())])
+    return tensor.zero_()

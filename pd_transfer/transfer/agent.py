@@ -18,6 +18,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 from pd_transfer.spec import KVRegion
 
 from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
+from .huge_pages import HugePageCollapser
 from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
 from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, quiet_native_logs
 from .probe import peer_gone
@@ -97,6 +98,7 @@ class TransferAgent:
         self._poller = AdaptivePoller(name, self._poll_once, idle_interval_s=idle_poll_interval_s)
         self._poller.start()
         self._spans: list[tuple[object, list[tuple[int, int]]]] = []  # registrations, to mirror on lanes
+        self.huge_pages = HugePageCollapser(f"agent {name}")
         self._peer_metadata: dict[str, bytes] = {}
         self.lanes: ReadLanes | None = None
         self.lanes_ready = threading.Event()
@@ -130,11 +132,15 @@ class TransferAgent:
         logger.info("agent %s registered %d regions", self.name, len(regions))
         return registration
 
-    def register_spans(self, spans: Sequence[tuple[int, int]]) -> object:
-        """Register host memory given as (start, end) byte addresses; returns the registration."""
+    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool = True) -> object:
+        """Register host memory given as (start, end) byte addresses; returns the registration. With
+        ``huge_pages`` the memory is advised to use huge pages and collapsed into them in the background
+        (``self.huge_pages``, :mod:`.huge_pages`)."""
         rows = [(start, end - start, 0, "") for start, end in spans if end > start]
         if not rows:
             raise ValueError("no memory to register: every span is empty")
+        if huge_pages:
+            self.huge_pages.submit([(start, end) for start, end in spans if end > start])
         with self._lock:
             try:
                 registration = self._nixl.register_memory(rows, "DRAM")

@@ -112,7 +112,7 @@ class ReadLanes:
             self.mirror(dlist, dlist.rows)
 
     def register(self, registration: object, spans: Sequence[tuple[int, int]]) -> None:
-        self._registrations[id(registration)] = [lane.register_spans(spans) for lane in self.lanes]
+        self._registrations[id(registration)] = [lane.register_spans(spans, huge_pages=False) for lane in self.lanes]
 
     def deregister(self, registration: object) -> None:
         for lane, mirrored in zip(self.lanes, self._registrations.pop(id(registration), []), strict=False):
@@ -220,7 +220,7 @@ def _warm_up(lane: TransferAgent, peer: str, address: int, nbytes: int) -> None:
     scratch = np.zeros(max(nbytes, 1), dtype=np.uint8)
     start = scratch.ctypes.data
     try:
-        registration = lane.register_spans([(start, start + scratch.nbytes)])
+        registration = lane.register_spans([(start, start + scratch.nbytes)], huge_pages=False)
     except Exception as error:
         logger.info("agent %s: no warm-up read from %s: %s", lane.name, peer, error)
         return

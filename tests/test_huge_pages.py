@@ -1,0 +1,124 @@
+"""Registered memory in huge pages: the advice keeps every byte, registration collapses in the background, and
+reads from another process stay exact while the collapse runs (real NIXL, real kernel)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from agent_peer import large_pattern, serve_large
+
+from pd_transfer.connector.cache import zeroed_host_tensor
+from pd_transfer.transfer import TransferAgent
+from pd_transfer.transfer.huge_pages import (
+    HUGE_PAGE_BYTES,
+    advise_huge_pages,
+    aligned_runs,
+    collapse_huge_pages,
+    resident_huge_page_bytes,
+)
+
+MIB = 2**20
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1 : text.find("]")]
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+
+needs_thp = pytest.mark.skipif(_thp_mode() in {"never", "unknown"}, reason="the kernel gives no transparent huge pages")
+
+
+def test_aligned_runs_are_the_whole_huge_pages_inside_each_span() -> None:
+    h = HUGE_PAGE_BYTES
+    assert aligned_runs([(0, h)]) == [(0, h)]
+    assert aligned_runs([(1, 3 * h - 1)]) == [(h, 2 * h)]
+    assert aligned_runs([(h + 1, 2 * h + 5)]) == []  # no whole aligned huge page inside
+    assert aligned_runs([(5 * h, 9 * h + 7), (0, 10)]) == [(5 * h, 9 * h)]
+
+
+@needs_thp
+def test_collapse_keeps_every_byte_and_leaves_the_memory_in_huge_pages() -> None:
+    words = 64 * MIB // 4
+    memory = large_pattern(words)  # written on the allocator's small pages
+    assert advise_huge_pages([_span(memory)]) > 0
+    result = collapse_huge_pages([_span(memory)])
+    if "EINVAL" in result.reason:
+        pytest.skip(f"this kernel has no MADV_COLLAPSE ({result.reason})")
+    assert torch.equal(memory, large_pattern(words))
+    assert result.eligible_bytes >= 60 * MIB
+    assert result.collapsed_bytes == result.eligible_bytes, result.reason
+    assert resident_huge_page_bytes([_span(memory)]) >= result.eligible_bytes
+
+
+@needs_thp
+def test_a_cache_tensor_is_in_huge_pages_from_its_first_write() -> None:
+    tensor = zeroed_host_tensor((32 * MIB,), torch.uint8)
+    assert int(tensor.count_nonzero()) == 0
+    assert resident_huge_page_bytes([_span(tensor)]) >= 28 * MIB
+
+
+def test_the_switch_turns_the_advice_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "0")
+    tensor = zeroed_host_tensor((32 * MIB,), torch.uint8)
+    assert advise_huge_pages([_span(tensor)]) == 0
+    assert collapse_huge_pages([_span(tensor)]).reason == "off"
+    if _thp_mode() == "madvise":  # unadvised memory gets no huge pages in this mode
+        assert resident_huge_page_bytes([_span(tensor)]) == 0
+
+
+@needs_thp
+def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> None:
+    """The peer registers 256 MiB written on small pages; its agent collapses them in the background while this
+    process reads all of it again and again; every read is checked word for word, then the peer's memory and
+    ours are in huge pages."""
+    words = 256 * MIB // 4
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    process = context.Process(target=serve_large, args=(child, words), daemon=True)
+    process.start()
+    agent = TransferAgent("huge-pages-reader")
+    try:
+        assert conn.poll(60), "the peer did not start in 60 s"
+        metadata, remote_base = conn.recv()
+        target = torch.zeros(words, dtype=torch.int32)
+        agent.register_spans([_span(target)])
+        peer = agent.add_peer(metadata)
+        chunk = 4 * MIB
+        count = words * 4 // chunk
+        offsets = np.arange(count, dtype=np.uint64) * chunk
+        local = agent.prepare_local(np.stack([target.data_ptr() + offsets, np.full(count, chunk), 0 * offsets], 1))
+        remote = agent.prepare_remote(peer, np.stack([remote_base + offsets, np.full(count, chunk), 0 * offsets], 1))
+        rows = np.arange(count, dtype=np.int32)
+        expected = large_pattern(words)
+        conn.send("collapse")  # answered once the peer's collapse ended
+        reads = 0
+        while not conn.poll(0) or reads < 3:
+            target.zero_()
+            agent.read(local, rows, remote, rows, timeout_s=30.0)
+            assert torch.equal(target, expected), f"read {reads} differs"
+            reads += 1
+            assert reads < 2000, "the peer's collapse did not end"
+        ended, results, peer_huge = conn.recv()
+        assert ended
+        if results and "EINVAL" in results[0].reason:
+            pytest.skip(f"this kernel has no MADV_COLLAPSE ({results[0].reason})")
+        assert peer_huge >= 240 * MIB, (results, peer_huge)
+        assert agent.huge_pages.wait(60.0)
+        assert resident_huge_page_bytes([_span(target)]) >= 240 * MIB
+        local.release()
+        remote.release()
+    finally:
+        conn.send("stop")
+        process.join(30)
+        agent.close()
