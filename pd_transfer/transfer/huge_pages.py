@@ -30,6 +30,11 @@ _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 _SWITCH_ENV = "PD_TRANSFER_HUGE_PAGES"
 _COLLAPSE_PIECE = 32 * 2**20
+_COLLAPSE_ERRORS = {
+    errno.EINVAL: "MADV_COLLAPSE: EINVAL (memory not written yet: it faults in huge; or a kernel before 6.1)",
+    errno.EAGAIN: "MADV_COLLAPSE: EAGAIN (pages busy or pinned)",
+    errno.ENOMEM: "MADV_COLLAPSE: ENOMEM (no free huge pages)",
+}
 
 Span = tuple[int, int]  # (start, end) byte addresses in this process
 
@@ -108,7 +113,7 @@ def collapse_huge_pages(spans: Sequence[Span]) -> Collapse:
             if madvise(start, end - start, _MADV_COLLAPSE) != 0:
                 code = ctypes.get_errno()
                 if attempt or code != errno.EAGAIN:
-                    reasons.add(f"MADV_COLLAPSE: {errno.errorcode.get(code, '?')}")
+                    reasons.add(_COLLAPSE_ERRORS.get(code, f"MADV_COLLAPSE: {errno.errorcode.get(code, '?')}"))
                 if code != errno.EAGAIN:
                     continue
                 refused.append((start, end))
