@@ -142,12 +142,14 @@ def _case(
     raw = RawNixlReader(spans, engine.ranks[0].agent_metadata, source.local_grid, source.remote_grid)
     try:
         raw.read_seconds(local_rows, remote_rows)  # warm
-        ours, raws, copies = [], [], []
+        ours, raws, writes, copies = [], [], [], []
         result = None
         for index in range(repeats):
             result = decode.pull(f"bench-{label}-{index}", host, port, remote_ids, local_ids, num_tokens)
             ours.append(result.seconds)
             raws.append(raw.read_seconds(local_rows, remote_rows))
+            # the prefill's bytes, just read and verified, written back unchanged: the other direction's rate
+            writes.append(raw.read_seconds(local_rows, remote_rows, operation="WRITE"))
             copies.append(copy_runs_gbps(expected_prefill[0], scratch, remote_ids, local_ids))
     finally:
         raw.close()
@@ -171,6 +173,7 @@ def _case(
         "gbps": round(gbps, 3),
         "raw_nixl_seconds": round(raw_seconds, 6),
         "raw_nixl_gbps": round(raw_gbps, 3),
+        "raw_nixl_write_gbps": round(result.bytes / statistics.median(writes) / 2**30, 3),
         "memcpy_gbps": round(memcpy_gbps, 3),
         "ratio_vs_raw_nixl": round(gbps / raw_gbps, 3),
         "ratio_vs_memcpy": round(gbps / memcpy_gbps, 3),

@@ -82,6 +82,7 @@ def run(
     for case in ("contiguous", "scattered"):
         result[case]["ratio_vs_tcp_stream"] = round(result[case]["gbps"] / stream, 3)
         result[case]["raw_nixl_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_gbps"] / stream, 3)
+        result[case]["raw_nixl_write_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_write_gbps"] / stream, 3)
     result["settings"]["ucx_transports"] = transports
     result["tcp_stream"] = {
         "gbps": stream,

@@ -38,19 +38,20 @@ class RawNixlReader:
         )
         self._remote = self._agent.prep_xfer_dlist(self._peer, np.ascontiguousarray(remote_rows, np.uint64), "DRAM")
 
-    def read_seconds(self, local_indices: np.ndarray, remote_indices: np.ndarray) -> float:
-        """One READ of the given rows, make to release; returns post-to-DONE seconds."""
+    def read_seconds(self, local_indices: np.ndarray, remote_indices: np.ndarray, *, operation: str = "READ") -> float:
+        """One READ of the given rows (or, with ``operation="WRITE"``, the local rows written into the remote ones:
+        the other direction over the same descriptors), make to release; returns post-to-DONE seconds."""
         local_indices = np.asarray(local_indices, dtype=np.int32)
         remote_indices = np.asarray(remote_indices, dtype=np.int32)
         started = time.perf_counter()
-        handle = self._agent.make_prepped_xfer("READ", self._local, local_indices, self._remote, remote_indices)
+        handle = self._agent.make_prepped_xfer(operation, self._local, local_indices, self._remote, remote_indices)
         state = self._agent.transfer(handle)
         while state == "PROC":
             state = self._agent.check_xfer_state(handle)
         elapsed = time.perf_counter() - started
         self._agent.release_xfer_handle(handle)
         if state != "DONE":
-            raise RuntimeError(f"raw NIXL read ended in state {state}")
+            raise RuntimeError(f"raw NIXL {operation} ended in state {state}")
         return elapsed
 
     def close(self) -> None:
