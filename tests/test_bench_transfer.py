@@ -8,19 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from pd_transfer.transfer.huge_pages import thp_mode
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unknown"
-    return text[text.find("[") + 1 : text.find("]")]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +43,8 @@ def test_the_host_copy_rate_is_the_faster_page_kind(result: dict) -> None:
 
 def test_the_decode_cache_is_in_huge_pages(result: dict) -> None:
     settings = result["settings"]
-    assert settings["transparent_hugepages"] == _thp_mode()
+    assert settings["transparent_hugepages"] == thp_mode()
     assert settings["huge_pages"] is True
-    if _thp_mode() in {"never", "unknown"}:
+    if thp_mode() in {"never", "unknown"}:
         pytest.skip("the kernel gives no transparent huge pages")
     assert settings["decode_cache_huge_page_fraction"] >= 0.9

@@ -4,7 +4,6 @@ reads from another process stay exact while the collapse runs (real NIXL, real k
 from __future__ import annotations
 
 import multiprocessing
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,24 +18,17 @@ from pd_transfer.transfer.huge_pages import (
     aligned_runs,
     collapse_huge_pages,
     resident_huge_page_bytes,
+    thp_mode,
 )
 
 MIB = 2**20
-
-
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unknown"
-    return text[text.find("[") + 1 : text.find("]")]
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
 
 
-needs_thp = pytest.mark.skipif(_thp_mode() in {"never", "unknown"}, reason="the kernel gives no transparent huge pages")
+needs_thp = pytest.mark.skipif(thp_mode() in {"never", "unknown"}, reason="the kernel gives no transparent huge pages")
 
 
 def test_aligned_runs_are_the_whole_huge_pages_inside_each_span() -> None:
@@ -73,7 +65,7 @@ def test_the_switch_turns_the_advice_off(monkeypatch: pytest.MonkeyPatch) -> Non
     tensor = zeroed_host_tensor((32 * MIB,), torch.uint8)
     assert advise_huge_pages([_span(tensor)]) == 0
     assert collapse_huge_pages([_span(tensor)]).reason == "off"
-    if _thp_mode() == "madvise":  # unadvised memory gets no huge pages in this mode
+    if thp_mode() == "madvise":  # unadvised memory gets no huge pages in this mode
         assert resident_huge_page_bytes([_span(tensor)]) == 0
 
 

@@ -8,7 +8,6 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,7 +17,7 @@ from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
-from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_enabled, resident_huge_page_bytes
+from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_enabled, resident_huge_page_bytes, thp_mode
 
 
 @dataclass(frozen=True)
@@ -108,16 +107,6 @@ def _huge_fraction(cache: KVCache) -> float:
     high = max(r.base_address + r.span_bytes for r in cache.regions)
     slack = HUGE_PAGE_BYTES  # the aligned run advised sits inside the tensor's own mapping
     return resident_huge_page_bytes([(low - slack, high + slack)]) / max(1, cache.nbytes)
-
-
-def _thp_mode() -> str:
-    """The kernel's transparent huge page mode (the bracketed word), or "unknown"."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unknown"
-    start, end = text.find("["), text.find("]")
-    return text[start + 1 : end] if 0 <= start < end else "unknown"
 
 
 def _case(
@@ -225,7 +214,7 @@ def run(
                 "read_lanes": 1 + (len(lanes.lanes) if lanes is not None else 0),
                 "split_min_bytes": lanes.split_min_bytes if lanes is not None else None,
                 "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
-                "transparent_hugepages": _thp_mode(),
+                "transparent_hugepages": thp_mode(),
                 "huge_pages": huge_pages_enabled(),
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
             }

@@ -50,6 +50,17 @@ class Collapse:
     reason: str = ""
 
 
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode (the bracketed word of ``/sys/kernel/mm/transparent_hugepage/
+    enabled``: "always", "madvise" or "never"), or "unknown" where it cannot be read."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
 def huge_pages_enabled() -> bool:
     """Whether memory is advised (``PD_TRANSFER_HUGE_PAGES``, default on; "0", "off", "no", "false" turn it off)."""
     return os.environ.get(_SWITCH_ENV, "1").strip().lower() not in {"0", "off", "no", "false"}
