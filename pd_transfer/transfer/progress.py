@@ -45,14 +45,6 @@ def busy_poll_seconds() -> float:
     return micros * 1e-6 if micros > 0 else float("inf")
 
 
-def spin_after_data_seconds() -> float:
-    """While reads are expected, how long after the last poll that moved data the poller keeps polling without a
-    pause (seconds): ``PD_TRANSFER_SPIN_AFTER_DATA_US`` (default 2000). Over TCP the target's polls answer the
-    reader's requests, which arrive a few microseconds apart: a 0.2 ms pause between them stalled bulk reads
-    (loopback, 512 MiB: 0.38-0.88 of a TCP stream with pauses, 0.80-0.84 polling through). 0 turns it off."""
-    return max(0.0, env_number("PD_TRANSFER_SPIN_AFTER_DATA_US", 2000.0)) * 1e-6
-
-
 def read_wait_seconds() -> float:
     """How long a read waits between state checks once it stopped spinning (seconds): ``PD_TRANSFER_READ_WAIT_US``
     (default 50). Over TCP each check also receives what arrived, and a one-block read takes a few hundred
@@ -85,7 +77,6 @@ class AdaptivePoller:
         self._wakeup = threading.Event()
         self._last_activity = time.monotonic()
         self._expecting = False
-        self._spin_after_data_s = spin_after_data_seconds()
         self._thread = threading.Thread(target=self._run, name=f"pd-transfer-poll-{name}", daemon=True)
         self.polls = 0
 
@@ -126,8 +117,8 @@ class AdaptivePoller:
             now = time.monotonic()
             if found:
                 self._last_activity = now
-            if self._expecting and (found or now - self._last_activity < self._spin_after_data_s):
-                interval = self._active_interval_s  # reads in flight: poll again now (the loop still ends on stop)
+            if found and self._expecting:  # reads in flight: poll again now (the loop still ends on stop)
+                interval = self._active_interval_s
                 continue
             if self._expecting or now - self._last_activity < self._active_window_s:
                 interval = self._active_interval_s
