@@ -57,7 +57,7 @@ def serve_large(conn: multiprocessing.connection.Connection, words: int) -> None
     memory = large_pattern(words)
     span = (memory.data_ptr(), memory.data_ptr() + memory.numel() * 4)
     agent = TransferAgent("peer-large")
-    agent.register_spans([span])
+    agent.register_spans([span], huge_pages=True)
     conn.send((agent.metadata, span[0]))
     while conn.poll(120):
         command = conn.recv()

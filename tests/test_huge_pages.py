@@ -17,6 +17,9 @@ from pd_transfer.transfer.huge_pages import (
     advise_huge_pages,
     aligned_runs,
     collapse_huge_pages,
+    huge_pages_enabled,
+    huge_pages_for_registrations,
+    huge_pages_mode,
     resident_huge_page_bytes,
     thp_mode,
 )
@@ -84,7 +87,7 @@ def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> N
         assert conn.poll(60), "the peer did not start in 60 s"
         metadata, remote_base = conn.recv()
         target = torch.zeros(words, dtype=torch.int32)
-        agent.register_spans([_span(target)])
+        agent.register_spans([_span(target)], huge_pages=True)
         peer = agent.add_peer(metadata)
         chunk = 4 * MIB
         count = words * 4 // chunk
@@ -113,4 +116,30 @@ def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> N
     finally:
         conn.send("stop")
         process.join(30)
+        agent.close()
+
+
+def test_the_mode_says_whose_memory_is_advised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PD_TRANSFER_HUGE_PAGES", raising=False)
+    assert (huge_pages_mode(), huge_pages_enabled(), huge_pages_for_registrations()) == ("own", True, False)
+    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "all")
+    assert (huge_pages_mode(), huge_pages_enabled(), huge_pages_for_registrations()) == ("all", True, True)
+    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "off")
+    assert (huge_pages_mode(), huge_pages_enabled(), huge_pages_for_registrations()) == ("0", False, False)
+    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "sometimes" * 10)
+    with pytest.raises(ValueError, match="PD_TRANSFER_HUGE_PAGES must be own, all or 0"):
+        huge_pages_mode()
+
+
+@needs_thp
+def test_engine_memory_is_left_alone_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory pd-transfer did not allocate (an engine's) is registered as it is unless the mode is "all"."""
+    monkeypatch.delenv("PD_TRANSFER_HUGE_PAGES", raising=False)
+    memory = large_pattern(32 * MIB // 4)
+    agent = TransferAgent("huge-pages-default")
+    try:
+        agent.register_spans([_span(memory)])
+        assert agent.huge_pages.wait(10.0) and agent.huge_pages.results == []
+        assert resident_huge_page_bytes([_span(memory)]) == 0 or thp_mode() == "always"
+    finally:
         agent.close()

@@ -17,7 +17,7 @@ from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
-from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_enabled, resident_huge_page_bytes, thp_mode
+from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_mode, resident_huge_page_bytes, thp_mode
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def run(
                 "split_min_bytes": lanes.split_min_bytes if lanes is not None else None,
                 "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
-                "huge_pages": huge_pages_enabled(),
+                "huge_pages": huge_pages_mode(),
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
             }
             # as in a real request, the prefill holds a lease while the decode reads (it then polls fast)

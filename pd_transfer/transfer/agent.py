@@ -18,7 +18,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 from pd_transfer.spec import KVRegion
 
 from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
-from .huge_pages import HugePageCollapser
+from .huge_pages import HugePageCollapser, huge_pages_for_registrations
 from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
 from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, quiet_native_logs
 from .probe import peer_gone
@@ -132,10 +132,12 @@ class TransferAgent:
         logger.info("agent %s registered %d regions", self.name, len(regions))
         return registration
 
-    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool = True) -> object:
+    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None) -> object:
         """Register host memory given as (start, end) byte addresses; returns the registration. With
-        ``huge_pages`` the memory is advised to use huge pages and collapsed into them in the background
-        (``self.huge_pages``, :mod:`.huge_pages`)."""
+        ``huge_pages`` (default: ``PD_TRANSFER_HUGE_PAGES=all``) the memory is advised to use huge pages and
+        collapsed into them in the background (``self.huge_pages``, :mod:`.huge_pages`)."""
+        if huge_pages is None:
+            huge_pages = huge_pages_for_registrations()
         rows = [(start, end - start, 0, "") for start, end in spans if end > start]
         if not rows:
             raise ValueError("no memory to register: every span is empty")
