@@ -89,8 +89,10 @@ def copy_runs_gbps(source: KVCache, target: KVCache, source_ids: list[int], targ
 def host_copy_gbps(nbytes: int, repeats: int = 5, *, huge_pages: bool = False) -> float:
     """This host's in-process copy rate: ``nbytes`` contiguous, one thread, median of ``repeats`` (GiB/s); on
     memory in huge pages where the kernel gives them (``huge_pages``), else on the allocator's pages."""
-    source = zeroed_host_tensor((nbytes,), torch.uint8) if huge_pages else torch.zeros(nbytes, dtype=torch.uint8)
-    target = zeroed_host_tensor((nbytes,), torch.uint8) if huge_pages else torch.zeros(nbytes, dtype=torch.uint8)
+    source, target = (
+        zeroed_host_tensor((nbytes,), torch.uint8) if huge_pages else torch.zeros(nbytes, dtype=torch.uint8)
+        for _ in range(2)
+    )
     source.fill_(1)
     target.copy_(source)  # fault the pages in
     seconds = []
