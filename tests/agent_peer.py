@@ -19,16 +19,28 @@ def pattern(region: int) -> torch.Tensor:
     return torch.arange(start, start + NUM_BLOCKS * BLOCK_WORDS, dtype=torch.int32).view(NUM_BLOCKS, BLOCK_WORDS)
 
 
-def serve(conn: multiprocessing.connection.Connection, env: dict[str, str]) -> None:
+def serve(
+    conn: multiprocessing.connection.Connection,
+    env: dict[str, str],
+    serves_reads: bool = False,
+    python_progress: bool = True,
+) -> None:
+    """Register the NUM_REGIONS patterns, send (metadata, region bases), then answer "notification" with the next
+    one received (None after 10 s) until "stop". ``serves_reads``: the agent's like a prefill rank's;
+    ``python_progress=False`` stops its poller first, so that only NIXL's own thread (if any) progresses it."""
     os.environ.update(env)
     from pd_transfer.spec import region_from_tensor
     from pd_transfer.transfer.agent import TransferAgent
 
     received: queue.Queue[tuple[str, bytes]] = queue.Queue()
     tensors = [pattern(r).clone() for r in range(NUM_REGIONS)]
-    agent = TransferAgent("peer-prefill", on_notification=lambda peer, msg: received.put((peer, msg)))
+    agent = TransferAgent(
+        "peer-prefill", on_notification=lambda peer, msg: received.put((peer, msg)), serves_reads=serves_reads
+    )
     regions = [region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)]
     agent.register_regions(regions)
+    if not python_progress:
+        agent._poller.stop()
     conn.send((agent.metadata, [r.base_address for r in regions]))
     while conn.poll(60):
         command = conn.recv()

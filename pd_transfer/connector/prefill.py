@@ -69,6 +69,7 @@ class PrefillRank:
         self.agent = TransferAgent(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
+            serves_reads=True,
         )
         self.agent.register_regions(cache.regions)
 

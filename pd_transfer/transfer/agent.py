@@ -13,16 +13,15 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_transfer.spec import KVRegion
 
 from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
 from .huge_pages import HugePageCollapser, huge_pages_for_registrations
 from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
-from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, quiet_native_logs
+from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, make_nixl_agent
 from .probe import peer_gone
-from .progress import AdaptivePoller, busy_poll_seconds, read_wait_seconds
+from .progress import AdaptivePoller, busy_poll_seconds, native_progress_wait_ms, read_wait_seconds
 from .read_stats import ReadStats
 from .tcp import apply_tcp_defaults
 
@@ -64,8 +63,10 @@ class DescriptorList:
 class TransferAgent:
     """A NIXL agent without NIXL's busy progress thread.
 
-    ``on_notification(peer_name, payload)`` is called on the poller thread for every notification
-    that arrives (keep it short: hand work to another thread). ``read_lanes`` > 1 splits reads of at least
+    ``serves_reads``: peers read from this agent (a prefill rank's); it then runs NIXL's progress thread woken by
+    UCX's events (``native_progress_ms``: its longest wait, 0 when off; see :mod:`.progress`), which serves reads
+    over TCP as they arrive. ``on_notification(peer_name, payload)`` is called on the poller thread for every
+    notification that arrives (keep it short: hand work to another thread). ``read_lanes`` > 1 splits reads of at least
     ``split_min_bytes`` over that many agents and threads (see :mod:`.lanes`), once the extra agents are up.
     """
 
@@ -77,16 +78,19 @@ class TransferAgent:
         idle_poll_interval_s: float = 0.02,
         read_lanes: int = 1,
         split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
+        serves_reads: bool = False,
     ) -> None:
         self.name = name
         self._lock = threading.RLock()
         self._on_notification = on_notification
-        quiet_native_logs()
         apply_tcp_defaults()  # UCX reads them when the agent's context is made
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        self.native_progress_ms = native_progress_wait_ms() if serves_reads else 0
         started = time.perf_counter()
-        self._nixl = nixl_agent(name, config)
-        logger.info("NIXL agent %s ready in %.0f ms", name, (time.perf_counter() - started) * 1e3)
+        self._nixl = make_nixl_agent(name, progress_thread_wait_ms=self.native_progress_ms)
+        waits = f"{self.native_progress_ms} ms" if self.native_progress_ms else "off"
+        logger.info(
+            "NIXL agent %s ready in %.0f ms (native progress: %s)", name, (time.perf_counter() - started) * 1e3, waits
+        )
         self._registrations: list[object] = []
         self._peers: set[str] = set()
         self._dlists: list[DescriptorList] = []

@@ -1,8 +1,14 @@
-"""The NIXL binding's names this package relies on: its exception classes, and quiet native logging.
+"""The NIXL binding's names this package relies on: its exception classes, quiet native logging, and how an agent
+is made.
 
 NIXL raises one class per status (``nixlBackendError``, ``nixlNotFoundError``, ``nixlRemoteDisconnectError``, ...)
 from its compiled binding module; the transfer layer matches them by class. Logging defaults are applied when the
 first agent is made, never at import.
+
+NIXL's UCX progress thread waits in ``poll()`` on UCX's event descriptor, with the agent's ``pthrDelay`` as the
+timeout (rounded up to whole milliseconds); it wakes when data or a request arrives, progresses the worker until
+it is idle, re-arms and waits again. The Python wrapper (``nixl_agent``) fixes that delay at 0, which turns the
+wait into a spin of one full core per agent. :func:`make_nixl_agent` makes the same agent with a delay of its own.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from nixl._api import nixlBind
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixlBind
 
 NixlBackendError: type[Exception] = nixlBind.nixlBackendError
 NixlNotFoundError: type[Exception] = nixlBind.nixlNotFoundError
@@ -32,3 +38,29 @@ def quiet_native_logs() -> None:
     if "NIXL_LOG_LEVEL" not in os.environ:
         logging.getLogger("nixl").setLevel(logging.WARNING)
     _QUIETED = True
+
+
+def make_nixl_agent(name: str, *, progress_thread_wait_ms: int = 0) -> nixl_agent:
+    """A NIXL agent named ``name`` with the UCX backend and no listener thread.
+
+    ``progress_thread_wait_ms`` > 0 runs NIXL's progress thread, woken by UCX's events and at the latest after
+    that many milliseconds (its idle cost: about 0.3 % of a core at 20 ms, 2 % at 1 ms, measured); 0 runs none
+    (the owner must progress the agent). NIXL's and UCX's logs are quieted first (:func:`quiet_native_logs`). The
+    wrapper is made without backends, its native agent replaced by one
+    configured like the wrapper's own but for the thread's delay, and the UCX backend added to that one.
+    """
+    quiet_native_logs()
+    threadless = {"enable_prog_thread": False, "enable_listen_thread": False}
+    if progress_thread_wait_ms <= 0:
+        return nixl_agent(name, nixl_agent_config(**threadless, backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(**threadless, backends=[]))
+    config = nixlBind.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value  # the wrapper's choice without a listener
+    config.pthrDelay = progress_thread_wait_ms * 1000  # microseconds
+    config.lthrDelay = 100_000
+    config.captureTelemetry = False
+    agent.agent = nixlBind.nixlAgent(name, config)
+    agent.create_backend("UCX", {})
+    return agent

@@ -49,7 +49,7 @@ def _read_once() -> None:
 
     nbytes = 1 << 16
     source, target_buffer = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
-    with TransferAgent("reader") as reader, TransferAgent("target") as target:
+    with TransferAgent("reader") as reader, TransferAgent("target", serves_reads=True) as target:
         target.register_spans([(source.ctypes.data, source.ctypes.data + nbytes)])
         reader.register_spans([(target_buffer.ctypes.data, target_buffer.ctypes.data + nbytes)])
         peer = reader.add_peer(target.metadata)

@@ -1,0 +1,95 @@
+"""An agent that serves reads (a prefill rank's) runs NIXL's progress thread woken by UCX's events
+(:mod:`pd_transfer.transfer.progress`, :func:`pd_transfer.transfer.native.make_nixl_agent`): over TCP, where the
+target's progress is what answers a READ, that thread alone serves it. The target is a child process whose
+Python poller is stopped; this process reads from it over UCX's tcp transport."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
+
+from pd_transfer.spec import region_from_tensor
+from pd_transfer.transfer import TransferAgent, TransferTimeout
+from pd_transfer.transfer.progress import native_progress_wait_ms
+from pd_transfer.transfer.transports import ucx_transports
+
+pytestmark = pytest.mark.timeout(180)
+
+_START_TIMEOUT_S = 60.0
+_ENV = "PD_TRANSFER_NATIVE_PROGRESS_MS"
+
+
+def test_the_wait_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_ENV, raising=False)
+    assert native_progress_wait_ms() == 20
+    for value, expected in (("0", 0), ("2.5", 3), (" 100 ", 100), ("", 20)):
+        monkeypatch.setenv(_ENV, value)
+        assert native_progress_wait_ms() == expected, value
+    for bad in ("-1", "soon"):
+        monkeypatch.setenv(_ENV, bad)
+        with pytest.raises(ValueError, match=_ENV):
+            native_progress_wait_ms()
+
+
+def test_only_agents_that_serve_reads_run_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_ENV, "7")
+    with (
+        TransferAgent("test-native-reader") as reader,
+        TransferAgent("test-native-target", serves_reads=True) as target,
+    ):
+        assert (reader.native_progress_ms, target.native_progress_ms) == (0, 7)
+    monkeypatch.setenv(_ENV, "0")
+    with TransferAgent("test-native-off", serves_reads=True) as target:
+        assert target.native_progress_ms == 0
+
+
+def _read_everything_from_unpolled_target(monkeypatch: pytest.MonkeyPatch, wait_ms: str, timeout_s: float) -> None:
+    """Start a target (``PD_TRANSFER_NATIVE_PROGRESS_MS=wait_ms``) whose poller is stopped, read all its regions
+    over TCP with ``timeout_s`` and check every word."""
+    if "tcp" not in ucx_transports({"UCX_TLS": "tcp,self"}):
+        pytest.skip("UCX has no tcp transport here")
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    env = {"UCX_TLS": "tcp,self", _ENV: wait_ms}
+    process = context.Process(target=serve, args=(child, env, True, False), daemon=True)
+    process.start()
+    tensors = [torch.full((NUM_BLOCKS, BLOCK_WORDS), -1, dtype=torch.int32) for _ in range(NUM_REGIONS)]
+    agent = TransferAgent("test-native-reader-tcp")
+    try:
+        assert conn.poll(_START_TIMEOUT_S), f"peer did not start (exit code {process.exitcode})"
+        metadata, bases = conn.recv()
+        agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
+        peer = agent.add_peer(metadata)
+        nbytes = NUM_BLOCKS * BLOCK_WORDS * 4
+        remote = agent.prepare_remote(peer, np.array([[base, nbytes, 0] for base in bases], dtype=np.uint64))
+        local = agent.prepare_local(np.array([[t.data_ptr(), nbytes, 0] for t in tensors], dtype=np.uint64))
+        every = np.arange(NUM_REGIONS)
+        stats = agent.read(local, every, remote, every, timeout_s=timeout_s)
+        assert stats.bytes == NUM_REGIONS * nbytes
+        for region, tensor in enumerate(tensors):
+            assert torch.equal(tensor, pattern(region)), region
+        assert process.is_alive()
+    finally:
+        agent.close()
+        if process.is_alive():
+            conn.send("stop")
+            process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+def test_an_unpolled_target_serves_tcp_reads_on_its_native_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 MiB in four descriptors over TCP: many messages the target's progress must answer
+    _read_everything_from_unpolled_target(monkeypatch, "20", timeout_s=60.0)
+
+
+def test_without_the_native_thread_an_unpolled_target_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the control: the same target with the thread off and its poller stopped leaves the read waiting
+    with pytest.raises(TransferTimeout):
+        _read_everything_from_unpolled_target(monkeypatch, "0", timeout_s=3.0)
