@@ -67,8 +67,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
     from pd_transfer.bench.transfer_sections import run_sections, summary_lines
+    from pd_transfer.sim.peer import BUSY_ENGINE_ENV
 
     shape = QUICK_SHAPE if args.quick else Shape()
+    if args.busy_prefill:  # the prefill processes started from here inherit it
+        os.environ[BUSY_ENGINE_ENV] = "1"
     sections = [
         s
         for s, on in (("default", not args.only_tcp), ("tcp", args.tcp or args.only_tcp), ("tcp_netns", args.netns))
@@ -167,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--netns", action="store_true", help="also over TCP across a veth into a network namespace")
     transfer.add_argument(
         "--only-tcp", action="store_true", help="skip the default-transport (CMA) section (implies --tcp)"
+    )
+    transfer.add_argument(
+        "--busy-prefill",
+        action="store_true",
+        help="the prefill process also runs a Python loop that keeps the GIL busy, as a serving engine's does",
     )
     transfer.set_defaults(func=_bench_transfer)
     topology = which.add_parser("topology", help="heterogeneous TP and block sizes vs homogeneous")

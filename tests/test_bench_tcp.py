@@ -50,13 +50,15 @@ def test_tcp_reads_and_stream_move_every_byte(tcp_result: dict, section: str) ->
     expected = request_bytes_of(QUICK_SHAPE)
     assert tcp["request_bytes"] == expected
     assert tcp["tcp_stream"]["bytes"] == expected and tcp["tcp_stream"]["bytes_ok"] is True
-    assert tcp["tcp_stream"]["gbps"] > 0
+    assert tcp["tcp_stream"]["gbps"] > 0 and tcp["tcp_stream"]["cpu_seconds_per_gib"] > 0
     for case in ("contiguous", "scattered"):
         measured = tcp[case]
         assert measured["bytes"] == expected, case
         assert measured["verified"] is True, case  # every byte read compared with what the prefill wrote
         for key in ("ratio_vs_tcp_stream", "raw_nixl_ratio_vs_tcp_stream", "raw_nixl_write_ratio_vs_tcp_stream"):
             assert measured[key] > 0, (case, key)
+        # what a GiB costs both processes in CPU, beside what it costs the stream's two ends
+        assert measured["cpu_seconds_per_gib"] > 0 and measured["cpu_ratio_vs_tcp_stream"] > 0, case
         assert measured["ratio_vs_raw_nixl"] > 0, case
     assert tcp["prefill_saw_notification"] is True
 

@@ -30,7 +30,14 @@ def test_reads_are_verified_beside_both_yardsticks(result: dict) -> None:
     for case in ("contiguous", "scattered"):
         measured = result[case]
         assert measured["verified"] is True, case
-        for key in ("gbps", "raw_nixl_gbps", "raw_nixl_write_gbps", "memcpy_gbps", "ratio_vs_memcpy"):
+        for key in (
+            "gbps",
+            "raw_nixl_gbps",
+            "raw_nixl_write_gbps",
+            "memcpy_gbps",
+            "ratio_vs_memcpy",
+            "cpu_seconds_per_gib",
+        ):
             assert measured[key] > 0, (case, key)
     assert result["prefill_saw_notification"] is True
 

@@ -3,7 +3,8 @@
 The receiver (this process, where the decode reads) listens on ``host``; the sender, a child process started
 with an optional command prefix (``ip netns exec NAME`` puts it on the prefill's side of a veth), connects and,
 for each repeat, waits for a one-byte go and sends ``nbytes`` from one buffer with ``sendall``. The receiver times
-go-to-last-byte with ``recv_into`` into one buffer and checks it got exactly ``nbytes`` each time. Kernel socket
+go-to-last-byte with ``recv_into`` into one buffer and checks it got exactly ``nbytes`` each time; both ends count
+the CPU time of their side of each transfer (user and system: the kernel's copies included). Kernel socket
 buffers are left to autotuning, as iperf3 leaves them. ``iperf3`` (when installed) runs the same direction.
 
 Run as ``python -m pd_transfer.bench.tcp_stream HOST PORT NBYTES REPEATS``: the sender.
@@ -26,14 +27,19 @@ _TIMEOUT_S = 120.0  # any one connect, go or repeat
 
 
 def _send(host: str, port: int, nbytes: int, repeats: int) -> None:
-    """The sender's side: ``repeats`` times, wait for a go byte and send ``nbytes``."""
+    """The sender's side: ``repeats`` times, wait for a go byte and send ``nbytes``; then print the CPU seconds
+    the sends took (this process, user and system) as JSON."""
     payload = memoryview(bytearray(b"\xa5" * nbytes))
+    cpu_seconds = 0.0
     with socket.create_connection((host, port), timeout=_TIMEOUT_S) as sock:
         for _ in range(repeats):
             if sock.recv(1) != b"g":
                 return
+            started = time.process_time()
             sock.sendall(payload)
+            cpu_seconds += time.process_time() - started
         sock.recv(1)  # the receiver's close
+    print(json.dumps({"cpu_seconds": cpu_seconds}), flush=True)
 
 
 def stream_gbps(nbytes: int, repeats: int, *, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> dict:
@@ -42,11 +48,12 @@ def stream_gbps(nbytes: int, repeats: int, *, host: str = "127.0.0.1", prefix: S
     buffer = memoryview(bytearray(nbytes))
     seconds: list[float] = []
     received: list[int] = []
+    receiver_cpu = 0.0
     with socket.create_server((host, 0)) as listener:
         listener.settimeout(_TIMEOUT_S)
         port = listener.getsockname()[1]
         command = [*prefix, sys.executable, "-m", "pd_transfer.bench.tcp_stream", host, str(port), str(nbytes)]
-        sender = subprocess.Popen([*command, str(repeats)])
+        sender = subprocess.Popen([*command, str(repeats)], stdout=subprocess.PIPE, text=True)
         try:
             conn, _ = listener.accept()
             with conn:
@@ -54,27 +61,40 @@ def stream_gbps(nbytes: int, repeats: int, *, host: str = "127.0.0.1", prefix: S
                 for _ in range(repeats):
                     got = 0
                     conn.sendall(b"g")
-                    started = time.perf_counter()
+                    started, cpu_started = time.perf_counter(), time.process_time()
                     while got < nbytes:
                         count = conn.recv_into(buffer[got:])
                         if count == 0:
                             break
                         got += count
                     seconds.append(time.perf_counter() - started)
+                    receiver_cpu += time.process_time() - cpu_started
                     received.append(got)
-            sender.wait(_TIMEOUT_S)
+            said, _ = sender.communicate(timeout=_TIMEOUT_S)
         finally:
             if sender.poll() is None:
                 sender.kill()
                 sender.wait(_TIMEOUT_S)
     median = statistics.median(seconds)
+    sender_cpu = _cpu_said(said)
+    gib_moved = sum(received) / 2**30
     return {
         "bytes": nbytes,
         "seconds": round(median, 6),
         "gbps": round(nbytes / median / 2**30, 3),
         "bytes_ok": all(got == nbytes for got in received),
         "repeats": repeats,
+        # both ends' CPU (user and system) per GiB received; None when the sender did not say its share
+        "cpu_seconds_per_gib": None if sender_cpu is None else round((receiver_cpu + sender_cpu) / gib_moved, 4),
     }
+
+
+def _cpu_said(said: str) -> float | None:
+    """The sender's CPU seconds from its last line of output, None when it printed none."""
+    try:
+        return float(json.loads(said.strip().splitlines()[-1])["cpu_seconds"])
+    except (IndexError, ValueError, KeyError, TypeError):
+        return None
 
 
 def iperf3_gbps(nbytes: int, *, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> float | None:

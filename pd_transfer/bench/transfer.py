@@ -7,14 +7,17 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.peer import BUSY_ENGINE_ENV, PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_mode, resident_huge_page_bytes, thp_mode
@@ -56,6 +59,7 @@ class Shape:
         )
 
 
+T = TypeVar("T")
 _LEASE = "bench-lease"  # the request whose lease the prefill holds while reads are measured
 
 QUICK_SHAPE = Shape(num_layers=4, request_tokens=1024, cache_blocks=128)
@@ -111,6 +115,15 @@ def _huge_fraction(cache: KVCache) -> float:
     return resident_huge_page_bytes([(low - slack, high + slack)]) / max(1, cache.nbytes)
 
 
+def _with_cpu(prefill: PrefillProcess, cpu_samples: list[float], call: Callable[[], T]) -> T:
+    """``call()``'s result; appends to ``cpu_samples`` the CPU seconds the prefill's process and this one (every
+    thread, user and system) spent meanwhile."""
+    before = prefill.cpu_seconds() + time.process_time()
+    value = call()
+    cpu_samples.append(prefill.cpu_seconds() + time.process_time() - before)
+    return value
+
+
 def _case(
     decode: DecodeRank,
     prefill: PrefillProcess,
@@ -134,13 +147,16 @@ def _case(
     try:
         raw.read_seconds(local_rows, remote_rows)  # warm
         ours, raws, writes, copies = [], [], [], []
+        cpus: dict[str, list[float]] = {"ours": [], "raw_read": [], "raw_write": []}
         result = None
         for index in range(repeats):
-            result = decode.pull(f"bench-{label}-{index}", host, port, remote_ids, local_ids, num_tokens)
+            pull = partial(decode.pull, f"bench-{label}-{index}", host, port, remote_ids, local_ids, num_tokens)
+            result = _with_cpu(prefill, cpus["ours"], pull)
             ours.append(result.seconds)
-            raws.append(raw.read_seconds(local_rows, remote_rows))
+            raws.append(_with_cpu(prefill, cpus["raw_read"], partial(raw.read_seconds, local_rows, remote_rows)))
             # the prefill's bytes, just read and verified, written back unchanged: the other direction's rate
-            writes.append(raw.read_seconds(local_rows, remote_rows, operation="WRITE"))
+            write = partial(raw.read_seconds, local_rows, remote_rows, operation="WRITE")
+            writes.append(_with_cpu(prefill, cpus["raw_write"], write))
             copies.append(copy_runs_gbps(expected_prefill[0], scratch, remote_ids, local_ids))
     finally:
         raw.close()
@@ -155,6 +171,7 @@ def _case(
     gbps = result.bytes / seconds / 2**30
     raw_gbps = result.bytes / raw_seconds / 2**30
     memcpy_gbps = statistics.median(copies)
+    gib = result.bytes / 2**30
     verified = received_correctly(decode.cache, local_ids, expected_prefill, remote_ids, num_tokens)
     return {
         "bytes": result.bytes,
@@ -166,6 +183,10 @@ def _case(
         "raw_nixl_gbps": round(raw_gbps, 3),
         "raw_nixl_write_gbps": round(result.bytes / statistics.median(writes) / 2**30, 3),
         "memcpy_gbps": round(memcpy_gbps, 3),
+        # both processes' CPU (all threads, user and system) per GiB moved: what each way costs the host
+        "cpu_seconds_per_gib": round(statistics.median(cpus["ours"]) / gib, 4),
+        "raw_nixl_cpu_seconds_per_gib": round(statistics.median(cpus["raw_read"]) / gib, 4),
+        "raw_nixl_write_cpu_seconds_per_gib": round(statistics.median(cpus["raw_write"]) / gib, 4),
         "ratio_vs_raw_nixl": round(gbps / raw_gbps, 3),
         "ratio_vs_memcpy": round(gbps / memcpy_gbps, 3),
         "verified": bool(verified),
@@ -218,6 +239,7 @@ def run(
                 "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
                 "huge_pages": huge_pages_mode(),
+                "busy_prefill_engine": os.environ.get(BUSY_ENGINE_ENV, "").strip() == "1",
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
             }
             # as in a real request, the prefill holds a lease while the decode reads (it then polls fast)

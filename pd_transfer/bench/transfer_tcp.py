@@ -79,7 +79,13 @@ def run(
         iperf3 = iperf3_gbps(4 * request_bytes, host=decode_host, prefix=stream_prefix)
         transports = ucx_transports()
     stream = statistics.median([before["gbps"], after["gbps"]])
+    stream_cpus = [run["cpu_seconds_per_gib"] for run in (before, after) if run["cpu_seconds_per_gib"] is not None]
+    stream_cpu = statistics.median(stream_cpus) if stream_cpus else None
     for case in ("contiguous", "scattered"):
+        for way in ("", "raw_nixl_", "raw_nixl_write_") if stream_cpu else ():  # a GiB's CPU, in the stream's
+            result[case][f"{way}cpu_ratio_vs_tcp_stream"] = round(
+                result[case][f"{way}cpu_seconds_per_gib"] / stream_cpu, 3
+            )
         result[case]["ratio_vs_tcp_stream"] = round(result[case]["gbps"] / stream, 3)
         result[case]["raw_nixl_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_gbps"] / stream, 3)
         result[case]["raw_nixl_write_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_write_gbps"] / stream, 3)
@@ -90,6 +96,7 @@ def run(
         "after_gbps": after["gbps"],
         "bytes": request_bytes,
         "bytes_ok": before["bytes_ok"] and after["bytes_ok"],
+        "cpu_seconds_per_gib": stream_cpu,
         "iperf3_gbps": iperf3,
     }
     return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing.connection
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ _CLONE_NEWNS = 0x00020000
 _MS_REC = 0x4000
 _MS_SLAVE = 1 << 19
 _MNT_DETACH = 2
+
+#: "1": the prefill process also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy.
+BUSY_ENGINE_ENV = "PD_TRANSFER_SIM_BUSY_ENGINE"
 
 
 def fill_pattern(cache: KVCache, seed: int) -> None:
@@ -65,6 +69,14 @@ class PrefillSpec:
         return out
 
 
+def _busy_engine(stop: threading.Event) -> None:
+    """Pure-Python work without a pause until ``stop``: it holds the GIL but for the interpreter's switch interval
+    (5 ms), as vLLM's engine loop does when it spins (README, "Engine spinning"), so this process's other Python
+    threads (side channel, progress poller) run only when they win the GIL from it."""
+    while not stop.is_set():
+        sum(range(2000))
+
+
 def _enter_netns(name: str) -> None:
     """Move this process (its only thread, before it opens sockets) into the network namespace ``name``, and show
     it that namespace's /sys (UCX finds network devices in /sys/class/net), as ``ip netns exec`` does: a mount
@@ -96,6 +108,9 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     server = serve_engine(
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
     )
+    stop_engine = threading.Event()
+    if os.environ.get(BUSY_ENGINE_ENV, "").strip() == "1":
+        threading.Thread(target=_busy_engine, args=(stop_engine,), name="busy-engine", daemon=True).start()
     conn.send(("ready", server.port))
     try:
         for command, *args in commands(conn):
@@ -117,9 +132,12 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
                 conn.send(("released", [rank.release(request_id, read_possible=False) is not None for rank in ranks]))
             elif command == "notifications":
                 conn.send(("notifications", [rank.agent.notifications_received for rank in ranks]))
+            elif command == "cpu_seconds":  # this process's CPU time so far, every thread, user and system
+                conn.send(("cpu_seconds", time.process_time()))
             else:
                 conn.send(("error", f"unknown command {command!r}"))
     finally:
+        stop_engine.set()
         server.stop()
         for rank in ranks:
             rank.close()
@@ -142,6 +160,10 @@ class PrefillProcess(ChildProcess):
 
     def idle_cpu_percent(self, seconds: float) -> float:
         return float(self.request("idle_cpu", seconds, timeout_s=seconds + 30)[1])
+
+    def cpu_seconds(self) -> float:
+        """The prefill process's CPU time so far (seconds, all its threads, user and system)."""
+        return float(self.request("cpu_seconds")[1])
 
     def wait_released(self, request_id: str, timeout_s: float) -> list[int | None]:
         return list(self.request("wait_released", request_id, timeout_s, timeout_s=timeout_s + 30)[1])
