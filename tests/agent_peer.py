@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
+import numpy as np
 import torch
 
 NUM_BLOCKS = 64
@@ -52,6 +57,48 @@ def serve(
         elif command == "stop":
             break
     agent.close()
+
+
+@contextmanager
+def served_peer(
+    env: dict[str, str], *, serves_reads: bool = False, python_progress: bool = True, start_timeout_s: float = 60.0
+) -> Iterator[tuple[multiprocessing.connection.Connection, bytes, list[int]]]:
+    """:func:`serve` in a spawned child: yields (its pipe, its agent metadata, its region bases); stops it after."""
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    process = context.Process(target=serve, args=(child, env, serves_reads, python_progress), daemon=True)
+    process.start()
+    try:
+        assert conn.poll(start_timeout_s), f"peer did not start (exit code {process.exitcode})"
+        metadata, bases = conn.recv()
+        yield conn, metadata, bases
+        assert process.is_alive()
+    finally:
+        if process.is_alive():
+            conn.send("stop")
+            process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+def read_whole_regions(
+    agent: Any, metadata: bytes, bases: list[int], order: list[int], *, notification: bytes = b"", timeout_s: float
+) -> list[torch.Tensor]:
+    """With ``agent`` (a TransferAgent), read the peer's region ``order[i]`` whole (one descriptor each) into
+    fresh tensor i; returns the tensors, after checking the bytes the read reports."""
+    tensors = [torch.full((NUM_BLOCKS, BLOCK_WORDS), -1, dtype=torch.int32) for _ in range(NUM_REGIONS)]
+    from pd_transfer.spec import region_from_tensor
+
+    agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
+    peer = agent.add_peer(metadata)
+    nbytes = NUM_BLOCKS * BLOCK_WORDS * 4
+    remote = agent.prepare_remote(peer, np.array([[base, nbytes, 0] for base in bases], dtype=np.uint64))
+    local = agent.prepare_local(np.array([[t.data_ptr(), nbytes, 0] for t in tensors], dtype=np.uint64))
+    every = np.arange(NUM_REGIONS)
+    stats = agent.read(local, every, remote, np.array(order), notification=notification, timeout_s=timeout_s)
+    assert stats.bytes == NUM_REGIONS * nbytes
+    return tensors
 
 
 def large_pattern(words: int) -> torch.Tensor:

@@ -5,21 +5,16 @@ Python poller is stopped; this process reads from it over UCX's tcp transport.""
 
 from __future__ import annotations
 
-import multiprocessing
-
-import numpy as np
 import pytest
 import torch
-from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
+from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
 
-from pd_transfer.spec import region_from_tensor
 from pd_transfer.transfer import TransferAgent, TransferTimeout
 from pd_transfer.transfer.progress import native_progress_wait_ms
 from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(180)
 
-_START_TIMEOUT_S = 60.0
 _ENV = "PD_TRANSFER_NATIVE_PROGRESS_MS"
 
 
@@ -53,35 +48,15 @@ def _read_everything_from_unpolled_target(monkeypatch: pytest.MonkeyPatch, wait_
     if "tcp" not in ucx_transports({"UCX_TLS": "tcp,self"}):
         pytest.skip("UCX has no tcp transport here")
     monkeypatch.setenv("UCX_TLS", "tcp,self")
-    context = multiprocessing.get_context("spawn")
-    conn, child = context.Pipe()
     env = {"UCX_TLS": "tcp,self", _ENV: wait_ms}
-    process = context.Process(target=serve, args=(child, env, True, False), daemon=True)
-    process.start()
-    tensors = [torch.full((NUM_BLOCKS, BLOCK_WORDS), -1, dtype=torch.int32) for _ in range(NUM_REGIONS)]
-    agent = TransferAgent("test-native-reader-tcp")
-    try:
-        assert conn.poll(_START_TIMEOUT_S), f"peer did not start (exit code {process.exitcode})"
-        metadata, bases = conn.recv()
-        agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
-        peer = agent.add_peer(metadata)
-        nbytes = NUM_BLOCKS * BLOCK_WORDS * 4
-        remote = agent.prepare_remote(peer, np.array([[base, nbytes, 0] for base in bases], dtype=np.uint64))
-        local = agent.prepare_local(np.array([[t.data_ptr(), nbytes, 0] for t in tensors], dtype=np.uint64))
-        every = np.arange(NUM_REGIONS)
-        stats = agent.read(local, every, remote, every, timeout_s=timeout_s)
-        assert stats.bytes == NUM_REGIONS * nbytes
+    with (
+        served_peer(env, serves_reads=True, python_progress=False) as (_, metadata, bases),
+        TransferAgent("test-native-reader-tcp") as agent,
+    ):
+        order = list(range(NUM_REGIONS))
+        tensors = read_whole_regions(agent, metadata, bases, order, timeout_s=timeout_s)
         for region, tensor in enumerate(tensors):
             assert torch.equal(tensor, pattern(region)), region
-        assert process.is_alive()
-    finally:
-        agent.close()
-        if process.is_alive():
-            conn.send("stop")
-            process.join(10)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
 
 
 def test_an_unpolled_target_serves_tcp_reads_on_its_native_thread(monkeypatch: pytest.MonkeyPatch) -> None:
