@@ -70,3 +70,20 @@ def test_netns_section_crossed_the_veth(tcp_result: dict) -> None:
     assert "tcp/" in netns["settings"]["ucx_transports"] and "/lo" not in netns["settings"]["ucx_transports"]
     # every read (2 cases x repeats, ours and raw NIXL) and both streams came in over the veth
     assert netns["veth_rx_bytes"] >= 2 * netns["request_bytes"] * netns["contiguous"]["repeats"]
+
+
+def test_a_busy_prefill_engine_is_measured_as_asked() -> None:
+    # --busy-prefill: a Python loop holds the GIL in the prefill's process; the reads stay exact, and the prefill's
+    # "idle" CPU is that loop's (it ran), while the native progress thread answered the reads
+    env = {**os.environ, "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    if "tcp" not in ucx_transports(env):
+        pytest.skip("UCX has no tcp transport here")
+    argv = [sys.executable, "-m", "pd_transfer.cli", "bench", "transfer", "--quick", "--only-tcp", "--busy-prefill"]
+    done = subprocess.run(
+        [*argv, "--json"], env=env, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    tcp = json.loads(done.stdout.strip().splitlines()[-1])["tcp"]
+    assert tcp["settings"]["busy_prefill_engine"] is True
+    assert all(tcp[case]["verified"] is True for case in ("contiguous", "scattered"))
+    assert tcp["idle_cpu_percent_prefill"] > 20
