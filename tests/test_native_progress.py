@@ -24,7 +24,7 @@ def test_the_wait_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, expected in (("0", 0), ("2.5", 3), (" 100 ", 100), ("", 20)):
         monkeypatch.setenv(_ENV, value)
         assert native_progress_wait_ms() == expected, value
-    for bad in ("-1", "soon"):
+    for bad in ("-1", "soon", "nan", "1e12"):
         monkeypatch.setenv(_ENV, bad)
         with pytest.raises(ValueError, match=_ENV):
             native_progress_wait_ms()

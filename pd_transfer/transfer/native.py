@@ -45,9 +45,9 @@ def make_nixl_agent(name: str, *, progress_thread_wait_ms: int = 0) -> nixl_agen
 
     ``progress_thread_wait_ms`` > 0 runs NIXL's progress thread, woken by UCX's events and at the latest after
     that many milliseconds (its idle cost: about 0.3 % of a core at 20 ms, 2 % at 1 ms, measured); 0 runs none
-    (the owner must progress the agent). NIXL's and UCX's logs are quieted first (:func:`quiet_native_logs`). The
-    wrapper is made without backends, its native agent replaced by one
-    configured like the wrapper's own but for the thread's delay, and the UCX backend added to that one.
+    (the owner must progress the agent). NIXL's and UCX's logs are quieted first (:func:`quiet_native_logs`). With
+    the thread, the wrapper is made without backends, its native agent replaced by one configured like the
+    wrapper's own but for the thread's delay, and the UCX backend added to that one.
     """
     quiet_native_logs()
     threadless = {"enable_prog_thread": False, "enable_listen_thread": False}

@@ -7,8 +7,9 @@ ways replace it:
   (:func:`native_progress_wait_ms`, :func:`pd_transfer.transfer.native.make_nixl_agent`): the thread sleeps in
   ``poll()`` on UCX's event descriptor and wakes when a request or data arrives. Over TCP the target's progress
   is what sends the bytes of a read (UCX emulates the READ with active messages, ``rma_am``), and this thread does
-  it in native code, without Python's GIL and without waiting for a poll: a one-block read over TCP took 46-75 us
-  at p50 with it, 250-360 us with the poller below (``pd-transfer bench transfer --only-tcp``, loopback).
+  it in native code, without Python's GIL and without waiting for a poll: a one-block read over TCP took 52-90 us
+  at p50 with it, 256-312 us with the poller below, and 5.2 ms with a busy engine in the prefill's process
+  (``pd-transfer bench transfer --only-tcp [--busy-prefill]``; README, "Over TCP").
 - Every agent also has :class:`AdaptivePoller`, which takes notifications (and, without the native thread,
   progresses the agent): fast (``active_interval_s``) while the owner expects traffic (``set_expecting``: a
   prefill rank holds blocks that decode ranks will read) and for a while after anything happened, then backing
@@ -54,13 +55,17 @@ def busy_poll_seconds() -> float:
     return micros * 1e-6 if micros > 0 else float("inf")
 
 
+_MAX_NATIVE_PROGRESS_WAIT_MS = 60_000
+
+
 def native_progress_wait_ms() -> int:
     """How long (ms) the native progress thread of an agent that serves reads waits for UCX's next event before it
     progresses anyway: ``PD_TRANSFER_NATIVE_PROGRESS_MS`` (default 20; 0: no native thread, this module's poller
-    progresses the agent as it does for readers). Raises ``ValueError`` naming the variable for a negative value."""
+    progresses the agent as it does for readers; at most 60,000). Raises ``ValueError`` naming the variable for any
+    other value."""
     value = env_number("PD_TRANSFER_NATIVE_PROGRESS_MS", 20.0)
-    if value < 0:
-        raise ValueError(f"PD_TRANSFER_NATIVE_PROGRESS_MS must be >= 0 (0: off), not {value:g}")
+    if not 0 <= value <= _MAX_NATIVE_PROGRESS_WAIT_MS:  # NaN too
+        raise ValueError(f"PD_TRANSFER_NATIVE_PROGRESS_MS must be 0 (off) to 60000, not {value:g}")
     return math.ceil(value)
 
 
