@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,29 @@ def unpin_current_thread() -> None:
             os.sched_setaffinity(threading.get_native_id(), cpus)
     except (OSError, ValueError) as error:
         logger.warning("could not set the CPU affinity of thread %s: %s", threading.current_thread().name, error)
+
+
+@contextmanager
+def threads_started_unpinned() -> Iterator[None]:
+    """Native threads a library starts inside this block get the affinity of :func:`thread_cpus` (a thread inherits
+    its creator's when it starts, and ours cannot reach it after): the calling thread's own affinity is widened
+    for the block and put back after (best effort, as :func:`unpin_current_thread`)."""
+    native_id = threading.get_native_id()
+    try:
+        saved: set[int] | None = os.sched_getaffinity(native_id)
+    except (OSError, AttributeError):
+        saved = None
+    unpin_current_thread()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            try:
+                os.sched_setaffinity(native_id, saved)
+            except OSError as error:
+                logger.warning(
+                    "could not restore the CPU affinity of thread %s: %s", threading.current_thread().name, error
+                )
 
 
 def allowed_cpus() -> list[int]:

@@ -5,6 +5,10 @@ Python poller is stopped; this process reads from it over UCX's tcp transport.""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 import torch
 from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
@@ -68,3 +72,28 @@ def test_without_the_native_thread_an_unpolled_target_never_answers(monkeypatch:
     # the control: the same target with the thread off and its poller stopped leaves the read waiting
     with pytest.raises(TransferTimeout):
         _read_everything_from_unpolled_target(monkeypatch, "0", timeout_s=3.0)
+
+
+def test_the_native_thread_is_not_pinned_where_its_creator_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an engine's worker is pinned to one core; the threads NIXL starts for a serving agent made there must not be
+    # (pinned beside a spinning engine a progress thread starved for tens of seconds), and the creator keeps its pin
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("one CPU here: no pin to escape")
+    monkeypatch.setenv(_ENV, "20")
+    monkeypatch.delenv("PD_TRANSFER_THREAD_CPUS", raising=False)  # the default: every CPU
+    me = threading.get_native_id()
+    pinned = {min(cpus)}
+    existing = set(os.listdir("/proc/self/task"))
+    os.sched_setaffinity(me, pinned)
+    try:
+        with TransferAgent("test-native-pinned", serves_reads=True) as agent:
+            deadline = time.monotonic() + 10.0  # the poller unpins itself before its first poll
+            while agent.poll_count == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            started = set(os.listdir("/proc/self/task")) - existing
+            assert started, "the agent started no thread"
+            assert {tid: os.sched_getaffinity(int(tid)) for tid in started} == {tid: cpus for tid in started}
+            assert os.sched_getaffinity(me) == pinned
+    finally:
+        os.sched_setaffinity(me, cpus)

@@ -18,6 +18,8 @@ import os
 
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixlBind
 
+from pd_transfer.affinity import threads_started_unpinned
+
 NixlBackendError: type[Exception] = nixlBind.nixlBackendError
 NixlNotFoundError: type[Exception] = nixlBind.nixlNotFoundError
 NixlRemoteDisconnectError: type[Exception] = nixlBind.nixlRemoteDisconnectError
@@ -47,7 +49,9 @@ def make_nixl_agent(name: str, *, progress_thread_wait_ms: int = 0) -> nixl_agen
     that many milliseconds (its idle cost: about 0.3 % of a core at 20 ms, 2 % at 1 ms, measured); 0 runs none
     (the owner must progress the agent). NIXL's and UCX's logs are quieted first (:func:`quiet_native_logs`). With
     the thread, the wrapper is made without backends, its native agent replaced by one configured like the
-    wrapper's own but for the thread's delay, and the UCX backend added to that one.
+    wrapper's own but for the thread's delay, and the UCX backend (which starts the thread) added to that one with
+    the thread's CPU affinity widened as for our own threads (:mod:`pd_transfer.affinity`): started in a vLLM
+    worker pinned to a core its engine spins on, it stalled a decode's first read for 51 s.
     """
     quiet_native_logs()
     threadless = {"enable_prog_thread": False, "enable_listen_thread": False}
@@ -62,5 +66,6 @@ def make_nixl_agent(name: str, *, progress_thread_wait_ms: int = 0) -> nixl_agen
     config.lthrDelay = 100_000
     config.captureTelemetry = False
     agent.agent = nixlBind.nixlAgent(name, config)
-    agent.create_backend("UCX", {})
+    with threads_started_unpinned():  # in an engine's worker pinned to a spinning core, a pinned thread starves
+        agent.create_backend("UCX", {})
     return agent
