@@ -17,7 +17,7 @@ import torch
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.sim.peer import BUSY_ENGINE_ENV, PrefillProcess, PrefillSpec
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, busy_engine_requested
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_mode, resident_huge_page_bytes, thp_mode
@@ -239,7 +239,7 @@ def run(
                 "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
                 "huge_pages": huge_pages_mode(),
-                "busy_prefill_engine": os.environ.get(BUSY_ENGINE_ENV, "").strip() == "1",
+                "busy_prefill_engine": busy_engine_requested(),
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
             }
             # as in a real request, the prefill holds a lease while the decode reads (it then polls fast)

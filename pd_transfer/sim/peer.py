@@ -69,6 +69,11 @@ class PrefillSpec:
         return out
 
 
+def busy_engine_requested() -> bool:
+    """Whether prefill processes started now run :func:`_busy_engine` (:data:`BUSY_ENGINE_ENV` is "1")."""
+    return os.environ.get(BUSY_ENGINE_ENV, "").strip() == "1"
+
+
 def _busy_engine(stop: threading.Event) -> None:
     """Pure-Python work without a pause until ``stop``: it holds the GIL but for the interpreter's switch interval
     (5 ms), as vLLM's engine loop does when it spins (README, "Engine spinning"), so this process's other Python
@@ -109,7 +114,7 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
     )
     stop_engine = threading.Event()
-    if os.environ.get(BUSY_ENGINE_ENV, "").strip() == "1":
+    if busy_engine_requested():
         threading.Thread(target=_busy_engine, args=(stop_engine,), name="busy-engine", daemon=True).start()
     conn.send(("ready", server.port))
     try:

@@ -442,7 +442,7 @@ class TransferAgent:
                         still.append(handle)
                 self._unreleased_xfers = still
             started = time.perf_counter()
-            notifications = self._nixl.get_new_notifs()  # progresses UCX until it has nothing more to do
+            notifications = self._nixl.get_new_notifs()  # progresses UCX till idle, unless NIXL's thread does
             # a long poll moved data; only counted while reads are expected (idle, it is a preempted thread)
             busy = self._poller.expecting and time.perf_counter() - started > self._busy_poll_s
         if not notifications:
