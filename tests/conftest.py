@@ -11,6 +11,8 @@ from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.sim.engines import DecodeEngine, EngineSpec, PrefillEngines
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
+pytest_plugins = ["exit_bound"]  # the test process must end soon after its summary
+
 FINGERPRINT = ModelFingerprint(
     model="lifecycle-llama", dtype="bfloat16", num_layers=2, total_num_kv_heads=4, head_size=16
 )

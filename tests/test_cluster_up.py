@@ -26,7 +26,14 @@ from pathlib import Path
 
 import pytest
 
-from pd_transfer.cluster.http_client import answer_tokens, post_json, post_stream, prompt_tokens
+from pd_transfer.cluster.http_client import (
+    LISTEN_PORT_RANGE,
+    answer_tokens,
+    free_port,
+    post_json,
+    post_stream,
+    prompt_tokens,
+)
 from pd_transfer.cluster.launch import ServerSpec, cpu_binds, kv_transfer_config, vllm_command, vllm_env
 from pd_transfer.cluster.processes import ManagedProcess, log_excerpt, wait_ready
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
@@ -130,6 +137,14 @@ def test_log_excerpt_keeps_the_root_cause_and_the_end(tmp_path: Path) -> None:
     quiet.write_text("\n".join(lines[20:]))
     assert log_excerpt(quiet, tail_lines=5).splitlines() == lines[95:]
     assert log_excerpt(tmp_path / "missing.log") == "(no log)"
+
+
+def test_free_port_never_returns_a_port_twice() -> None:
+    """Servers started together get their ports before any binds one: 500 picks from the 12,768 ports of the range
+    would repeat about ten times by chance; none may."""
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+    assert all(LISTEN_PORT_RANGE[0] <= port < LISTEN_PORT_RANGE[1] for port in ports)
 
 
 def test_vllm_env(tmp_path: Path) -> None:

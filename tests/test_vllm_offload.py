@@ -42,7 +42,7 @@ from vllm_servers import (  # noqa: E402
     vllm_server,
 )
 
-from pd_transfer.cluster.http_client import free_port, wait_metric  # noqa: E402
+from pd_transfer.cluster.http_client import get_text, wait_metric  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
 from pd_transfer.integrations.vllm.offload_scheduler import OffloadScheduler  # noqa: E402
 from pd_transfer.integrations.vllm.offload_worker import OffloadWorkerSide, StepResults  # noqa: E402
@@ -72,9 +72,10 @@ def _tokens(length: int, seed: int) -> list[int]:
 
 
 def _offload_server(
-    name: str, model: str, logs: Path, cpu: int, extra: dict[str, object], events_port: int | None = None
+    name: str, model: str, logs: Path, cpu: int, extra: dict[str, object], events: bool = False
 ) -> ManagedProcess:
-    """A server with PdOffloadConnector; ``events_port``: it publishes vLLM KV events (ZMQ PUB) there."""
+    """A server with PdOffloadConnector; ``events``: it publishes vLLM KV events (ZMQ PUB) on a port of 127.0.0.1
+    that it binds itself (``tcp://*:0``; :func:`kv_events_endpoint` tells which, once it is up)."""
     config = {
         "kv_connector": "PdOffloadConnector",
         "kv_connector_module_path": "pd_transfer.integrations.vllm",
@@ -82,10 +83,19 @@ def _offload_server(
         "kv_connector_extra_config": extra,
     }
     args: tuple[str, ...] = ("--num-gpu-blocks-override", str(CACHE_BLOCKS), "--kv-transfer-config", json.dumps(config))
-    if events_port is not None:
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
-        args += ("--kv-events-config", json.dumps(events))
-    return _server(name, model, logs, cpu, args)
+    if events:  # no port chosen ahead of the bind: one taken in between failed a server's start in CI
+        config_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0"}
+        args += ("--kv-events-config", json.dumps(config_events))
+    server = _server(name, model, logs, cpu, args)
+    if events:
+        server.env["VLLM_HOST_IP"] = "127.0.0.1"  # the address vLLM binds ``tcp://*:0`` on
+    return server
+
+
+def kv_events_endpoint(url: str) -> str:
+    """The endpoint the server at ``url`` publishes its KV events on (vLLM's ``/kv_event_sources``, DP rank 0)."""
+    sources = json.loads(get_text(f"{url}/kv_event_sources"))
+    return str(sources["0"]["endpoint"])
 
 
 def _server(name: str, model: str, logs: Path, cpu: int, args: tuple[str, ...] = ()) -> ManagedProcess:
@@ -95,17 +105,18 @@ def _server(name: str, model: str, logs: Path, cpu: int, args: tuple[str, ...] =
 
 
 class KVEvents:
-    """A ZMQ SUB socket on a server's KV event publisher (which binds ``tcp://*:port``); :meth:`take` decodes
-    what arrived (vLLM's types)."""
+    """A ZMQ SUB socket on a server's KV event publisher at ``endpoint``; :meth:`take` decodes what arrived (vLLM's
+    types). No linger: an unclosed socket with a subscription not yet delivered would hold up the interpreter's exit
+    (pyzmq ends its contexts then; it kept CI waiting past its 90 minutes once)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, endpoint: str) -> None:
         import zmq
 
-        self.port = port
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._socket.connect(endpoint)
 
     def take(self, until: Callable[[list[Any]], bool], timeout_s: float = 30.0) -> list[Any]:
         """Events received until ``until(events so far)`` holds or ``timeout_s`` passed."""
@@ -152,9 +163,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         "offload_dir_bytes": DIR_BYTES,
         "offload_dir_group_blocks": GROUP,  # a 5-block prefix: a group file of blocks 0-3, a block file for 4
     }
-    events = KVEvents(free_port())
     handles = [
-        _offload_server("off1", model, logs, 0, shared, events.port),
+        _offload_server("off1", model, logs, 0, shared, events=True),
         _offload_server("off2", model, logs, 1, shared),
         _server("reference", model, logs, 0),
     ]
@@ -162,9 +172,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     start_all(handles)
     print(f"\nvLLM servers healthy after {time.monotonic() - started:.0f} s: " + ", ".join(h.url for h in handles))
     try:
-        yield Servers(handles, model, directory, events)
+        events = KVEvents(kv_events_endpoint(handles[0].url))
+        try:
+            yield Servers(handles, model, directory, events)
+        finally:
+            events.close()
     finally:
-        events.close()
         for handle in handles:
             handle.stop()
 

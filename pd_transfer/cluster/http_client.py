@@ -270,13 +270,20 @@ def wait_metric(
 LISTEN_PORT_RANGE = (20000, 32768)
 
 
+#: Ports :func:`free_port` returned in this process: not returned again, since the servers they went to may not
+#: have bound them yet (a vLLM server binds its ports a minute or more after its command is made).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now: a random one of :data:`LISTEN_PORT_RANGE` that can be bound, else the kernel's
-    choice. Another process may still take it before it is used; the range makes that unlikely."""
+    """A TCP port free on ``host`` now and not returned before by this process: a random one of
+    :data:`LISTEN_PORT_RANGE` that can be bound, else the kernel's choice. Another process may still take it before
+    it is used; the range makes that unlikely."""
     rng = random.SystemRandom()
     for _ in range(64):
         port = rng.randrange(*LISTEN_PORT_RANGE)
-        if not busy_ports([port], host):
+        if port not in _HANDED_OUT and not busy_ports([port], host):
+            _HANDED_OUT.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
