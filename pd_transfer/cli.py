@@ -64,6 +64,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_gbit(text: str) -> float:
+    """``--wire-gbit``'s value: a positive, finite number of Gbit/s."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a positive number of Gbit/s, not {text[:40]!r}")
+    return value
+
+
 def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
     from pd_transfer.bench.transfer_sections import run_sections, summary_lines
@@ -77,8 +88,15 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         for s, on in (("default", not args.only_tcp), ("tcp", args.tcp or args.only_tcp), ("tcp_netns", args.netns))
         if on
     ]
+    if args.wire_gbit is not None and "tcp_netns" not in sections:
+        print("--wire-gbit shapes the veth of --netns: give both", file=sys.stderr)
+        return 2
     result = run_sections(
-        sections, shape, repeats=3 if args.quick else args.repeats, idle_seconds=1.0 if args.quick else 5.0
+        sections,
+        shape,
+        repeats=3 if args.quick else args.repeats,
+        idle_seconds=1.0 if args.quick else 5.0,
+        wire_gbit=args.wire_gbit,
     )
     print(json.dumps(result) if args.json else "\n".join(summary_lines(result)))
     cases = [
@@ -170,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--netns", action="store_true", help="also over TCP across a veth into a network namespace")
     transfer.add_argument(
         "--only-tcp", action="store_true", help="skip the default-transport (CMA) section (implies --tcp)"
+    )
+    transfer.add_argument(
+        "--wire-gbit",
+        type=_positive_gbit,
+        metavar="RATE",
+        help="with --netns: shape the veth to RATE Gbit/s each way (tc tbf), a NIC slower than the host's copies",
     )
     transfer.add_argument(
         "--busy-prefill",

@@ -12,12 +12,14 @@ import sys
 import pytest
 
 from pd_transfer.bench.transfer import QUICK_SHAPE
+from pd_transfer.bench.transfer_netns import shape_wire, veth_or_reason
 from pd_transfer.bench.transfer_tcp import request_bytes_of
 from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(600)
 
 _RUN_TIMEOUT_S = 540.0
+WIRE_GBIT = 8.0  # the veth shaped as a wire slower than the host's copies
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def tcp_result() -> dict:
     if "tcp" not in ucx_transports(env):
         pytest.skip("UCX has no tcp transport here")
     argv = [sys.executable, "-m", "pd_transfer.cli", "bench", "transfer", "--quick", "--tcp", "--netns", "--only-tcp"]
-    argv.append("--json")
+    argv += ["--wire-gbit", str(WIRE_GBIT), "--json"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -70,6 +72,36 @@ def test_netns_section_crossed_the_veth(tcp_result: dict) -> None:
     assert "tcp/" in netns["settings"]["ucx_transports"] and "/lo" not in netns["settings"]["ucx_transports"]
     # every read (2 cases x repeats, ours and raw NIXL) and both streams came in over the veth
     assert netns["veth_rx_bytes"] >= 2 * netns["request_bytes"] * netns["contiguous"]["repeats"]
+    assert netns["wire_gbit"] == WIRE_GBIT and tcp_result["tcp"].get("wire_gbit") is None
+
+
+def test_shape_wire_puts_a_token_bucket_on_both_ends() -> None:
+    with veth_or_reason() as net:
+        if isinstance(net, str):
+            pytest.skip(f"no two-namespace run here: {net}")
+        shape_wire(net, 2.5)
+        outer = subprocess.run(["tc", "qdisc", "show", "dev", net.outer], capture_output=True, text=True, timeout=30)
+        inner = subprocess.run(
+            ["ip", "netns", "exec", net.ns, "tc", "qdisc", "show", "dev", net.inner],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        for shown in (outer.stdout, inner.stdout):
+            assert "tbf" in shown and "rate 2500Mbit" in shown, shown
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="Gbit/s"):
+                shape_wire(net, bad)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--wire-gbit", "8"], "--wire-gbit shapes the veth of --netns"), (["--netns", "--wire-gbit", "-2"], "Gbit/s")],
+)
+def test_wire_rate_refused_without_a_veth_or_below_zero(extra: list[str], message: str) -> None:
+    argv = [sys.executable, "-m", "pd_transfer.cli", "bench", "transfer", "--quick", "--only-tcp", *extra]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
 def test_a_busy_prefill_engine_is_measured_as_asked() -> None:

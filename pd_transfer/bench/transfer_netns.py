@@ -5,6 +5,11 @@ Needs root and ``ip`` (iproute2); otherwise the section says why it was skipped.
 deleted again on the way out (deleting the namespace takes its end of the veth, and the pair with it). Addresses
 come from 10.232.N.0/24 with N not in use on this host. The veth's byte counters, read before and after, show the
 KV crossed it.
+
+``--wire-gbit RATE`` makes the veth a wire of that rate: a token bucket (``tc qdisc ... tbf``, iproute2) on each
+end's egress. An unshaped veth is as fast as the host's copies, so there the cores, not a wire, bound both the
+stream and the reads; a shaped one stands for a NIC slower than memory (10 or 25 Gbit/s Ethernet), the case of
+clusters without RDMA.
 """
 
 from __future__ import annotations
@@ -78,6 +83,24 @@ def delete_veth(net: Veth) -> None:
         subprocess.run(["ip", *args], capture_output=True, timeout=_IP_TIMEOUT_S, check=False)
 
 
+def shape_wire(net: Veth, gbit: float) -> None:
+    """Limit both ends of ``net``'s veth to ``gbit`` Gbit/s each way (a token bucket of 1/250 s of traffic, at least
+    1 MiB, queueing at most 50 ms). Raises ``ValueError`` for a rate that is not positive and finite,
+    ``RuntimeError`` when ``tc`` fails (e.g. no tbf in this kernel)."""
+    if not 0 < gbit < float("inf"):
+        raise ValueError(f"wire rate must be a positive number of Gbit/s, got {gbit}")
+    if shutil.which("tc") is None:
+        raise RuntimeError("shaping the veth needs iproute2's tc")
+    burst = max(2**20, int(gbit * 1e9 / 8 / 250))
+    qdisc = ["qdisc", "add", "dev"]
+    limits = ["root", "tbf", "rate", f"{gbit}gbit", "burst", str(burst), "latency", "50ms"]
+    for prefix, device in (([], net.outer), (["ip", "netns", "exec", net.ns], net.inner)):
+        command = [*prefix, "tc", *qdisc, device, *limits]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)}: exit {done.returncode}: {done.stderr.strip()[:300]}")
+
+
 def rx_bytes(device: str) -> int:
     """Bytes ``device`` (in this namespace) has received so far."""
     return int(Path(f"/sys/class/net/{device}/statistics/rx_bytes").read_text())
@@ -101,12 +124,17 @@ def veth_or_reason() -> Iterator[Veth | str]:
         delete_veth(net)
 
 
-def run_netns(shape: Shape, *, repeats: int, idle_seconds: float) -> dict:
-    """:func:`.transfer_tcp.run` with the prefill across a veth; ``{"skipped": reason}`` where that cannot be
-    built."""
+def run_netns(shape: Shape, *, repeats: int, idle_seconds: float, wire_gbit: float | None = None) -> dict:
+    """:func:`.transfer_tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
+    (:func:`shape_wire`; the result's ``wire_gbit``); ``{"skipped": reason}`` where that cannot be built."""
     with veth_or_reason() as net:
         if isinstance(net, str):
             return {"skipped": net}
+        if wire_gbit is not None:
+            try:
+                shape_wire(net, wire_gbit)
+            except RuntimeError as error:
+                return {"skipped": f"could not shape the veth: {error}"}
         received = rx_bytes(net.outer)
         with environment({"UCX_NET_DEVICES": net.outer}):
             result = run(
@@ -119,4 +147,5 @@ def run_netns(shape: Shape, *, repeats: int, idle_seconds: float) -> dict:
                 prefill_options={"netns": net.ns, "ucx_net_devices": net.inner},
             )
         result["veth_rx_bytes"] = rx_bytes(net.outer) - received
+        result["wire_gbit"] = wire_gbit
     return result

@@ -10,16 +10,19 @@ from .transfer import Shape
 from .transfer_netns import run_netns
 
 
-def run_sections(sections: Sequence[str], shape: Shape, *, repeats: int, idle_seconds: float) -> dict:
+def run_sections(
+    sections: Sequence[str], shape: Shape, *, repeats: int, idle_seconds: float, wire_gbit: float | None = None
+) -> dict:
     """The benchmark's sections by name: ``default`` (the transports UCX picks: CMA on one host) at the top level,
-    ``tcp`` and ``tcp_netns`` (across a veth, where network namespaces can be made) under their names."""
+    ``tcp`` and ``tcp_netns`` (across a veth, where network namespaces can be made; ``wire_gbit``: the veth shaped
+    to that rate) under their names."""
     result: dict = {}
     if "default" in sections:
         result.update(transfer.run(shape, repeats=repeats, idle_seconds=idle_seconds))
     if "tcp" in sections:
         result["tcp"] = transfer_tcp.run(shape, repeats=repeats, idle_seconds=idle_seconds)
     if "tcp_netns" in sections:
-        result["tcp_netns"] = run_netns(shape, repeats=repeats, idle_seconds=idle_seconds)
+        result["tcp_netns"] = run_netns(shape, repeats=repeats, idle_seconds=idle_seconds, wire_gbit=wire_gbit)
     return result
 
 
@@ -32,7 +35,10 @@ def summary_lines(result: dict) -> list[str]:
                 lines.append(f"{name}: skipped ({section['skipped']})")
             continue
         stream = section.get("tcp_stream", {}).get("gbps")
-        lines.append(f"{name}: request {section['request_bytes'] / 2**20:.0f} MiB, connect {section['connect_ms']} ms")
+        wire = f", wire {section['wire_gbit']} Gbit/s" if section.get("wire_gbit") else ""
+        lines.append(
+            f"{name}: request {section['request_bytes'] / 2**20:.0f} MiB, connect {section['connect_ms']} ms{wire}"
+        )
         for case in ("contiguous", "scattered"):
             r = section[case]
             vs_stream = f"  vs TCP stream ({stream} GiB/s) {r['ratio_vs_tcp_stream']:.3f}" if stream else ""
