@@ -64,17 +64,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_gbit(text: str) -> float:
-    """``--wire-gbit``'s value: a positive, finite number of Gbit/s."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"a positive number of Gbit/s, not {text[:40]!r}")
-    return value
-
-
 def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
     from pd_transfer.bench.transfer_sections import run_sections, summary_lines
@@ -168,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy_cli.add_arguments(proxy)
     proxy.set_defaults(func=proxy_cli.run)
 
+    from pd_transfer.bench.transfer_netns import add_wire_argument
     from pd_transfer.cluster import serve as cluster_serve
     from pd_transfer.cluster import up as cluster_up
 
@@ -189,12 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument(
         "--only-tcp", action="store_true", help="skip the default-transport (CMA) section (implies --tcp)"
     )
-    transfer.add_argument(
-        "--wire-gbit",
-        type=_positive_gbit,
-        metavar="RATE",
-        help="with --netns: shape the veth to RATE Gbit/s each way (tc tbf), a NIC slower than the host's copies",
-    )
+    add_wire_argument(transfer, "with --netns: ")
     transfer.add_argument(
         "--busy-prefill",
         action="store_true",

@@ -25,6 +25,7 @@ def result() -> dict:
     if "tcp" not in ucx_transports(env):
         pytest.skip("UCX has no tcp transport here")
     argv = [sys.executable, "-m", "pd_transfer.cli", "bench", "pd-tcp", "--json", "--sizes-mib", "1", "--rounds", "2"]
+    argv += ["--wire-gbit", "10"]  # the veth as a 10 Gbit/s wire
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return dict(json.loads(done.stdout))
@@ -55,3 +56,4 @@ def test_every_request_is_broken_down_and_verified(result: dict, path: str) -> N
     assert section["confirm.1MiB"]["read_ratio_vs_tcp_stream"] > 0
     if path == "veth":
         assert section["decode_rx_bytes"] >= 2 * 3 * 2**20  # every request's KV crossed the veth
+        assert section["wire_gbit"] == 10.0

@@ -41,7 +41,7 @@ from pd_transfer.sim.kv_standin import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
 from .tcp_stream import stream_gbps
-from .transfer_netns import Veth, rx_bytes, veth_or_reason
+from .transfer_netns import Veth, add_wire_argument, rx_bytes, shape_wire, veth_or_reason
 
 SIZES_MIB = (1, 64)
 MODES = ("hold_window", "confirm")
@@ -188,8 +188,11 @@ def run_path(
     return {**results, "tcp_stream": stream}
 
 
-def run(sizes_mib: Sequence[int] = SIZES_MIB, rounds: int = 5, netns: bool = True) -> dict[str, Any]:
-    """The whole benchmark: the veth path where it can be built (else the reason), and loopback."""
+def run(
+    sizes_mib: Sequence[int] = SIZES_MIB, rounds: int = 5, netns: bool = True, wire_gbit: float | None = None
+) -> dict[str, Any]:
+    """The whole benchmark: the veth path where it can be built (else the reason), shaped to ``wire_gbit`` Gbit/s
+    if given, and loopback."""
     result: dict[str, Any] = {"ucx_env": {**tcp_ucx_env()}, "model": {"bytes_per_token": bytes_per_token()}}
     result["loopback"] = run_path(sizes_mib, rounds, MODES, None)
     if not netns:
@@ -199,9 +202,12 @@ def run(sizes_mib: Sequence[int] = SIZES_MIB, rounds: int = 5, netns: bool = Tru
             if isinstance(net, str):
                 result["veth"] = {"skipped": net}
             else:
+                if wire_gbit is not None:
+                    shape_wire(net, wire_gbit)
                 before = rx_bytes(net.outer)
                 result["veth"] = run_path(sizes_mib, rounds, MODES, net)
                 result["veth"]["decode_rx_bytes"] = rx_bytes(net.outer) - before
+                result["veth"]["wire_gbit"] = wire_gbit
     result["load_average"] = list(os.getloadavg())
     return result
 
@@ -227,11 +233,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=list(SIZES_MIB), help="request sizes, MiB")
     parser.add_argument("--rounds", type=int, default=5, help="warm requests per size and mode")
     parser.add_argument("--no-netns", dest="netns", action="store_false", help="loopback only")
+    add_wire_argument(parser)
 
 
 def cli_run(args: argparse.Namespace) -> int:
     if args.rounds < 1 or min(args.sizes_mib) < 1:
         raise SystemExit("--rounds and every --sizes-mib must be at least 1")
-    result = run(args.sizes_mib, args.rounds, args.netns)
+    if args.wire_gbit is not None and not args.netns:
+        raise SystemExit("--wire-gbit shapes the veth: drop --no-netns")
+    result = run(args.sizes_mib, args.rounds, args.netns, args.wire_gbit)
     print(json.dumps(result, indent=2) if args.json else "\n".join(lines(result)))
     return 0

@@ -14,6 +14,7 @@ clusters without RDMA.
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import shutil
@@ -99,6 +100,26 @@ def shape_wire(net: Veth, gbit: float) -> None:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)}: exit {done.returncode}: {done.stderr.strip()[:300]}")
+
+
+def add_wire_argument(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """``--wire-gbit RATE`` (``wire_gbit``, None when absent): a positive, finite number of Gbit/s."""
+    parser.add_argument(
+        "--wire-gbit",
+        type=_positive_gbit,
+        metavar="RATE",
+        help=f"{when}shape the veth to RATE Gbit/s each way (tc tbf), a NIC slower than the host's copies",
+    )
+
+
+def _positive_gbit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a positive number of Gbit/s, not {text[:40]!r}")
+    return value
 
 
 def rx_bytes(device: str) -> int:
