@@ -54,9 +54,33 @@ def serve(
                 conn.send(received.get(timeout=10))
             except queue.Empty:
                 conn.send(None)
+        elif command == "listening_ports":
+            conn.send(listening_tcp_ports())
         elif command == "stop":
             break
     agent.close()
+
+
+def listening_tcp_ports() -> set[int]:
+    """The TCP ports this process listens on (IPv4 and IPv6): its socket descriptors matched by inode against
+    ``/proc/self/net/tcp{,6}`` rows in state LISTEN (0A)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 @contextmanager

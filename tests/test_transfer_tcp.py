@@ -56,3 +56,32 @@ def test_whole_regions_read_over_tcp_beside_a_peer_at_ucx_defaults(
             assert torch.equal(tensor, pattern(NUM_REGIONS - 1 - region)), region
         conn.send("notification")
         assert conn.poll(30) and conn.recv() == (agent.name, b"whole")
+
+
+PORT_RANGE = (21400, 21460)  # below the kernel's ephemeral ports, where UCX's listeners land by default
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_ucx_tcp_port_range_pins_the_listeners_a_firewall_must_open(
+    monkeypatch: pytest.MonkeyPatch, pinned: bool
+) -> None:
+    # across hosts a firewall must let peers reach each agent's UCX listener: UCX_TCP_PORT_RANGE (docs/deploy.md)
+    # puts every listener of a prefill-like agent in the range, and a read over TCP goes through it
+    if "tcp" not in ucx_transports({"UCX_TLS": "tcp,self"}):
+        pytest.skip("UCX has no tcp transport here")
+    low, high = PORT_RANGE
+    env = {"UCX_TLS": "tcp,self", **({"UCX_TCP_PORT_RANGE": f"{low}-{high}"} if pinned else {})}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with (
+        served_peer(env, serves_reads=True) as (conn, metadata, bases),
+        TransferAgent("test-decode-port-range") as agent,
+    ):
+        tensors = read_whole_regions(agent, metadata, bases, list(range(NUM_REGIONS)), timeout_s=60)
+        assert all(torch.equal(tensor, pattern(region)) for region, tensor in enumerate(tensors))
+        conn.send("listening_ports")
+        assert conn.poll(30)
+        ports = conn.recv()
+    assert ports, "the agent listens on no TCP port"
+    inside = {port for port in ports if low <= port <= high}
+    assert inside == (ports if pinned else set()), (pinned, sorted(ports))
