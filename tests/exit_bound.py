@@ -9,25 +9,20 @@ bound the run fails within minutes, and says where it hung."""
 from __future__ import annotations
 
 import faulthandler
-import os
 import sys
 
 import pytest
+
+from pd_transfer.transfer.progress import env_number
 
 DEFAULT_EXIT_BOUND_S = 120.0
 
 
 def exit_bound_s() -> float:
     """``PD_TRANSFER_TEST_EXIT_BOUND_S`` in seconds (a positive number), else ``DEFAULT_EXIT_BOUND_S``."""
-    text = os.environ.get("PD_TRANSFER_TEST_EXIT_BOUND_S", "")
-    if not text:
-        return DEFAULT_EXIT_BOUND_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0:
-        raise ValueError(f"PD_TRANSFER_TEST_EXIT_BOUND_S must be a positive number of seconds, got {text!r}")
+    seconds = env_number("PD_TRANSFER_TEST_EXIT_BOUND_S", DEFAULT_EXIT_BOUND_S)  # ValueError naming it if no number
+    if not seconds > 0:  # NaN too
+        raise ValueError(f"PD_TRANSFER_TEST_EXIT_BOUND_S must be a positive number of seconds, got {seconds}")
     return seconds
 
 

@@ -41,7 +41,7 @@ from pd_transfer.sim.kv_standin import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
 from .tcp_stream import stream_gbps
-from .transfer_netns import Veth, add_wire_argument, rx_bytes, shape_wire, veth_or_reason
+from .transfer_netns import Veth, add_wire_argument, rx_bytes, veth_or_reason
 
 SIZES_MIB = (1, 64)
 MODES = ("hold_window", "confirm")
@@ -198,12 +198,10 @@ def run(
     if not netns:
         result["veth"] = {"skipped": "not asked for (--no-netns)"}
     else:
-        with veth_or_reason() as net:
+        with veth_or_reason(wire_gbit) as net:
             if isinstance(net, str):
                 result["veth"] = {"skipped": net}
             else:
-                if wire_gbit is not None:
-                    shape_wire(net, wire_gbit)
                 before = rx_bytes(net.outer)
                 result["veth"] = run_path(sizes_mib, rounds, MODES, net)
                 result["veth"]["decode_rx_bytes"] = rx_bytes(net.outer) - before

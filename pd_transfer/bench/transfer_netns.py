@@ -88,7 +88,7 @@ def shape_wire(net: Veth, gbit: float) -> None:
     """Limit both ends of ``net``'s veth to ``gbit`` Gbit/s each way (a token bucket of 1/250 s of traffic, at least
     1 MiB, queueing at most 50 ms). Raises ``ValueError`` for a rate that is not positive and finite,
     ``RuntimeError`` when ``tc`` fails (e.g. no tbf in this kernel)."""
-    if not 0 < gbit < float("inf"):
+    if not _is_rate(gbit):
         raise ValueError(f"wire rate must be a positive number of Gbit/s, got {gbit}")
     if shutil.which("tc") is None:
         raise RuntimeError("shaping the veth needs iproute2's tc")
@@ -112,12 +112,16 @@ def add_wire_argument(parser: argparse.ArgumentParser, when: str = "") -> None:
     )
 
 
+def _is_rate(gbit: float) -> bool:
+    return 0 < gbit < float("inf")  # false for NaN too
+
+
 def _positive_gbit(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
+    if not _is_rate(value):
         raise argparse.ArgumentTypeError(f"a positive number of Gbit/s, not {text[:40]!r}")
     return value
 
@@ -128,9 +132,9 @@ def rx_bytes(device: str) -> int:
 
 
 @contextmanager
-def veth_or_reason() -> Iterator[Veth | str]:
-    """A namespace and veth pair from :func:`make_veth`, deleted on the way out; or, where none can be made here,
-    the reason (a string)."""
+def veth_or_reason(wire_gbit: float | None = None) -> Iterator[Veth | str]:
+    """A namespace and veth pair from :func:`make_veth`, shaped to ``wire_gbit`` Gbit/s if given
+    (:func:`shape_wire`), deleted on the way out; or, where that cannot be done here, the reason (a string)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         yield "network namespaces need root and iproute2's ip"
         return
@@ -140,6 +144,12 @@ def veth_or_reason() -> Iterator[Veth | str]:
         yield f"could not build a namespace and veth: {error}"
         return
     try:
+        if wire_gbit is not None:
+            try:
+                shape_wire(net, wire_gbit)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+                yield f"could not shape the veth: {error}"
+                return
         yield net
     finally:
         delete_veth(net)
@@ -148,14 +158,9 @@ def veth_or_reason() -> Iterator[Veth | str]:
 def run_netns(shape: Shape, *, repeats: int, idle_seconds: float, wire_gbit: float | None = None) -> dict:
     """:func:`.transfer_tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
     (:func:`shape_wire`; the result's ``wire_gbit``); ``{"skipped": reason}`` where that cannot be built."""
-    with veth_or_reason() as net:
+    with veth_or_reason(wire_gbit) as net:
         if isinstance(net, str):
             return {"skipped": net}
-        if wire_gbit is not None:
-            try:
-                shape_wire(net, wire_gbit)
-            except RuntimeError as error:
-                return {"skipped": f"could not shape the veth: {error}"}
         received = rx_bytes(net.outer)
         with environment({"UCX_NET_DEVICES": net.outer}):
             result = run(
