@@ -202,3 +202,50 @@ def test_the_window_never_outlasts_the_lease() -> None:
     assert LeaseLedger(lease_seconds=300.0).window_seconds == 10.0
     with pytest.raises(ValueError, match="window_seconds"):
         LeaseLedger(lease_seconds=5.0, window_seconds=6.0)
+
+
+# ---------------------------------------------------------------------- pins: a push from the blocks is in flight
+def test_a_pin_needs_the_request_held_and_its_own_blocks(ledger: LeaseLedger, clock: FakeClock) -> None:
+    assert "unknown" in ledger.pin("never", [1])
+    ledger.report(done("early"))
+    assert ledger.pin("early", [1]) == "not held yet"
+    ledger.hold("r", [1, 2, 3])
+    assert "not this request's" in ledger.pin("r", [3, 4])
+    assert ledger.pin("r", [3, 1]) == ""
+    assert ledger.unpin("r") is None
+    clock.advance(31)
+    assert ledger.pin("r", [1]) == "the lease has run out"
+
+
+def test_nothing_frees_pinned_blocks_until_the_last_unpin(ledger: LeaseLedger, clock: FakeClock) -> None:
+    ledger.hold("r", [1, 2])
+    assert ledger.pin("r", [1]) == "" and ledger.pin("r", [2]) == ""
+    clock.advance(31)  # the lease ran out, the readers all reported, an early free was asked for
+    assert ledger.expire() == []
+    outcome = ledger.report(failed("r"))
+    assert outcome.readers_complete and outcome.freed is None
+    assert ledger.release("r", read_possible=False) is None
+    assert ledger.status("r") == "held"
+    assert ledger.unpin("r") is None  # one write still in flight
+    freed = ledger.unpin("r")
+    assert freed is not None and freed.reason == "read" and freed.block_ids == (1, 2)
+    assert ledger.unpin("r") is None and ledger.expire() == []  # freed exactly once
+
+
+def test_a_lease_that_ran_out_while_pinned_ends_at_the_unpin(ledger: LeaseLedger, clock: FakeClock) -> None:
+    ledger.hold("r", [5])
+    assert ledger.pin("r", [5]) == ""
+    clock.advance(31)
+    assert ledger.expire() == []
+    freed = ledger.unpin("r")
+    assert freed is not None and freed.reason == "expired"
+
+
+def test_an_abort_inside_the_window_waits_for_the_unpin_too(ledger: LeaseLedger, clock: FakeClock) -> None:
+    ledger.hold("r", [5])
+    assert ledger.pin("r", [5]) == ""
+    assert ledger.abort("r") is None  # deferred to the window's end
+    clock.advance(ledger.window_seconds + 1)
+    assert ledger.expire() == []  # the window ended, but the write is still in flight
+    freed = ledger.unpin("r")
+    assert freed is not None and freed.reason == "aborted"

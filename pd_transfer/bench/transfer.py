@@ -150,7 +150,9 @@ def _case(
         cpus: dict[str, list[float]] = {"ours": [], "raw_read": [], "raw_write": []}
         result = None
         for index in range(repeats):
-            pull = partial(decode.pull, f"bench-{label}-{index}", host, port, remote_ids, local_ids, num_tokens)
+            request_id = f"bench-{label}-{index}"
+            prefill.request("hold", request_id, remote_ids)  # held, as a finished request is: it may be pushed
+            pull = partial(decode.pull, request_id, host, port, remote_ids, local_ids, num_tokens)
             result = _with_cpu(prefill, cpus["ours"], pull)
             ours.append(result.seconds)
             raws.append(_with_cpu(prefill, cpus["raw_read"], partial(raw.read_seconds, local_rows, remote_rows)))
@@ -191,7 +193,20 @@ def _case(
         "ratio_vs_memcpy": round(gbps / memcpy_gbps, 3),
         "verified": bool(verified),
         "repeats": repeats,
+        "pushed": bool(result.pushed_peers),  # the prefill wrote (push) instead of the decode reading
     }
+
+
+def _one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
+    """Seconds of ``samples`` pulls of one held block each (the hold, a round trip to the prefill, not counted)."""
+    seconds = []
+    for index in range(samples):
+        request_id = f"bench-one-block-{index}"
+        prefill.request("hold", request_id, [index % 2])
+        started = time.perf_counter()
+        decode.pull(request_id, prefill.host, prefill.port, [index % 2], [index % 2], block_size)
+        seconds.append(time.perf_counter() - started)
+    return seconds
 
 
 def run(
@@ -232,6 +247,7 @@ def run(
             started = time.perf_counter()
             decode.connect(prefill.host, prefill.port)
             connect_ms = (time.perf_counter() - started) * 1e3
+            pushes = decode.push_ready(prefill.host, prefill.port, timeout_s=10.0)
             lanes = decode.agent.lanes
             settings = {
                 "read_lanes": 1 + (len(lanes.lanes) if lanes is not None else 0),
@@ -241,6 +257,7 @@ def run(
                 "huge_pages": huge_pages_mode(),
                 "busy_prefill_engine": busy_engine_requested(),
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
+                "push": pushes,  # the decode asks the prefill to write (PD_TRANSFER_PUSH; auto: over TCP)
             }
             # as in a real request, the prefill holds a lease while the decode reads (it then polls fast)
             prefill.request("hold", _LEASE, [0])
@@ -252,6 +269,7 @@ def run(
             }
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
             latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
+            pulls = _one_block_pulls(decode, prefill, shape.block_size, samples=100)
             prefill.request("release", _LEASE)  # idle: nothing held
             # idle: both sides at once, the decode measured in this process
             prefill.send("idle_cpu", idle_seconds)
@@ -279,4 +297,7 @@ def run(
         "one_block_bytes": one_block_bytes,
         "one_block_p50_us": round(statistics.median(latencies) * 1e6, 1),
         "one_block_p99_us": round(float(np.percentile(latencies, 99)) * 1e6, 1),
+        # a whole pull of one held block, as a request makes it (pushed where the prefill pushes)
+        "one_block_pull_p50_us": round(statistics.median(pulls) * 1e6, 1),
+        "one_block_pull_p99_us": round(float(np.percentile(pulls, 99)) * 1e6, 1),
     }

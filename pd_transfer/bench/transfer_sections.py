@@ -47,5 +47,9 @@ def summary_lines(result: dict) -> list[str]:
                 f"  memcpy {r['memcpy_gbps']:6.2f}"
                 f"  ratio vs raw {r['ratio_vs_raw_nixl']:.3f}{vs_stream}  verified {r['verified']}"
             )
-        lines.append(f"  idle CPU {section['idle_cpu_percent']}%  one-block p50 {section['one_block_p50_us']} us")
+        way = "pushed" if section["contiguous"].get("pushed") else "read"
+        lines.append(
+            f"  idle CPU {section['idle_cpu_percent']}%  one-block read p50 {section['one_block_p50_us']} us,"
+            f" pull ({way}) p50 {section['one_block_pull_p50_us']} us"
+        )
     return lines

@@ -26,6 +26,7 @@ from typing import Literal
 import msgspec
 
 FailurePolicy = Literal["fail", "recompute"]
+PushMode = Literal["auto", "on", "off"]
 
 ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
@@ -57,6 +58,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # spins 1 s (sched_yield in a loop, taking the GIL back after each call), which starves our threads in the same
     # process for seconds when the cores are busy; None: leave vLLM's own
     engine_spin_s: float | None = 0.001
+    # decode: ask prefill ranks to write the KV instead of reading it ("auto": where reads would go over TCP; "on";
+    # "off", which on a prefill also refuses such requests); None: PD_TRANSFER_PUSH, else "auto"
+    push: PushMode | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -39,11 +39,13 @@ from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.lanes import default_read_lanes
+from pd_transfer.transfer.tcp import push_mode
 
 from .cache import KVCache
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
 from .params import incarnation_token
+from .push_client import PushOrders
 from .reader_reports import ReaderReports
 from .reads import BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
@@ -73,6 +75,7 @@ class PullStats:
     seconds: float  # whole pull, handshake excluded when cached
     connect_seconds: float = 0.0  # reaching the engine: handshake, NIXL peers and warm-up on first contact, else ~0
     confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
+    pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
 
     @classmethod
     def of(cls, request_id: str, totals: ReadTotals, seconds: float) -> PullStats:
@@ -85,6 +88,7 @@ class PullStats:
             postprocess_seconds=totals.postprocess_seconds,
             postprocess_exposed_seconds=totals.postprocess_exposed_seconds,
             seconds=seconds,
+            pushed_peers=totals.pushed_peers,
         )
 
     @property
@@ -115,13 +119,16 @@ class DecodeRank:
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         packed_staging_bytes: int = 32 * 2**20,
         read_lanes: int | None = None,
+        push: str | None = None,
     ) -> None:
         """``staging_bytes``: each half of the staging area for plans that fix layouts up (0: in place);
         ``pipeline_groups``: plane groups of an in-place read with a fix-up. ``packed_formats(block_size)``
         gives the packing of a (block, head) for a block size, for caches whose layout names a ``packing``:
         pulls from engines of another block size then read whole remote blocks into a staging area of
         ``packed_staging_bytes`` and regroup them (without it, such engines are refused). ``read_lanes``: agents
-        (and threads) a large read is split over (default :func:`~pd_transfer.transfer.lanes.default_read_lanes`)."""
+        (and threads) a large read is split over (default :func:`~pd_transfer.transfer.lanes.default_read_lanes`).
+        ``push``: "on", "off" or "auto" (default ``PD_TRANSFER_PUSH``, else "auto": where reads would go over TCP,
+        :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to write instead (:mod:`.push_client`)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -130,9 +137,13 @@ class DecodeRank:
         name = agent_name or f"{engine_id}-decode-tp{cache.layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.confirmations = LeaseConfirmations(name)
         lanes = default_read_lanes() if read_lanes is None else read_lanes
-        self.agent = TransferAgent(name, on_notification=self.confirmations.on_notification, read_lanes=lanes)
+        self.pushes: PushOrders | None = None
+        self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes)
         reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
+        mode = push_mode(push)
+        if mode != "off":
+            self.pushes = PushOrders(self.agent, engine_id, cache.layout.tp_rank, mode=mode)
         self.client = HandshakeClient(
             cache.layout.fingerprint,
             secret=secret,
@@ -150,6 +161,7 @@ class DecodeRank:
             packed_formats=packed_formats,
             packed_staging_bytes=packed_staging_bytes,
             metrics=self.metrics,
+            on_connected=None if self.pushes is None else self.pushes.offer,
         )
         self._not_served: dict[tuple[str, int, str], float] = {}  # (host, port, engine id) -> asked again after
         self._not_served_lock = threading.Lock()
@@ -158,11 +170,22 @@ class DecodeRank:
         )
         planes = plane_views(cache.tensors, cache.regions)
         self.reader = BlockReader(
-            self.agent, cache, planes, pipeline_groups=pipeline_groups, done_message=self.reports.read_done
+            self.agent,
+            cache,
+            planes,
+            pipeline_groups=pipeline_groups,
+            done_message=self.reports.read_done,
+            pushes=self.pushes,
         )
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
         self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)
         self.reads_confirmed = 0  # pulls confirmed by every prefill rank read from
+
+    def _on_notification(self, peer: str, payload: bytes) -> None:
+        """Push answers go to :attr:`pushes`, anything else to :attr:`confirmations` (which counts the strays)."""
+        if self.pushes is not None and self.pushes.take(peer, payload):
+            return
+        self.confirmations.on_notification(peer, payload)
 
     # ------------------------------------------------------------------ remote engines
     def connect(self, host: str, port: int) -> EngineMetadata:
@@ -199,9 +222,20 @@ class DecodeRank:
         blocks) from the first source rank, into scratch memory: the cache is not touched."""
         return self.remotes.one_unit_read_latencies(host, port, samples)
 
+    def push_ready(self, host: str, port: int, timeout_s: float) -> bool:
+        """Connect to ``host:port`` and wait up to ``timeout_s`` until its source ranks answered our push setup;
+        True when every one of them will push (False at once when push is off here)."""
+        remote = self.remotes.connect(host, port)
+        if self.pushes is None:
+            return False
+        return self.pushes.wait_ready([source.peer for source in remote.sources], timeout_s)
+
     def forget(self, host: str, port: int) -> None:
         """Drop a remote engine (it restarted or died): its peers, descriptor lists and cached handshake."""
+        remote = self.remotes.get(host, port)
         self.remotes.forget(host, port)
+        if remote is not None and self.pushes is not None:
+            self.pushes.forget([source.peer for source in remote.sources])
 
     # ------------------------------------------------------------------ pulling
     def pull(
@@ -353,11 +387,12 @@ class DecodeRank:
                 stats, remote = self._pull(
                     request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s
                 )
-            peers = [source.peer for source in remote.sources]  # of the incarnation read from
+            # of the incarnation read from; a rank that pushed confirmed with the write
+            peers = [source.peer for source in remote.sources if source.peer not in stats.pushed_peers]
             self._release_unread(request_id, host, port)
             timeout = self.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
             waiting = time.perf_counter()
-            ok, reason = self.wait_confirmed(request_id, peers, timeout)
+            ok, reason = self.wait_confirmed(request_id, peers, timeout) if peers else (True, "")
             confirm_seconds = time.perf_counter() - waiting
         if not ok:
             self._unconfirmed(request_id, reason)
@@ -390,6 +425,9 @@ class DecodeRank:
             stats, remote = self._pull(request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s)
         ended = time.monotonic()
         self._release_unread(request_id, host, port)
+        if len(stats.pushed_peers) == len(remote.sources):  # every rank wrote from blocks it held and pinned
+            self.reads_in_window += 1
+            return stats
         if engine_incarnation(remote) != incarnation:
             self._unconfirmed(request_id, "read from a restarted prefill, not the one that held the blocks")
         if ended > trust_until:

@@ -26,6 +26,10 @@ reports (``expected_readers``), so a request is never freed before one reader ha
 freed by this ledger and never before the readers' reports or the lease end, so an ``ok`` proves that the
 read, which NIXL completes before delivering its notification, saw the request's live blocks.
 
+**Pinned while written.** A prefill that pushes a request's blocks to a reader (``pin``) keeps them until the write
+ended (``unpin``): whatever would free them meanwhile (the last report, an abort, a release, the lease's end) is
+done at ``unpin`` instead, which returns the request then freed.
+
 A report may arrive before ``hold`` (the engine tells its workers about finished requests on its next
 step): it is kept as *pending*, and its confirmation waits for the ``hold`` (then ``ok``: the engine owned
 the blocks all along) or for ``pending_seconds`` (then not ``ok``: unknown request).
@@ -85,6 +89,8 @@ class _Entry:
     reports: dict[tuple[str, int], ReaderReport] = field(default_factory=dict)
     parked: list[str] = field(default_factory=list)  # reply_to keys waiting for a verdict
     complete: bool = False
+    pins: int = 0  # writes from the blocks in flight (held entries only)
+    after_pins: FreeReason | None = None  # a free asked for while pinned, done at the last unpin
 
 
 @dataclass(frozen=True)
@@ -211,7 +217,7 @@ class LeaseLedger:
             entry.complete = True
             if entry.block_ids is None:
                 return ReportOutcome(readers_complete=True)
-            freed = self._free(request_id, entry, entry.deferred or "read")
+            freed = self._free_unless_pinned(request_id, entry, entry.deferred or "read")
             return ReportOutcome(freed=freed, readers_complete=True)
 
     def heartbeat(self, request_id: str) -> bool:
@@ -242,7 +248,7 @@ class LeaseLedger:
                 return None
             if read_possible:
                 return self._free_early(request_id, "released")
-            return self._free(request_id, entry, "released")
+            return self._free_unless_pinned(request_id, entry, "released")
 
     def expire(self) -> list[Freed]:
         """Free every held request whose lease ran out; drop pending reports whose hold never came."""
@@ -250,7 +256,7 @@ class LeaseLedger:
         with self._lock:
             now = self._clock()
             for request_id, entry in list(self._entries.items()):
-                if entry.deadline > now:
+                if entry.deadline > now or entry.pins:  # a pinned one is looked at again when unpinned
                     continue
                 if entry.block_ids is not None and entry.deferred is not None:
                     freed.append(self._free(request_id, entry, entry.deferred))
@@ -270,6 +276,41 @@ class LeaseLedger:
                     del self._entries[request_id]
                     self._tombstone(request_id, _Gone("unknown", tuple(entry.reports.values()), entry.complete))
         return freed
+
+    def pin(self, request_id: str, block_ids: Iterable[int]) -> str:
+        """Keep a held request's blocks until ``unpin`` (a write from ``block_ids`` is about to start). Returns ""
+        when pinned, else why not: the request is not held (unknown, pending or freed), its lease has run out, or
+        a block id is not one of its blocks."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.block_ids is None:
+                gone = self._gone.get(request_id)
+                if gone is not None:
+                    return _GONE_REASONS[gone.reason]
+                return "not held yet" if entry is not None else _GONE_REASONS["unknown"]
+            if entry.deadline <= self._clock():
+                return "the lease has run out"
+            missing = set(block_ids).difference(entry.block_ids)
+            if missing:
+                return f"{len(missing)} block id(s) of the order are not this request's"
+            entry.pins += 1
+            return ""
+
+    def unpin(self, request_id: str) -> Freed | None:
+        """End one ``pin``; returns the request if it is freed now (something asked for it meanwhile, or its lease
+        ran out), else None."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.block_ids is None or entry.pins == 0:
+                return None
+            entry.pins -= 1
+            if entry.pins:
+                return None
+            if entry.after_pins is not None:
+                return self._free(request_id, entry, entry.after_pins)
+            if entry.deadline <= self._clock():
+                return self._free(request_id, entry, entry.deferred or "expired")
+            return None
 
     def take_replies(self) -> list[Reply]:
         """Confirmations queued since the last call (each returned once)."""
@@ -325,7 +366,7 @@ class LeaseLedger:
             return None
         now = self._clock()
         if now >= entry.promised_until:
-            return self._free(request_id, entry, reason)
+            return self._free_unless_pinned(request_id, entry, reason)
         if entry.deferred is None:
             logger.info(
                 "request %s: %s inside its hold window: freed in %.3f s or when its readers report",
@@ -336,6 +377,13 @@ class LeaseLedger:
         entry.deferred = reason
         entry.deadline = min(entry.deadline, entry.promised_until)
         return None
+
+    def _free_unless_pinned(self, request_id: str, entry: _Entry, reason: FreeReason) -> Freed | None:
+        """Free now, or at the last ``unpin`` while a write from the blocks is in flight (None then)."""
+        if entry.pins:
+            entry.after_pins = entry.after_pins or reason
+            return None
+        return self._free(request_id, entry, reason)
 
     def _free(self, request_id: str, entry: _Entry, reason: FreeReason) -> Freed:
         assert entry.block_ids is not None

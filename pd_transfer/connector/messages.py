@@ -6,6 +6,11 @@ Decode -> prefill: ``ReadDone`` (attached to the last read; carries ``reply_to``
 ``LeaseConfirm``), ``ReadFailed`` (gave up, or will never read), ``ReleaseUnread`` (no decode rank reads
 this prefill rank's copy), ``LeaseHeartbeat`` (still coming: extend the lease).
 Prefill -> decode: ``LeaseConfirm`` (were the blocks still held when the ``ReadDone`` arrived?).
+
+Push (the prefill writes instead of the decode reading; see :mod:`.pushes`): decode -> prefill ``PushSetup`` (once
+per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request); prefill -> decode
+``PushReady`` (the setup's answer: a prefill that does not know these messages never answers, and is read from)
+and ``PushOutcome`` (a successful one rides on the WRITE, so it arrives after the data).
 """
 
 from __future__ import annotations
@@ -65,9 +70,73 @@ class LeaseConfirm(msgspec.Struct, tag="lease_confirm", frozen=True, forbid_unkn
     reason: str
 
 
+class PushPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One source of a decode rank's plan (:class:`~pd_transfer.topology.plan.SourcePlan`), as the prefill rank it
+    names rebuilds it: its scalars and both grids, each packed by :func:`.push_plans.pack_rows`. "local" is the
+    decode's side, "remote" the prefill's, as in the plan."""
+
+    remote_rank: int
+    first_global_head: int
+    num_heads: int
+    unit_heads: int
+    unit_tokens: int
+    head_size: int
+    unit_bytes: int
+    num_planes: int
+    local_block_size: int
+    remote_block_size: int
+    local_num_blocks: int
+    remote_num_blocks: int
+    local_rows: bytes
+    remote_rows: bytes
+
+
+class PushSetup(msgspec.Struct, tag="push_setup", frozen=True, forbid_unknown_fields=True):
+    """A decode rank asks to be written to: its NIXL agent's metadata *with* its memory, and the plan's rows."""
+
+    reader_engine_id: str
+    reader_rank: int
+    agent_metadata: bytes
+    plan: PushPlan
+
+
+class PushReady(msgspec.Struct, tag="push_ready", frozen=True, forbid_unknown_fields=True):
+    """The prefill's answer to a ``PushSetup``: ``ok`` when it will write this reader's orders. It comes from the
+    rank's writing agent, so it names the rank's own agent (the one the setup went to)."""
+
+    prefill_agent: str
+    ok: bool
+    reason: str
+
+
+class PushOrder(msgspec.Struct, tag="push_order", frozen=True, forbid_unknown_fields=True):
+    """Write a held request's blocks to the reader, as its plan would read them (block ids as in the params: the
+    prefill's ``remote_block_ids``, the decode's ``local_block_ids``)."""
+
+    request_id: str
+    expected_readers: int  # as in ReadDone (the reader is the one whose PushSetup the prefill took)
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    num_tokens: int
+    timeout_ms: int  # the prefill gives up writing after this long (from when the order arrives)
+
+
+class PushOutcome(msgspec.Struct, tag="push_outcome", frozen=True, forbid_unknown_fields=True):
+    """How an order ended: ``ok`` (attached to the WRITE: the data is there, and the lease was held and pinned
+    throughout), or not, with ``may_read`` when the decode should read the request itself instead."""
+
+    prefill_agent: str  # the rank's own agent, as in PushReady
+    request_id: str
+    ok: bool
+    reason: str = ""
+    may_read: bool = False
+
+
 #: What a reader reports about a request (counted towards freeing it).
 ReaderReport = Union[ReadDone, ReadFailed, ReleaseUnread]
-PeerMessage = Union[ReadDone, ReadFailed, ReleaseUnread, LeaseHeartbeat, LeaseConfirm]
+PeerMessage = Union[
+    ReadDone, ReadFailed, ReleaseUnread, LeaseHeartbeat, LeaseConfirm, PushSetup, PushReady, PushOrder, PushOutcome
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(PeerMessage)

@@ -16,11 +16,14 @@ from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.tcp import push_accepted
 
 from . import messages
 from .cache import KVCache
 from .leases import Freed, LeaseLedger, Reply
+from .pushes import PushWriter
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,10 @@ class PrefillRank:
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         metrics: TransferMetrics | None = None,
+        accept_pushes: bool = True,
     ) -> None:
+        """``accept_pushes``: write for decode ranks that ask (:mod:`.pushes`), unless False or
+        ``PD_TRANSFER_PUSH=off``."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -72,6 +78,15 @@ class PrefillRank:
             serves_reads=True,
         )
         self.agent.register_regions(cache.regions)
+        self.pushes = PushWriter(
+            self.agent,
+            self.ledger,
+            rank,
+            merged_spans(cache.regions),
+            on_written=self._take_report,
+            on_freed=self._freed_by_unpin,
+            accepting=accept_pushes and push_accepted(),
+        )
 
     @property
     def rank_metadata(self) -> RankMetadata:
@@ -129,10 +144,17 @@ class PrefillRank:
             if not self.ledger.heartbeat(message.request_id):
                 logger.info("prefill %s: heartbeat for request %s, not held here", self.agent.name, message.request_id)
             return
-        if isinstance(message, messages.LeaseConfirm):
+        if isinstance(message, messages.PushSetup | messages.PushOrder):
+            self.pushes.on_message(peer, message)
+            return
+        if isinstance(message, messages.LeaseConfirm | messages.PushReady | messages.PushOutcome):
             self.unexpected_notifications += 1
             logger.warning("prefill %s: unexpected %s from %s dropped", self.agent.name, type(message).__name__, peer)
             return
+        self._take_report(peer, message)
+
+    def _take_report(self, peer: str, message: messages.ReaderReport) -> None:
+        """A reader's report (from a notification, or a push that landed): counted towards freeing the request."""
         reply_to = None
         if isinstance(message, messages.ReadDone) and message.reply_to:
             reply_to = peer
@@ -153,6 +175,12 @@ class PrefillRank:
             if self._on_release is not None:
                 self._on_release(message.request_id, list(reports))
         self._after_change(newly_freed)
+
+    def _freed_by_unpin(self, freed: Freed) -> None:
+        """A request freed when its last push ended (something asked for it meanwhile)."""
+        with self._cond:
+            self._freed.append(freed)
+        self._after_change([freed])
 
     def _after_change(self, freed: list[Freed]) -> None:
         """Count freed leases, send queued confirmations; poll fast only while blocks are held for readers."""
@@ -206,6 +234,7 @@ class PrefillRank:
         self._after_change([])
 
     def close(self) -> None:
+        self.pushes.close()
         self._replies.shutdown(wait=True, cancel_futures=True)
         self.agent.close()
 

@@ -1,4 +1,4 @@
-"""How a decode rank reads one request's KV blocks from a connected engine: three strategies.
+"""How a decode rank reads one request's KV blocks from a connected engine: four strategies.
 
 * **in place** (plans without a postprocess, or with no staging area): one READ per source rank straight
   into the cache. With a postprocess (block-size regroup, layout permute), the reads go plane group by plane
@@ -9,6 +9,10 @@
   while the next chunk goes into the other half: the cache is written once, as by a homogeneous read.
 * **packed** (engine-packed blocks of another block size): whole remote blocks into the
   :class:`PackedStaging`, a fill at a time, each regrouped into the local blocks before the next is read.
+
+* **pushed** (plans without a postprocess, source ranks that agreed to push: reads over TCP, see
+  :mod:`.push_client`): each such rank writes the request's rows straight into the cache; the others, and any that
+  answer ``may_read``, are read in place.
 
 Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications.
 Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated remote
@@ -29,10 +33,12 @@ import torch
 from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
+from pd_transfer.transfer.errors import TransferError, TransferTimeout
 
 from .cache import KVCache
 from .errors import DuplicateBlockIds
 from .params import first_repeat
+from .push_client import PushOrders
 from .remote_engines import RemoteEngine, SourceRank
 
 #: One READ of a step: (source rank, local descriptor list, local rows, remote rows); rows are int arrays.
@@ -50,6 +56,7 @@ class ReadTotals:
     read_seconds: float  # first post to last DONE
     postprocess_seconds: float  # fixing layouts up, summed over plane groups or chunks (overlaps the reads)
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
+    pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
 
     @classmethod
     def overlapped(
@@ -90,7 +97,8 @@ class BlockReader:
 
     ``planes`` are the cache's plane views (``plane_views`` order); ``pipeline_groups`` is how many plane
     groups an in-place read with a postprocess is split into; ``done_message(request_id, source)`` is the
-    ``ReadDone`` notification the last READ from ``source`` carries.
+    ``ReadDone`` notification the last READ from ``source`` carries. With ``pushes``, plans without a fix-up are
+    written by the source ranks that agreed to push (:mod:`.push_client`), and read from the others.
     """
 
     def __init__(
@@ -101,12 +109,14 @@ class BlockReader:
         *,
         pipeline_groups: int,
         done_message: Callable[[str, SourceRank], bytes],
+        pushes: PushOrders | None = None,
     ) -> None:
         self.agent = agent
         self.cache = cache
         self.planes = planes
         self.pipeline_groups = pipeline_groups
         self._done_message = done_message
+        self.pushes = pushes
         self._postprocess_pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
         )
@@ -133,6 +143,11 @@ class BlockReader:
         rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
         if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
             return self._read_staged(remote, request_id, rows, deadline)
+        if self.pushes is not None and remote.plan.postprocess is None:
+            ready = [source for source in remote.sources if self.pushes.ready(source.peer)]
+            if ready:
+                ids = (remote_block_ids, local_block_ids, num_tokens)
+                return self._push_in_place(remote, request_id, rows, ready, ids, deadline)
         return self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)
 
     def close(self) -> None:
@@ -192,6 +207,47 @@ class BlockReader:
             bounds = np.searchsorted(plane_of_row[order], starts)
             reads.append((source, local_rows[order], remote_rows[order], bounds))
         return reads
+
+    def _push_in_place(
+        self,
+        remote: RemoteEngine,
+        request_id: str,
+        rows: SourceRows,
+        ready: list[SourceRank],
+        ids: tuple[list[int], list[int], int],
+        deadline: float,
+    ) -> ReadTotals:
+        """The ``ready`` sources write the request into the cache; the others, and those that answer ``may_read``,
+        are read (one step, with ``ReadDone``). Raises ``TransferTimeout`` when a source did not answer by
+        ``deadline``, ``TransferError`` when one refused without ``may_read``."""
+        assert self.pushes is not None
+        started = time.perf_counter()
+        outcomes = self.pushes.push(request_id, ready, *ids, deadline)
+        asked = {source.peer for source in ready}
+        pushed: list[tuple[SourceRank, np.ndarray]] = []
+        step: list[ReadOrder] = []
+        for source, (local_rows, remote_rows) in zip(remote.sources, rows, strict=True):
+            outcome = outcomes.get(source.peer)
+            if outcome is not None and outcome.ok:
+                pushed.append((source, local_rows))
+                continue
+            if source.peer in asked and outcome is None:
+                raise TransferTimeout(f"request {request_id}: {source.peer} did not push it in time")
+            if outcome is not None and not outcome.may_read:
+                raise TransferError(f"request {request_id}: {source.peer} will not push it: {outcome.reason}")
+            step.append((source, source.local, local_rows, remote_rows))
+        moved, descriptors = self._read_step(request_id, step, True, deadline) if step else (0, 0)
+        for source, local_rows in pushed:
+            moved += int(source.local.row_lengths[local_rows].sum())
+            descriptors += len(local_rows)
+        return ReadTotals(
+            bytes=moved,
+            descriptors=descriptors,
+            read_seconds=time.perf_counter() - started,
+            postprocess_seconds=0.0,
+            postprocess_exposed_seconds=0.0,
+            pushed_peers=tuple(source.peer for source, _ in pushed),
+        )
 
     # ------------------------------------------------------------------ staged
     def _read_staged(self, remote: RemoteEngine, request_id: str, rows: SourceRows, deadline: float) -> ReadTotals:

@@ -88,7 +88,8 @@ class RemoteEngines:
     ``staging_bytes`` is the size of each half of the shared staging area (0: plans that fix layouts up do
     so in place). ``packed_formats(block_size)`` gives the packing of a (block, head) for a block size, for
     caches whose layout names a ``packing``; without it, such caches refuse engines of another block size.
-    ``read_timeout_s`` bounds each warm-up read.
+    ``read_timeout_s`` bounds each warm-up read. ``on_connected(remote)`` is called for each engine once it is
+    connected (before any request uses it).
     """
 
     def __init__(
@@ -103,8 +104,10 @@ class RemoteEngines:
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         packed_staging_bytes: int = 32 * 2**20,
         metrics: TransferMetrics | None = None,
+        on_connected: Callable[[RemoteEngine], None] | None = None,
     ) -> None:
         self.agent = agent
+        self._on_connected = on_connected
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.cache = cache
         self.client = client
@@ -190,6 +193,8 @@ class RemoteEngines:
             self._dropped.discard(key)
         if again or reason != "reconnect":
             self.metrics.peer_rehandshakes.labels(reason).inc()
+        if self._on_connected is not None:
+            self._on_connected(remote)
 
     def _drop(self, key: tuple[str, int], remote: RemoteEngine) -> None:
         """Unregister ``remote`` (if still the engine at ``key``) after a failure or a restart and remove its peers;

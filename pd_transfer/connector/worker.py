@@ -78,7 +78,9 @@ class WorkerSide:
         self.cache = cache
         self.config = config
         self.rank = cache.layout.tp_rank
-        self.prefill = PrefillRank(engine_id, cache, lease_seconds=config.lease_seconds, clock=clock)
+        self.prefill = PrefillRank(
+            engine_id, cache, lease_seconds=config.lease_seconds, clock=clock, accept_pushes=config.push != "off"
+        )
         self._decode: DecodeRank | None = None
         self._decode_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
@@ -113,6 +115,7 @@ class WorkerSide:
                     handshake_failure_backoff_s=self.config.handshake_failure_backoff_s,
                     packed_formats=self._packed_formats,
                     metrics=self.metrics,
+                    push=self.config.push,
                 )
             return self._decode
 

@@ -11,16 +11,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from pd_transfer.spec import KVRegion
 
-from .errors import PeerDisconnected, TransferError, TransferTimeout, UnknownPeer
+from .dlists import DescriptorList, merged_spans
+from .errors import TransferError, TransferTimeout, UnknownPeer
 from .huge_pages import HugePageCollapser, huge_pages_for_registrations
 from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
-from .native import NixlBackendError, NixlNotFoundError, NixlRegDList, NixlRemoteDisconnectError, make_nixl_agent
-from .probe import peer_gone
+from .native import NixlRegDList, make_nixl_agent
+from .probe import transfer_error, wrapped_error
 from .progress import AdaptivePoller, busy_poll_seconds, native_progress_wait_ms, read_wait_seconds
 from .read_stats import ReadStats
 from .tcp import apply_tcp_defaults
@@ -29,35 +31,6 @@ logger = logging.getLogger(__name__)
 
 NotificationHandler = Callable[[str, bytes], None]
 _LOCAL = "NIXL_INIT_AGENT"
-
-
-def _merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
-    """(start, end) byte ranges covering every region, overlapping or touching ranges merged."""
-    spans = sorted((r.base_address, r.base_address + r.span_bytes) for r in regions if r.span_bytes > 0)
-    merged: list[tuple[int, int]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-class DescriptorList:
-    """A prepared NIXL descriptor list (one side of reads): rows of (address, length, device)."""
-
-    def __init__(self, agent: TransferAgent, handle: object, peer: str, rows: np.ndarray) -> None:
-        self._agent = agent
-        self.handle = handle
-        self.peer = peer  # "" for the local side
-        self.num_rows = int(rows.shape[0])
-        self.row_lengths = rows[:, 1].astype(np.int64, copy=True)
-        self.rows = rows  # kept to mirror the list on read lanes made later
-        self.lane_lists: list[DescriptorList] = []  # the same rows prepared on each read lane
-        self.released = False
-
-    def release(self) -> None:
-        self._agent._release_dlist(self)
 
 
 class TransferAgent:
@@ -132,7 +105,7 @@ class TransferAgent:
     # ------------------------------------------------------------------ memory
     def register_regions(self, regions: Sequence[KVRegion]) -> object:
         """Register the memory behind ``regions`` (host DRAM), once per cache; returns the registration."""
-        registration = self.register_spans(_merged_spans(regions))
+        registration = self.register_spans(merged_spans(regions))
         logger.info("agent %s registered %d regions", self.name, len(regions))
         return registration
 
@@ -310,6 +283,34 @@ class TransferAgent:
         timeout_s: float,
     ) -> ReadStats:
         """:meth:`read` as one READ, never split."""
+        return self._transfer("READ", local, local_indices, remote, remote_indices, notification, timeout_s)
+
+    def write(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        *,
+        notification: bytes = b"",
+        timeout_s: float = 30.0,
+    ) -> ReadStats:
+        """Push ``local[local_indices[i]]`` into ``remote[remote_indices[i]]`` for every i, as one WRITE; blocks
+        until done. ``notification`` reaches the remote agent after the data has landed. Raises as :meth:`read`."""
+        return self._transfer("WRITE", local, local_indices, remote, remote_indices, notification, timeout_s)
+
+    def _transfer(
+        self,
+        operation: str,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        notification: bytes,
+        timeout_s: float,
+    ) -> ReadStats:
+        """One READ or WRITE between ``local`` and ``remote`` rows, posted and waited for."""
+        verb = operation.lower()
         if remote.released or local.released:
             raise TransferError(f"agent {self.name}: descriptor list for {remote.peer} was released")
         if len(local_indices) != len(remote_indices):
@@ -325,10 +326,10 @@ class TransferAgent:
         with self._lock:
             try:
                 handle = self._nixl.make_prepped_xfer(
-                    "READ", local.handle, local_indices, remote.handle, remote_indices, notif_msg=notification
+                    operation, local.handle, local_indices, remote.handle, remote_indices, notif_msg=notification
                 )
             except Exception as error:
-                raise self._wrap(error, f"preparing a read of {len(local_indices)} rows from {peer}") from error
+                raise self._wrap(error, f"preparing a {verb} of {len(local_indices)} rows with {peer}") from error
         released = False
         try:
             failure: Exception | None = None
@@ -338,13 +339,14 @@ class TransferAgent:
                 except Exception as error:
                     failure = error
             if failure is not None:  # probed outside the lock: the poller and other reads go on meanwhile
-                raise self._read_error(failure, f"posting a read from {peer}", local, remote, probe) from failure
+                what = f"posting a {verb} with {peer}"
+                raise self._failure(operation, failure, what, local, remote, probe) from failure
             posted = time.perf_counter()
             spins = 0
             while state == "PROC":
                 now = time.perf_counter()
                 if now >= deadline:
-                    raise TransferTimeout(f"agent {self.name}: read from {peer} not done after {timeout_s:.3f} s")
+                    raise TransferTimeout(f"agent {self.name}: {verb} with {peer} not done after {timeout_s:.3f} s")
                 spins += 1
                 if spins > 64:  # tcp-emulated reads progress slowly: stop spinning, keep latency bounded
                     time.sleep(min(self._read_wait_s, deadline - now))
@@ -354,9 +356,9 @@ class TransferAgent:
                     except Exception as error:
                         failure = error
                 if failure is not None:
-                    raise self._read_error(failure, f"reading from {peer}", local, remote, probe) from failure
+                    raise self._failure(operation, failure, f"a {verb} with {peer}", local, remote, probe) from failure
             if state != "DONE":
-                raise self._read_error(None, f"read from {peer} ended in state {state}", local, remote, probe)
+                raise self._failure(operation, None, f"{verb} with {peer} ended in state {state}", local, remote, probe)
             finished = time.perf_counter()
             num_bytes = int(local.row_lengths[local_indices].sum())
             return ReadStats(
@@ -368,7 +370,7 @@ class TransferAgent:
         finally:
             released = self._release_xfer(handle)
             if not released:
-                logger.warning("agent %s: read from %s still owned by NIXL; releasing it later", self.name, peer)
+                logger.warning("agent %s: %s with %s still owned by NIXL; releasing it later", self.name, verb, peer)
 
     def _release_xfer(self, handle: object) -> bool:
         with self._lock:
@@ -384,33 +386,21 @@ class TransferAgent:
         """Transfers that timed out and that NIXL has not let go of yet (their local buffers may still change)."""
         return len(self._unreleased_xfers)
 
-    def _read_error(
+    def _failure(
         self,
+        operation: str,
         error: Exception | None,
         what: str,
         local: DescriptorList,
         remote: DescriptorList,
         probe_rows: tuple[int, int],
     ) -> TransferError:
-        """The error to raise for a failed read. NIXL reports a dead peer as a remote disconnect only once UCX
-        ran the endpoint's error handler, which happens on a progress call *after* the failed copy itself: a
-        read that hits a peer killed moments ago can fail first as ``nixlBackendError`` (UCX "Input/output
-        error") or end in state ERR. Such failures are checked before they are reported as anything but
-        ``PeerDisconnected``."""
-        wrapped = self._wrap(error, what) if error is not None else TransferError(f"agent {self.name}: {what}")
-        if isinstance(wrapped, PeerDisconnected) or (error is not None and not isinstance(error, NixlBackendError)):
-            return wrapped
-        gone = peer_gone(self, local, remote, *probe_rows)
-        if gone is None:
-            return wrapped
-        return PeerDisconnected(f"agent {self.name}: {what}: peer disconnected ({gone}; first reported as {wrapped})")
+        """The error to raise for a failed transfer (:func:`.probe.transfer_error`; only a READ is probed: the probe
+        reads into ``local``, which a failed WRITE did not own)."""
+        return transfer_error(self, error, what, local, remote, probe_rows, probe=operation == "READ")
 
     def _wrap(self, error: Exception, what: str) -> TransferError:
-        if isinstance(error, NixlRemoteDisconnectError):
-            return PeerDisconnected(f"agent {self.name}: {what}: peer disconnected ({error})")
-        if isinstance(error, NixlNotFoundError):
-            return TransferError(f"agent {self.name}: {what}: not found (unknown peer or unregistered memory): {error}")
-        return TransferError(f"agent {self.name}: {what}: {error}")
+        return wrapped_error(self.name, error, what)
 
     # ------------------------------------------------------------------ notifications
     def notify(self, peer: str, payload: bytes) -> None:
@@ -428,6 +418,10 @@ class TransferAgent:
     def set_expecting_reads(self, expecting: bool) -> None:
         """Poll fast while peers are expected to read from us (blocks are held for them)."""
         self._poller.set_expecting(expecting)
+
+    def expecting_traffic(self) -> AbstractContextManager[None]:
+        """Poll fast while inside this block (a peer is writing to us); callers count, they do not undo each other."""
+        return self._poller.fast()
 
     def _poll_once(self) -> bool:
         with self._lock:

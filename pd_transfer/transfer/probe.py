@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .errors import PeerDisconnected, TransferError
 from .native import NixlBackendError, NixlNotFoundError, NixlRemoteDisconnectError
 
 if TYPE_CHECKING:
@@ -76,3 +77,41 @@ def _probe_read(
                 return "other"
     finally:
         agent._release_xfer(handle)
+
+
+def wrapped_error(agent_name: str, error: Exception, what: str) -> TransferError:
+    """NIXL's ``error`` while agent ``agent_name`` did ``what``, as the transfer error it stands for."""
+    if isinstance(error, NixlRemoteDisconnectError):
+        return PeerDisconnected(f"agent {agent_name}: {what}: peer disconnected ({error})")
+    if isinstance(error, NixlNotFoundError):
+        return TransferError(f"agent {agent_name}: {what}: not found (unknown peer or unregistered memory): {error}")
+    return TransferError(f"agent {agent_name}: {what}: {error}")
+
+
+def transfer_error(
+    agent: TransferAgent,
+    error: Exception | None,
+    what: str,
+    local: DescriptorList,
+    remote: DescriptorList,
+    probe_rows: tuple[int, int],
+    *,
+    probe: bool = True,
+) -> TransferError:
+    """The error to raise for a failed transfer. NIXL reports a dead peer as a remote disconnect only once UCX
+    ran the endpoint's error handler, which happens on a progress call *after* the failed copy itself: a
+    transfer that hits a peer killed moments ago can fail first as ``nixlBackendError`` (UCX "Input/output
+    error") or end in state ERR. With ``probe`` (reads only: the probe reads one row into ``local``), such failures
+    are checked with :func:`peer_gone` before they are reported as anything but ``PeerDisconnected``."""
+    if error is None:
+        wrapped = TransferError(f"agent {agent.name}: {what}")
+    else:
+        wrapped = wrapped_error(agent.name, error, what)
+    if not probe or isinstance(wrapped, PeerDisconnected):
+        return wrapped
+    if error is not None and not isinstance(error, NixlBackendError):
+        return wrapped
+    gone = peer_gone(agent, local, remote, *probe_rows)
+    if gone is None:
+        return wrapped
+    return PeerDisconnected(f"agent {agent.name}: {what}: peer disconnected ({gone}; first reported as {wrapped})")

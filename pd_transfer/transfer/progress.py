@@ -29,7 +29,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from pd_transfer.affinity import unpin_current_thread
 
@@ -101,6 +102,8 @@ class AdaptivePoller:
         self._wakeup = threading.Event()
         self._last_activity = time.monotonic()
         self._expecting = False
+        self._fast_holders = 0  # callers inside fast(): each expects traffic until it leaves
+        self._holders_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"pd-transfer-poll-{name}", daemon=True)
         self.polls = 0
 
@@ -117,10 +120,22 @@ class AdaptivePoller:
         if expecting:
             self.wake()
 
+    @contextmanager
+    def fast(self) -> Iterator[None]:
+        """Expect traffic for the duration of the block (counted: concurrent callers do not undo each other's)."""
+        with self._holders_lock:
+            self._fast_holders += 1
+        self.wake()
+        try:
+            yield
+        finally:
+            with self._holders_lock:
+                self._fast_holders -= 1
+
     @property
     def expecting(self) -> bool:
-        """Whether the owner said it expects traffic (``set_expecting``)."""
-        return self._expecting
+        """Whether the owner expects traffic (``set_expecting``, or a caller inside ``fast``)."""
+        return self._expecting or self._fast_holders > 0
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
@@ -141,10 +156,10 @@ class AdaptivePoller:
             now = time.monotonic()
             if found:
                 self._last_activity = now
-            if found and self._expecting:  # reads in flight: poll again now (the loop still ends on stop)
+            if found and self.expecting:  # reads in flight: poll again now (the loop still ends on stop)
                 interval = self._active_interval_s
                 continue
-            if self._expecting or now - self._last_activity < self._active_window_s:
+            if self.expecting or now - self._last_activity < self._active_window_s:
                 interval = self._active_interval_s
             else:
                 interval = min(self._idle_interval_s, max(interval * 2, self._active_interval_s))

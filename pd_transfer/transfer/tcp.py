@@ -18,7 +18,10 @@ one host do not change.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+from pathlib import Path
 
 #: Switch of :func:`apply_tcp_defaults` ("0": off; anything else or unset: on).
 SWITCH_ENV = "PD_TRANSFER_TCP_SEGMENTS"
@@ -44,3 +47,74 @@ def apply_tcp_defaults() -> dict[str, str]:
         if not os.environ.get(key, "").strip():
             os.environ[key] = value
     return {key: os.environ[key] for key in TCP_SEGMENT_ENV}
+
+
+#: Whether decode ranks ask prefill ranks to push (write) instead of reading: "auto" (default; where reads would go
+#: over TCP, :func:`push_to`), "on" or "off".
+PUSH_ENV = "PD_TRANSFER_PUSH"
+PUSH_MODES = ("auto", "on", "off")
+#: UCX transport names that cannot read one-sidedly: with ``UCX_TLS`` naming nothing else, reads go over TCP.
+_NOT_ONE_SIDED = {"tcp", "self", "sockcm", "tcp_sockcm", "rdmacm"}
+_RDMA_DEVICES = Path("/sys/class/infiniband")
+
+
+def reads_over_tcp(ucx_tls: str) -> bool:
+    """Whether UCX's transports ``ucx_tls`` (a ``UCX_TLS`` value) leave reads between two processes to TCP: only
+    when it lists transports and none of them reads one-sidedly (``cma``, ``rc``, shared memory...)."""
+    names = {name.strip().lower() for name in ucx_tls.split(",") if name.strip()}
+    if not names or any(name.startswith("^") for name in names):
+        return False
+    return names <= _NOT_ONE_SIDED and "tcp" in names
+
+
+def push_mode(mode: str | None = None) -> str:
+    """``mode``, or ``PD_TRANSFER_PUSH``, else "auto"; raises ``ValueError`` naming the variable for another value."""
+    chosen = (os.environ.get(PUSH_ENV, "") if mode is None else mode).strip().lower() or "auto"
+    if chosen not in PUSH_MODES:
+        raise ValueError(f"{PUSH_ENV} must be one of {', '.join(PUSH_MODES)}, not {chosen[:40]!r}")
+    return chosen
+
+
+def push_to(host: str, mode: str) -> bool:
+    """Whether a decode rank asks the prefill whose side channel is at ``host`` to push, in ``mode``: "auto" pushes
+    where reads would go over TCP: ``UCX_TLS`` names only TCP, or, unset, this host has no RDMA device and ``host``
+    is not one of its own addresses (on one host UCX reads with CMA)."""
+    if mode != "auto":
+        return mode == "on"
+    transports = os.environ.get("UCX_TLS", "").strip()
+    if transports:
+        return reads_over_tcp(transports)
+    return not rdma_devices() and not is_local_address(host)
+
+
+def rdma_devices() -> bool:
+    """Whether this host has an RDMA device (``/sys/class/infiniband``)."""
+    try:
+        return any(_RDMA_DEVICES.iterdir())
+    except OSError:
+        return False
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names this host (loopback, or an address a socket here can bind). An unresolvable name
+    counts as local: nothing is pushed to what cannot be told apart."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return True
+    for family, _, _, _, address in infos:
+        ip = ipaddress.ip_address(str(address[0]).split("%")[0])
+        if ip.is_loopback or ip.is_unspecified:
+            return True
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((str(ip), 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def push_accepted() -> bool:
+    """Whether a prefill rank writes for decode ranks that ask: unless ``PD_TRANSFER_PUSH=off``."""
+    return os.environ.get(PUSH_ENV, "").strip().lower() != "off"

@@ -1,0 +1,198 @@
+"""The decode side of push (see :mod:`.pushes`): asking prefill ranks to write instead of reading from them.
+
+On connecting to an engine whose plan needs no fix-up, :meth:`PushOrders.offer` sends each source rank a
+``PushSetup``; a rank that answers ``PushReady(ok)`` is pushed to from then on, one that refuses or never answers
+(it predates push) is read from. :meth:`PushOrders.push` sends one ``PushOrder`` per ready source rank of a request
+and waits, until the pull's deadline, for their ``PushOutcome``: a successful one arrives after the data, and says
+the blocks were held and pinned throughout (no lease confirmation needed).
+
+The prefill gives up writing at :data:`PREFILL_SHARE` of the time left when the order is sent, so a write never
+lands after the decode stopped waiting for it.
+
+Thread-safe: one condition guards the answers; the agent's poller delivers them (:meth:`PushOrders.take`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.tcp import push_to
+
+from . import messages
+from .push_plans import plan_to_wire
+from .remote_engines import RemoteEngine, SourceRank
+
+logger = logging.getLogger(__name__)
+
+#: The share of the pull's time left that a prefill may spend writing (the rest is the answer's way back).
+PREFILL_SHARE = 0.8
+
+
+class PushOrders:
+    """Push for decode rank ``reader_rank`` of engine ``engine_id``, whose ``agent`` has its cache registered."""
+
+    def __init__(self, agent: TransferAgent, engine_id: str, reader_rank: int, *, mode: str = "auto") -> None:
+        """``mode``: "on" offers push to every engine, "auto" where reads would go over TCP
+        (:func:`~pd_transfer.transfer.tcp.push_to`)."""
+        self.agent = agent
+        self.mode = mode
+        self.engine_id = engine_id
+        self.reader_rank = reader_rank
+        self._cond = threading.Condition()
+        self._ready: dict[str, bool | None] = {}  # prefill agent -> ready, refused, or asked (None)
+        self._outcomes: dict[str, dict[str, messages.PushOutcome]] = {}  # awaited request -> prefill agent -> outcome
+        self.late_outcomes = 0
+        self.pushed = 0  # sources that wrote a request
+        self.read_instead = 0  # sources asked to write that said to read
+
+    # ------------------------------------------------------------------ setup
+    def offer(self, remote: RemoteEngine) -> None:
+        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up (best effort)."""
+        if remote.plan.postprocess is not None or remote.packed is not None or not push_to(remote.host, self.mode):
+            return
+        metadata = self.agent.metadata
+        for source, plan in zip(remote.sources, remote.plan.sources, strict=True):
+            setup = messages.PushSetup(
+                reader_engine_id=self.engine_id,
+                reader_rank=self.reader_rank,
+                agent_metadata=metadata,
+                plan=plan_to_wire(plan),
+            )
+            payload = messages.encode(setup)
+            if len(payload) > messages.MAX_NOTIFICATION_BYTES:
+                logger.info("decode %s: a push setup of %d bytes is too large; reading", self.agent.name, len(payload))
+                continue
+            with self._cond:
+                self._ready[source.peer] = None
+            try:
+                self.agent.notify(source.peer, payload)
+            except TransferError as error:
+                logger.info("decode %s: push setup to %s not sent (reading): %s", self.agent.name, source.peer, error)
+                with self._cond:
+                    self._ready[source.peer] = False
+
+    def ready(self, peer: str) -> bool:
+        """Whether prefill agent ``peer`` agreed to push."""
+        return self._ready.get(peer) is True
+
+    def wait_ready(self, peers: Sequence[str], timeout_s: float) -> bool:
+        """Wait until each of ``peers`` answered its setup; True if all agreed to push."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while any(self._ready.get(peer, False) is None for peer in peers):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return all(self._ready.get(peer) is True for peer in peers)
+
+    def forget(self, peers: Sequence[str]) -> None:
+        """Drop what is known of ``peers`` (their engine was dropped)."""
+        with self._cond:
+            for peer in peers:
+                self._ready.pop(peer, None)
+
+    # ------------------------------------------------------------------ answers
+    def take(self, peer: str, payload: bytes) -> bool:
+        """A notification from ``peer``: True when it was a push answer (recorded), False for anything else."""
+        try:
+            message = messages.decode(payload)
+        except Exception:
+            return False  # counted by whoever takes it next
+        if isinstance(message, messages.PushReady):
+            rank = message.prefill_agent  # sent by the rank's writing agent (``peer``)
+            with self._cond:
+                if rank in self._ready:
+                    self._ready[rank] = message.ok
+                    self._cond.notify_all()
+            if not message.ok:
+                logger.info("decode %s: %s will not push (reading): %s", self.agent.name, rank, message.reason[:200])
+            return True
+        if isinstance(message, messages.PushOutcome):
+            with self._cond:
+                answers = self._outcomes.get(message.request_id)
+                if answers is None:
+                    self.late_outcomes += 1
+                else:
+                    answers[message.prefill_agent] = message
+                    self._cond.notify_all()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ orders
+    def push(
+        self,
+        request_id: str,
+        sources: Sequence[SourceRank],
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        num_tokens: int,
+        deadline: float,
+    ) -> dict[str, messages.PushOutcome]:
+        """Order each of ``sources`` to write ``request_id``; returns the outcome of each that answered by
+        ``deadline`` (``time.perf_counter`` time; an order that could not be sent answers ``may_read`` at once)."""
+        with self.agent.expecting_traffic(), self._awaiting(request_id) as answers:
+            for source in sources:
+                self._send_order(request_id, source, remote_block_ids, local_block_ids, num_tokens, deadline, answers)
+            with self._cond:
+                while len(answers) < len(sources):
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                outcomes = dict(answers)
+        self.pushed += sum(1 for outcome in outcomes.values() if outcome.ok)
+        self.read_instead += sum(1 for outcome in outcomes.values() if outcome.may_read)
+        return outcomes
+
+    def _send_order(
+        self,
+        request_id: str,
+        source: SourceRank,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        num_tokens: int,
+        deadline: float,
+        answers: dict[str, messages.PushOutcome],
+    ) -> None:
+        order = messages.PushOrder(
+            request_id=request_id,
+            expected_readers=source.expected_readers,
+            remote_block_ids=remote_block_ids,
+            local_block_ids=local_block_ids,
+            num_tokens=num_tokens,
+            timeout_ms=max(0, int((deadline - time.perf_counter()) * PREFILL_SHARE * 1000)),
+        )
+        payload = messages.encode(order)
+        reason = ""
+        if len(payload) > messages.MAX_NOTIFICATION_BYTES:
+            reason = f"an order of {len(payload)} bytes is too large for a notification"
+        else:
+            try:
+                self.agent.notify(source.peer, payload)
+            except TransferError as error:
+                reason = f"the order was not sent: {error}"
+        if reason:
+            with self._cond:
+                refused = messages.PushOutcome(
+                    prefill_agent=source.peer, request_id=request_id, ok=False, reason=reason, may_read=True
+                )
+                answers[source.peer] = refused
+
+    @contextmanager
+    def _awaiting(self, request_id: str) -> Iterator[dict[str, messages.PushOutcome]]:
+        """The answers to ``request_id``'s orders, recorded while inside this block."""
+        answers: dict[str, messages.PushOutcome] = {}
+        with self._cond:
+            self._outcomes[request_id] = answers
+        try:
+            yield answers
+        finally:
+            with self._cond:
+                self._outcomes.pop(request_id, None)

@@ -1,0 +1,42 @@
+"""Descriptor lists as an agent prepares them, and the byte spans its registrations cover."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pd_transfer.spec import KVRegion
+
+if TYPE_CHECKING:
+    from .agent import TransferAgent
+
+
+def merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
+    """(start, end) byte ranges covering every region, overlapping or touching ranges merged."""
+    spans = sorted((r.base_address, r.base_address + r.span_bytes) for r in regions if r.span_bytes > 0)
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+class DescriptorList:
+    """A prepared NIXL descriptor list (one side of reads): rows of (address, length, device)."""
+
+    def __init__(self, agent: TransferAgent, handle: object, peer: str, rows: np.ndarray) -> None:
+        self._agent = agent
+        self.handle = handle
+        self.peer = peer  # "" for the local side
+        self.num_rows = int(rows.shape[0])
+        self.row_lengths = rows[:, 1].astype(np.int64, copy=True)
+        self.rows = rows  # kept to mirror the list on read lanes made later
+        self.lane_lists: list[DescriptorList] = []  # the same rows prepared on each read lane
+        self.released = False
+
+    def release(self) -> None:
+        self._agent._release_dlist(self)

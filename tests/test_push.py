@@ -1,0 +1,188 @@
+"""Push over TCP: prefill ranks in their own process write a held request's blocks into a decode rank here (real
+ZMQ, NIXL and UCX's tcp transport); refusals and failures fall back to reading, bad orders and setups are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from pd_transfer.connector import messages, push_client
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.push_plans import plan_to_wire
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.verify import received_correctly
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.topology.plan import SourcePlan
+from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.transports import ucx_transports
+
+pytestmark = pytest.mark.timeout(240)
+
+FINGERPRINT = ModelFingerprint(model="test-llama", dtype="bfloat16", num_layers=3, total_num_kv_heads=4, head_size=16)
+NUM_BLOCKS = 40
+TCP = {"UCX_TLS": "tcp,self"}
+
+
+def layout(tp_size: int = 1, tp_rank: int = 0, block_size: int = 16) -> KVCacheLayout:
+    return KVCacheLayout(fingerprint=FINGERPRINT, tp_size=tp_size, tp_rank=tp_rank, block_size=block_size)
+
+
+@pytest.fixture(scope="module")
+def tcp_env() -> Iterator[None]:
+    if "tcp" not in ucx_transports(TCP):
+        pytest.skip("UCX has no tcp transport here")
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in TCP.items():
+            patch.setenv(key, value)
+        patch.delenv("PD_TRANSFER_PUSH", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def prefill(tcp_env: None) -> Iterator[PrefillProcess]:
+    with PrefillProcess(PrefillSpec("test-push-prefill", [layout()], NUM_BLOCKS, seed=11)) as process:
+        yield process
+
+
+@pytest.fixture
+def decode(tcp_env: None) -> Iterator[DecodeRank]:
+    rank = DecodeRank(f"test-push-decode-{time.monotonic_ns()}", KVCache.allocate(layout(), NUM_BLOCKS))
+    try:
+        yield rank
+    finally:
+        rank.close()
+
+
+def test_a_held_request_is_pushed_exactly_and_counts_as_read(prefill: PrefillProcess, decode: DecodeRank) -> None:
+    assert decode.pushes is not None  # auto: UCX_TLS names tcp only
+    assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+    remote_ids, local_ids, tokens = [17, 3, 29, 8, 30, 12], [5, 33, 0, 21, 22, 9], 16 * 5 + 7
+    prefill.request("hold", "req-pushed", remote_ids)
+    stats = decode.pull_confirmed("req-pushed", prefill.host, prefill.port, remote_ids, local_ids, tokens)
+    assert stats.pushed_peers == tuple(decode.remotes.source_peers(prefill.host, prefill.port))
+    assert stats.bytes == 6 * 3 * 2 * 4 * 16 * 16 * 2
+    assert stats.confirm_seconds < 1.0  # no LeaseConfirm asked: the write proved the lease
+    assert received_correctly(decode.cache, local_ids, prefill.spec.caches(), remote_ids, tokens)
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(local_ids))
+    for tensor in decode.cache.tensors:
+        assert bool((tensor[untouched] == 0).all())
+    assert prefill.wait_released("req-pushed", timeout_s=10) == [1]  # the write counted as the reader's report
+    assert decode.confirmations.received == 0
+
+
+def test_an_unheld_request_is_read_instead_and_not_confirmed(prefill: PrefillProcess, decode: DecodeRank) -> None:
+    assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+    remote_ids, local_ids = [1, 2], [3, 4]
+    stats = decode.pull("req-never-held", prefill.host, prefill.port, remote_ids, local_ids, 20)
+    assert stats.pushed_peers == ()  # refused with may_read: read as before
+    assert decode.pushes is not None and decode.pushes.read_instead == 1
+    assert received_correctly(decode.cache, local_ids, prefill.spec.caches(), remote_ids, 20)
+    with pytest.raises(LeaseNotConfirmed):  # and the read's confirmation tells the truth
+        decode.pull_confirmed("req-never-held-2", prefill.host, prefill.port, [5], [6], 16, confirm_timeout_s=10)
+
+
+def test_block_ids_outside_the_lease_are_refused(prefill: PrefillProcess, decode: DecodeRank) -> None:
+    assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+    prefill.request("hold", "req-narrow", [7])
+    stats = decode.pull("req-narrow", prefill.host, prefill.port, [7, 8], [0, 1], 20)  # block 8 is not its own
+    assert stats.pushed_peers == ()
+
+
+def test_a_malformed_order_is_refused_without_a_read(prefill: PrefillProcess, decode: DecodeRank) -> None:
+    # the decode validates ids before it orders; a reader that did not is refused by the prefill (no may_read)
+    assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+    assert decode.pushes is not None
+    prefill.request("hold", "req-malformed", [1])
+    remote = decode.remotes.connect(prefill.host, prefill.port)
+    outcomes = decode.pushes.push("req-malformed", remote.sources, [NUM_BLOCKS + 5], [0], 10, time.perf_counter() + 20)
+    (outcome,) = outcomes.values()
+    assert not outcome.ok and not outcome.may_read and "malformed" in outcome.reason
+    for tensor in decode.cache.tensors:
+        assert bool((tensor == 0).all())
+    # and the prefill still pushes the next good order
+    prefill.request("hold", "req-after-malformed", [2])
+    assert decode.pull("req-after-malformed", prefill.host, prefill.port, [2], [3], 16).pushed_peers
+
+
+def test_a_setup_outside_the_prefill_cache_is_refused_and_read_instead(
+    prefill: PrefillProcess, decode: DecodeRank, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def shifted(plan: SourcePlan) -> messages.PushPlan:
+        grid = plan.remote_grid.copy()
+        grid[:, 0] += np.uint64(1 << 40)  # the prefill's rows moved to where it has no cache
+        return plan_to_wire(dataclasses.replace(plan, remote_grid=grid))
+
+    monkeypatch.setattr(push_client, "plan_to_wire", shifted)
+    assert not decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+    prefill.request("hold", "req-refused-setup", [4, 5])
+    stats = decode.pull_confirmed("req-refused-setup", prefill.host, prefill.port, [4, 5], [6, 7], 32)
+    assert stats.pushed_peers == ()
+    assert received_correctly(decode.cache, [6, 7], prefill.spec.caches(), [4, 5], 32)
+
+
+def test_a_decode_with_push_off_reads(prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PD_TRANSFER_PUSH", "off")
+    decode = DecodeRank("test-push-off", KVCache.allocate(layout(), NUM_BLOCKS))
+    try:
+        assert decode.pushes is None and not decode.push_ready(prefill.host, prefill.port, timeout_s=5)
+        prefill.request("hold", "req-push-off", [9])
+        assert decode.pull_confirmed("req-push-off", prefill.host, prefill.port, [9], [1], 16).pushed_peers == ()
+    finally:
+        decode.close()
+
+
+def test_a_prefill_with_push_off_refuses_setups(tcp_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PD_TRANSFER_PUSH", "off")  # inherited by the prefill process
+    with PrefillProcess(PrefillSpec("test-push-off-prefill", [layout()], NUM_BLOCKS, seed=3)) as prefill:
+        decode = DecodeRank("test-push-asks", KVCache.allocate(layout(), NUM_BLOCKS), push="on")
+        try:
+            assert not decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+            prefill.request("hold", "req-prefill-off", [2, 3])
+            stats = decode.pull_confirmed("req-prefill-off", prefill.host, prefill.port, [2, 3], [4, 5], 32)
+            assert stats.pushed_peers == ()
+            assert received_correctly(decode.cache, [4, 5], prefill.spec.caches(), [2, 3], 32)
+        finally:
+            decode.close()
+
+
+@pytest.mark.parametrize("decode_block_size", [16, 32])
+def test_two_prefill_ranks_into_one_decode_rank(tcp_env: None, decode_block_size: int) -> None:
+    # TP 2 -> TP 1: each prefill rank writes its heads; 16-token blocks into 32-token ones need a fix-up after the
+    # transfer, and such plans are read (staged), never pushed
+    prefill_layouts = [layout(2, rank) for rank in range(2)]
+    with PrefillProcess(PrefillSpec("test-push-tp2", prefill_layouts, NUM_BLOCKS, seed=9)) as prefill:
+        cache = KVCache.allocate(layout(block_size=decode_block_size), NUM_BLOCKS)
+        decode = DecodeRank("test-push-tp1", cache, push="on")
+        try:
+            pushing = decode.remote_plan(prefill.host, prefill.port).postprocess is None
+            assert pushing == (decode_block_size == 16)
+            assert decode.push_ready(prefill.host, prefill.port, timeout_s=10) == pushing
+            remote_ids, local_ids, tokens = [11, 4, 20, 6], [3, 9, 1, 7][: 64 // decode_block_size], 60
+            prefill.request("hold", "req-tp2", remote_ids)
+            stats = decode.pull_confirmed("req-tp2", prefill.host, prefill.port, remote_ids, local_ids, tokens)
+            assert len(stats.pushed_peers) == (2 if pushing else 0)
+            assert received_correctly(decode.cache, local_ids, prefill.spec.caches(), remote_ids, tokens)
+            assert prefill.wait_released("req-tp2", timeout_s=10) == [1, 1]
+        finally:
+            decode.close()
+
+
+def test_an_order_to_a_dead_prefill_fails_in_time(tcp_env: None) -> None:
+    with PrefillProcess(PrefillSpec("test-push-dies", [layout()], NUM_BLOCKS, seed=2)) as prefill:
+        decode = DecodeRank("test-push-orphan", KVCache.allocate(layout(), NUM_BLOCKS), push="on")
+        try:
+            assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+            host, port = prefill.host, prefill.port
+            prefill.close()
+            started = time.monotonic()
+            with pytest.raises((TransferError, OSError)):
+                decode.pull("req-orphan", host, port, [1], [2], 16, timeout_s=5)
+            assert time.monotonic() - started < 30
+        finally:
+            decode.close()
