@@ -437,8 +437,13 @@ class TransferAgent:
                 self._unreleased_xfers = still
             started = time.perf_counter()
             notifications = self._nixl.get_new_notifs()  # progresses UCX till idle, unless NIXL's thread does
-            # a long poll moved data; only counted while reads are expected (idle, it is a preempted thread)
-            busy = self._poller.expecting and time.perf_counter() - started > self._busy_poll_s
+            # a long poll moved data; only counted while reads are expected (idle, it is a preempted thread), and
+            # never with NIXL's thread, which moves the data itself (a long poll is then always a preempted thread)
+            busy = (
+                self._poller.expecting
+                and not self.native_progress_ms
+                and time.perf_counter() - started > self._busy_poll_s
+            )
         if not notifications:
             return busy
         for peer, payloads in notifications.items():
