@@ -41,6 +41,12 @@ class TransferMetrics:
             "pd_transfer_pull_descriptor_rows", "Descriptor rows posted per pull", buckets=_ROWS, registry=r
         )
         self.pulled_bytes = Counter("pd_transfer_pulled_bytes", "Bytes of KV cache pulled", registry=r)
+        self.pushed_bytes = Counter(
+            "pd_transfer_pushed_bytes",
+            "Bytes of KV cache the prefill ranks wrote into this decode (push, where reads would go over TCP); part of"
+            " pd_transfer_pulled_bytes",
+            registry=r,
+        )
         self.pulls = Counter("pd_transfer_pulls", "Pulls by outcome of the reads: ok, failed", ["outcome"], registry=r)
         self.pull_failures = Counter(
             "pd_transfer_pull_failures",
@@ -114,9 +120,12 @@ class TransferMetrics:
         self.info.info(labels)
         self.info_labels = dict(labels)
 
-    def observe_pull(self, seconds: float, num_bytes: int, rows: int, fixup_exposed_seconds: float) -> None:
+    def observe_pull(
+        self, seconds: float, num_bytes: int, rows: int, fixup_exposed_seconds: float, pushed_bytes: int = 0
+    ) -> None:
         self.pull_seconds.observe(seconds)
         self.pulled_bytes.inc(num_bytes)
+        self.pushed_bytes.inc(pushed_bytes)
         self.pull_rows.observe(rows)
         self.fixup_exposed_seconds.observe(fixup_exposed_seconds)
         self.pulls.labels("ok").inc()

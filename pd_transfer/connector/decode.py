@@ -76,6 +76,7 @@ class PullStats:
     connect_seconds: float = 0.0  # reaching the engine: handshake, NIXL peers and warm-up on first contact, else ~0
     confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
     pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
+    pushed_bytes: int = 0  # of ``bytes``, what they wrote
 
     @classmethod
     def of(cls, request_id: str, totals: ReadTotals, seconds: float) -> PullStats:
@@ -89,6 +90,7 @@ class PullStats:
             postprocess_exposed_seconds=totals.postprocess_exposed_seconds,
             seconds=seconds,
             pushed_peers=totals.pushed_peers,
+            pushed_bytes=totals.pushed_bytes,
         )
 
     @property
@@ -292,7 +294,9 @@ class DecodeRank:
         stats = replace(
             PullStats.of(request_id, totals, time.perf_counter() - started), connect_seconds=connected - started
         )
-        self.metrics.observe_pull(stats.seconds, stats.bytes, stats.descriptors, stats.postprocess_exposed_seconds)
+        self.metrics.observe_pull(
+            stats.seconds, stats.bytes, stats.descriptors, stats.postprocess_exposed_seconds, stats.pushed_bytes
+        )
         return stats, remote
 
     def _after_disconnect(self, remote: RemoteEngine, request_id: str, error: PeerDisconnected) -> RemoteEngine:

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from pd_transfer.transfer.agent import TransferAgent
-from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_to
 
 from . import messages
@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 #: The share of the pull's time left that a prefill may spend writing (the rest is the answer's way back).
 PREFILL_SHARE = 0.8
+#: Seconds between probes of a prefill rank that has not answered an order yet (is it still there?).
+PROBE_INTERVAL_S = 0.5
 
 
 class PushOrders:
@@ -140,16 +142,38 @@ class PushOrders:
         with self.agent.expecting_traffic(), self._awaiting(request_id) as answers:
             for source in sources:
                 self._send_order(request_id, source, remote_block_ids, local_block_ids, num_tokens, deadline, answers)
-            with self._cond:
-                while len(answers) < len(sources):
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        break
-                    self._cond.wait(remaining)
-                outcomes = dict(answers)
+            outcomes = self._wait(request_id, sources, answers, deadline)
         self.pushed += sum(1 for outcome in outcomes.values() if outcome.ok)
         self.read_instead += sum(1 for outcome in outcomes.values() if outcome.may_read)
         return outcomes
+
+    def _wait(
+        self,
+        request_id: str,
+        sources: Sequence[SourceRank],
+        answers: dict[str, messages.PushOutcome],
+        deadline: float,
+    ) -> dict[str, messages.PushOutcome]:
+        """The answers once every source answered or at ``deadline``. Every :data:`PROBE_INTERVAL_S` without them,
+        the sources still silent get a ``LeaseHeartbeat`` (harmless: the lease is held), so that a prefill that died
+        raises ``PeerDisconnected`` here rather than at the deadline."""
+        while True:
+            with self._cond:
+                remaining = deadline - time.perf_counter()
+                if len(answers) >= len(sources) or remaining <= 0:
+                    return dict(answers)
+                self._cond.wait(min(remaining, PROBE_INTERVAL_S))
+                silent = [source.peer for source in sources if source.peer not in answers]
+            beat = messages.LeaseHeartbeat(
+                request_id=request_id, reader_engine_id=self.engine_id, reader_rank=self.reader_rank
+            )
+            for peer in silent:
+                try:
+                    self.agent.notify(peer, messages.encode(beat))
+                except PeerDisconnected:
+                    raise
+                except TransferError as error:
+                    logger.info("decode %s: probing %s for request %s: %s", self.agent.name, peer, request_id, error)
 
     def _send_order(
         self,

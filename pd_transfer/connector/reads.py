@@ -57,6 +57,7 @@ class ReadTotals:
     postprocess_seconds: float  # fixing layouts up, summed over plane groups or chunks (overlaps the reads)
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
     pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
+    pushed_bytes: int = 0  # of ``bytes``, what they wrote
 
     @classmethod
     def overlapped(
@@ -237,16 +238,16 @@ class BlockReader:
                 raise TransferError(f"request {request_id}: {source.peer} will not push it: {outcome.reason}")
             step.append((source, source.local, local_rows, remote_rows))
         moved, descriptors = self._read_step(request_id, step, True, deadline) if step else (0, 0)
-        for source, local_rows in pushed:
-            moved += int(source.local.row_lengths[local_rows].sum())
-            descriptors += len(local_rows)
+        pushed_bytes = sum(int(source.local.row_lengths[local_rows].sum()) for source, local_rows in pushed)
+        descriptors += sum(len(local_rows) for _, local_rows in pushed)
         return ReadTotals(
-            bytes=moved,
+            bytes=moved + pushed_bytes,
             descriptors=descriptors,
             read_seconds=time.perf_counter() - started,
             postprocess_seconds=0.0,
             postprocess_exposed_seconds=0.0,
             pushed_peers=tuple(source.peer for source, _ in pushed),
+            pushed_bytes=pushed_bytes,
         )
 
     # ------------------------------------------------------------------ staged

@@ -67,7 +67,7 @@ class PdTransferStats(KVConnectorStats):
     """What the workers did since their last report (plain data: it crosses processes).
 
     ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read, read seconds,
-    connect seconds, confirmation seconds]`` per loaded request; ``data["failed_loads"]``;
+    connect seconds, confirmation seconds, pushed bytes]`` per loaded request; ``data["failed_loads"]``;
     the increments of the counters in :data:`COUNTED` (workers) and :data:`SCHEDULER_COUNTED` (scheduler), under
     their keys; ``data["waiting_for_kv"]``: the scheduler's requests
     waiting for remote KV, once per change (a list: the last one counts); ``data["info"]``: ``[[protocol version,
@@ -141,6 +141,7 @@ class WorkerStatsCollector:
                         pulled.read_seconds,
                         pulled.connect_seconds,
                         pulled.confirm_seconds,
+                        pulled.pushed_bytes,
                     ]
                 )
         self._add_counter_increments(stats)
@@ -217,7 +218,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
     ``fixup_exposed_seconds`` (block-size regroup after the last read), and where the pull's time went besides:
     ``read_seconds`` (first post to last completion), ``connect_seconds`` (reaching the prefill: handshake, NIXL
     peers and warm-up on first contact), ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read
-    inside the prefill's hold window). Counters (``_total``): ``pulled_bytes``,
+    inside the prefill's hold window). Counters (``_total``): ``pulled_bytes`` (and of them ``pushed_bytes``),
     ``failed_loads``, ``unconfirmed_reads``, ``leases_ended{reason=read|expired|aborted|released}``,
     ``handshakes{outcome}`` and ``handshake_seconds`` (their sum), ``side_channel_rejected{reason}``,
     ``side_channel_nonces_refused{reason}``. Gauges: ``requests_waiting_for_kv``, ``info{protocol_version,
@@ -255,6 +256,9 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             _SECONDS,
         )
         self.pulled_bytes = self._counter("vllm:pd_transfer_pulled_bytes", "Bytes of KV loaded from prefill engines")
+        self.pushed_bytes = self._counter(
+            "vllm:pd_transfer_pushed_bytes", "Of the bytes loaded, those the prefill engines wrote (push, over TCP)"
+        )
         self.failed_loads = self._counter(
             "vllm:pd_transfer_failed_loads", "KV loads that failed (the failure policy was applied)"
         )
@@ -333,7 +337,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         """Record one aggregated :class:`PdTransferStats` ``data`` for engine ``engine_idx``."""
         data = transfer_stats_data
         for pull in data.get("pulls", []):
-            seconds, num_bytes, _rows, fixup, read, connect, confirm = pull
+            seconds, num_bytes, _rows, fixup, read, connect, confirm, pushed = pull
             self.pull_seconds[engine_idx].observe(seconds)
             self.pull_bytes[engine_idx].observe(num_bytes)
             self.fixup_seconds[engine_idx].observe(fixup)
@@ -341,6 +345,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             self.connect_seconds[engine_idx].observe(connect)
             self.confirm_seconds[engine_idx].observe(confirm)
             self.pulled_bytes[engine_idx].inc(num_bytes)
+            self.pushed_bytes[engine_idx].inc(pushed)
         for key, metric in (("failed_loads", self.failed_loads), ("unconfirmed_reads", self.unconfirmed_reads)):
             if data.get(key):
                 metric[engine_idx].inc(data[key])
