@@ -62,7 +62,11 @@ def test_tcp_reads_and_stream_move_every_byte(tcp_result: dict, section: str) ->
         # what a GiB costs both processes in CPU, beside what it costs the stream's two ends
         assert measured["cpu_seconds_per_gib"] > 0 and measured["cpu_ratio_vs_tcp_stream"] > 0, case
         assert measured["ratio_vs_raw_nixl"] > 0, case
+        # over TCP the prefill pushes (PD_TRANSFER_PUSH=auto), and the same requests are read beside them
+        assert measured["pushed"] is True and tcp["settings"]["push"] is True, case
+        assert measured["read_ratio_vs_tcp_stream"] > 0 and measured["read_cpu_ratio_vs_tcp_stream"] > 0, case
     assert tcp["prefill_saw_notification"] is True
+    assert tcp["one_block_pull_p50_us"] > 0 and tcp["one_block_pull_p99_us"] >= tcp["one_block_pull_p50_us"]
 
 
 def test_netns_section_crossed_the_veth(tcp_result: dict) -> None:

@@ -42,6 +42,7 @@ def tcp_env() -> Iterator[None]:
         for key, value in TCP.items():
             patch.setenv(key, value)
         patch.delenv("PD_TRANSFER_PUSH", raising=False)
+        patch.setenv("PD_TRANSFER_PUSH_MIN_BYTES", "0")  # these requests are small: push them all the same
         yield
 
 
@@ -126,6 +127,20 @@ def test_a_setup_outside_the_prefill_cache_is_refused_and_read_instead(
     stats = decode.pull_confirmed("req-refused-setup", prefill.host, prefill.port, [4, 5], [6, 7], 32)
     assert stats.pushed_peers == ()
     assert received_correctly(decode.cache, [6, 7], prefill.spec.caches(), [4, 5], 32)
+
+
+def test_a_request_below_the_push_size_is_read(prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PD_TRANSFER_PUSH_MIN_BYTES", str(2 * 3 * 2 * 4 * 16 * 16 * 2))  # two blocks' worth
+    decode = DecodeRank("test-push-small", KVCache.allocate(layout(), NUM_BLOCKS))
+    try:
+        assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
+        prefill.request("hold", "req-small", [9])
+        assert decode.pull_confirmed("req-small", prefill.host, prefill.port, [9], [1], 16).pushed_peers == ()
+        prefill.request("hold", "req-large-enough", [10, 11])
+        stats = decode.pull_confirmed("req-large-enough", prefill.host, prefill.port, [10, 11], [2, 3], 32)
+        assert stats.pushed_peers and stats.pushed_bytes == stats.bytes
+    finally:
+        decode.close()
 
 
 def test_a_decode_with_push_off_reads(prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -146,15 +146,21 @@ def _case(
     raw = RawNixlReader(spans, engine.ranks[0].agent_metadata, source.local_grid, source.remote_grid)
     try:
         raw.read_seconds(local_rows, remote_rows)  # warm
-        ours, raws, writes, copies = [], [], [], []
-        cpus: dict[str, list[float]] = {"ours": [], "raw_read": [], "raw_write": []}
+        ours, ours_read, raws, writes, copies = [], [], [], [], []
+        cpus: dict[str, list[float]] = {"ours": [], "ours_read": [], "raw_read": [], "raw_write": []}
         result = None
+        pushes = decode.pushes
+        pushing = pushes is not None and all(pushes.ready(peer) for peer in decode.remotes.source_peers(host, port))
         for index in range(repeats):
             request_id = f"bench-{label}-{index}"
             prefill.request("hold", request_id, remote_ids)  # held, as a finished request is: it may be pushed
             pull = partial(decode.pull, request_id, host, port, remote_ids, local_ids, num_tokens)
             result = _with_cpu(prefill, cpus["ours"], pull)
             ours.append(result.seconds)
+            if pushing:  # the same request read instead, beside it
+                prefill.request("hold", f"{request_id}-read", remote_ids)
+                read = partial(decode.pull, f"{request_id}-read", host, port, remote_ids, local_ids, num_tokens)
+                ours_read.append(_with_cpu(prefill, cpus["ours_read"], partial(read, pushed=False)).seconds)
             raws.append(_with_cpu(prefill, cpus["raw_read"], partial(raw.read_seconds, local_rows, remote_rows)))
             # the prefill's bytes, just read and verified, written back unchanged: the other direction's rate
             write = partial(raw.read_seconds, local_rows, remote_rows, operation="WRITE")
@@ -194,6 +200,18 @@ def _case(
         "verified": bool(verified),
         "repeats": repeats,
         "pushed": bool(result.pushed_peers),  # the prefill wrote (push) instead of the decode reading
+        **(_read_way(ours_read, cpus["ours_read"], result.bytes, raw_gbps) if ours_read else {}),
+    }
+
+
+def _read_way(seconds: list[float], cpus: list[float], num_bytes: int, raw_gbps: float) -> dict:
+    """Where the prefill pushes: the same pulls read instead, beside them (``read_`` keys)."""
+    gbps = num_bytes / statistics.median(seconds) / 2**30
+    return {
+        "read_seconds": round(statistics.median(seconds), 6),
+        "read_gbps": round(gbps, 3),
+        "read_cpu_seconds_per_gib": round(statistics.median(cpus) / (num_bytes / 2**30), 4),
+        "read_ratio_vs_raw_nixl": round(gbps / raw_gbps, 3),
     }
 
 

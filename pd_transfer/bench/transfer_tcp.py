@@ -6,6 +6,10 @@ With TCP a NIXL READ is emulated by the target: the prefill's progress thread se
 latency and throughput (see :mod:`pd_transfer.transfer.progress`). The UCX settings come from
 :data:`pd_transfer.transfer.tcp.TCP_UCX_ENV` (the user's own ``UCX_*`` variables win); the JSON names them and the
 transports UCX chose. GiB/s throughout (``gbps`` keys, 2**30 bytes per second).
+
+Over TCP the decode asks the prefill to push (``PD_TRANSFER_PUSH=auto``, :mod:`pd_transfer.connector.pushes`): the
+``gbps`` and ``ratio_vs_tcp_stream`` keys are then the pushed pulls, and ``read_gbps``, ``read_ratio_vs_tcp_stream``
+the same requests read, each right after its pushed twin.
 """
 
 from __future__ import annotations
@@ -82,11 +86,14 @@ def run(
     stream_cpus = [run["cpu_seconds_per_gib"] for run in (before, after) if run["cpu_seconds_per_gib"] is not None]
     stream_cpu = statistics.median(stream_cpus) if stream_cpus else None
     for case in ("contiguous", "scattered"):
-        for way in ("", "raw_nixl_", "raw_nixl_write_") if stream_cpu else ():  # a GiB's CPU, in the stream's
+        read_way = ("read_",) if "read_gbps" in result[case] else ()  # our pulls read beside pushed ones
+        for way in ("", *read_way, "raw_nixl_", "raw_nixl_write_") if stream_cpu else ():  # a GiB's CPU, the stream's
             result[case][f"{way}cpu_ratio_vs_tcp_stream"] = round(
                 result[case][f"{way}cpu_seconds_per_gib"] / stream_cpu, 3
             )
         result[case]["ratio_vs_tcp_stream"] = round(result[case]["gbps"] / stream, 3)
+        for way in read_way:
+            result[case][f"{way}ratio_vs_tcp_stream"] = round(result[case][f"{way}gbps"] / stream, 3)
         result[case]["raw_nixl_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_gbps"] / stream, 3)
         result[case]["raw_nixl_write_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_write_gbps"] / stream, 3)
     result["settings"]["ucx_transports"] = transports

@@ -250,10 +250,12 @@ class DecodeRank:
         num_tokens: int,
         *,
         timeout_s: float | None = None,
+        pushed: bool = True,
     ) -> PullStats:
         """Read ``num_tokens`` tokens of KV from the prefill engine at ``host:port`` into
         ``local_block_ids``, then notify every prefill rank read from. ``timeout_s`` (default
-        ``read_timeout_s``) bounds the pull from its start, handshake included.
+        ``read_timeout_s``) bounds the pull from its start, handshake included. Ranks that agreed to push write
+        instead, unless ``pushed`` is False (benchmarks compare both ways).
 
         Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated
         remote ids). On a transfer failure the prefill ranks are told (``ReadFailed``) when reachable and the
@@ -261,7 +263,8 @@ class DecodeRank:
         now serves a new incarnation (the prefill restarted); a dead engine is dropped, so the next pull
         handshakes afresh.
         """
-        return self._pull(request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s)[0]
+        ids = (remote_block_ids, local_block_ids, num_tokens)
+        return self._pull(request_id, host, port, *ids, timeout_s, pushed=pushed)[0]
 
     def _pull(
         self,
@@ -272,6 +275,8 @@ class DecodeRank:
         local_block_ids: list[int],
         num_tokens: int,
         timeout_s: float | None,
+        *,
+        pushed: bool = True,
     ) -> tuple[PullStats, RemoteEngine]:
         """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted)."""
         started = time.perf_counter()
@@ -282,12 +287,12 @@ class DecodeRank:
         told: RemoteEngine | None = None  # already sent ReadFailed
         try:
             try:
-                totals = self.reader.read(remote, *ids)
+                totals = self.reader.read(remote, *ids, pushed=pushed)
             except PeerDisconnected as error:
                 self.reports.read_failed(remote.sources, request_id, str(error))  # best effort: it is gone
                 told = remote
                 remote = self._after_disconnect(remote, request_id, error)  # raises unless it restarted
-                totals = self.reader.read(remote, *ids)
+                totals = self.reader.read(remote, *ids, pushed=pushed)
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=remote is not told)
             raise

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
+from pd_transfer.transfer.progress import env_number
 from pd_transfer.transfer.tcp import push_to
 
 from . import messages
@@ -34,6 +35,17 @@ logger = logging.getLogger(__name__)
 PREFILL_SHARE = 0.8
 #: Seconds between probes of a prefill rank that has not answered an order yet (is it still there?).
 PROBE_INTERVAL_S = 0.5
+#: Seconds between polls of the agent while an order is answered (as a read checks its state).
+POLL_WAIT_S = 50e-6
+#: Requests smaller than this (bytes) are read: an order costs 0.3-0.5 ms more than a read before the first byte
+#: moves, and a read costs about 0.08 ms more per MiB over loopback TCP (``bench pd-tcp``: 1 MiB read in 1.4 ms,
+#: pushed in 1.8; 64 MiB read in 29 ms, pushed in 23.5).
+DEFAULT_PUSH_MIN_BYTES = 4 * 2**20
+
+
+def push_min_bytes() -> int:
+    """Smallest request pushed (bytes): ``PD_TRANSFER_PUSH_MIN_BYTES``, else :data:`DEFAULT_PUSH_MIN_BYTES`."""
+    return max(0, int(env_number("PD_TRANSFER_PUSH_MIN_BYTES", DEFAULT_PUSH_MIN_BYTES)))
 
 
 class PushOrders:
@@ -44,6 +56,7 @@ class PushOrders:
         (:func:`~pd_transfer.transfer.tcp.push_to`)."""
         self.agent = agent
         self.mode = mode
+        self.min_bytes = push_min_bytes()
         self.engine_id = engine_id
         self.reader_rank = reader_rank
         self._cond = threading.Condition()
@@ -157,23 +170,31 @@ class PushOrders:
         """The answers once every source answered or at ``deadline``. Every :data:`PROBE_INTERVAL_S` without them,
         the sources still silent get a ``LeaseHeartbeat`` (harmless: the lease is held), so that a prefill that died
         raises ``PeerDisconnected`` here rather than at the deadline."""
+        probe_at = time.perf_counter() + PROBE_INTERVAL_S
         while True:
+            self.agent.poll()  # our side of the writes progresses, and the answers arrive, on this thread
             with self._cond:
-                remaining = deadline - time.perf_counter()
-                if len(answers) >= len(sources) or remaining <= 0:
+                now = time.perf_counter()
+                if len(answers) >= len(sources) or now >= deadline:
                     return dict(answers)
-                self._cond.wait(min(remaining, PROBE_INTERVAL_S))
+                self._cond.wait(min(POLL_WAIT_S, deadline - now))
                 silent = [source.peer for source in sources if source.peer not in answers]
-            beat = messages.LeaseHeartbeat(
-                request_id=request_id, reader_engine_id=self.engine_id, reader_rank=self.reader_rank
-            )
-            for peer in silent:
-                try:
-                    self.agent.notify(peer, messages.encode(beat))
-                except PeerDisconnected:
-                    raise
-                except TransferError as error:
-                    logger.info("decode %s: probing %s for request %s: %s", self.agent.name, peer, request_id, error)
+            if silent and time.perf_counter() >= probe_at:
+                probe_at = time.perf_counter() + PROBE_INTERVAL_S
+                self._probe(request_id, silent)
+
+    def _probe(self, request_id: str, peers: list[str]) -> None:
+        """A ``LeaseHeartbeat`` to each of ``peers``: raises ``PeerDisconnected`` for one that is gone."""
+        beat = messages.LeaseHeartbeat(
+            request_id=request_id, reader_engine_id=self.engine_id, reader_rank=self.reader_rank
+        )
+        for peer in peers:
+            try:
+                self.agent.notify(peer, messages.encode(beat))
+            except PeerDisconnected:
+                raise
+            except TransferError as error:
+                logger.info("decode %s: probing %s for request %s: %s", self.agent.name, peer, request_id, error)
 
     def _send_order(
         self,

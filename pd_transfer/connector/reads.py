@@ -11,8 +11,8 @@
   :class:`PackedStaging`, a fill at a time, each regrouped into the local blocks before the next is read.
 
 * **pushed** (plans without a postprocess, source ranks that agreed to push: reads over TCP, see
-  :mod:`.push_client`): each such rank writes the request's rows straight into the cache; the others, and any that
-  answer ``may_read``, are read in place.
+  :mod:`.push_client`; requests of at least ``PD_TRANSFER_PUSH_MIN_BYTES``): each such rank writes the request's
+  rows straight into the cache; the others, and any that answer ``may_read``, are read in place.
 
 Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications.
 Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated remote
@@ -130,10 +130,13 @@ class BlockReader:
         local_block_ids: list[int],
         num_tokens: int,
         deadline: float,
+        *,
+        pushed: bool = True,
     ) -> ReadTotals:
         """Read ``num_tokens`` tokens of ``remote_block_ids`` into ``local_block_ids`` (token order) by the
-        strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter`` time). Repeated remote ids
-        raise ``DuplicateBlockIds``, other malformed ids ``ValueError``, before anything is read."""
+        strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter`` time); ``pushed=False`` reads
+        even from ranks that would push. Repeated remote ids raise ``DuplicateBlockIds``, other malformed ids
+        ``ValueError``, before anything is read."""
         repeat = first_repeat(remote_block_ids)
         if repeat is not None:
             raise DuplicateBlockIds(request_id, "remote_block_ids", *repeat)
@@ -144,9 +147,10 @@ class BlockReader:
         rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
         if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
             return self._read_staged(remote, request_id, rows, deadline)
-        if self.pushes is not None and remote.plan.postprocess is None:
+        if pushed and self.pushes is not None and remote.plan.postprocess is None:
             ready = [source for source in remote.sources if self.pushes.ready(source.peer)]
-            if ready:
+            size = sum(len(local) * plan.unit_bytes for (local, _), plan in zip(rows, remote.plan.sources, strict=True))
+            if ready and size >= self.pushes.min_bytes:
                 ids = (remote_block_ids, local_block_ids, num_tokens)
                 return self._push_in_place(remote, request_id, rows, ready, ids, deadline)
         return self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)

@@ -329,7 +329,9 @@ class TransferAgent:
                     operation, local.handle, local_indices, remote.handle, remote_indices, notif_msg=notification
                 )
             except Exception as error:
-                raise self._wrap(error, f"preparing a {verb} of {len(local_indices)} rows with {peer}") from error
+                raise wrapped_error(
+                    self.name, error, f"preparing a {verb} of {len(local_indices)} rows with {peer}"
+                ) from error
         released = False
         try:
             failure: Exception | None = None
@@ -399,9 +401,6 @@ class TransferAgent:
         reads into ``local``, which a failed WRITE did not own)."""
         return transfer_error(self, error, what, local, remote, probe_rows, probe=operation == "READ")
 
-    def _wrap(self, error: Exception, what: str) -> TransferError:
-        return wrapped_error(self.name, error, what)
-
     # ------------------------------------------------------------------ notifications
     def notify(self, peer: str, payload: bytes) -> None:
         """Send a notification to a peer (not bound to a transfer)."""
@@ -409,7 +408,7 @@ class TransferAgent:
             try:
                 self._nixl.send_notif(peer, payload)
             except Exception as error:
-                raise self._wrap(error, f"notifying {peer}") from error
+                raise wrapped_error(self.name, error, f"notifying {peer}") from error
 
     def wake(self) -> None:
         """Poll fast for a while (traffic is expected)."""
@@ -422,6 +421,10 @@ class TransferAgent:
     def expecting_traffic(self) -> AbstractContextManager[None]:
         """Poll fast while inside this block (a peer is writing to us); callers count, they do not undo each other."""
         return self._poller.fast()
+
+    def poll(self) -> bool:
+        """Progress the agent and deliver its notifications now, on this thread; True if anything came."""
+        return self._poll_once()
 
     def _poll_once(self) -> bool:
         with self._lock:
