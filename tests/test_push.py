@@ -15,8 +15,9 @@ from pd_transfer.connector import messages, push_client
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.prefill import PrefillRank, serve_engine
 from pd_transfer.connector.push_plans import plan_to_wire
-from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology.plan import SourcePlan
@@ -141,6 +142,31 @@ def test_a_request_below_the_push_size_is_read(prefill: PrefillProcess, monkeypa
         assert stats.pushed_peers and stats.pushed_bytes == stats.bytes
     finally:
         decode.close()
+
+
+def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_env: None) -> None:
+    # the prefill keeps max_readers readers: a third decode rank pushes the first out, whose next order is read
+    # and asks it to set up again; its order after that is pushed
+    cache = KVCache.allocate(layout(), NUM_BLOCKS)
+    fill_pattern(cache, seed=4)
+    rank = PrefillRank("test-push-evicting", cache)
+    rank.pushes.max_readers = 1
+    server = serve_engine("test-push-evicting", [rank.rank_metadata])
+    host, port = server.host, server.port
+    first, second = (DecodeRank(f"test-push-reader-{n}", KVCache.allocate(layout(), NUM_BLOCKS)) for n in (1, 2))
+    try:
+        assert first.push_ready(host, port, timeout_s=30) and second.push_ready(host, port, timeout_s=30)
+        rank.hold("req-evicted", [1])
+        assert first.pull_confirmed("req-evicted", host, port, [1], [2], 16).pushed_peers == ()  # read
+        assert first.push_ready(host, port, timeout_s=30)  # set up again
+        rank.hold("req-again", [3])
+        assert first.pull_confirmed("req-again", host, port, [3], [4], 16).pushed_peers
+        assert received_correctly(first.cache, [2, 4], [cache], [1, 3], 32)
+    finally:
+        first.close()
+        second.close()
+        server.stop()
+        rank.close()
 
 
 def test_a_decode_with_push_off_reads(prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -130,6 +130,7 @@ class PushOutcome(msgspec.Struct, tag="push_outcome", frozen=True, forbid_unknow
     ok: bool
     reason: str = ""
     may_read: bool = False
+    setup_again: bool = False  # the prefill no longer has this reader's setup: send it again
 
 
 #: What a reader reports about a request (counted towards freeing it).

@@ -62,6 +62,7 @@ class PushOrders:
         self._cond = threading.Condition()
         self._ready: dict[str, bool | None] = {}  # prefill agent -> ready, refused, or asked (None)
         self._outcomes: dict[str, dict[str, messages.PushOutcome]] = {}  # awaited request -> prefill agent -> outcome
+        self._setups: dict[str, bytes] = {}  # prefill agent -> the setup sent to it (sent again when it asks)
         self.late_outcomes = 0
         self.pushed = 0  # sources that wrote a request
         self.read_instead = 0  # sources asked to write that said to read
@@ -84,13 +85,20 @@ class PushOrders:
                 logger.info("decode %s: a push setup of %d bytes is too large; reading", self.agent.name, len(payload))
                 continue
             with self._cond:
-                self._ready[source.peer] = None
-            try:
-                self.agent.notify(source.peer, payload)
-            except TransferError as error:
-                logger.info("decode %s: push setup to %s not sent (reading): %s", self.agent.name, source.peer, error)
-                with self._cond:
-                    self._ready[source.peer] = False
+                self._setups[source.peer] = payload
+            self._send_setup(source.peer)
+
+    def _send_setup(self, peer: str) -> None:
+        """Send ``peer`` its setup; it is read from until it answers."""
+        with self._cond:
+            self._ready[peer] = None
+            payload = self._setups[peer]
+        try:
+            self.agent.notify(peer, payload)
+        except TransferError as error:
+            logger.info("decode %s: push setup to %s not sent (reading): %s", self.agent.name, peer, error)
+            with self._cond:
+                self._ready[peer] = False
 
     def ready(self, peer: str) -> bool:
         """Whether prefill agent ``peer`` agreed to push."""
@@ -112,6 +120,7 @@ class PushOrders:
         with self._cond:
             for peer in peers:
                 self._ready.pop(peer, None)
+                self._setups.pop(peer, None)
 
     # ------------------------------------------------------------------ answers
     def take(self, peer: str, payload: bytes) -> bool:
@@ -137,6 +146,9 @@ class PushOrders:
                 else:
                     answers[message.prefill_agent] = message
                     self._cond.notify_all()
+                again = message.setup_again and message.prefill_agent in self._setups
+            if again:
+                self._send_setup(message.prefill_agent)
             return True
         return False
 

@@ -21,7 +21,7 @@ progressing the transfer itself. Its answers name the rank's agent (``prefill_ag
 
 Writes run one at a time on one thread (the notification thread only hands them over); at most
 ``max_queued`` orders wait, more are answered ``may_read`` at once. At most ``max_readers`` readers are kept (the
-oldest set up is dropped: its next order is answered ``may_read``).
+oldest set up is dropped: its next order is answered ``may_read`` and ``setup_again``, and the reader sets up anew).
 """
 
 from __future__ import annotations
@@ -90,9 +90,10 @@ class PushWriter:
         self.spans = spans
         self._on_written = on_written
         self._on_freed = on_freed
-        self._max_readers = max_readers
+        self.max_readers = max_readers
         self._max_queued = max_queued
         self._readers: OrderedDict[str, _Reader] = OrderedDict()  # touched only on the writer thread
+        self._peers: OrderedDict[str, None] = OrderedDict()  # loaded in the writer agent, oldest first (likewise)
         self._queued = 0
         self._queued_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pd-transfer-push", initializer=unpin_current_thread)
@@ -166,9 +167,15 @@ class PushWriter:
         if old is not None:
             old.release()
         self._readers[peer] = reader
-        while len(self._readers) > self._max_readers:
+        while len(self._readers) > self.max_readers:  # the oldest set up goes; its next order asks for a new setup
             _, dropped = self._readers.popitem(last=False)
             dropped.release()
+        self._peers[peer] = None  # peers stay loaded longer than readers, to answer them; bounded too
+        self._peers.move_to_end(peer)
+        while len(self._peers) > 4 * self.max_readers:
+            gone, _ = self._peers.popitem(last=False)
+            if gone not in self._readers:
+                writer.remove_peer(gone)
         logger.info("prefill %s: pushes to %s (engine %s, rank %d)", name, peer, reader.engine_id, reader.rank)
         self._send(peer, messages.PushReady(prefill_agent=name, ok=True, reason=""))
 
@@ -199,7 +206,7 @@ class PushWriter:
     def _order(self, peer: str, order: messages.PushOrder, arrived: float) -> None:
         reader = self._readers.get(peer)
         if reader is None:
-            self._refuse(peer, order.request_id, "no push setup from this reader", may_read=True)
+            self._refuse(peer, order.request_id, "no push setup from this reader", may_read=True, setup_again=True)
             return
         try:
             their_rows, our_rows = reader.plan.indices(order.remote_block_ids, order.local_block_ids, order.num_tokens)
@@ -238,13 +245,18 @@ class PushWriter:
         if freed is not None:
             self._on_freed(freed)
 
-    def _refuse(self, peer: str, request_id: str, reason: str, *, may_read: bool) -> None:
+    def _refuse(self, peer: str, request_id: str, reason: str, *, may_read: bool, setup_again: bool = False) -> None:
         self.refusals += 1
         name = self.owner.name
         logger.info("prefill %s: request %s: not pushed to %s: %s", name, request_id, peer, reason[:200])
         reason = reason[:MAX_REASON_CHARS]
         outcome = messages.PushOutcome(
-            prefill_agent=name, request_id=request_id, ok=False, reason=reason, may_read=may_read
+            prefill_agent=name,
+            request_id=request_id,
+            ok=False,
+            reason=reason,
+            may_read=may_read,
+            setup_again=setup_again,
         )
         self._send(peer, outcome)
 
