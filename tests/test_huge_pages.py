@@ -3,6 +3,7 @@ reads from another process stay exact while the collapse runs (real NIXL, real k
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 
 import numpy as np
@@ -56,11 +57,29 @@ def test_collapse_keeps_every_byte_and_leaves_the_memory_in_huge_pages() -> None
     assert resident_huge_page_bytes([_span(memory)]) >= result.eligible_bytes
 
 
+def _kernel_gives_huge_pages_now() -> bool:
+    """Whether a fresh private mapping, advised and written, gets huge pages at this moment (a fragmented host can
+    have none free: then no advice can give them)."""
+    mapping = mmap.mmap(-1, 8 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        probe = torch.frombuffer(mapping, dtype=torch.uint8)
+        advise_huge_pages([_span(probe)])
+        probe.fill_(1)
+        got = resident_huge_page_bytes([_span(probe)]) > 0
+        del probe
+        return got
+    finally:
+        mapping.close()
+
+
 @needs_thp
 def test_a_cache_tensor_is_in_huge_pages_from_its_first_write() -> None:
     tensor = zeroed_host_tensor((32 * MIB,), torch.uint8)
     assert int(tensor.count_nonzero()) == 0
-    assert resident_huge_page_bytes([_span(tensor)]) >= 28 * MIB
+    resident = resident_huge_page_bytes([_span(tensor)])
+    if resident == 0 and not _kernel_gives_huge_pages_now():
+        pytest.skip("the kernel has no free huge pages right now (fragmented memory): no advice can give them")
+    assert resident >= 28 * MIB
 
 
 def test_the_switch_turns_the_advice_off(monkeypatch: pytest.MonkeyPatch) -> None:
