@@ -62,6 +62,10 @@ class LeaseConfirmations:
             self.malformed_notifications += 1
             logger.warning("decode %s: malformed notification from %s dropped: %s", self.name, peer, error)
             return
+        self.on_message(peer, message)
+
+    def on_message(self, peer: str, message: messages.PeerMessage) -> None:
+        """A decoded notification from prefill agent ``peer`` (:meth:`on_notification`)."""
         if not isinstance(message, messages.LeaseConfirm):
             self.unexpected_notifications += 1
             logger.warning("decode %s: unexpected %s from %s dropped", self.name, type(message).__name__, peer)

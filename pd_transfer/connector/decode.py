@@ -41,6 +41,7 @@ from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.lanes import default_read_lanes
 from pd_transfer.transfer.tcp import push_mode
 
+from . import messages
 from .cache import KVCache
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
@@ -184,10 +185,17 @@ class DecodeRank:
         self.reads_confirmed = 0  # pulls confirmed by every prefill rank read from
 
     def _on_notification(self, peer: str, payload: bytes) -> None:
-        """Push answers go to :attr:`pushes`, anything else to :attr:`confirmations` (which counts the strays)."""
-        if self.pushes is not None and self.pushes.take(peer, payload):
+        """Decoded once: push answers to :attr:`pushes`, the rest (malformed too) to :attr:`confirmations`."""
+        if self.pushes is None:
+            self.confirmations.on_notification(peer, payload)
             return
-        self.confirmations.on_notification(peer, payload)
+        try:
+            message = messages.decode(payload)
+        except Exception:
+            self.confirmations.on_notification(peer, payload)  # counts and logs it
+            return
+        if not self.pushes.take(message):
+            self.confirmations.on_message(peer, message)
 
     # ------------------------------------------------------------------ remote engines
     def connect(self, host: str, port: int) -> EngineMetadata:

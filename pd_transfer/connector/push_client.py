@@ -123,12 +123,8 @@ class PushOrders:
                 self._setups.pop(peer, None)
 
     # ------------------------------------------------------------------ answers
-    def take(self, peer: str, payload: bytes) -> bool:
-        """A notification from ``peer``: True when it was a push answer (recorded), False for anything else."""
-        try:
-            message = messages.decode(payload)
-        except Exception:
-            return False  # counted by whoever takes it next
+    def take(self, message: messages.PeerMessage) -> bool:
+        """A decoded notification: True when it was a push answer (recorded), False for anything else."""
         if isinstance(message, messages.PushReady):
             rank = message.prefill_agent  # sent by the rank's writing agent (``peer``)
             with self._cond:

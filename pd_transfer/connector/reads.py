@@ -149,8 +149,7 @@ class BlockReader:
             return self._read_staged(remote, request_id, rows, deadline)
         if pushed and self.pushes is not None and remote.plan.postprocess is None:
             ready = [source for source in remote.sources if self.pushes.ready(source.peer)]
-            size = sum(len(local) * plan.unit_bytes for (local, _), plan in zip(rows, remote.plan.sources, strict=True))
-            if ready and size >= self.pushes.min_bytes:
+            if ready and self._request_bytes(remote, rows) >= self.pushes.min_bytes:
                 ids = (remote_block_ids, local_block_ids, num_tokens)
                 return self._push_in_place(remote, request_id, rows, ready, ids, deadline)
         return self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)
@@ -212,6 +211,11 @@ class BlockReader:
             bounds = np.searchsorted(plane_of_row[order], starts)
             reads.append((source, local_rows[order], remote_rows[order], bounds))
         return reads
+
+    @staticmethod
+    def _request_bytes(remote: RemoteEngine, rows: SourceRows) -> int:
+        """Bytes a request moves: its rows over every source."""
+        return sum(len(local) * plan.unit_bytes for (local, _), plan in zip(rows, remote.plan.sources, strict=True))
 
     def _push_in_place(
         self,
