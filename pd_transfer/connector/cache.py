@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +75,18 @@ class KVCache:
         return cls.from_tensors(layout, tensors, kinds, layers)
 
 
+_HUGE_PAGE_BYTES = 2 * 2**20
+
+
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose memory was advised to use huge pages before it was first written, so that it is
-    in huge pages from the start (registering it then has nothing to collapse; see ``transfer.huge_pages``)."""
-    tensor = torch.empty(shape, dtype=dtype)
-    start = tensor.data_ptr()
-    advise_huge_pages([(start, start + tensor.numel() * tensor.element_size())])
+    in huge pages from the start (registering it then has nothing to collapse; see ``transfer.huge_pages``). The
+    memory is a private anonymous mapping of its own, from a huge-page boundary: the allocator may hand out heap
+    memory this process wrote before, whose small pages no advice changes (seen after a long test run)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
+    offset = -raw.data_ptr() % _HUGE_PAGE_BYTES
+    tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
+    advise_huge_pages([(tensor.data_ptr(), tensor.data_ptr() + nbytes)])
     return tensor.zero_()
