@@ -14,7 +14,7 @@ A client leaving during the prefill hop closes the prefill's connection, and the
 nothing). Releases run off the event loop, each bounded by ``timeout_s``, and are counted in
 ``pd_proxy_releases_total{outcome}``; a failed release costs nothing but the lease. The prefill's ``ReleaseReply``
 is not authenticated (the ``Release`` is): its outcome only labels that count and a log line, and nothing here acts on
-it (README, Guarantees).
+it (docs/faults.md, "What the side-channel secret protects").
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def busy_engine_requested() -> bool:
 
 def _busy_engine(stop: threading.Event) -> None:
     """Pure-Python work without a pause until ``stop``: it holds the GIL but for the interpreter's switch interval
-    (5 ms), as vLLM's engine loop does when it spins (README, "Engine spinning"), so this process's other Python
+    (5 ms), as vLLM's engine loop does when it spins (docs/vllm.md, "Engine spinning"), so this process's other Python
     threads (side channel, progress poller) run only when they win the GIL from it."""
     while not stop.is_set():
         sum(range(2000))

@@ -1,8 +1,9 @@
 """One NIXL agent (UCX backend) with its registered KV cache, its peers and its descriptor lists.
 
-This module and its siblings are the only places in pd-transfer that import ``nixl``. NIXL is not
-guaranteed thread-safe, so every call into it holds ``self._lock``; the progress poller takes the same
-lock for each poll, and reads hold it only while posting or checking a transfer.
+It reaches NIXL through :mod:`.native`, the one module of our path that imports ``nixl`` (:mod:`.baseline` imports
+it too, only to measure a bare READ). NIXL is not guaranteed thread-safe, so every call into it holds
+``self._lock``; the progress poller takes the same lock for each poll, and reads hold it only while posting or
+checking a transfer.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ ways replace it:
   is what sends the bytes of a read (UCX emulates the READ with active messages, ``rma_am``), and this thread does
   it in native code, without Python's GIL and without waiting for a poll: a one-block read over TCP took 52-90 us
   at p50 with it, 256-312 us with the poller below, and 5.2 ms with a busy engine in the prefill's process
-  (``pd-transfer bench transfer --only-tcp [--busy-prefill]``; README, "Over TCP").
+  (``pd-transfer bench transfer --only-tcp [--busy-prefill]``; docs/benchmarks.md).
 - Every agent also has :class:`AdaptivePoller`, which takes notifications (and, without the native thread,
   progresses the agent): fast (``active_interval_s``) while the owner expects traffic (``set_expecting``: a
   prefill rank holds blocks that decode ranks will read) and for a while after anything happened, then backing

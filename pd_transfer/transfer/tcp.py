@@ -4,7 +4,7 @@ Over TCP, UCX emulates a READ with active messages: the target answers with its 
 ``UCX_TCP_TX_SEG_SIZE`` bytes (UCX's default 8 KiB), each one a copy into a send buffer, a ``send`` and, on the
 reader, a ``recv`` into a buffer of ``UCX_TCP_RX_SEG_SIZE`` (default 64 KiB) and a copy out, every one of them
 paid on the target's progress thread and the reader's. :data:`TCP_SEGMENT_ENV` raises both, so that a 512 MiB read
-takes 8 times fewer messages; ``pd-transfer bench transfer --only-tcp`` measured what it gives (README, "Over TCP").
+takes 8 times fewer messages; ``pd-transfer bench transfer --only-tcp`` measured what it gives (docs/benchmarks.md).
 
 A sender's TX segment must fit the receiver's RX segment: a peer left at UCX's defaults (RX 64 KiB) that received a
 larger message would corrupt its heap (seen with TX 256 KiB). TX therefore stays at 64 KiB, which every peer at
