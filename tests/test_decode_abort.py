@@ -49,7 +49,8 @@ def _event(chat: bool, text: str, finish: str | None) -> bytes:
 def _stopping(server: StandIn) -> dict[str, str]:
     """A middleware on decode ``server`` answering as vLLM 0.32 does for a request its stopping engine refused while
     ``mode`` says so: ``empty`` (JSON: no output, finish ``abort``; a stream: no event but a chat stream's opening
-    role, then ``[DONE]``), ``partial`` (one word, then ``abort``). It records the request first."""
+    role, then ``[DONE]``), ``partial`` (one word, then ``abort``), ``teardown`` (500, as vLLM answers a request
+    that reached it while its engine tears down after a drain, or is dead). It records the request first."""
     mode = {"answer": ""}
 
     @web.middleware
@@ -58,6 +59,8 @@ def _stopping(server: StandIn) -> dict[str, str]:
             return await handler(request)
         body = await request.json()
         server.records.append(Record("", request.path, body.get("kv_transfer_params"), body))
+        if mode["answer"] == "teardown":
+            return web.Response(status=500, text="Internal Server Error")
         chat, text = request.path == flow.CHAT, " partial" if mode["answer"] == "partial" else ""
         if not body.get("stream"):
             usage = {"prompt_tokens": 9, "completion_tokens": 1 if text else 0, "total_tokens": 9}
@@ -177,6 +180,25 @@ def test_an_empty_abort_from_a_stopping_decode_is_retried_on_the_other_with_the_
         assert await s.metric('pd_proxy_errors_total{hop="decode",kind="aborted"}') == 1
         status, text = await _send(s, endpoint, stream)  # A is out: the next one goes to B at once
         assert status == 200 and len(a.records) == 1 and len(b.records) == 2
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_5xx_before_any_output_is_retried_on_the_other_with_the_params_confirmed(stream: bool) -> None:
+    """A decode whose engine tears down (or died) answers 500: the request goes to B, which confirms its read (A may
+    have read and reported); A stays in rotation for its health checks to judge."""
+
+    async def scenario(s: Setup) -> None:
+        a, b = s.decodes
+        s.mode["answer"] = "teardown"
+        status, text = await _send(s, flow.COMPLETIONS, stream)
+        assert status == 200 and "quick" in text, text
+        first, second = a.records[0].kv_transfer_params, b.records[0].kv_transfer_params
+        assert {k: first[k] for k in HOLD} == HOLD and second == {k: v for k, v in first.items() if k not in HOLD}
+        assert all(x.healthy for x in s.proxy.decode.backends)
+        assert await s.metric('pd_proxy_retries_total{hop="decode",reason="status"}') == 1
+        assert await s.metric('pd_proxy_errors_total{hop="decode",kind="status"}') == 1
 
     run(scenario)
 

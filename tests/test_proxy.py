@@ -342,13 +342,22 @@ def test_failing_prefill_is_retried_on_the_other_then_502_naming_the_hop() -> No
     run(scenario)
 
 
-def test_decode_5xx_is_a_502_naming_the_decode() -> None:
+def test_decode_5xx_is_retried_on_the_other_decode_then_a_502_naming_the_decode() -> None:
     async def scenario(c: Cluster) -> None:
+        c.decodes[0].fail_next(500)  # round robin picks it first: its 5xx came before any output
+        status, answer, _ = await c.call(flow.COMPLETIONS, completion())
+        assert status == 200, answer
+        assert served(c.decodes) == [1, 1] and c.decodes[1].records[0].request_id == answer["id"][len("cmpl-") :]
+        assert c.backend(c.decodes[0]).healthy  # a 5xx leaves the judging to the health checks
+        assert 'pd_proxy_retries_total{hop="decode",reason="status"} 1.0' in await c.metrics()
+
         for d in c.decodes:
             d.fail_next(500)
         status, answer, _ = await c.call(flow.COMPLETIONS, completion())
         assert status == 502 and answer["error"]["hop"] == "decode"
-        assert answer["error"]["backend"] == c.decodes[0].url and "answered 500" in answer["error"]["message"]
+        assert answer["error"]["backend"] in (c.decodes[0].url, c.decodes[1].url)
+        assert "answered 500" in answer["error"]["message"]
+        assert 'pd_proxy_retries_total{hop="decode",reason="status"} 2.0' in await c.metrics()
 
     run(scenario)
 

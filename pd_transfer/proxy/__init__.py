@@ -24,10 +24,11 @@ text with few spaces); chat messages add 4 tokens each for the template.
 Errors, OpenAI style ``{"error": {"message", "type", "code", ...}}``: invalid JSON, a non-object body, a missing
 ``model`` / ``prompt`` / ``messages``, or a client-sent ``kv_transfer_params`` (the proxy owns the flow): 400. A
 prefill that fails (connection error or 5xx) is retried once on another prefill server, then 502 with ``hop`` and
-``backend``; a prefill answer without ``kv_transfer_params``: 502 naming them; a decode 5xx or connection error:
-502 with ``hop: "decode"`` (a decode server that refuses the connection, answers a drain's 503, or answers 200 with no
-output and ``finish_reason: "abort"`` (its engine is stopping) is taken out and the request sent to another one,
-:mod:`.decode_hop`); a backend's 4xx is handed back as it is. A client that goes away cancels its handler, which
+``backend``; a prefill answer without ``kv_transfer_params``: 502 naming them. A decode that fails before any byte
+reached the client is tried once more on another decode server, then 502 with ``hop: "decode"``: one that refuses the
+connection, answers a drain's 503, or answers 200 with no output and ``finish_reason: "abort"`` (its engine is
+stopping) is also taken out; one that answers a 5xx stays in for its health checks to judge (:mod:`.decode_hop`).
+A decode hop that timed out is not tried again. A backend's 4xx is handed back as it is. A client that goes away cancels its handler, which
 closes the upstream connection: the decode server sees the disconnect and aborts the request, freeing its blocks.
 
 ``GET /metrics`` (Prometheus, the proxy's own registry): ``pd_proxy_requests_total{endpoint,status}``,

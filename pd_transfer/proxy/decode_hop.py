@@ -1,19 +1,27 @@
 """The proxy's decode hop: the client's request (with the prefill's ``kv_transfer_params``) to a decode server, and
 its answer relayed back, whole (a JSON answer) or event by event (an SSE stream).
 
-The request is tried once more on another decode server, and the first one taken out, when it never reached the
-first one's engine: the server could not be connected to; it refused with a drain's 503 (``X-PD-Draining``); or it
-answered 200 with no output and ``finish_reason: "abort"`` (:mod:`pd_transfer.proxy.aborts`: its engine is stopping
-and refused the request; a stream is held back until its first output, so the client has seen nothing). After such
-an abort the second decode gets the prefill's params without their hold window (:func:`flow.without_hold_window`),
-so that it confirms its read with the prefill; the prefill still holds the blocks (no decode read them, its lease
-runs). (Were they freed meanwhile, by an engine that had the request and reported it dropped, the confirmation fails
-and the decode's failure policy decides: recomputed or a clear error, never KV read from freed blocks.)
+The request is tried once more on another decode server when the first attempt failed before any byte of its
+answer reached the client:
+
+* it never reached the first one's engine, and that server is taken out: it could not be connected to; it refused
+  with a drain's 503 (``X-PD-Draining``); or it answered 200 with no output and ``finish_reason: "abort"``
+  (:mod:`pd_transfer.proxy.aborts`: its engine is stopping and refused the request; a stream is held back until its
+  first output, so the client has seen nothing);
+* or it answered a 5xx (a stream's status comes before its first event): its engine failed the request, or died
+  under it. vLLM answers 500 to a request that reaches it while its engine tears down after a drain, and while its
+  engine is dead. The server stays in rotation; its health checks decide.
+
+After an abort or a 5xx the second decode gets the prefill's params without their hold window
+(:func:`flow.without_hold_window`), so that it confirms its read with the prefill: the first decode may have read and
+reported, and then the prefill freed the blocks. The confirmation then fails and the decode's failure policy
+decides: recomputed or a clear error, never KV read from freed blocks. A hop that timed out
+(``request_timeout_s``) is not tried again: it used the time the client was promised for it.
 
 Retries are counted in ``pd_proxy_retries_total{hop="decode",reason}`` (reason: the first attempt's failure kind:
-``connect``, ``draining``, ``aborted``). Anything else a decode answers goes to the client: a 4xx as it is, a 5xx, a
-failed read or a second empty abort as a 502 naming the hop and the backend (before any byte was relayed), a failure
-mid-stream as a final error event.
+``connect``, ``draining``, ``aborted``, ``status``). Anything else a decode answers goes to the client: a 4xx as it
+is; a second failure, or a failed read, as a 502 naming the hop and the backend (before any byte was relayed); a
+failure mid-stream as a final error event.
 """
 
 from __future__ import annotations
@@ -42,11 +50,13 @@ ABORTED = "aborted"  # the failure kind (and retry reason) of an empty abort
 
 
 class _Retryable(Exception):
-    """An attempt that failed before the decode's engine took the request (``failure``): it may go elsewhere."""
+    """An attempt that failed before any byte reached the client (``failure``): it may go elsewhere.
+    ``saw_params``: the decode may have read the prefill's blocks (its engine had the request)."""
 
-    def __init__(self, failure: HopError) -> None:
+    def __init__(self, failure: HopError, *, saw_params: bool) -> None:
         super().__init__(str(failure))
         self.failure = failure
+        self.saw_params = saw_params
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,7 @@ class DecodeHop:
                 return await self._attempt(session, call, backend, payload, progress)
             except _Retryable as retry:
                 failure = self.meter.failed_attempt(retry.failure)
-                if failure.kind == ABORTED:
+                if retry.saw_params:
                     payload = msgspec.json.encode(flow.without_hold_window(call.body))
             finally:
                 self.meter.leave(backend, since)
@@ -123,7 +133,7 @@ class DecodeHop:
             progress.sent = False
             self._connection_failed(backend, e)
             message = f"decode backend {backend.url} failed: {describe_error(e)}"
-            raise _Retryable(HopError("decode", backend, "connect", message)) from None
+            raise _Retryable(HopError("decode", backend, "connect", message), saw_params=False) from None
         except (aiohttp.ClientError, TimeoutError) as e:
             raise HopError(
                 "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
@@ -131,7 +141,7 @@ class DecodeHop:
         try:
             if self.pool.note_answer(backend, upstream.status, upstream.headers):  # refused before its engine
                 progress.sent = False
-                raise _Retryable(HopError("decode", backend, "draining", f"{backend.url} drains"))
+                raise _Retryable(HopError("decode", backend, "draining", f"{backend.url} drains"), saw_params=False)
             return await self._relay(call, upstream, backend, progress)
         finally:
             upstream.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
@@ -148,7 +158,18 @@ class DecodeHop:
             backend.url,
         )
         message = f"decode backend {backend.url} aborted the request with no output (is it stopping?)"
-        return _Retryable(HopError("decode", backend, ABORTED, message))
+        return _Retryable(HopError("decode", backend, ABORTED, message), saw_params=True)
+
+    def _failed(
+        self, call: DecodeCall, backend: Backend, status: int, raw: bytes, progress: DecodeProgress
+    ) -> _Retryable:
+        """``backend`` answered ``status`` (a 5xx) before any output: the decode is done with the request (nothing
+        reads the prefill's blocks for it any more) and it may go to another decode. Returns the exception to
+        raise."""
+        progress.sent = progress.answered = False
+        log.warning("request %s: decode backend %s answered %d", call.rid, backend.url, status)
+        message = f"decode backend {backend.url} answered {status}: {snippet(raw)}"
+        return _Retryable(HopError("decode", backend, "status", message), saw_params=True)
 
     async def _relay(
         self, call: DecodeCall, upstream: aiohttp.ClientResponse, backend: Backend, progress: DecodeProgress
@@ -165,12 +186,7 @@ class DecodeHop:
                 ) from None
             progress.answered = True
             if upstream.status >= 500:
-                raise HopError(
-                    "decode",
-                    backend,
-                    "status",
-                    f"decode backend {backend.url} answered {upstream.status}: {snippet(raw)}",
-                )
+                raise self._failed(call, backend, upstream.status, raw, progress)
             if upstream.status == 200 and is_empty_abort(raw):
                 raise self._aborted(call, backend, progress)
             return relayed_response(upstream, raw, call.rid)
