@@ -1,4 +1,4 @@
-"""One NIXL agent (UCX backend) with its registered KV cache, its peers and its descriptor lists, read with.
+"""One NIXL agent (UCX backend) that reads and writes KV blocks: its registered cache, its peers, its descriptor lists.
 
 The agent calls NIXL only through its :class:`~.session.NixlSession` (``self.session``; :mod:`.native` is the one
 module that imports ``nixl``). Every NIXL call holds the session's lock; the agent holds the same lock around a call

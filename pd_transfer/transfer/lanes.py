@@ -52,7 +52,9 @@ ReadPart = Callable[[int, slice], "ReadStats"]
 
 
 class LaneAgent(Protocol):
-    """What a lane is (a :class:`~.agent.TransferAgent` of its own): it mirrors the owner and reads a part."""
+    """What the lanes need of an agent (each lane, and their owner, is a :class:`~.agent.TransferAgent`): a lane
+    mirrors the owner and reads a part; the owner reads the first part itself, as one READ (``read_whole``), and
+    notifies the peer once every part is done."""
 
     @property
     def name(self) -> str: ...
@@ -80,13 +82,6 @@ class LaneAgent(Protocol):
         timeout_s: float = 30.0,
     ) -> ReadStats: ...
 
-    def close(self) -> None: ...
-
-
-class LaneOwner(Protocol):
-    """The agent whose large reads the lanes split (a :class:`~.agent.TransferAgent`): it reads the first part
-    itself, as one READ, and notifies the peer once every part is done."""
-
     def read_whole(
         self,
         local: DescriptorList,
@@ -98,6 +93,8 @@ class LaneOwner(Protocol):
     ) -> ReadStats: ...
 
     def notify(self, peer: str, payload: bytes) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:
@@ -197,7 +194,7 @@ class ReadLanes:
 
     def split_read(
         self,
-        owner: LaneOwner,
+        owner: LaneAgent,
         local: DescriptorList,
         local_indices: np.ndarray,
         remote: DescriptorList,
