@@ -321,8 +321,8 @@ class TransferAgent:
         deadline = started + timeout_s
         probe = (int(local_indices[0]), int(remote_indices[0]))  # rows for a liveness probe after an error
         session = self.session
-        try:
-            handle = session.make_transfer(
+        try:  # made and posted under one hold of the lock
+            handle, state, failure = session.start_transfer(
                 operation, local.handle, local_indices, remote.handle, remote_indices, notification
             )
         except Exception as error:
@@ -330,11 +330,6 @@ class TransferAgent:
                 self.name, error, f"preparing a {verb} of {len(local_indices)} rows with {peer}"
             ) from error
         try:
-            failure: Exception | None = None
-            try:
-                state = session.post(handle)
-            except Exception as error:
-                failure = error
             if failure is not None:  # probed outside the lock: the poller and other reads go on meanwhile
                 what = f"posting a {verb} with {peer}"
                 raise self._failure(operation, failure, what, local, remote, probe) from failure

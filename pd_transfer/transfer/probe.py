@@ -7,7 +7,6 @@ a progress call *after* the failed copy itself; :func:`peer_gone` makes that cal
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -65,7 +64,7 @@ def _probe_read(
     rows = (np.array([local_row], np.int32), np.array([remote_row], np.int32))
     session = agent.session
     try:
-        handle = session.make_transfer("READ", local.handle, rows[0], remote.handle, rows[1])
+        handle, state, failure = session.start_transfer("READ", local.handle, rows[0], remote.handle, rows[1])
     except Exception as error:
         if isinstance(error, NixlRemoteDisconnectError):
             return f"{type(error).__name__}: {error}"
@@ -73,21 +72,21 @@ def _probe_read(
             return f"NIXL dropped the peer after a disconnect ({error})"  # we did not remove it
         return "other"
     try:
-        step: Callable[[object], str] = session.post
         while True:
-            try:
-                state = step(handle)
-            except Exception as error:
-                if isinstance(error, NixlRemoteDisconnectError):
-                    return f"{type(error).__name__}: {error}"
-                return "retry" if isinstance(error, NixlBackendError) else "other"
-            step = session.state
+            if failure is not None:
+                if isinstance(failure, NixlRemoteDisconnectError):
+                    return f"{type(failure).__name__}: {failure}"
+                return "retry" if isinstance(failure, NixlBackendError) else "other"
             if state == "DONE":
                 return "alive"
             if state != "PROC":
                 return "retry"
             if time.perf_counter() >= deadline:
                 return "other"
+            try:
+                state = session.state(handle)
+            except Exception as error:
+                failure = error
     finally:
         session.release_transfer(handle)
 

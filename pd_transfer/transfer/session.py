@@ -1,5 +1,6 @@
 """One NIXL agent object behind a lock: the raw calls (memory, peers, descriptor lists, transfers, notifications) that
-the transfer layer makes, each typed and each holding the lock for its one NIXL call.
+the transfer layer makes, each typed and each holding the lock once (making and posting a transfer: one hold, the
+read path's first step).
 
 NIXL is not guaranteed thread-safe, so nothing else calls the native agent. :attr:`NixlSession.lock` is re-entrant:
 an owner that keeps its own records in step with NIXL's (:class:`~.agent.TransferAgent`'s registrations, peers and
@@ -82,7 +83,7 @@ class NixlSession:
             self._agent.release_dlist_handle(handle)
 
     # ------------------------------------------------------------------ transfers
-    def make_transfer(
+    def start_transfer(
         self,
         operation: str,
         local: object,
@@ -90,19 +91,20 @@ class NixlSession:
         remote: object,
         remote_indices: np.ndarray,
         notification: bytes = b"",
-    ) -> object:
-        """A "READ" or "WRITE" between rows ``local_indices`` (int32) of the prepared list ``local`` and
-        ``remote_indices`` of ``remote``, not posted yet; ``notification`` reaches the peer after it is done.
-        Returns the transfer's handle (release it with :meth:`release_transfer`)."""
+    ) -> tuple[object, str, Exception | None]:
+        """Make a "READ" or "WRITE" between rows ``local_indices`` (int32) of the prepared list ``local`` and
+        ``remote_indices`` of ``remote`` and post it, under one hold of the lock; ``notification`` reaches the peer
+        after it is done. Raises what NIXL raises while making it (there is no handle then). Returns (handle, state,
+        None), state being "DONE", "PROC" (in flight) or "ERR", or (handle, "ERR", error) when posting raised
+        ``error``. Release the handle in every case (:meth:`release_transfer`)."""
         with self.lock:
-            return self._agent.make_prepped_xfer(
+            handle = self._agent.make_prepped_xfer(
                 operation, local, local_indices, remote, remote_indices, notif_msg=notification
             )
-
-    def post(self, handle: object) -> str:
-        """Post a transfer; returns its state: "DONE", "PROC" (in flight) or "ERR"."""
-        with self.lock:
-            return self._agent.transfer(handle)
+            try:
+                return handle, self._agent.transfer(handle), None
+            except Exception as error:
+                return handle, "ERR", error
 
     def state(self, handle: object) -> str:
         """A posted transfer's state: "DONE", "PROC" or "ERR"."""
