@@ -45,7 +45,7 @@ def serve(
     regions = [region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)]
     agent.register_regions(regions)
     if not python_progress:
-        agent._poller.stop()
+        agent.stop_polling()
     conn.send((agent.metadata, [r.base_address for r in regions]))
     while conn.poll(60):
         command = conn.recv()

@@ -19,6 +19,7 @@ from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
 from pd_transfer.connector.leases import hold_window
 from pd_transfer.connector.params import HOLD_MARGIN_S, parse_transfer_params
+from pd_transfer.connector.pull_request import PullRequest
 from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
 from pd_transfer.sim.verify import received_correctly
 
@@ -135,13 +136,10 @@ def test_a_read_ending_after_the_window_is_not_used(prefills: PrefillEngines, de
     confirmations = rank.confirmations.received
     with pytest.raises(LeaseNotConfirmed, match="after the prefill's hold window"):
         # the window check after the read (the path a read slower than the window's rest takes)
-        rank._pull_in_window(
-            "window-late",
+        rank.pull_in_window(
+            PullRequest("window-late", list(params.block_ids), local, 40),  # type: ignore[union-attr]
             prefills.host,
             prefills.ports["p1"],
-            list(params.block_ids),  # type: ignore[union-attr]
-            local,
-            40,
             None,
             time.monotonic() - 1.0,
             params.incarnation,  # type: ignore[union-attr]

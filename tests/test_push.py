@@ -16,6 +16,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
 from pd_transfer.connector.prefill import PrefillRank, serve_engine
+from pd_transfer.connector.pull_request import PullRequest
 from pd_transfer.connector.push_plans import plan_to_wire
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, fill_pattern
 from pd_transfer.sim.verify import received_correctly
@@ -104,7 +105,8 @@ def test_a_malformed_order_is_refused_without_a_read(prefill: PrefillProcess, de
     assert decode.pushes is not None
     prefill.request("hold", "req-malformed", [1])
     remote = decode.remotes.connect(prefill.host, prefill.port)
-    outcomes = decode.pushes.push("req-malformed", remote.sources, [NUM_BLOCKS + 5], [0], 10, time.perf_counter() + 20)
+    malformed = PullRequest("req-malformed", [NUM_BLOCKS + 5], [0], 10)
+    outcomes = decode.pushes.push(malformed, remote.sources, time.perf_counter() + 20)
     (outcome,) = outcomes.values()
     assert not outcome.ok and not outcome.may_read and "malformed" in outcome.reason
     for tensor in decode.cache.tensors:

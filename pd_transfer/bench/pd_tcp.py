@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pd_transfer.sim.child import die_with_parent, stop_process
-from pd_transfer.sim.kv_standin import KVModel
+from pd_transfer.sim.kv_model import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
 from .tcp_stream import stream_gbps

@@ -46,6 +46,7 @@ from .cache import KVCache
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
 from .params import incarnation_token
+from .pull_request import PullRequest
 from .push_client import PushOrders
 from .reader_reports import ReaderReports
 from .reads import BlockReader, ReadTotals
@@ -266,41 +267,32 @@ class DecodeRank:
         instead, unless ``pushed`` is False (benchmarks compare both ways).
 
         Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated
-        remote ids). On a transfer failure the prefill ranks are told (``ReadFailed``) when reachable and the
-        error propagates, except that a read failed by a disconnected peer is made once more if its address
-        now serves a new incarnation (the prefill restarted); a dead engine is dropped, so the next pull
-        handshakes afresh.
+        remote ids, before connecting). On a transfer failure the prefill ranks are told (``ReadFailed``) when
+        reachable and the error propagates, except that a read failed by a disconnected peer is made once more if
+        its address now serves a new incarnation (the prefill restarted); a dead engine is dropped, so the next
+        pull handshakes afresh.
         """
-        ids = (remote_block_ids, local_block_ids, num_tokens)
-        return self._pull(request_id, host, port, *ids, timeout_s, pushed=pushed)[0]
+        request = PullRequest(request_id, remote_block_ids, local_block_ids, num_tokens)
+        return self._pull(request, host, port, timeout_s, pushed=pushed)[0]
 
     def _pull(
-        self,
-        request_id: str,
-        host: str,
-        port: int,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
-        timeout_s: float | None,
-        *,
-        pushed: bool = True,
+        self, request: PullRequest, host: str, port: int, timeout_s: float | None, *, pushed: bool = True
     ) -> tuple[PullStats, RemoteEngine]:
         """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted)."""
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
         connected = time.perf_counter()
         deadline = started + (self.read_timeout_s if timeout_s is None else timeout_s)
-        ids = (request_id, remote_block_ids, local_block_ids, num_tokens, deadline)
+        request_id = request.request_id
         told: RemoteEngine | None = None  # already sent ReadFailed
         try:
             try:
-                totals = self.reader.read(remote, *ids, pushed=pushed)
+                totals = self.reader.read(remote, request, deadline, pushed=pushed)
             except PeerDisconnected as error:
                 self.reports.read_failed(remote.sources, request_id, str(error))  # best effort: it is gone
                 told = remote
                 remote = self._after_disconnect(remote, request_id, error)  # raises unless it restarted
-                totals = self.reader.read(remote, *ids, pushed=pushed)
+                totals = self.reader.read(remote, request, deadline, pushed=pushed)
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=remote is not told)
             raise
@@ -382,28 +374,17 @@ class DecodeRank:
         do not use them), and whatever :meth:`pull` raises. On the way, decode rank 0 tells prefill ranks that
         no decode rank reads (``ReleaseUnread``).
         """
+        request = PullRequest(request_id, remote_block_ids, local_block_ids, num_tokens)
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
         connect_seconds = time.perf_counter() - started
         if self._window_usable(remote, trust_until, incarnation):
             assert trust_until is not None
-            stats = self._pull_in_window(
-                request_id,
-                host,
-                port,
-                remote_block_ids,
-                local_block_ids,
-                num_tokens,
-                timeout_s,
-                trust_until,
-                incarnation,
-            )
+            stats = self.pull_in_window(request, host, port, timeout_s, trust_until, incarnation)
             return replace(stats, connect_seconds=stats.connect_seconds + connect_seconds)
         with self.confirmations.awaiting(request_id, self.agent.set_expecting_reads):  # poll fast meanwhile
             with self._pull_lock:
-                stats, remote = self._pull(
-                    request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s
-                )
+                stats, remote = self._pull(request, host, port, timeout_s)
             # of the incarnation read from; a rank that pushed confirmed with the write
             peers = [source.peer for source in remote.sources if source.peer not in stats.pushed_peers]
             self._release_unread(request_id, host, port)
@@ -424,22 +405,22 @@ class DecodeRank:
             return False
         return trust_until - time.monotonic() >= _WINDOW_READ_ALLOWANCE_S
 
-    def _pull_in_window(
+    def pull_in_window(
         self,
-        request_id: str,
+        request: PullRequest,
         host: str,
         port: int,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
         timeout_s: float | None,
         trust_until: float,
         incarnation: str | None,
     ) -> PullStats:
-        """:meth:`pull` without asking for confirmations; the KV counts only if the read ended before
-        ``trust_until`` from the incarnation that promised the window (a prefill restarted meanwhile did not)."""
+        """:meth:`pull_confirmed` relying on the hold window, whatever is left of it: :meth:`pull` without asking
+        for confirmations; the KV counts only if the read ended before ``trust_until`` (``time.monotonic``) from
+        the incarnation ``incarnation`` that promised the window (a prefill restarted meanwhile did not), else
+        ``LeaseNotConfirmed``. :meth:`pull_confirmed` takes this way only with enough of the window left."""
+        request_id = request.request_id
         with self._pull_lock:
-            stats, remote = self._pull(request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s)
+            stats, remote = self._pull(request, host, port, timeout_s)
         ended = time.monotonic()
         self._release_unread(request_id, host, port)
         if len(stats.pushed_peers) == len(remote.sources):  # every rank wrote from blocks it held and pinned

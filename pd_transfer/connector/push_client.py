@@ -26,6 +26,7 @@ from pd_transfer.transfer.progress import env_number
 from pd_transfer.transfer.tcp import push_to
 
 from . import messages
+from .pull_request import PullRequest
 from .push_plans import plan_to_wire
 from .remote_engines import RemoteEngine, SourceRank
 
@@ -150,20 +151,14 @@ class PushOrders:
 
     # ------------------------------------------------------------------ orders
     def push(
-        self,
-        request_id: str,
-        sources: Sequence[SourceRank],
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
+        self, request: PullRequest, sources: Sequence[SourceRank], deadline: float
     ) -> dict[str, messages.PushOutcome]:
-        """Order each of ``sources`` to write ``request_id``; returns the outcome of each that answered by
+        """Order each of ``sources`` to write ``request``; returns the outcome of each that answered by
         ``deadline`` (``time.perf_counter`` time; an order that could not be sent answers ``may_read`` at once)."""
-        with self.agent.expecting_traffic(), self._awaiting(request_id) as answers:
+        with self.agent.expecting_traffic(), self._awaiting(request.request_id) as answers:
             for source in sources:
-                self._send_order(request_id, source, remote_block_ids, local_block_ids, num_tokens, deadline, answers)
-            outcomes = self._wait(request_id, sources, answers, deadline)
+                self._send_order(request, source, deadline, answers)
+            outcomes = self._wait(request.request_id, sources, answers, deadline)
         self.pushed += sum(1 for outcome in outcomes.values() if outcome.ok)
         self.read_instead += sum(1 for outcome in outcomes.values() if outcome.may_read)
         return outcomes
@@ -205,21 +200,17 @@ class PushOrders:
                 logger.info("decode %s: probing %s for request %s: %s", self.agent.name, peer, request_id, error)
 
     def _send_order(
-        self,
-        request_id: str,
-        source: SourceRank,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
-        answers: dict[str, messages.PushOutcome],
+        self, request: PullRequest, source: SourceRank, deadline: float, answers: dict[str, messages.PushOutcome]
     ) -> None:
+        """Send ``source`` its order for ``request``; one that cannot be sent is answered ``may_read`` in
+        ``answers`` at once."""
+        request_id = request.request_id
         order = messages.PushOrder(
             request_id=request_id,
             expected_readers=source.expected_readers,
-            remote_block_ids=remote_block_ids,
-            local_block_ids=local_block_ids,
-            num_tokens=num_tokens,
+            remote_block_ids=request.remote_block_ids,
+            local_block_ids=request.local_block_ids,
+            num_tokens=request.num_tokens,
             timeout_ms=max(0, int((deadline - time.perf_counter()) * PREFILL_SHARE * 1000)),
         )
         payload = messages.encode(order)

@@ -93,8 +93,9 @@ class HostPool:
             memory = shared_memory.SharedMemory(name=name, create=False)
         except FileNotFoundError:
             raise OffloadInputError(f"no shared memory named {name[:64]!r}") from None
-        # Python 3.11 tracks attached segments too and would unlink them when this process exits
-        resource_tracker.unregister(memory._name, "shared_memory")  # type: ignore[attr-defined]
+        # Python 3.11 tracks attached segments too and would unlink them when this process exits; the tracker knows
+        # them by the private name (with its leading slash) and 3.11 has no public way to opt out (3.13's track=False)
+        resource_tracker.unregister(memory._name, "shared_memory")  # type: ignore[attr-defined]  # noqa: SLF001
         if memory.size < cls.bytes_needed(page_format, num_rows):
             memory.close()
             raise OffloadInputError(f"shared memory {name[:64]!r} is smaller than {num_rows} rows of this format")

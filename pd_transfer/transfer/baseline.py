@@ -6,14 +6,15 @@ import time
 import uuid
 
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config
 
-from .native import quiet_native_logs
+from .native import make_nixl_agent
+from .session import LOCAL
 from .tcp import apply_tcp_defaults
 
 
 class RawNixlReader:
-    """A bare NIXL agent (no progress thread) reading prepared rows from one peer.
+    """A bare NIXL agent (no progress thread, no lock, no :class:`~.session.NixlSession`) reading prepared rows from
+    one peer.
 
     The memory behind ``local_spans`` ((start, end) addresses) is registered again under this agent.
     """
@@ -25,17 +26,14 @@ class RawNixlReader:
         local_rows: np.ndarray,
         remote_rows: np.ndarray,
     ) -> None:
-        quiet_native_logs()
         apply_tcp_defaults()  # UCX configured as for our agents: the comparison is of the read path alone
-        self._agent = nixl_agent(f"raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
+        self._agent = make_nixl_agent(f"raw-{uuid.uuid4().hex[:8]}")  # no progress thread, native logs quiet
         self._registration = self._agent.register_memory(
             [(start, end - start, 0, "") for start, end in local_spans], "DRAM"
         )
         peer = self._agent.add_remote_agent(peer_metadata)
         self._peer = peer.decode() if isinstance(peer, bytes) else peer
-        self._local = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", np.ascontiguousarray(local_rows, np.uint64), "DRAM"
-        )
+        self._local = self._agent.prep_xfer_dlist(LOCAL, np.ascontiguousarray(local_rows, np.uint64), "DRAM")
         self._remote = self._agent.prep_xfer_dlist(self._peer, np.ascontiguousarray(remote_rows, np.uint64), "DRAM")
 
     def read_seconds(self, local_indices: np.ndarray, remote_indices: np.ndarray, *, operation: str = "READ") -> float:
