@@ -2,9 +2,12 @@
 
 One handshake is two round trips on a fresh DEALER socket: ``Hello`` -> ``Challenge``, then
 ``GetMetadata`` -> ``Metadata``. Each attempt is bounded by ``timeout_s`` and watched through a ZMQ socket monitor,
-so a refused or dropped connection ends it at once. Retried: a refused connection (after a short pause) and an
-attempt that connected but got no answer in time; not retried: an attempt that never got a TCP connection within
-its timeout (ZMQ keeps re-sending SYNs inside an attempt already), nor any answer (refusals, auth, model).
+so a refused or dropped connection ends it at once. Retried: an attempt that connected but got no answer in time,
+and a refused connection unless a bare TCP connect right after it is refused too (nothing listens there: the fetch
+fails at once, a millisecond or two after it began; if the connect is accepted, a side channel came up meanwhile and
+the next attempt follows at once; if it neither connects nor is refused, after a short pause); not retried: an
+attempt that never got a TCP connection within its timeout (ZMQ keeps re-sending SYNs inside an attempt already),
+nor any answer (refusals, auth, model).
 
 Fail-fast: after a connection-level failure (``HandshakeTimeout``) of ``host:port``, fetches from that endpoint
 raise ``HandshakeBackoff`` at once (naming the endpoint, the failure, and when it will be tried again) for
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Literal
 
 import msgspec
 import zmq
@@ -56,8 +60,23 @@ logger = logging.getLogger(__name__)
 CacheKey = tuple[str, int, tuple[int, ...] | None]
 Endpoint = tuple[str, int]
 
-_REFUSED_PAUSE_S = 0.1  # before retrying a refused connection (doubling): a side channel restarting is caught
+_REFUSED_PAUSE_S = 0.1  # before retrying a refused connection a knock could not judge (doubling)
 _UNREACHABLE = ("connection refused", "no TCP connection", "connection closed by the peer")  # nobody listening
+
+Knock = Literal["listening", "refused", "silent"]
+
+
+def knock(endpoint: Endpoint, timeout_s: float) -> Knock:
+    """A bare TCP connect to ``endpoint``, bounded by ``timeout_s``: "listening" (it was accepted, and closed at
+    once), "refused" (nothing listens: the host answered with a reset) or "silent" (no answer in time, or another
+    error: unreachable, unresolvable)."""
+    try:
+        with socket.create_connection(endpoint, timeout=timeout_s):
+            return "listening"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "silent"
 
 
 @dataclass
@@ -83,11 +102,12 @@ class HandshakeClient:
     Results are cached per ``(host, port, tp_ranks)`` and are also reachable by engine id with
     ``cached()``. Thread-safe: concurrent fetches of different peers run in parallel, and concurrent
     fetches of the same key share one handshake. ``timeout_s`` bounds each attempt (seconds);
-    ``retries`` is the number of extra attempts after a refused connection or an unanswered one, so a
-    fetch takes at most ``(retries + 1) * timeout_s`` plus 0.3 s of pauses. ``failure_backoff_s`` (0: off)
-    and ``failure_backoff_max_s`` (default 3 x ``failure_backoff_s``) set the fail-fast window after a
-    connection-level failure; ``knock_interval_s`` (0: off) and ``knock_timeout_s`` (default the smaller of 0.25 s
-    and ``timeout_s``) the TCP knocks that end it early once a peer that was down listens again; ``clock``
+    ``retries`` is the number of extra attempts after a refused connection (unless a knock finds nothing listening)
+    or an unanswered one, so a fetch takes at most ``(retries + 1) * timeout_s`` plus ``retries`` knocks and 0.3 s
+    of pauses. ``failure_backoff_s`` (0: off) and ``failure_backoff_max_s`` (default 3 x ``failure_backoff_s``) set
+    the fail-fast window after a connection-level failure; ``knock_interval_s`` (0: off) and ``knock_timeout_s``
+    (default the smaller of 0.25 s and ``timeout_s``; it also bounds the knock after a refused attempt) the TCP
+    knocks that end it early once a peer that was down listens again; ``clock``
     (monotonic seconds) is for tests. ``protocol_version`` is the version asked for in ``Hello``;
     ``supported_versions`` the versions accepted in the server's ``Challenge`` (default: every version this
     package speaks, or only ``protocol_version`` when another is set): a server answering in another version is
@@ -234,10 +254,7 @@ class HandshakeClient:
             if now >= failures.retry_at or now < failures.next_knock_at:
                 return  # the window is over anyway (this fetch probes), or it was knocked at just now
             failures.next_knock_at = now + self.knock_interval_s
-        try:
-            with socket.create_connection(endpoint, timeout=self.knock_timeout_s):
-                pass
-        except OSError:
+        if knock(endpoint, self.knock_timeout_s) != "listening":
             return
         with self._lock:
             if self._failures.get(endpoint) is failures and not failures.probing:
@@ -320,11 +337,22 @@ class HandshakeClient:
             except AttemptFailed as exc:
                 reasons.append(exc.reason)
                 logger.info("handshake with %s: attempt %d/%d failed (%s)", peer, attempt, attempts, exc.reason)
-                if not exc.retry:
+                if not exc.retry or attempt == attempts:
                     break
-                if exc.reason == "connection refused" and attempt < attempts:
-                    time.sleep(_REFUSED_PAUSE_S * 2 ** (attempt - 1))  # a backoff between attempts, not a sync
+                if exc.reason == "connection refused" and not self._worth_retrying_refused(host, port, peer, attempt):
+                    break
         raise HandshakeTimeout(peer, len(reasons), self.timeout_s, reasons)
+
+    def _worth_retrying_refused(self, host: str, port: int, peer: str, attempt: int) -> bool:
+        """After attempt ``attempt`` was refused: knock once. Refused again: nothing listens, no retry (False).
+        Accepted: something listens now, retry at once. No verdict: retry after a pause (doubling per attempt)."""
+        verdict = knock((host, port), self.knock_timeout_s)
+        if verdict == "refused":
+            logger.info("handshake with %s: nothing listens there (a TCP connect was refused too): not retried", peer)
+            return False
+        if verdict == "silent":
+            time.sleep(_REFUSED_PAUSE_S * 2 ** (attempt - 1))  # a backoff between attempts, not a sync
+        return True
 
     def _attempt(self, host: str, port: int, peer: str, tp_ranks: list[int] | None) -> EngineMetadata:
         deadline = time.monotonic() + self.timeout_s
