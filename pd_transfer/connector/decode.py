@@ -18,7 +18,10 @@ afresh (:meth:`.RemoteEngines.refresh`): by ``check_engine`` when a request name
 one connected there (for a second, an engine id found not served at an address is refused without asking
 again), and by ``pull`` when a read fails because the peer disconnected: if the address then publishes a new
 incarnation, the read is made once more from it, within the pull's deadline (whether the new incarnation holds
-the request is for the lease confirmation to say: a prefill that never held it refuses).
+the request is for the lease confirmation to say: a prefill that never held it refuses), unless the request's
+params name the incarnation that held it and that is another one (then the pull fails at once). Where nothing
+listens at the address any more, the pull fails a few milliseconds after the read did: one handshake attempt and
+one TCP connect, both refused.
 """
 
 from __future__ import annotations
@@ -276,9 +279,18 @@ class DecodeRank:
         return self._pull(request, host, port, timeout_s, pushed=pushed)[0]
 
     def _pull(
-        self, request: PullRequest, host: str, port: int, timeout_s: float | None, *, pushed: bool = True
+        self,
+        request: PullRequest,
+        host: str,
+        port: int,
+        timeout_s: float | None,
+        *,
+        pushed: bool = True,
+        incarnation: str | None = None,
     ) -> tuple[PullStats, RemoteEngine]:
-        """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted)."""
+        """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted). With the
+        ``incarnation`` that holds the request (from its params), a restart found after a disconnect fails the pull
+        at once unless the new incarnation is that one: another never held the request."""
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
         connected = time.perf_counter()
@@ -292,6 +304,12 @@ class DecodeRank:
                 self.reports.read_failed(remote.sources, request_id, str(error))  # best effort: it is gone
                 told = remote
                 remote = self._after_disconnect(remote, request_id, error)  # raises unless it restarted
+                if incarnation is not None and engine_incarnation(remote) != incarnation:
+                    told = remote  # it never held the request: nothing to tell it
+                    raise PeerDisconnected(
+                        f"{error}; the prefill at {host}:{port} restarted, and its new incarnation never held"
+                        f" request {request_id}"
+                    ) from None
                 totals = self.reader.read(remote, request, deadline, pushed=pushed)
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=remote is not told)
@@ -306,8 +324,10 @@ class DecodeRank:
 
     def _after_disconnect(self, remote: RemoteEngine, request_id: str, error: PeerDisconnected) -> RemoteEngine:
         """A read from ``remote`` failed because its peer went away: handshake with its address afresh and return
-        the new incarnation there. Raises ``error`` if there is none (the engine is then dropped, and the next
-        pull handshakes afresh)."""
+        the new incarnation there. Raises ``PeerDisconnected`` if there is none, naming why (the engine is then
+        dropped, and the next pull handshakes afresh). Where nothing listens at the address any more, that is known
+        after one refused attempt and one refused TCP connect (:class:`~pd_transfer.handshake.client.HandshakeClient`),
+        a few milliseconds, and while the address is in its fail-fast window at once."""
         try:
             fresh = self.remotes.refresh(remote.host, remote.port, remote, dropping_on_failure=True)
         except Exception as refresh_error:
@@ -319,7 +339,7 @@ class DecodeRank:
                 remote.port,
                 refresh_error,
             )
-            raise error from None
+            raise PeerDisconnected(f"{error}; and then: {refresh_error}") from None
         if fresh is remote:  # the same agents answer: not a restart; drop it as a dead engine anyway
             self.forget(remote.host, remote.port)
             raise error
@@ -384,7 +404,7 @@ class DecodeRank:
             return replace(stats, connect_seconds=stats.connect_seconds + connect_seconds)
         with self.confirmations.awaiting(request_id, self.agent.set_expecting_reads):  # poll fast meanwhile
             with self._pull_lock:
-                stats, remote = self._pull(request, host, port, timeout_s)
+                stats, remote = self._pull(request, host, port, timeout_s, incarnation=incarnation)
             # of the incarnation read from; a rank that pushed confirmed with the write
             peers = [source.peer for source in remote.sources if source.peer not in stats.pushed_peers]
             self._release_unread(request_id, host, port)
@@ -420,7 +440,7 @@ class DecodeRank:
         ``LeaseNotConfirmed``. :meth:`pull_confirmed` takes this way only with enough of the window left."""
         request_id = request.request_id
         with self._pull_lock:
-            stats, remote = self._pull(request, host, port, timeout_s)
+            stats, remote = self._pull(request, host, port, timeout_s, incarnation=incarnation)
         ended = time.monotonic()
         self._release_unread(request_id, host, port)
         if len(stats.pushed_peers) == len(remote.sources):  # every rank wrote from blocks it held and pinned
