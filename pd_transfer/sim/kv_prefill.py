@@ -4,7 +4,8 @@ for a decode under a lease, and poisoned once they come back.
 A TP 1 engine as the connector sees it: a ``SchedulerSide`` with its side channel, one ``WorkerSide``, an
 ``OutputAggregator`` and a block pool; blocks are filled with :func:`~.kv_model.kv_pattern` of the prompt's tokens
 and the answer carries the ``kv_transfer_params`` our vLLM connector returns (``SchedulerSide.request_finished``).
-Blocks a decode read (or whose lease ended) are poisoned and reused.
+Blocks a decode read (or whose lease ended) are poisoned and reused. Once the scheduler side drains
+(``SchedulerSide.drain``), a new prompt is refused with ``Draining`` before anything is computed.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class PrefillKV:
         self.released = 0
 
     def prefill(self, request_id: str, tokens: Sequence[int]) -> dict[str, object]:
-        """Compute ``tokens`` (write their pattern), hold the blocks for a decode; the params for it."""
+        """Compute ``tokens`` (write their pattern), hold the blocks for a decode; the params for it. Raises
+        ``Draining`` once the engine drains."""
+        self.scheduler.refuse_new()
         count = -(-len(tokens) // self.layout.block_size)
         blocks = self.pool.take(count)
         if blocks is None:
@@ -91,6 +94,7 @@ class PrefillKV:
             "requests": self.requests,
             "released": self.released,
             "side_channel_port": self.port,
+            "draining": self.scheduler.drain_state.draining,
         }
 
     def close(self) -> None:

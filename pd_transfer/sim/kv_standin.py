@@ -9,7 +9,11 @@ host or across hosts.
   *its own* prompt. The completion's first word (streamed or not) is the transfer report as compact JSON, and
   non-streamed answers also carry it as ``kv_transfer``: ``{"bytes", "ms", "pull_ms", "verified", ...}``. A failed
   pull or a mismatch answers 500 naming it; malformed params 400.
-- ``GET /control/kv``: the engine's state (blocks free and held, pulls, bytes moved).
+- ``GET /control/kv``: the engine's state (blocks free and held, pulls, bytes moved, whether it drains).
+- SIGTERM or SIGINT: a prefill drains (``SchedulerSide.drain``): ``/health`` and every new prompt are answered 503
+  with ``X-PD-Draining: 1`` (our proxy sends the prompt to another prefill), the KV it holds stays readable until
+  every lease ended (read, released or expired; at most the lease and a second), then it prints ``kv-standin
+  drained {"held_at_start": N, "left": 0, "seconds": S}`` and exits 0. A decode stops at once.
 
 ``python -m pd_transfer.sim.kv_standin --role prefill|decode --port N --side-channel-host H
 --side-channel-port N`` prints ``kv-standin ROLE URL`` once it serves.
@@ -31,7 +35,9 @@ import msgspec
 from aiohttp import web
 
 from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.connector.drain import Draining
 from pd_transfer.connector.params import InvalidTransferParams
+from pd_transfer.proxy.routing import DRAINING_HEADER
 from pd_transfer.proxy.server import REQUEST_ID
 from pd_transfer.sim.http_standin import StandIn, error_response, json_response
 from pd_transfer.sim.kv_decode import DecodeKV
@@ -77,6 +83,11 @@ class KVStandIn(StandIn):
 
     async def _control_kv(self, _request: web.Request) -> web.Response:
         return json_response({"role": self.role, "engine_id": self.engine_id, **self.engine.state()})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if isinstance(self.engine, PrefillKV) and self.engine.scheduler.drain_state.draining:
+            return web.Response(text="draining", status=503, headers={DRAINING_HEADER: "1"})
+        return await super()._health(request)
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         if not isinstance(self.engine, DecodeKV):
@@ -129,7 +140,15 @@ class KVStandIn(StandIn):
         tokens = prompt_tokens(body)
         if not tokens:
             raise web.HTTPBadRequest(text="kv-standin prefill: empty prompt")
-        return self.engine.prefill(f"{rid or 'req'}-{uuid.uuid4().hex[:8]}", tokens)
+        try:
+            return self.engine.prefill(f"{rid or 'req'}-{uuid.uuid4().hex[:8]}", tokens)
+        except Draining as refusal:  # as vLLM with DrainMiddleware answers: the proxy sends it to another prefill
+            error = {"error": {"message": str(refusal), "type": "draining", "code": 503}}
+            raise web.HTTPServiceUnavailable(
+                text=msgspec.json.encode(error).decode(),
+                content_type="application/json",
+                headers={DRAINING_HEADER: "1"},
+            ) from None
 
     def _word(self, body: dict[str, Any], i: int) -> str:
         report = _REPORT.get()
@@ -170,17 +189,31 @@ async def _serve_forever(args: argparse.Namespace) -> None:
     engine_id = args.engine_id or f"kv-standin-{args.role}-{uuid.uuid4().hex[:8]}"
     engine = await asyncio.to_thread(make_engine, args.role, engine_id, model, config, hold_window=args.hold_window)
     server = KVStandIn(args.role, engine, engine_id=engine_id, default_tokens=args.tokens, keep_bodies=False)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await server.start(args.host, args.port)
         print(f"kv-standin {args.role} {server.url}", flush=True)
-        await stop.wait()
+        await _until_signalled(engine)
+        if isinstance(engine, PrefillKV):  # the server and its steps go on while the leases end
+            outcome = await asyncio.to_thread(engine.scheduler.drain, "a stop signal")
+            print(f"kv-standin drained {msgspec.json.encode(outcome).decode()}", flush=True)
     finally:
         await server.stop()
         engine.close()
+
+
+async def _until_signalled(engine: PrefillKV | DecodeKV) -> None:
+    """Returns at the first SIGINT or SIGTERM; a prefill refuses new prompts from that moment on (its drain)."""
+    stop = asyncio.Event()
+
+    def on_signal(name: str) -> None:
+        if isinstance(engine, PrefillKV):
+            engine.scheduler.drain_state.start(f"received {name}")
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
