@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.metrics import TransferMetrics
 from pd_transfer.sim.engines import DecodeEngine, EngineSpec, PrefillEngines
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
@@ -37,6 +40,17 @@ def decode_config(**overrides: object) -> ConnectorConfig:
     }
     settings.update(overrides)
     return ConnectorConfig.from_dict(settings, env={})
+
+
+def metric_samples(metrics: TransferMetrics, name: str) -> dict[str, float]:
+    """``name``'s samples by the value of their one label, read through the Prometheus exposition format."""
+    text = generate_latest(metrics.registry).decode()
+    return {
+        next(iter(sample.labels.values())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
 
 
 @pytest.fixture(scope="session")

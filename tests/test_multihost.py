@@ -118,11 +118,12 @@ def wait_ready(server: Server, deadline: float) -> None:
 def standins(
     tmp_path: Path, specs: dict[str, tuple[dict[str, str], list[str], str | None]]
 ) -> Iterator[dict[str, Server]]:
-    """Starts every ``role: (env, args, netns)`` at once, waits until all serve, stops them all on the way out."""
+    """Starts every ``key: (env, args, netns)`` at once, waits until all serve, stops them all on the way out. A key is
+    the server's role, or ``role-name`` for more than one of a role (its log is ``key.log``)."""
     servers: dict[str, Server] = {}
     try:
-        for role, (env, args, netns) in specs.items():
-            servers[role] = start_standin(role, tmp_path / f"{role}.log", env, args, netns)
+        for key, (env, args, netns) in specs.items():
+            servers[key] = start_standin(key.split("-")[0], tmp_path / f"{key}.log", env, args, netns)
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in servers.values():
             wait_ready(server, deadline)

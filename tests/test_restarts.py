@@ -15,9 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import FINGERPRINT, decode_config, layouts
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import FINGERPRINT, decode_config, layouts, metric_samples
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
@@ -62,19 +60,8 @@ def decode(metrics: TransferMetrics) -> Iterator[DecodeEngine]:
         yield engine
 
 
-def _counts(metrics: TransferMetrics, name: str) -> dict[str, float]:
-    """``name``'s samples by their one label's value, read through the Prometheus exposition format."""
-    text = generate_latest(metrics.registry).decode()
-    return {
-        next(iter(sample.labels.values())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
-
-
 def _rehandshakes(metrics: TransferMetrics, reason: str) -> float:
-    return _counts(metrics, "pd_transfer_peer_rehandshakes_total").get(reason, 0.0)
+    return metric_samples(metrics, "pd_transfer_peer_rehandshakes_total").get(reason, 0.0)
 
 
 @pytest.mark.parametrize("new_engine_id", [True, False], ids=["new-engine-id", "same-engine-id"])
@@ -147,7 +134,7 @@ def test_pulls_during_the_outage_do_not_keep_the_restarted_prefill_out(
             f"\noutage: {failed_during_outage} loads failed during it; recovered {seconds:.2f} s after the"
             f" restarted prefill was ready ({attempt} failed attempts after)"
         )
-        failures = _counts(metrics, "pd_transfer_pull_failures_total")
+        failures = metric_samples(metrics, "pd_transfer_pull_failures_total")
         assert failures.get("handshake", 0) + failures.get("disconnected", 0) >= failed_during_outage + attempt
     finally:
         for engines in restarted:

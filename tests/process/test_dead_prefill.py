@@ -17,9 +17,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-from conftest import FINGERPRINT, decode_config, layouts
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import FINGERPRINT, decode_config, layouts, metric_samples
 
 from pd_transfer.connector.worker import LoadOutcome, WorkerSide
 from pd_transfer.metrics import TransferMetrics
@@ -34,17 +32,6 @@ def _spec(port: int = 0, seed: int = 41) -> EngineSpec:
     return EngineSpec(
         engine_id=ENGINE, layouts=layouts(FINGERPRINT, 1), num_blocks=64, seed=seed, side_channel_port=port
     )
-
-
-def _samples(metrics: TransferMetrics, name: str) -> dict[str, float]:
-    """``name``'s samples by their one label's value, read through the Prometheus exposition format."""
-    text = generate_latest(metrics.registry).decode()
-    return {
-        next(iter(sample.labels.values())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
 
 
 def _outcome(decode: DecodeEngine, request_id: str) -> LoadOutcome:
@@ -89,22 +76,22 @@ def test_a_dead_prefill_is_known_after_one_refused_attempt_and_a_restarted_one_i
         dead.kill()  # SIGKILL: its side channel and its NIXL agent are gone, nothing listens at the port
 
     # -- dead: the warm decode's read fails (peer gone), the re-handshake is refused once, the knock too
-    handshakes = _samples(warm_metrics, "pd_transfer_handshakes_total")
+    handshakes = metric_samples(warm_metrics, "pd_transfer_handshakes_total")
     _assert_recomputed(warm.receive("dec-warm", PROMPT, orphans["warm"]))
-    after = _samples(warm_metrics, "pd_transfer_handshakes_total")
+    after = metric_samples(warm_metrics, "pd_transfer_handshakes_total")
     assert after.get("timeout", 0) - handshakes.get("timeout", 0) == 1  # one failed handshake, no other
     assert after.get("ok", 0) == handshakes.get("ok", 0)
     warm_outcome = _outcome(warm, "dec-warm")
     assert warm_outcome.error.startswith("PeerDisconnected") and "1 attempt(s)" in warm_outcome.error, warm_outcome
     assert "connection refused" in warm_outcome.error
-    assert _samples(warm_metrics, "pd_transfer_pull_failures_total").get("disconnected") == 1
+    assert metric_samples(warm_metrics, "pd_transfer_pull_failures_total").get("disconnected") == 1
 
     # -- dead, first contact: the cold decode's handshake is refused once, the knock too
     _assert_recomputed(cold.receive("dec-cold", PROMPT, orphans["cold"]))
     cold_outcome = _outcome(cold, "dec-cold")
     assert cold_outcome.error.startswith("HandshakeTimeout") and "1 attempt(s)" in cold_outcome.error, cold_outcome
     assert "(connection refused)" in cold_outcome.error
-    assert _samples(cold_metrics, "pd_transfer_handshakes_total").get("timeout") == 1
+    assert metric_samples(cold_metrics, "pd_transfer_handshakes_total").get("timeout") == 1
 
     # -- restarted where it was: a new incarnation, same engine id
     with PrefillEngines([_spec(port, seed=42)]) as restarted:
@@ -122,7 +109,7 @@ def test_a_dead_prefill_is_known_after_one_refused_attempt_and_a_restarted_one_i
             got = decode.receive(f"dec-{name}", PROMPT, fresh["params"])
             assert got.ok, (got, _outcome(decode, f"dec-{name}"))
             assert received_correctly(decode.caches[0], got.local_block_ids, expected, fresh["block_ids"], PROMPT)
-        assert _samples(warm_metrics, "pd_transfer_handshakes_total").get("ok") == handshakes.get("ok", 0) + 1
+        assert metric_samples(warm_metrics, "pd_transfer_handshakes_total").get("ok") == handshakes.get("ok", 0) + 1
     print(
         f"\ndead prefill, policy applied after (load start to outcome): {warm_outcome.seconds * 1e3:.1f} ms"
         f" (the decode had read from it), {cold_outcome.seconds * 1e3:.1f} ms (first contact);"

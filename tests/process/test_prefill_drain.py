@@ -26,11 +26,10 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
 
-from test_multihost import START_TIMEOUT_S, Server, start_standin, wait_ready  # noqa: E402
+from test_multihost import Server, standins  # noqa: E402
 
 from pd_transfer.proxy.routing import DRAINING_HEADER  # noqa: E402
 from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
-from pd_transfer.sim.child import stop_process  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,20 +92,11 @@ def servers(tmp_path: Path) -> Iterator[dict[str, Server]]:
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
     env.pop("UCX_TLS", None)
     common = ["--side-channel-host", "127.0.0.1", "--lease-seconds", str(LEASE_S)]
-    started: dict[str, Server] = {}
-    try:
-        for name, role in (("a", "prefill"), ("b", "prefill"), ("d", "decode")):
-            args = [*common, "--engine-id", f"drain-{name}"]
-            started[name] = start_standin(role, tmp_path / f"{name}.log", env, args)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in started.values():
-            wait_ready(server, deadline)
-        yield started
-    finally:
-        for server in started.values():
-            if server.process.poll() is None and server.role == "decode":
-                os.kill(server.process.pid, signal.SIGCONT)  # a paused decode would not hear SIGTERM
-            stop_process(server.process, 10.0)
+    specs = {
+        key: (env, [*common, "--engine-id", f"drain-{key[-1]}"], None) for key in ("prefill-a", "prefill-b", "decode-d")
+    }
+    with standins(tmp_path, specs) as started:
+        yield {key[-1]: server for key, server in started.items()}
 
 
 def test_sigterm_to_a_prefill_holding_kv_in_the_middle_of_traffic_fails_no_request(servers: dict[str, Server]) -> None:
