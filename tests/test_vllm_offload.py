@@ -197,6 +197,7 @@ def _ask(url: str, servers: Servers, prompt: list[int], request_id: str) -> list
     return tokens_of(completion(url, servers.model, prompt, MAX_TOKENS, request_id=request_id))
 
 
+@pytest.mark.smoke
 def test_host_tier_serves_an_evicted_prefix(servers: Servers) -> None:
     prefix = _tokens(PREFIX, 1)
     prompt_a, prompt_b = prefix + _tokens(TAIL, 2), prefix + _tokens(TAIL, 3)
@@ -247,6 +248,7 @@ def test_tiers_publish_vllm_kv_events(servers: Servers) -> None:
         assert events[0].parent_block_hash is None and events[1].parent_block_hash == events[0].block_hashes[0]
 
 
+@pytest.mark.smoke
 def test_shared_directory_serves_another_server(servers: Servers) -> None:
     prefix = _tokens(PREFIX, 20)
     prompt_a, prompt_b = prefix + _tokens(TAIL, 21), prefix + _tokens(TAIL, 22)

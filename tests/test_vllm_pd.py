@@ -128,6 +128,7 @@ def _pd(servers: Servers, prompt: list[int], request_id: str) -> tuple[dict, dic
     return first, second, {"prefill_s": prefill_s, "decode_s": decode_s}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     ("length", "name"), [(50, "shorter than a block"), (BLOCK, "exactly one block"), (5 * BLOCK + 37, "six blocks")]
 )
@@ -227,6 +228,7 @@ MALFORMED: dict[str, Callable[[dict], dict]] = {
 }
 
 
+@pytest.mark.smoke
 def test_malformed_params_compute_locally_and_engine_survives(servers: Servers) -> None:
     prompt = _prompt(2 * BLOCK + 5, seed=7)
     results = {}

@@ -1,4 +1,4 @@
-"""``PdTransferConnector``: pd-transfer as a vLLM (0.32, CPU) KV connector.
+"""``PdTransferConnector``: pd-transfer as a vLLM (0.31, 0.32; CPU) KV connector.
 
 vLLM makes one connector per role: ``SCHEDULER`` (in the engine core process) wraps a
 :class:`~pd_transfer.connector.scheduler.SchedulerSide`, ``WORKER`` (one per TP rank) a
@@ -30,13 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from pd_transfer.connector.config import ConnectorConfig, FailurePolicy
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.handshake.messages import RankMetadata
 
+from .compat import CacheHitSource
 from .cpu_cache import describe_cpu_cache
 from .cpu_packing import packed_format_source
 from .engine_spin import limit_engine_spin
@@ -362,6 +362,13 @@ class PdTransferConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # the CPU backend has one layout; we describe what it gives us
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No: the workers registered vLLM's KV cache memory with NIXL and peers read it there; a sleep's remap
+        would leave them reading freed memory. (vLLM 0.33 asks, and refuses ``--enable-sleep-mode`` with this
+        connector; 0.31 and 0.32 never ask.)"""
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -1,4 +1,4 @@
-"""``PdOffloadConnector``: KV offloading (``pd_transfer.offload``) as a vLLM (0.32, CPU) KV connector.
+"""``PdOffloadConnector``: KV offloading (``pd_transfer.offload``) as a vLLM (0.31, 0.32; CPU) KV connector.
 
 Enable it with::
 
@@ -37,7 +37,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pd_transfer.offload import (
     DirectoryTier,
@@ -49,6 +48,7 @@ from pd_transfer.offload import (
     chain_block_keys,
 )
 
+from .compat import CacheHitSource
 from .connector import register_by_name
 from .logs import log_to_stderr
 from .offload_config import OffloadConfig, check_supported, layer_names, page_format, tp_size
@@ -59,7 +59,7 @@ from .offload_worker import OffloadWorkerSide, StepResults
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
@@ -357,6 +357,12 @@ class PdOffloadConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No: the workers copy blocks through views of vLLM's KV cache tensors taken at registration, which a
+        sleep's remap would leave pointing at freed memory. (vLLM 0.33 asks; 0.31 and 0.32 never ask.)"""
+        return False
 
     # ------------------------------------------------------------------ helpers
     def _step(self) -> StepJobs | None:
