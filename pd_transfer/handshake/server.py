@@ -72,7 +72,7 @@ _NONCE_REFUSALS: dict[str, str] = {
 #: Requests ZMQ queues per peer connection (ZMQ_RCVHWM; ZMQ's default is 1000). A client has one request outstanding
 #: at a time; a peer that sends more without reading replies is held back by TCP. With 1000, rounds of 50 peers each
 #: sending 400 junk frames without reading took a server from 33 MiB to 84-125 MiB in three rounds, and a vLLM engine
-#: core from 616 to 683 MiB in six (the queued frames, then the memory they had taken, kept by the allocator).
+#: core from 615 to 1,044 MiB in six (the queued frames, then the memory they had taken, kept by the allocator).
 PEER_REQUEST_QUEUE = 4
 #: Replies ZMQ queues per peer connection (ZMQ_SNDHWM): more for a peer that does not read are dropped, so it holds at
 #: most this many replies of the server's memory. Not 4: ZMQ learns what a peer has read asynchronously, and at 4 it

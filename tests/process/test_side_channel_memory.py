@@ -29,7 +29,7 @@ MiB = 2**20
 #: of 1,000 requests a peer, +21 and +31 MiB.
 FIRST_ROUND_BOUND = 16 * MiB
 #: Growth from the first round's end to the last one's: later rounds reuse what the first one's connections freed.
-#: Measured: +0.2 to +0.9 MiB; with ZMQ's default queue, +31 and +62 MiB.
+#: Measured: +0.3 to +0.7 MiB; with ZMQ's default queue, +31 and +62 MiB.
 LATER_ROUNDS_BOUND = 4 * MiB
 
 
