@@ -8,10 +8,10 @@ each round, once a real handshake has gone through.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import zmq
 
+from pd_transfer.bench.soak import rss_bytes
 from pd_transfer.handshake import HandshakeClient
 from pd_transfer.sim.handshake_server import RawPeer, ServerProcess, fake_engine, fake_fingerprint
 
@@ -31,14 +31,6 @@ FIRST_ROUND_BOUND = 16 * MiB
 #: Growth from the first round's end to the last one's: later rounds reuse what the first one's connections freed.
 #: Measured: +0.3 to +0.7 MiB; with ZMQ's default queue, +31 and +62 MiB.
 LATER_ROUNDS_BOUND = 4 * MiB
-
-
-def rss_bytes(pid: int) -> int:
-    """``VmRSS`` of ``pid`` in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def flood(port: int, rng: random.Random) -> None:
