@@ -237,11 +237,3 @@ def listening_pid(server: ManagedProcess, port: int) -> int:
         except OSError:
             continue
     raise AssertionError(f"no process of {server.name} listens on port {port}")
-
-
-def rss_bytes(pid: int) -> int:
-    """``VmRSS`` of ``pid`` in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")

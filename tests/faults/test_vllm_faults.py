@@ -42,7 +42,6 @@ from fault_kit import (  # noqa: E402
     quiet_ports,
     restart,
     resume_group,
-    rss_bytes,
     wait_until,
 )
 from vllm_servers import (  # noqa: E402
@@ -56,7 +55,7 @@ from vllm_servers import (  # noqa: E402
     vllm_server,
 )
 
-from pd_transfer.bench.soak import drive, group_rss_bytes, nonzero, proxy_process, settle  # noqa: E402
+from pd_transfer.bench.soak import drive, group_rss_bytes, nonzero, proxy_process, rss_bytes, settle  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess, stop_all  # noqa: E402
 from pd_transfer.handshake import HandshakeClient  # noqa: E402
 from pd_transfer.sim.handshake_server import RawPeer  # noqa: E402
