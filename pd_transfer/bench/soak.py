@@ -3,7 +3,8 @@ pair, then what is left over: failed requests, the held-block and in-flight gaug
 the prefill's leases by how they ended, and the resident memory of every process before and after.
 
 The load (:func:`drive`), the leftover gauges (:func:`settle`) and the memory (:func:`group_rss_bytes`) are also
-what ``tests/faults/`` uses on its own servers; :func:`run` starts a pair and the proxy for the benchmark.
+what ``tests/vllm/test_vllm_faults.py`` uses on its own servers; :func:`run` starts a pair and the proxy for the
+benchmark.
 """
 
 from __future__ import annotations
