@@ -1,76 +1,25 @@
 """vLLM's GPU cache layouts described without vLLM or a GPU: CPU tensors shaped (and strided) as the GPU backends
-hand them over, described by ``integrations/vllm_cache_layouts.py``; the regions checked field by field, the errors
-checked by their messages, and plans between such caches (TP 1 <-> 2, block 16 <-> 64, HND <-> NHD, K and V apart
-<-> together, MLA) carried out byte for byte with ``memmove`` over the planner's descriptor grids, then checked
-through each side's own description (``pd_transfer.sim.verify``, which does not use the plan)."""
+hand them over (tests/vllm_gpu_caches.py), described by ``integrations/vllm_cache_layouts.py``; the regions checked
+field by field, the errors checked by their messages, and plans between such caches (TP 1 <-> 2, block 16 <-> 64,
+HND <-> NHD, K and V apart <-> together, MLA) carried out byte for byte with ``memmove`` over the planner's
+descriptor grids (and once with the tensor copies tests/gpu uses on CUDA), then checked through each side's own
+description (``pd_transfer.sim.verify``, which does not use the plan)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import pytest
 import torch
-from topology_sim import simulate_reads
+from vllm_gpu_caches import HEAD_SIZE, HEADS, LAYERS, PAIRS, check_pair, geometry, layer_caches
 
-from pd_transfer.connector.cache import KVCache
 from pd_transfer.integrations.vllm_cache_layouts import (
     AmbiguousCacheShape,
-    CacheGeometry,
     block_rows,
     describe_cache_layout,
     infer_format,
     order_of_vllm_layout,
 )
-from pd_transfer.sim.peer import fill_pattern
-from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVRegion
-from pd_transfer.topology import PeerPlan, TopologyError, check_compatible, plane_views
-
-HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
-
-
-def geometry(block: int = 16, tp: int = 1, rank: int = 0, mla: bool = False) -> CacheGeometry:
-    return CacheGeometry("tiny", 1 if mla else HEADS, 24 if mla else HEAD_SIZE, mla, block, tp, rank)
-
-
-def layer_caches(
-    fmt: str, order: str, blocks: int, g: CacheGeometry, dtype: torch.dtype = torch.float32, vllm_layout: str = "LB"
-) -> dict[str, torch.Tensor]:
-    """``LAYERS`` tensors as the engine makes them: allocated in memory order, viewed in the format's logical order.
-    ``vllm_layout`` (paged only): ``LB`` one allocation a layer, ``BL`` layers interleaved inside each block,
-    ``BH`` heads outermost inside a block (vLLM's BHLNC)."""
-    n, h, d = g.block_size, g.local_heads, g.head_size
-    hnd = order == "HND"
-    if fmt == "paged":
-        c = d if g.use_mla else 2 * d
-        if vllm_layout == "BL":
-            raw = torch.zeros(blocks, LAYERS, *((h, n) if hnd else (n, h)), c, dtype=dtype)
-            views = [raw[:, layer] for layer in range(LAYERS)]
-        elif vllm_layout == "BH":
-            raw = torch.zeros(blocks, h, LAYERS, n, c, dtype=dtype)
-            return {f"model.layers.{layer}.attn": raw[:, :, layer] for layer in range(LAYERS)}
-        else:
-            views = [torch.zeros(blocks, *((h, n) if hnd else (n, h)), c, dtype=dtype) for _ in range(LAYERS)]
-        logical = [v if hnd else v.permute(0, 2, 1, 3) for v in views]  # [B, H, N, C]
-    elif fmt == "flash-attn":
-        logical = [
-            torch.zeros(2, blocks, h, n, d, dtype=dtype).permute(0, 1, 3, 2, 4)
-            if hnd
-            else torch.zeros(2, blocks, n, h, d, dtype=dtype)
-            for _ in range(LAYERS)
-        ]
-    elif fmt == "flashinfer":
-        logical = [
-            torch.zeros(blocks, 2, h, n, d, dtype=dtype).permute(0, 1, 3, 2, 4)
-            if hnd
-            else torch.zeros(blocks, 2, n, h, d, dtype=dtype)
-            for _ in range(LAYERS)
-        ]
-    else:
-        logical = [torch.zeros(blocks, n, d, dtype=dtype) for _ in range(LAYERS)]
-    # names out of order on purpose: regions come out by layer index
-    return {f"model.layers.{layer}.self_attn.attn": logical[layer] for layer in reversed(range(LAYERS))}
+from pd_transfer.topology import TopologyError, check_compatible
 
 
 class TestRegions:
@@ -203,73 +152,12 @@ class TestRefusals:
             check_compatible(paged, split)
 
 
-# ---------------------------------------------------------------------------------------------- mapping
-@dataclass(frozen=True)
-class Side:
-    """One engine: format, memory order, TP size, block size."""
-
-    fmt: str
-    order: str = "NHD"
-    tp: int = 1
-    block: int = 16
-    vllm_layout: str = "LB"
-    mla: bool = False
-
-
-@dataclass
-class Described:
-    """A described cache as ``topology_sim.simulate_reads`` takes it."""
-
-    cache: KVCache
-
-    @property
-    def regions(self) -> list[KVRegion]:
-        return self.cache.regions
-
-    def planes(self) -> list[torch.Tensor]:
-        return plane_views(self.cache.tensors, self.cache.regions)
-
-
-def engine(side: Side, blocks: int, dtype: torch.dtype) -> list[KVCache]:
-    caches = []
-    for rank in range(side.tp):
-        g = geometry(side.block, side.tp, rank, side.mla)
-        tensors = layer_caches(side.fmt, side.order, blocks, g, dtype, side.vllm_layout)
-        caches.append(describe_cache_layout(tensors, g, cache_format=side.fmt)[1])  # type: ignore[arg-type]
-    return caches
-
-
-PAIRS = {
-    "flash_attn_tp1_to_tp2": (Side("flash-attn"), Side("flash-attn", tp=2)),
-    "flash_attn_tp2_to_tp1": (Side("flash-attn", tp=2), Side("flash-attn")),
-    "paged_block16_to_64": (Side("paged"), Side("paged", block=64)),
-    "paged_block64_to_16": (Side("paged", block=64), Side("paged")),
-    "paged_hnd_to_nhd": (Side("paged", "HND"), Side("paged", "NHD")),
-    "paged_nhd_to_hnd_tp2": (Side("paged", "NHD", vllm_layout="BL"), Side("paged", "HND", tp=2)),
-    "flashinfer_to_flash_attn_hnd_block64": (Side("flashinfer"), Side("flash-attn", "HND", block=64)),
-    "flash_attn_hnd_tp2_block64_to_flashinfer_16": (Side("flash-attn", "HND", tp=2, block=64), Side("flashinfer")),
-    "mla_latent_block16_to_64_tp2": (Side("mla-latent", mla=True), Side("mla-latent", tp=2, block=64, mla=True)),
-    "paged_mla_block64_to_16": (Side("paged", block=64, mla=True), Side("paged", mla=True)),
-}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_plans_between_gpu_layouts_move_the_right_bytes(pair: str, dtype: torch.dtype) -> None:
-    prefill, decode = PAIRS[pair]
-    tokens, rng = 150, np.random.default_rng(len(pair))
-    remote_blocks, local_blocks = -(-tokens // prefill.block), -(-tokens // decode.block)
-    remote_ids = [int(i) for i in rng.permutation(remote_blocks + 3)[:remote_blocks]]
-    remote = engine(prefill, remote_blocks + 3, dtype)
-    for cache in remote:
-        fill_pattern(cache, seed=5)
-    for local in engine(decode, local_blocks + 3, dtype):
-        local_ids = [int(i) for i in rng.permutation(local_blocks + 3)[:local_blocks]]
-        plan = PeerPlan.build(
-            local.layout,
-            local.regions,
-            {c.layout.tp_rank: c.layout for c in remote},
-            {c.layout.tp_rank: c.regions for c in remote},
-        )
-        simulate_reads(plan, dict(enumerate(map(Described, remote))), Described(local), remote_ids, local_ids, tokens)
-        assert received_correctly(local, local_ids, remote, remote_ids, tokens)
+    check_pair(pair, dtype, "cpu", reads="memmove")
+
+
+@pytest.mark.parametrize("pair", ["paged_hnd_to_nhd", "flash_attn_hnd_tp2_block64_to_flashinfer_16"])
+def test_the_device_copies_of_the_gpu_test_carry_out_a_plan_as_memmove_does(pair: str) -> None:
+    check_pair(pair, torch.bfloat16, "cpu", reads="device")
