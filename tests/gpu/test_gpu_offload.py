@@ -1,7 +1,7 @@
 """Offload from a GPU engine: a CUDA cache's blocks go to a pinned host pool and come back, byte for byte, through
 the worker's copy stream; a store copies what the engine's kernels queued before it wrote (it waits for them on the
 device, not on the engine's thread), and a load reported done has its bytes in the cache.
-tests/unit/test_offload_device_copies.py runs the same path on CPU tensors."""
+tests/test_offload_host.py runs the same path on CPU tensors."""
 
 from __future__ import annotations
 
