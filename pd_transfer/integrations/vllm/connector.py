@@ -143,14 +143,16 @@ class PdTransferConnector(KVConnectorBase_V1):
         cache_dtype = self._vllm_config.cache_config.cache_dtype
         tp_rank = get_tp_group().rank_in_group
         device = next(iter(kv_caches.values())).device if kv_caches else None
-        if device is not None and device.type != "cpu":
+        if device is not None and device.type not in ("cpu", "cuda"):
+            raise ValueError(f"PdTransferConnector takes a KV cache on the CPU or a CUDA device, not on {device}")
+        if device is not None and device.type == "cuda":
             from .gpu_cache import describe_gpu_cache
 
             layout, cache = describe_gpu_cache(
                 kv_caches, self._vllm_config, block_size=self.block_size, tp_size=self.tp_size, tp_rank=tp_rank
             )
             packed_formats = None  # vLLM's GPU backends keep K and V plain in a (token, head)'s content
-            self._cuda_device = device if device.type == "cuda" else None
+            self._cuda_device = device
         else:
             layout, cache = describe_cpu_cache(
                 kv_caches,
