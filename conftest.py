@@ -1,7 +1,7 @@
 """The test suite's kinds: every test is marked with the folder of ``tests/`` it lives in (``unit``, ``process``,
-``vllm``, ``docker``; pyproject.toml registers them), so that ``-m`` selects a kind and nobody has to remember the
-marker. A test outside those folders is a usage error. Tests marked ``gpu`` are skipped, with the reason, where torch
-sees no CUDA device.
+``vllm``, ``docker``, ``gpu``; pyproject.toml registers them), so that ``-m`` selects a kind and nobody has to remember
+the marker. A test outside those folders is a usage error. Tests marked ``gpu`` are skipped, with the reason, where
+torch sees no CUDA device.
 
 This file sits at the repository's root, not in ``tests/``: pytest puts a conftest's folder on ``sys.path``, and with
 ``tests/`` there ``import vllm`` would find the folder ``tests/vllm`` (a namespace package) instead of failing where
@@ -17,7 +17,7 @@ import pytest
 pytest_plugins = ["exit_bound"]  # the test process must end soon after its summary
 
 TESTS = Path(__file__).resolve().parent / "tests"
-KINDS = ("unit", "process", "vllm", "docker")
+KINDS = ("unit", "process", "vllm", "docker", "gpu")
 
 
 def kind_of(path: Path) -> str | None:

@@ -101,7 +101,11 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 def _bench_topology(args: argparse.Namespace) -> int:
     from pd_transfer.bench.topology import run
 
-    result = run(quick=args.quick)
+    try:
+        result = run(quick=args.quick, device=args.device)
+    except ValueError as error:  # a --device that is not here
+        print(error, file=sys.stderr)
+        return 2
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0 if result["verified"] else 1
 
@@ -189,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     topology = which.add_parser("topology", help="heterogeneous TP and block sizes vs homogeneous")
     topology.add_argument("--json", action="store_true", help="print one JSON object")
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
+    topology.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N: the caches there, against its copy of the rows (gpu.)"
+    )
     topology.set_defaults(func=_bench_topology)
     from pd_transfer.bench import pd_tcp
 

@@ -19,8 +19,9 @@ different processes and talk only through the msgspec structs of :mod:`pd_transf
    ``abort_held`` for a held request the engine wants back early;
 4. scheduler: ``build_step_metadata``, exactly once, after scheduling; the result goes to every worker;
 5. every worker: ``start_load`` with that metadata, before the forward pass (it does not block);
-6. every worker, after the forward pass: ``step_output`` (or ``get_finished``, then ``get_failed_requests``
-   and ``get_block_ids_with_load_errors``, in that order, in the same step);
+6. every worker, after the forward pass: ``mark_step_written`` (an engine whose kernels run asynchronously, a GPU
+   engine: with an event recorded after them; others may leave it out), then ``step_output`` (or ``get_finished``, then
+   ``get_failed_requests`` and ``get_block_ids_with_load_errors``, in that order, in the same step);
 7. scheduler: ``update_connector_output`` with the workers' results aggregated over all ranks (a request is
    finished once every rank reported it: ``OutputAggregator`` in :mod:`pd_transfer.connector.worker`).
 
@@ -43,7 +44,7 @@ from .metadata import StepMetadata, TransferResults
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerSide
-    from .worker import LoadOutcome, WorkerSide
+    from .worker import LoadOutcome, StepEvent, WorkerSide
 
 
 class SchedulerContract(Protocol):
@@ -130,6 +131,11 @@ class WorkerContract(Protocol):
     @property
     def rank_metadata(self) -> RankMetadata:
         """This rank's entry for ``SchedulerContract.start_side_channel`` (its NIXL agent and regions)."""
+        ...
+
+    def mark_step_written(self, event: StepEvent | None) -> None:
+        """The step's forward ended; ``event`` completes once its kernels wrote the blocks (None: written already).
+        Blocks are exposed to readers (held) only after it completed."""
         ...
 
     def start_load(self, metadata: StepMetadata) -> None:

@@ -7,6 +7,11 @@ heartbeats go to a thread pool, so the engine step never waits on the network) a
 (``get_finished``, ``get_failed_requests``, ``get_block_ids_with_load_errors``, or all at once with
 ``step_output``). Lease expiry is swept in ``get_finished``.
 
+Ordering on a device: a GPU engine's kernels write blocks asynchronously, so the engine hands over, at the end of
+each computing step, an event recorded after them (``mark_step_written``); before a step's holds expose blocks to
+readers, ``wait_written`` waits for the latest such event (that event only, never the whole device). A CPU engine
+hands none: its blocks are written when the step returns.
+
 A pull counts as received only when every prefill rank read from confirmed that the blocks were still held
 when our ``ReadDone`` arrived, or when the read ended inside the hold window the prefill promised in its params
 (``DecodeRank.pull_confirmed``). Anything else (handshake timeout, wrong
@@ -25,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.errors import HandshakeError
@@ -53,6 +59,12 @@ class LoadOutcome:
     error: str = ""
     stats: PullStats | None = None
     seconds: float = 0.0
+
+
+class StepEvent(Protocol):
+    """What an engine records after a step's kernels (``torch.cuda.Event``): waiting on it waits for them only."""
+
+    def synchronize(self) -> None: ...
 
 
 class WorkerSide:
@@ -92,6 +104,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed: set[str] = set()
         self._closed = False
+        self._written: StepEvent | None = None  # recorded after the latest step's kernels, not yet waited for
         self.outcomes: list[LoadOutcome] = []  # every load's outcome, newest last (bounded)
 
     @property
@@ -120,8 +133,25 @@ class WorkerSide:
             return self._decode
 
     # ------------------------------------------------------------------ each step
+    def mark_step_written(self, event: StepEvent | None) -> None:
+        """The engine's step ended: ``event`` completes once the step's kernels wrote its blocks (None: they are
+        written already). Replaces the previous step's event (stream order: this one completes after it)."""
+        with self._lock:
+            self._written = event
+
+    def wait_written(self) -> None:
+        """Wait until the blocks of the last marked step are written (``event.synchronize()``: that event, never
+        the whole device); returns at once when nothing is pending. Called before holds expose blocks."""
+        with self._lock:
+            event, self._written = self._written, None
+        if event is not None:
+            event.synchronize()
+
     def start_load(self, metadata: StepMetadata) -> None:
-        """Act on a step's metadata without blocking: holds now, network work in the background."""
+        """Act on a step's metadata without blocking: holds now (after the last step's kernels finished writing
+        their blocks, :meth:`wait_written`), network work in the background."""
+        if metadata.reqs_to_hold:
+            self.wait_written()
         for request_id, block_ids in metadata.reqs_to_hold.items():
             try:
                 freed = self.prefill.hold(request_id, list(block_ids))
