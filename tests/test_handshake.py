@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from pd_transfer.handshake import (
+    PROTOCOL_VERSION,
     AuthenticationError,
     Challenge,
     EngineMetadata,
@@ -178,7 +179,7 @@ def test_unsupported_protocol_version_is_refused(plain_server: ServerProcess) ->
         with pytest.raises(HandshakeRefused) as caught:
             client.fetch(HOST, plain_server.port)
     assert caught.value.code == "unsupported_version"
-    assert "speaks protocol version 2" in caught.value.message and "this client speaks 99" in caught.value.message
+    assert f"speaks protocol version {PROTOCOL_VERSION}" in caught.value.message and "this client speaks 99" in caught.value.message
 
 
 def test_get_metadata_with_unsupported_version_is_refused(plain_server: ServerProcess) -> None:
@@ -229,7 +230,8 @@ def test_request_without_mac_is_refused_with_auth_required(secret_server: Server
     with RawPeer(HOST, secret_server.port) as raw:
         challenge = raw.request(encode(Hello()))
         assert isinstance(challenge, Challenge) and challenge.auth_required
-        reply = raw.request(encode(GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)))
+        request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+        reply = raw.request(encode(request))
     assert reply.code == "auth_required" and "prefill-secret" in reply.message  # type: ignore[union-attr]
 
 
@@ -263,8 +265,8 @@ def test_client_rejects_a_reply_with_a_bad_mac(router: tuple[zmq.Socket, int]) -
     sock, port = router
     engine = fake_engine()
     forged = [
-        encode(Challenge(1, new_nonce(), auth_required=True)),
-        encode(Metadata(1, engine, mac=reply_mac("not the secret", b"whatever", encode_engine(engine)))),
+        encode(Challenge(PROTOCOL_VERSION, new_nonce(), auth_required=True)),
+        encode(Metadata(PROTOCOL_VERSION, engine, mac=reply_mac("not the secret", b"whatever", encode_engine(engine)))),
     ]
     thread = threading.Thread(target=_scripted_server, args=(sock, forged))
     thread.start()
@@ -278,7 +280,7 @@ def test_client_rejects_a_reply_with_a_bad_mac(router: tuple[zmq.Socket, int]) -
 def test_client_rechecks_the_served_fingerprint(router: tuple[zmq.Socket, int]) -> None:
     sock, port = router
     impostor = fake_engine(fingerprint=fake_fingerprint(model="other/model"))
-    replies = [encode(Challenge(1, new_nonce(), auth_required=False)), encode(Metadata(1, impostor))]
+    replies = [encode(Challenge(PROTOCOL_VERSION, new_nonce(), auth_required=False)), encode(Metadata(PROTOCOL_VERSION, impostor))]
     thread = threading.Thread(target=_scripted_server, args=(sock, replies))
     thread.start()
     with HandshakeClient(fake_fingerprint(), retries=0) as client:
@@ -529,7 +531,7 @@ def test_nonce_expires_after_ttl() -> None:
             challenge = raw.request(encode(Hello()))
             assert isinstance(challenge, Challenge)
             now[0] = 31.0
-            request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+            request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
             request = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request))
             reply = raw.request(encode(request))
     assert reply.code == "auth_failed" and "expired" in reply.message  # type: ignore[union-attr]
@@ -539,7 +541,7 @@ def test_nonce_expires_after_ttl() -> None:
 
 
 def test_request_mac_covers_every_field() -> None:
-    request = GetMetadata(1, fake_fingerprint(), [0], new_nonce(), new_nonce())
+    request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), [0], new_nonce(), new_nonce())
     mac = get_metadata_mac(SECRET, request)
     assert verify(mac, get_metadata_mac(SECRET.encode(), request))
     changes = {
@@ -606,7 +608,7 @@ def test_a_wrong_mac_does_not_use_up_the_nonce() -> None:
     with HandshakeServer(fake_engine(), secret=SECRET) as server, RawPeer(HOST, server.port) as raw:
         challenge = raw.request(encode(Hello()))
         assert isinstance(challenge, Challenge)
-        request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+        request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
         forged = msgspec.structs.replace(request, mac=get_metadata_mac("not the secret", request))
         refused = raw.request(encode(forged))
         assert isinstance(refused, ErrorReply) and "MAC" in refused.message
@@ -648,7 +650,7 @@ def test_a_hello_flood_does_not_fail_a_slow_legitimate_handshake(secret_server: 
                 challenge = raw.request(encode(Hello()), timeout_s=10.0)
                 assert isinstance(challenge, Challenge)
                 time.sleep(0.2)  # a slow client (not synchronisation): the flood runs between its two messages
-                request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+                request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
                 request = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request))
                 outcomes.append(type(raw.request(encode(request), timeout_s=10.0)).__name__)
     finally:
