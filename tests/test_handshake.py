@@ -179,7 +179,10 @@ def test_unsupported_protocol_version_is_refused(plain_server: ServerProcess) ->
         with pytest.raises(HandshakeRefused) as caught:
             client.fetch(HOST, plain_server.port)
     assert caught.value.code == "unsupported_version"
-    assert f"speaks protocol version {PROTOCOL_VERSION}" in caught.value.message and "this client speaks 99" in caught.value.message
+    assert (
+        f"speaks protocol version {PROTOCOL_VERSION}" in caught.value.message
+        and "this client speaks 99" in caught.value.message
+    )
 
 
 def test_get_metadata_with_unsupported_version_is_refused(plain_server: ServerProcess) -> None:
@@ -280,7 +283,10 @@ def test_client_rejects_a_reply_with_a_bad_mac(router: tuple[zmq.Socket, int]) -
 def test_client_rechecks_the_served_fingerprint(router: tuple[zmq.Socket, int]) -> None:
     sock, port = router
     impostor = fake_engine(fingerprint=fake_fingerprint(model="other/model"))
-    replies = [encode(Challenge(PROTOCOL_VERSION, new_nonce(), auth_required=False)), encode(Metadata(PROTOCOL_VERSION, impostor))]
+    replies = [
+        encode(Challenge(PROTOCOL_VERSION, new_nonce(), auth_required=False)),
+        encode(Metadata(PROTOCOL_VERSION, impostor)),
+    ]
     thread = threading.Thread(target=_scripted_server, args=(sock, replies))
     thread.start()
     with HandshakeClient(fake_fingerprint(), retries=0) as client:

@@ -272,9 +272,15 @@ def test_oversized_fields_are_refused_small_and_never_echoed_whole(
 ) -> None:
     """Before: 1.5 million tp_ranks made an 11.8 MB reply and log line, and a 6 MB model name came back whole.
     Frames that large are now dropped by ZMQ (test_oversized_frame_is_dropped_by_zmq); these fit in a request."""
-    many_ranks = {"type": "get_metadata", "protocol_version": PROTOCOL_VERSION, "fingerprint": msgspec.to_builtins(fake_fingerprint())}
+    many_ranks = {
+        "type": "get_metadata",
+        "protocol_version": PROTOCOL_VERSION,
+        "fingerprint": msgspec.to_builtins(fake_fingerprint()),
+    }
     many_ranks |= {"tp_ranks": list(range(10_000)), "client_nonce": b"", "server_nonce": b""}
-    long_name = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(model="m" * 50_000), None, b"", b"")  # larger frames: dropped by ZMQ
+    long_name = GetMetadata(
+        PROTOCOL_VERSION, fake_fingerprint(model="m" * 50_000), None, b"", b""
+    )  # larger frames: dropped by ZMQ
     near_limit = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(model="x" * 4000), list(range(MAX_TP_RANKS)), b"", b"")
     with caplog.at_level(logging.DEBUG, logger="pd_transfer.handshake"):
         for frame in (msgspec.msgpack.encode(many_ranks), encode(long_name), encode(near_limit)):

@@ -241,7 +241,11 @@ class DecodeRank:
 
     def one_unit_read_latencies(self, host: str, port: int, samples: int) -> list[float]:
         """Post-to-done seconds of ``samples`` one-row reads (one plane block when the plan reads whole
-        blocks) from the first source rank, into scratch memory: the cache is not touched."""
+        blocks) from the first source rank, into scratch memory: the cache is not touched. For an engine opened
+        through IPC, one-row copies, each queued and waited for."""
+        remote = self.remotes.connect(host, port)
+        if remote.ipc is not None:
+            return self.ipc_reader.unit_copy_latencies(remote, samples)
         return self.remotes.one_unit_read_latencies(host, port, samples)
 
     def push_ready(self, host: str, port: int, timeout_s: float) -> bool:

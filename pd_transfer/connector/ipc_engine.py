@@ -15,7 +15,7 @@ gather and a scatter; the chunk indices of the whole request go to the device in
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ from pd_transfer.topology import PeerPlan, SourcePlan
 
 from .cache import KVCache
 from .ipc_choice import Transport
-from .ipc_handles import IpcUnavailable, open_segments
+from .ipc_handles import IpcUnavailable, OwnerWatch, open_segments
 
 _ELEMENT_TYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -162,8 +162,9 @@ class ChunkCopy:
             self.target.index_copy_(0, target, self.source.index_select(0, source))
 
 
-def run_copies(copies: Sequence[ChunkCopy], device: torch.device) -> None:
-    """Queue ``copies`` on the current stream, their chunk indices (where a side is not one run) uploaded at once."""
+def run_copies(copies: Sequence[ChunkCopy], upload: Callable[[np.ndarray], torch.Tensor]) -> None:
+    """Queue ``copies`` on the current stream, their chunk indices (where a side is not one run) put on the copies'
+    device at once by ``upload`` (int64 array -> tensor)."""
     wanted: list[np.ndarray] = []
     sides: list[list[int | None]] = []  # per copy, (source, target): a run's first chunk, or None: indexed
     for copy in copies:
@@ -174,7 +175,7 @@ def run_copies(copies: Sequence[ChunkCopy], device: torch.device) -> None:
         sides.append(runs)
     uploaded: list[torch.Tensor] = []
     if wanted:
-        flat = torch.from_numpy(np.concatenate(wanted)).to(device)
+        flat = upload(np.concatenate(wanted))
         uploaded = list(torch.split(flat, [len(part) for part in wanted]))
     indices = iter(uploaded)
     for copy, (source, target) in zip(copies, sides, strict=True):
@@ -182,35 +183,52 @@ def run_copies(copies: Sequence[ChunkCopy], device: torch.device) -> None:
 
 
 class IpcEngine:
-    """A prefill engine's memory opened through IPC, one :class:`IpcSource` per source of the plan (in its order).
-    ``close`` drops every opened segment (the handles close once no copy holds them any more)."""
+    """A prefill engine's memory opened through IPC, one :class:`IpcSource` per source of the plan (in its order),
+    and a watch on each source's process (``owners``). ``close`` drops every opened segment (the handles close once
+    no copy holds them any more)."""
 
-    def __init__(self, transport: Transport, sources: list[IpcSource]) -> None:
+    def __init__(self, transport: Transport, sources: list[IpcSource], owners: list[OwnerWatch]) -> None:
         self.transport = transport
         self.sources = sources
+        self.owners = owners
+
+    def owner_exited(self) -> bool:
+        """Whether a process whose memory is open here exited (its memory is then stale: the engine restarted or
+        died)."""
+        return any(owner.exited() for owner in self.owners)
 
     @classmethod
     def open(cls, transport: Transport, engine: EngineMetadata, plan: PeerPlan, cache: KVCache) -> IpcEngine:
         """Open the segments of each rank ``plan`` reads and map its grids; ``IpcUnavailable`` if that fails."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
         local = _storages(cache)
-        sources = []
-        for source in plan.sources:
-            offer = by_rank[source.remote_rank].ipc
-            if offer is None:
-                raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no IPC")
-            opened = open_segments(offer, cache.place)
-            bases = [segment.base_address for segment in offer.segments]
-            sources.append(IpcSource.open(opened, bases, source, local))
-        return cls(transport, sources)
+        sources: list[IpcSource] = []
+        owners: list[OwnerWatch] = []
+        try:
+            for source in plan.sources:
+                offer = by_rank[source.remote_rank].ipc
+                if offer is None:
+                    raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no IPC")
+                owners.append(OwnerWatch(offer.pid))
+                opened = open_segments(offer, cache.place)
+                bases = [segment.base_address for segment in offer.segments]
+                sources.append(IpcSource.open(opened, bases, source, local))
+        except BaseException:
+            for owner in owners:
+                owner.close()
+            raise
+        return cls(transport, sources, owners)
 
     @property
     def closed(self) -> bool:
         return not self.sources
 
     def close(self) -> None:
-        """Drop the opened segments (idempotent)."""
+        """Drop the opened segments and the watches (idempotent)."""
         self.sources = []
+        owners, self.owners = self.owners, []
+        for owner in owners:
+            owner.close()
 
 
 def _storages(cache: KVCache) -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import select
 import threading
 import warnings
 import weakref
@@ -127,7 +128,7 @@ def export_cache(tensors: Sequence[torch.Tensor], regions: Sequence[KVRegion]) -
             segments = [_cuda_segment(storage, place.device_index) for storage in storages]
     except IpcUnavailable as error:
         return None, str(error)
-    return RankIpc(boot_id=boot_id, segments=segments), ""
+    return RankIpc(boot_id=boot_id, pid=os.getpid(), segments=segments), ""
 
 
 def _distinct_storages(tensors: Sequence[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -216,6 +217,31 @@ def gpu_reach(local_index: int, remote_uuid: str) -> str:
 
 
 # ---------------------------------------------------------------------------- opening (the reader)
+
+
+class OwnerWatch:
+    """Whether the process that offered some memory is still running: a pidfd of it where this process can open
+    one (the same pid namespace), else unknown. ``close`` releases the pidfd."""
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            self._fd = None
+
+    def exited(self) -> bool:
+        """True once the owner exited (False while it runs, or when that cannot be told)."""
+        fd = self._fd
+        if fd is None:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def open_segments(ipc: RankIpc, local: MemoryPlace) -> list[torch.Tensor]:

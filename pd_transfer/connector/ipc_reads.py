@@ -11,17 +11,20 @@ complete. Host caches (in shareable memory) take the same path, synchronously: t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pd_transfer.spec import MemoryPlace
+from pd_transfer.transfer.errors import PeerDisconnected
 
 from .cache import KVCache
-from .ipc_engine import run_copies
+from .ipc_engine import IpcSource, run_copies
 from .ipc_handles import IpcUnavailable
 from .pull_request import PullRequest
 from .reads import ReadTotals
@@ -33,27 +36,43 @@ if TYPE_CHECKING:
 
 
 class CopyStream:
-    """Where a rank's IPC copies run: for a GPU cache, a CUDA stream of its own (work queued on it, then an event
-    recorded after it and waited for); for host memory, the calling thread (everything is done when queued)."""
+    """Where a rank's IPC copies run, one block of work at a time: for a GPU cache, a CUDA stream of its own (work
+    queued on it, then an event recorded after it and waited for; indices go up through a pinned buffer); for host
+    memory, the calling thread (everything is done when queued)."""
 
     def __init__(self, place: MemoryPlace) -> None:
         self.device = torch.device("cpu") if place.is_host else torch.device("cuda", place.device_index)
         self._stream: torch.cuda.Stream | None = None if place.is_host else torch.cuda.Stream(device=self.device)
+        self._lock = threading.Lock()
+        self._pinned = torch.empty(0, dtype=torch.int64)
 
     @contextmanager
     def running(self) -> Iterator[None]:
         """Queue the block's work on the stream; on leaving (also by an exception), wait until it completed."""
-        stream = self._stream
-        if stream is None:
-            yield
-            return
-        with torch.cuda.stream(stream):
-            try:
+        with self._lock:
+            stream = self._stream
+            if stream is None:
                 yield
-            finally:
-                done = torch.cuda.Event()
-                done.record(stream)
-                done.synchronize()
+                return
+            with torch.cuda.stream(stream):
+                try:
+                    yield
+                finally:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    done.synchronize()
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` (int64) on the stream's device; inside :meth:`running` (the pinned buffer is reused once the
+        block's work completed)."""
+        host = torch.from_numpy(values)
+        if self._stream is None:
+            return host
+        if self._pinned.numel() < len(values):
+            self._pinned = torch.empty(max(len(values), 2 * self._pinned.numel()), dtype=torch.int64).pin_memory()
+        staged = self._pinned[: len(values)]
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
 
 
 class IpcReader:
@@ -72,20 +91,19 @@ class IpcReader:
         self.cache = cache
         self.planes = planes
         self._done_message = done_message
-        self._stream: CopyStream | None = None  # made on first use (a GPU cache's stream needs CUDA)
+        self.stream = CopyStream(cache.place)
 
     def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
         """Copy ``request`` from ``remote`` (connected through IPC), fix it up, wait for it, tell the prefill ranks.
         Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
-        ``IpcUnavailable``."""
+        ``IpcUnavailable``; an engine one of whose processes exited ``PeerDisconnected`` (as a NIXL read of it
+        would: the decode then looks for a new incarnation at its address)."""
         rows = [
             plan.indices(request.remote_block_ids, request.local_block_ids, request.num_tokens)
             for plan in remote.plan.sources
         ]
-        sources = [] if remote.ipc is None else remote.ipc.sources  # held here: a forget meanwhile drops only its own
-        if not sources:
-            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not connected through IPC (any more)")
-        stream = self._copy_stream()
+        sources = self._sources(remote)
+        stream = self.stream
         started = time.perf_counter()
         with stream.running():
             copies = [
@@ -93,7 +111,7 @@ class IpcReader:
                 for source, (mine, theirs) in zip(sources, rows, strict=True)
                 for copy in source.copies(mine, theirs)
             ]
-            run_copies(copies, stream.device)
+            run_copies(copies, stream.upload)
             copied = time.perf_counter()
             postprocess = remote.plan.postprocess
             if postprocess is not None:
@@ -110,7 +128,29 @@ class IpcReader:
             postprocess_exposed_seconds=fixup,
         )
 
-    def _copy_stream(self) -> CopyStream:
-        if self._stream is None:
-            self._stream = CopyStream(self.cache.place)
-        return self._stream
+    def unit_copy_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
+        """Seconds of ``samples`` copies of the first source's remote row 0 (one unit: a plane block when the plan
+        moves whole blocks) into scratch memory, each queued and waited for: the cache is not touched."""
+        source = self._sources(remote)[0]
+        first = int(source.remote_rows.chunk[0])
+        segment = source.remote_segments[int(source.remote_rows.segment[0])]
+        row = segment[first : first + source.chunks_per_row]
+        scratch = torch.empty_like(row)
+        seconds = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            with self.stream.running():
+                scratch.copy_(row)
+            seconds.append(time.perf_counter() - started)
+        return seconds
+
+    @staticmethod
+    def _sources(remote: RemoteEngine) -> list[IpcSource]:
+        """``remote``'s opened sources (held by the caller: a forget meanwhile drops only the engine's list)."""
+        ipc = remote.ipc
+        sources = [] if ipc is None else ipc.sources
+        if ipc is None or not sources:
+            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not connected through IPC (any more)")
+        if ipc.owner_exited():
+            raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process whose memory is open exited")
+        return sources
