@@ -14,6 +14,7 @@ gather and a scatter; the chunk indices of the whole request go to the device in
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -123,6 +124,13 @@ def _chunks(segment: torch.Tensor, chunk: int, element: int, dtype: torch.dtype)
     return segment[: count * chunk].view(dtype).view(count, chunk // element)
 
 
+#: A group's rows are copied run by run (slices where both sides advance together) when it has at most this many
+#: runs, or its runs average at least ``_RUN_BYTES``: each slice copy costs a launch (a few microseconds on a GPU),
+#: a gather and a scatter cost a second pass over the bytes.
+_FEW_RUNS = 4
+_RUN_BYTES = 1 << 20
+
+
 @dataclass
 class ChunkCopy:
     """Rows of ``chunks_per_row`` chunks from ``source`` (starting at ``source_chunks``) to ``target``."""
@@ -136,6 +144,24 @@ class ChunkCopy:
     @property
     def chunks(self) -> int:
         return len(self.source_chunks) * self.chunks_per_row
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunks * self.target.shape[1] * self.target.element_size()
+
+    def runs(self) -> list[tuple[int, int, int]] | None:
+        """(source chunk, target chunk, chunks) of each run of rows consecutive on both sides, when copying run by
+        run pays (few runs, or long ones); else None."""
+        step = self.chunks_per_row
+        breaks = np.flatnonzero((np.diff(self.source_chunks) != step) | (np.diff(self.target_chunks) != step)) + 1
+        count = len(breaks) + 1
+        if count > _FEW_RUNS and self.nbytes < count * _RUN_BYTES:
+            return None
+        edges = [0, *breaks.tolist(), len(self.source_chunks)]
+        return [
+            (int(self.source_chunks[a]), int(self.target_chunks[a]), (b - a) * step)
+            for a, b in itertools.pairwise(edges)
+        ]
 
     def run_start(self, starts: np.ndarray) -> int | None:
         """The first chunk when rows ``starts`` are one run of consecutive chunks, else None."""
@@ -163,22 +189,29 @@ class ChunkCopy:
 
 
 def run_copies(copies: Sequence[ChunkCopy], upload: Callable[[np.ndarray], torch.Tensor]) -> None:
-    """Queue ``copies`` on the current stream, their chunk indices (where a side is not one run) put on the copies'
-    device at once by ``upload`` (int64 array -> tensor)."""
+    """Queue ``copies`` on the current stream: run by run where that pays, else by chunk indices (for a side that
+    is not one run), which ``upload`` (int64 array -> tensor) puts on the copies' device at once."""
     wanted: list[np.ndarray] = []
-    sides: list[list[int | None]] = []  # per copy, (source, target): a run's first chunk, or None: indexed
+    sides: list[list[int | None]] = []  # per indexed copy, (source, target): a run's first chunk, or None: indexed
+    indexed: list[ChunkCopy] = []
     for copy in copies:
-        runs = [copy.run_start(copy.source_chunks), copy.run_start(copy.target_chunks)]
-        for start, chunks in zip(runs, (copy.source_chunks, copy.target_chunks), strict=True):
+        runs = copy.runs()
+        if runs is not None:
+            for first, into, count in runs:
+                copy.target[into : into + count].copy_(copy.source[first : first + count])
+            continue
+        starts = [copy.run_start(copy.source_chunks), copy.run_start(copy.target_chunks)]
+        for start, chunks in zip(starts, (copy.source_chunks, copy.target_chunks), strict=True):
             if start is None:
                 wanted.append(copy.indices(chunks))
-        sides.append(runs)
+        sides.append(starts)
+        indexed.append(copy)
     uploaded: list[torch.Tensor] = []
     if wanted:
         flat = upload(np.concatenate(wanted))
         uploaded = list(torch.split(flat, [len(part) for part in wanted]))
     indices = iter(uploaded)
-    for copy, (source, target) in zip(copies, sides, strict=True):
+    for copy, (source, target) in zip(indexed, sides, strict=True):
         copy.run(next(indices) if source is None else source, next(indices) if target is None else target)
 
 

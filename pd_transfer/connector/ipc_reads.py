@@ -121,7 +121,7 @@ class IpcReader:
             self.agent.notify(source.peer, self._done_message(request.request_id, source))
         fixup = done - copied if stream.device.type == "cpu" else 0.0  # on a GPU both are queued, then waited for
         return ReadTotals(
-            bytes=sum(copy.chunks * copy.target.shape[1] * copy.target.element_size() for copy in copies),
+            bytes=sum(copy.nbytes for copy in copies),
             descriptors=sum(len(local) for local, _ in rows),
             read_seconds=done - started - fixup,
             postprocess_seconds=fixup,
