@@ -215,7 +215,7 @@ def _read_way(seconds: list[float], cpus: list[float], num_bytes: int, raw_gbps:
     }
 
 
-def _one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
+def one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
     """Seconds of ``samples`` pulls of one held block each (the hold, a round trip to the prefill, not counted)."""
     seconds = []
     for index in range(samples):
@@ -287,7 +287,7 @@ def run(
             }
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
             latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
-            pulls = _one_block_pulls(decode, prefill, shape.block_size, samples=100)
+            pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
             prefill.request("release", _LEASE)  # idle: nothing held
             # idle: both sides at once, the decode measured in this process
             prefill.send("idle_cpu", idle_seconds)

@@ -23,14 +23,14 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.ipc_engine import IpcSource, run_copies
+from pd_transfer.connector.ipc_engine import IpcSource, run_copies, storages
 from pd_transfer.connector.remote_engines import RemoteEngine
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.baseline import RawNixlReader
 
-from .transfer import Shape
+from .transfer import Shape, one_block_pulls
 
 _LEASE = "bench-device-lease"
 _RAW_NIXL_REPEATS = 2  # VRAM over NIXL crawls where UCX emulates the read (0.5 GB/s measured): two reads suffice
@@ -49,16 +49,6 @@ def _synchronized(device: torch.device, call: Callable[[], object]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
-
-
-def storages(cache: KVCache) -> list[torch.Tensor]:
-    """``cache``'s storages as uint8 tensors of their bytes, each once."""
-    found: dict[int, torch.Tensor] = {}
-    for tensor in cache.tensors:
-        storage = tensor.untyped_storage()
-        whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-        found.setdefault(storage.data_ptr(), whole.set_(storage, 0, (storage.nbytes(),), (1,)))
-    return list(found.values())
 
 
 def device_copy_seconds(
@@ -183,18 +173,6 @@ def _copy_rate_gbps(device: torch.device, nbytes: int, repeats: int = 5) -> floa
     return nbytes / statistics.median(seconds) / 2**30
 
 
-def _one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
-    """Seconds of ``samples`` pulls of one held block each (the hold, a round trip to the prefill, not counted)."""
-    seconds = []
-    for index in range(samples):
-        request_id = f"bench-device-one-block-{index}"
-        prefill.request("hold", request_id, [index % 2])
-        started = time.perf_counter()
-        decode.pull(request_id, prefill.host, prefill.port, [index % 2], [index % 2], block_size)
-        seconds.append(time.perf_counter() - started)
-    return seconds
-
-
 def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7) -> dict:
     """The whole benchmark on ``device`` ("cuda", "cuda:N" or "cpu"); returns the JSON-ready ``gpu`` section."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -233,7 +211,7 @@ def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7) -> dict:
                 for name, ids in (("contiguous", contiguous), ("scattered", scattered))
             }
             latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
-            pulls = _one_block_pulls(decode, prefill, shape.block_size, samples=100)
+            pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
             prefill.request("release", _LEASE)
         finally:
             decode.close()

@@ -234,7 +234,7 @@ class IpcEngine:
     def open(cls, transport: Transport, engine: EngineMetadata, plan: PeerPlan, cache: KVCache) -> IpcEngine:
         """Open the segments of each rank ``plan`` reads and map its grids; ``IpcUnavailable`` if that fails."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
-        local = _storages(cache)
+        local = storages(cache)
         sources: list[IpcSource] = []
         owners: list[OwnerWatch] = []
         try:
@@ -264,7 +264,7 @@ class IpcEngine:
             owner.close()
 
 
-def _storages(cache: KVCache) -> list[torch.Tensor]:
+def storages(cache: KVCache) -> list[torch.Tensor]:
     """The storages behind ``cache``'s tensors, each once, as uint8 tensors of their bytes."""
     found: dict[int, torch.Tensor] = {}
     for tensor in cache.tensors:

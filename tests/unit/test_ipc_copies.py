@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.ipc_engine import IpcSource, locate, run_copies
+from pd_transfer.connector.ipc_engine import IpcSource, locate, run_copies, storages
 from pd_transfer.connector.ipc_handles import IpcUnavailable
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
@@ -29,15 +29,6 @@ def layout(tp: int, rank: int, block_size: int, kv_layout: str = "HND") -> KVCac
         block_size=block_size,
         layout=kv_layout,  # type: ignore[arg-type]
     )
-
-
-def storages(cache: KVCache) -> list[torch.Tensor]:
-    """The cache's storages as uint8 tensors, as :class:`IpcEngine` sees its own."""
-    seen: dict[int, torch.Tensor] = {}
-    for tensor in cache.tensors:
-        storage = tensor.untyped_storage()
-        seen.setdefault(storage.data_ptr(), torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
-    return list(seen.values())
 
 
 def copy_request(
