@@ -227,6 +227,18 @@ def one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int
     return seconds
 
 
+def request_ids(shape: Shape, seed: int) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """The (remote, local) block ids of the contiguous request and of the scattered one (shuffled, distinct)."""
+    rng = np.random.default_rng(seed)
+    n = shape.request_blocks
+    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
+    scattered = (
+        sorted(rng.choice(shape.cache_blocks, n, replace=False).tolist(), key=lambda _: rng.random()),
+        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
+    )
+    return contiguous, scattered
+
+
 def run(
     shape: Shape = Shape(),
     *,
@@ -248,13 +260,7 @@ def run(
         seed=seed,
         **(prefill_options or {}),  # type: ignore[arg-type]
     )
-    rng = np.random.default_rng(seed)
-    n = shape.request_blocks
-    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
-    scattered = (
-        sorted(rng.choice(shape.cache_blocks, n, replace=False).tolist(), key=lambda _: rng.random()),
-        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
-    )
+    contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
         expected = spec.caches()
         decode = DecodeRank("bench-decode", KVCache.allocate(layout, shape.cache_blocks), read_lanes=read_lanes)

@@ -30,7 +30,7 @@ from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.baseline import RawNixlReader
 
-from .transfer import Shape, one_block_pulls
+from .transfer import Shape, one_block_pulls, request_ids
 
 _LEASE = "bench-device-lease"
 _RAW_NIXL_REPEATS = 2  # VRAM over NIXL crawls where UCX emulates the read (0.5 GB/s measured): two reads suffice
@@ -189,13 +189,7 @@ def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7) -> dict:
         device=str(where),
         shareable=where.type == "cpu",
     )
-    rng = np.random.default_rng(seed)
-    n = shape.request_blocks
-    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
-    scattered = (
-        rng.permutation(shape.cache_blocks)[:n].tolist(),
-        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
-    )
+    contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
         (expected,) = spec.caches()
         cache = KVCache.allocate(layout, shape.cache_blocks, device=where)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
@@ -35,13 +36,7 @@ TOKENS = 300  # not a multiple of either block size
 
 
 def layout(block_size: int = 16, tp: int = 1, rank: int = 0, kv_layout: str = "HND") -> KVCacheLayout:
-    return KVCacheLayout(
-        fingerprint=FINGERPRINT,
-        tp_size=tp,
-        tp_rank=rank,
-        block_size=block_size,
-        layout=kv_layout,  # type: ignore[arg-type]
-    )
+    return kv_layout_of(FINGERPRINT, block_size, tp, rank, kv_layout)
 
 
 PREFILLS = {

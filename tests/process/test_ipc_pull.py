@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import kv_layout as kv_layout_of
 from prometheus_client import generate_latest
 
 from pd_transfer.connector.cache import KVCache
@@ -37,13 +38,7 @@ TOKENS = 100
 
 
 def layout(block_size: int = 16, tp: int = 1, rank: int = 0, kv_layout: str = "HND") -> KVCacheLayout:
-    return KVCacheLayout(
-        fingerprint=FINGERPRINT,
-        tp_size=tp,
-        tp_rank=rank,
-        block_size=block_size,
-        layout=kv_layout,  # type: ignore[arg-type]
-    )
+    return kv_layout_of(FINGERPRINT, block_size, tp, rank, kv_layout)
 
 
 def spec(engine_id: str, *, tp: int = 1, shareable: bool = True, port: int = 0, seed: int = 7) -> PrefillSpec:

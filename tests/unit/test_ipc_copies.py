@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.ipc_engine import IpcSource, locate, run_copies, storages
@@ -22,13 +23,7 @@ BLOCKS = 24
 
 
 def layout(tp: int, rank: int, block_size: int, kv_layout: str = "HND") -> KVCacheLayout:
-    return KVCacheLayout(
-        fingerprint=FINGERPRINT,
-        tp_size=tp,
-        tp_rank=rank,
-        block_size=block_size,
-        layout=kv_layout,  # type: ignore[arg-type]
-    )
+    return kv_layout_of(FINGERPRINT, block_size, tp, rank, kv_layout)
 
 
 def copy_request(
