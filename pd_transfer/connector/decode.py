@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NoReturn
 
 from pd_transfer.handshake.client import HandshakeClient
@@ -47,10 +47,10 @@ from . import messages
 from .cache import KVCache
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
-from .ipc_choice import Transport, TransportSetting
+from .ipc_choice import TransportSetting
 from .ipc_reads import IpcReader
 from .params import incarnation_token
-from .pull_request import PullRequest
+from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .reader_reports import ReaderReports
 from .reads import BlockReader, ReadTotals
@@ -66,44 +66,6 @@ _WINDOW_READ_ALLOWANCE_S = 0.5  # a read relies on the hold window only if this 
 def engine_incarnation(remote: RemoteEngine) -> str:
     """The incarnation token (``remote_incarnation``) of the engine ``remote`` connects to."""
     return incarnation_token(rank.agent_name for rank in sorted(remote.engine.ranks, key=lambda r: r.tp_rank))
-
-
-@dataclass(frozen=True)
-class PullStats:
-    """What one request's pull moved (bytes, seconds) and how."""
-
-    request_id: str
-    bytes: int
-    descriptors: int  # rows posted, before NIXL merges adjacent ones
-    read_seconds: float  # first post to last DONE
-    postprocess_seconds: float  # fixing layouts up, summed over plane groups (overlaps the reads)
-    postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
-    seconds: float  # whole pull, handshake excluded when cached
-    connect_seconds: float = 0.0  # reaching the engine: handshake, NIXL peers and warm-up on first contact, else ~0
-    confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
-    pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
-    pushed_bytes: int = 0  # of ``bytes``, what they wrote
-    transport: Transport = "nixl"  # what moved it: NIXL, or same-host IPC ("cuda_ipc", "host_ipc")
-
-    @classmethod
-    def of(cls, request_id: str, totals: ReadTotals, seconds: float) -> PullStats:
-        """The stats of a pull of ``seconds`` whose reads moved ``totals``."""
-        return cls(
-            request_id=request_id,
-            bytes=totals.bytes,
-            descriptors=totals.descriptors,
-            read_seconds=totals.read_seconds,
-            postprocess_seconds=totals.postprocess_seconds,
-            postprocess_exposed_seconds=totals.postprocess_exposed_seconds,
-            seconds=seconds,
-            pushed_peers=totals.pushed_peers,
-            pushed_bytes=totals.pushed_bytes,
-        )
-
-    @property
-    def gbps(self) -> float:
-        """GiB/s over the whole pull."""
-        return self.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
 
 
 class DecodeRank:
