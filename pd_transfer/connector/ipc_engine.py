@@ -7,9 +7,10 @@ the row length (``unit_bytes``), so each segment is viewed as a (chunks, chunk) 
 its alignment allows) and a row is ``unit_bytes / chunk`` consecutive chunks of it (one, for whole plane blocks).
 
 **Copying** (:meth:`IpcSource.copies`, :func:`run_copies`): a request's rows grouped by (remote segment, local
-segment), one copy per group, never one per block: a slice copy where both sides' rows are one run, a gather straight
-into place (``index_select`` into a slice) or a scatter from a slice (``index_copy_``) where one side is, else a
-gather and a scatter; the chunk indices of the whole request go to the device in one upload.
+segment), one copy per group, never one per block: slice copies where the rows make few runs, or long ones,
+consecutive on both sides (a plane's blocks in a row, say), else a gather straight into place (``index_select`` into
+a slice) or a scatter from a slice (``index_copy_``) where one side is one run, else a gather and a scatter; the
+chunk indices of the whole request go to the device in one upload.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ class IpcEngine:
                 offer = by_rank[source.remote_rank].ipc
                 if offer is None:
                     raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no IPC")
-                owners.append(OwnerWatch(offer.pid))
+                owners.append(OwnerWatch(offer))
                 opened = open_segments(offer, cache.place)
                 bases = [segment.base_address for segment in offer.segments]
                 sources.append(IpcSource.open(opened, bases, source, local))

@@ -128,7 +128,15 @@ def export_cache(tensors: Sequence[torch.Tensor], regions: Sequence[KVRegion]) -
             segments = [_cuda_segment(storage, place.device_index) for storage in storages]
     except IpcUnavailable as error:
         return None, str(error)
-    return RankIpc(boot_id=boot_id, pid=os.getpid(), segments=segments), ""
+    return RankIpc(boot_id=boot_id, pid=os.getpid(), pid_namespace=pid_namespace(), segments=segments), ""
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where it cannot be read): equal in processes that share one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _distinct_storages(tensors: Sequence[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -220,14 +228,16 @@ def gpu_reach(local_index: int, remote_uuid: str) -> str:
 
 
 class OwnerWatch:
-    """Whether the process that offered some memory is still running: a pidfd of it where this process can open
-    one (the same pid namespace), else unknown. ``close`` releases the pidfd."""
+    """Whether the process that offered some memory (``offer``) is still running: a pidfd of it where we share its
+    pid namespace (elsewhere its pid may name another process), else unknown. ``close`` releases the pidfd."""
 
-    def __init__(self, pid: int) -> None:
-        try:
-            self._fd: int | None = os.pidfd_open(pid)
-        except (OSError, AttributeError):
-            self._fd = None
+    def __init__(self, offer: RankIpc) -> None:
+        self._fd: int | None = None
+        if offer.pid_namespace and offer.pid_namespace == pid_namespace():
+            try:
+                self._fd = os.pidfd_open(offer.pid)
+            except (OSError, AttributeError):
+                self._fd = None
 
     def exited(self) -> bool:
         """True once the owner exited (False while it runs, or when that cannot be told)."""

@@ -97,11 +97,12 @@ class HostSegment(msgspec.Struct, tag="memfd", frozen=True, forbid_unknown_field
 
 class RankIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Version 3: a rank's cache memory, offered for same-host IPC: the owner's host (``boot_id``) and process
-    (``pid``, by which a reader in its pid namespace notices it exited), and a segment per shared allocation, each
-    covering whole regions."""
+    (``pid`` in the pid namespace ``pid_namespace``, the inode of its ``/proc/self/ns/pid``: a reader in the same
+    namespace notices it exited), and a segment per shared allocation, each covering whole regions."""
 
     boot_id: ShortName
     pid: Count
+    pid_namespace: Count
     segments: Annotated[list[Union[CudaSegment, HostSegment]], msgspec.Meta(max_length=MAX_REGIONS)]
 
 

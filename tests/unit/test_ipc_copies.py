@@ -5,6 +5,8 @@ give them; tests/process opens them in another process, tests/gpu on a GPU.)"""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,8 @@ from conftest import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.ipc_engine import IpcSource, locate, run_copies, storages
-from pd_transfer.connector.ipc_handles import IpcUnavailable
+from pd_transfer.connector.ipc_handles import IpcUnavailable, OwnerWatch, pid_namespace
+from pd_transfer.handshake.messages import RankIpc
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -101,3 +104,13 @@ def test_a_row_outside_the_shared_memory_is_refused() -> None:
         locate(np.array([0x10F80], dtype=np.uint64), row, [segment[0]], [segment[1]])
     with pytest.raises(IpcUnavailable, match="lies outside the shared memory"):
         locate(np.array([0x0F000], dtype=np.uint64), row, [segment[0]], [segment[1]])
+
+
+def test_the_owner_is_watched_only_in_its_own_pid_namespace() -> None:
+    own = RankIpc(boot_id="b", pid=os.getpid(), pid_namespace=pid_namespace(), segments=[])
+    watch = OwnerWatch(own)
+    assert not watch.exited()  # this process runs
+    watch.close()
+    elsewhere = OwnerWatch(RankIpc(boot_id="b", pid=os.getpid(), pid_namespace=pid_namespace() + 1, segments=[]))
+    assert not elsewhere.exited()  # there its pid may name another process: not watched, never "exited"
+    elsewhere.close()

@@ -18,7 +18,8 @@ GPU0 = MemoryPlace("cuda", 0)
 
 def host_rank(boot_id: str = BOOT) -> RankMetadata:
     segment = HostSegment(base_address=0x7F00_0000_0000, nbytes=1 << 20, pid=1234, fd=7, name="pd-transfer-kv-0")
-    return msgspec.structs.replace(fake_engine().ranks[0], ipc=RankIpc(boot_id=boot_id, pid=1234, segments=[segment]))
+    offer = RankIpc(boot_id=boot_id, pid=1234, pid_namespace=1, segments=[segment])
+    return msgspec.structs.replace(fake_engine().ranks[0], ipc=offer)
 
 
 def cuda_rank(uuid: str = "GPU-a") -> RankMetadata:
@@ -35,7 +36,8 @@ def cuda_rank(uuid: str = "GPU-a") -> RankMetadata:
         event_handle=b"e" * 64,
         event_sync_required=True,
     )
-    return msgspec.structs.replace(rank, regions=regions, ipc=RankIpc(boot_id=BOOT, pid=1234, segments=[segment]))
+    offer = RankIpc(boot_id=BOOT, pid=1234, pid_namespace=1, segments=[segment])
+    return msgspec.structs.replace(rank, regions=regions, ipc=offer)
 
 
 def reachable(local: int, uuid: str) -> str:
