@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pd_transfer.bench.transfer import Shape
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -70,6 +74,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.sim.peer import BUSY_ENGINE_ENV
 
     shape = QUICK_SHAPE if args.quick else Shape()
+    if args.device is not None:
+        return _bench_transfer_device(args, shape)
     if args.busy_prefill:  # the prefill processes started from here inherit it
         os.environ[BUSY_ENGINE_ENV] = "1"
     sections = [
@@ -96,6 +102,15 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         if c in r
     ]
     return 0 if cases and all(c["verified"] for c in cases) else 1
+
+
+def _bench_transfer_device(args: argparse.Namespace, shape: Shape) -> int:
+    """``bench transfer --device``: the one-node section on a device (``gpu`` in the JSON)."""
+    from pd_transfer.bench import transfer_device
+
+    section = transfer_device.run(shape, args.device, repeats=3 if args.quick else args.repeats)
+    print(json.dumps({"gpu": section}) if args.json else "\n".join(transfer_device.summary_lines(section)))
+    return 0 if all(section[case]["verified"] for case in ("contiguous", "scattered")) else 1
 
 
 def _bench_topology(args: argparse.Namespace) -> int:
@@ -184,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--only-tcp", action="store_true", help="skip the default-transport (CMA) section (implies --tcp)"
     )
     add_wire_argument(transfer, "with --netns: ")
+    transfer.add_argument(
+        "--device",
+        help="cuda, cuda:N or cpu: the one-node section with both caches on that device (same-host IPC against raw"
+        " NIXL, the in-process device copy and a raw IPC copy), under 'gpu' in the JSON; other sections skipped",
+    )
     transfer.add_argument(
         "--busy-prefill",
         action="store_true",

@@ -21,7 +21,7 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
-from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, on_device
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 
 from .device import parse_device, topology_section
@@ -97,8 +97,8 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11, device: str | 
     big_local_ids = rng.choice(big_cache_blocks, -(-tokens // big_block), replace=False).tolist()
 
     with PrefillProcess(homogeneous_spec) as tp1, PrefillProcess(tp2_spec) as tp2:
-        small_cache = on_device(KVCache.allocate(shape.layout_for(), shape.cache_blocks), on)
-        big_cache = on_device(KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks), on)
+        small_cache = KVCache.allocate(shape.layout_for(), shape.cache_blocks, device=on)
+        big_cache = KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks, device=on)
         small = DecodeRank("bench-decode-b16", small_cache)
         big = DecodeRank("bench-decode-b64", big_cache)
         try:

@@ -8,8 +8,8 @@ heartbeats go to a thread pool, so the engine step never waits on the network) a
 ``step_output``). Lease expiry is swept in ``get_finished``.
 
 Ordering on a device: a GPU engine's kernels write blocks asynchronously, so the engine hands over, at the end of
-each computing step, an event recorded after them (``mark_step_written``); before a step's holds expose blocks to
-readers, ``wait_written`` waits for the latest such event (that event only, never the whole device). A CPU engine
+each computing step, an event recorded after them (``step_computed``); holds started later carry it, and the prefill
+rank offers their blocks to readers only once it completed (that event only, never the whole device). A CPU engine
 hands none: its blocks are written when the step returns.
 
 A pull counts as received only when every prefill rank read from confirmed that the blocks were still held
@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.handshake.errors import HandshakeError
@@ -44,7 +43,7 @@ from .config import ConnectorConfig
 from .decode import DecodeRank, PullStats
 from .errors import WrongEngine, failure_kind
 from .metadata import RecvSpec, RemoteRef, StepMetadata, TransferResults
-from .prefill import PrefillRank
+from .prefill import PrefillRank, ReadyEvent
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +58,6 @@ class LoadOutcome:
     error: str = ""
     stats: PullStats | None = None
     seconds: float = 0.0
-
-
-class StepEvent(Protocol):
-    """What an engine records after a step's kernels (``torch.cuda.Event``): waiting on it waits for them only."""
-
-    def synchronize(self) -> None: ...
 
 
 class WorkerSide:
@@ -91,8 +84,14 @@ class WorkerSide:
         self.config = config
         self.rank = cache.layout.tp_rank
         self.prefill = PrefillRank(
-            engine_id, cache, lease_seconds=config.lease_seconds, clock=clock, accept_pushes=config.push != "off"
+            engine_id,
+            cache,
+            lease_seconds=config.lease_seconds,
+            clock=clock,
+            accept_pushes=config.push != "off",
+            offer_ipc=config.transport != "nixl",
         )
+        self._computed: ReadyEvent | None = None  # the latest step's "KV written" event (GPU engines)
         self._decode: DecodeRank | None = None
         self._decode_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
@@ -104,7 +103,6 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed: set[str] = set()
         self._closed = False
-        self._written: StepEvent | None = None  # recorded after the latest step's kernels, not yet waited for
         self.outcomes: list[LoadOutcome] = []  # every load's outcome, newest last (bounded)
 
     @property
@@ -129,32 +127,21 @@ class WorkerSide:
                     packed_formats=self._packed_formats,
                     metrics=self.metrics,
                     push=self.config.push,
+                    transport=self.config.transport,
                 )
             return self._decode
 
     # ------------------------------------------------------------------ each step
-    def mark_step_written(self, event: StepEvent | None) -> None:
-        """The engine's step ended: ``event`` completes once the step's kernels wrote its blocks (None: they are
-        written already). Replaces the previous step's event (stream order: this one completes after it)."""
-        with self._lock:
-            self._written = event
-
-    def wait_written(self) -> None:
-        """Wait until the blocks of the last marked step are written (``event.synchronize()``: that event, never
-        the whole device); returns at once when nothing is pending. Called before holds expose blocks."""
-        with self._lock:
-            event, self._written = self._written, None
-        if event is not None:
-            event.synchronize()
+    def step_computed(self, ready: ReadyEvent) -> None:
+        """The latest step's KV is written once ``ready`` completes: holds started from now on wait for it."""
+        self._computed = ready
 
     def start_load(self, metadata: StepMetadata) -> None:
-        """Act on a step's metadata without blocking: holds now (after the last step's kernels finished writing
-        their blocks, :meth:`wait_written`), network work in the background."""
-        if metadata.reqs_to_hold:
-            self.wait_written()
+        """Act on a step's metadata without blocking: holds now (after the latest step's KV is written, which it
+        is by then but for the kernels still running), network work in the background."""
         for request_id, block_ids in metadata.reqs_to_hold.items():
             try:
-                freed = self.prefill.hold(request_id, list(block_ids))
+                freed = self.prefill.hold(request_id, list(block_ids), ready=self._computed)
                 if freed is not None:
                     with self._lock:
                         self._sending.add(request_id)

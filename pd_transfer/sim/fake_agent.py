@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from pd_transfer.spec import KVRegion
+from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 from pd_transfer.transfer import PeerDisconnected, ReadStats, TransferError, UnknownPeer
 
 logger = logging.getLogger(__name__)
@@ -154,11 +154,16 @@ class FakeAgent:
 
     # ------------------------------------------------------------------ memory
     def register_regions(self, regions: Sequence[KVRegion]) -> object:
-        """Register the memory behind ``regions``; returns the registration."""
-        return self.register_spans([(r.base_address, r.base_address + r.span_bytes) for r in regions])
+        """Register the memory behind ``regions`` (host memory only); returns the registration."""
+        spans = [(r.base_address, r.base_address + r.span_bytes) for r in regions]
+        return self.register_spans(spans, place=memory_of(list(regions)))
 
-    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None) -> object:
-        """Register host memory given as (start, end) byte addresses; returns the registration (an int)."""
+    def register_spans(
+        self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None, place: MemoryPlace = HOST
+    ) -> object:
+        """Register host memory given as (start, end) byte addresses; returns the registration (an int). A fake
+        agent copies with the CPU: device memory is refused (``TransferError``)."""
+        _host_only(self.name, place)
         merged = _merged(spans)
         if not merged:
             raise ValueError("no memory to register: every span is empty")
@@ -215,12 +220,14 @@ class FakeAgent:
             return peer in self._peers
 
     # ------------------------------------------------------------------ descriptor lists
-    def prepare_local(self, rows: np.ndarray) -> FakeDescriptorList:
-        """Prepare local rows (N x 3 uint64: address, length, 0) inside registered memory."""
+    def prepare_local(self, rows: np.ndarray, place: MemoryPlace = HOST) -> FakeDescriptorList:
+        """Prepare local rows (N x 3 uint64: address, length, 0) inside registered host memory."""
+        _host_only(self.name, place)
         return self._prepare("", rows, self.registered_spans())
 
-    def prepare_remote(self, peer: str, rows: np.ndarray) -> FakeDescriptorList:
-        """Prepare rows of a peer's memory (as its metadata named it)."""
+    def prepare_remote(self, peer: str, rows: np.ndarray, place: MemoryPlace = HOST) -> FakeDescriptorList:
+        """Prepare rows of a peer's host memory (as its metadata named it)."""
+        _host_only(self.name, place)
         with self._lock:
             spans = self._peers.get(peer)
         if spans is None:
@@ -418,3 +425,9 @@ class FakeAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host_only(agent: str, place: MemoryPlace) -> None:
+    """A fake agent moves host memory with ``ctypes.memmove``: anything else is refused, naming it."""
+    if place != HOST:
+        raise TransferError(f"agent {agent}: a fake agent moves host memory only, not {place}")

@@ -58,26 +58,19 @@ class PrefillSpec:
     host: str = "127.0.0.1"  # the side channel's address (inside ``netns`` when that is set)
     netns: str = ""  # a named network namespace (``ip netns``) the child enters before anything opens a socket
     ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
-    device: str = "cpu"  # where the caches live ("cuda:0": a GPU engine's)
+    device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
+    shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
 
-    def caches(self) -> list[KVCache]:
-        """The caches the child holds, recomputed in this process."""
+    def caches(self, device: str | None = None) -> list[KVCache]:
+        """The caches the child holds, recomputed in this process (on ``device``, default the spec's)."""
         out = []
         for layout in self.layouts:
-            cache = on_device(KVCache.allocate(layout, self.num_blocks, kv_split=self.kv_split), self.device)
+            cache = KVCache.allocate(
+                layout, self.num_blocks, kv_split=self.kv_split, device=device or self.device, shareable=self.shareable
+            )
             fill_pattern(cache, self.seed)
             out.append(cache)
         return out
-
-
-def on_device(cache: KVCache, device: str | torch.device) -> KVCache:
-    """``cache`` itself on the CPU, else a zeroed cache of the same layout, regions and shapes on ``device`` (one
-    allocation a region)."""
-    if torch.device(device).type == "cpu":
-        return cache
-    tensors = [torch.zeros_like(tensor, device=device) for tensor in cache.tensors]
-    kinds: list[tuple[str, ...]] = [region.kinds for region in cache.regions]
-    return KVCache.from_tensors(cache.layout, tensors, kinds, [region.layer for region in cache.regions])
 
 
 def busy_engine_requested() -> bool:

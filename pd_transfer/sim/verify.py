@@ -31,7 +31,7 @@ def plane_tensors(cache: KVCache) -> list[torch.Tensor]:
 def logical(cache: KVCache, block_ids: list[int], num_tokens: int) -> torch.Tensor:
     """The request's KV as (planes, tokens, local_heads, head_size), whatever the cache's layout."""
     layout = cache.layout
-    index = torch.tensor(block_ids, dtype=torch.long)
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.tensors[0].device)
     out = []
     for plane in plane_tensors(cache):
         blocks = plane.index_select(0, index.to(plane.device))  # (B, H, N, D) or (B, N, H, D)
@@ -66,7 +66,7 @@ def received_correctly(
     for local in range(decode_cache.layout.num_local_heads):
         want = expected[first + local]
         have = got[:, :, local]
-        if not torch.equal(_bits(have).cpu(), _bits(want).cpu()):
+        if not torch.equal(_bits(have).cpu(), _bits(want).cpu()):  # the two caches may be on different devices
             return False
     return True
 

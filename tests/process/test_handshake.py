@@ -17,6 +17,7 @@ from test_handshake_fuzz import decodes, still_serves
 from test_handshake_local import Clock, unused_port
 
 from pd_transfer.handshake import (
+    PROTOCOL_VERSION,
     AuthenticationError,
     Challenge,
     EngineMetadata,
@@ -177,7 +178,10 @@ def test_unsupported_protocol_version_is_refused(plain_server: ServerProcess) ->
         with pytest.raises(HandshakeRefused) as caught:
             client.fetch(HOST, plain_server.port)
     assert caught.value.code == "unsupported_version"
-    assert "speaks protocol version 2" in caught.value.message and "this client speaks 99" in caught.value.message
+    assert (
+        f"speaks protocol version {PROTOCOL_VERSION}" in caught.value.message
+        and "this client speaks 99" in caught.value.message
+    )
 
 
 def test_get_metadata_with_unsupported_version_is_refused(plain_server: ServerProcess) -> None:
@@ -221,7 +225,8 @@ def test_request_without_mac_is_refused_with_auth_required(secret_server: Server
     with RawPeer(HOST, secret_server.port) as raw:
         challenge = raw.request(encode(Hello()))
         assert isinstance(challenge, Challenge) and challenge.auth_required
-        reply = raw.request(encode(GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)))
+        request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+        reply = raw.request(encode(request))
     assert reply.code == "auth_required" and "prefill-secret" in reply.message  # type: ignore[union-attr]
 
 
@@ -306,7 +311,7 @@ def test_a_hello_flood_does_not_fail_a_slow_legitimate_handshake(secret_server: 
                 challenge = raw.request(encode(Hello()), timeout_s=10.0)
                 assert isinstance(challenge, Challenge)
                 time.sleep(0.2)  # a slow client (not synchronisation): the flood runs between its two messages
-                request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+                request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
                 request = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request))
                 outcomes.append(type(raw.request(encode(request), timeout_s=10.0)).__name__)
     finally:

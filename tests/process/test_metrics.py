@@ -32,9 +32,11 @@ def test_pull_metrics(prefill: PrefillProcess) -> None:
     finally:
         decode.close()
     got = samples(metrics)
-    assert got[("pd_transfer_pulled_bytes_total", ())] == stats.bytes > 0
-    assert got[("pd_transfer_pulls_total", (("outcome", "ok"),))] == 1
-    assert got[("pd_transfer_pull_seconds_count", ())] == 1
+    nixl = (("transport", "nixl"),)
+    assert stats.transport == "nixl"
+    assert got[("pd_transfer_pulled_bytes_total", nixl)] == stats.bytes > 0
+    assert got[("pd_transfer_pulls_total", (("outcome", "ok"), *nixl))] == 1
+    assert got[("pd_transfer_pull_seconds_count", nixl)] == 1
     assert got[("pd_transfer_pull_descriptor_rows_sum", ())] == stats.descriptors
     assert got[("pd_transfer_handshakes_total", (("outcome", "ok"),))] == 1  # the decode rank's own registry
 

@@ -18,6 +18,19 @@ BLOCK = 16
 SHORT_LEASE_S = 1.5
 
 
+def kv_layout(
+    fingerprint: ModelFingerprint, block_size: int = BLOCK, tp: int = 1, rank: int = 0, layout: str = "HND"
+) -> KVCacheLayout:
+    """One rank's layout of ``fingerprint``'s cache."""
+    return KVCacheLayout(
+        fingerprint=fingerprint,
+        tp_size=tp,
+        tp_rank=rank,
+        block_size=block_size,
+        layout=layout,  # type: ignore[arg-type]
+    )
+
+
 def layouts(fingerprint: ModelFingerprint, tp: int, block_size: int = BLOCK) -> list[KVCacheLayout]:
     return [KVCacheLayout(fingerprint=fingerprint, tp_size=tp, tp_rank=r, block_size=block_size) for r in range(tp)]
 

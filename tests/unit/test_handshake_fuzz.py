@@ -15,6 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pd_transfer.handshake import (
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     Challenge,
     ErrorReply,
     GetMetadata,
@@ -99,8 +100,8 @@ def test_random_bytes(server: HandshakeServer, raw: RawPeer) -> None:
 def test_truncated_valid_messages(server: HandshakeServer, raw: RawPeer) -> None:
     valid = [
         encode(Hello(client_nonce=new_nonce())),
-        encode(GetMetadata(1, fake_fingerprint(), [0, 1], new_nonce(), new_nonce(), mac=b"m" * 32)),
-        encode(GetMetadata(1, fake_fingerprint(), None, new_nonce(), new_nonce())),
+        encode(GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), [0, 1], new_nonce(), new_nonce(), mac=b"m" * 32)),
+        encode(GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), new_nonce())),
     ]
 
     @FUZZ
@@ -232,7 +233,7 @@ def test_nonce_replay_is_refused() -> None:
     with HandshakeServer(fake_engine(), secret=SECRET) as server, RawPeer(HOST, server.port) as raw:
         challenge = raw.request(encode(Hello(client_nonce=new_nonce())))
         assert isinstance(challenge, Challenge) and challenge.auth_required
-        request = GetMetadata(1, fake_fingerprint(), [0], new_nonce(), challenge.server_nonce)
+        request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), [0], new_nonce(), challenge.server_nonce)
         signed = encode(msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request)))
         first = raw.request(signed)
         assert isinstance(first, Metadata) and [rank.tp_rank for rank in first.engine.ranks] == [0]
@@ -242,7 +243,7 @@ def test_nonce_replay_is_refused() -> None:
         # A signed request whose fields were altered after signing does not verify either.
         challenge = raw.request(encode(Hello()))
         assert isinstance(challenge, Challenge)
-        request = GetMetadata(1, fake_fingerprint(), [0], new_nonce(), challenge.server_nonce)
+        request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), [0], new_nonce(), challenge.server_nonce)
         tampered = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request), tp_ranks=[0, 1])
         reply = raw.request(encode(tampered))
         assert isinstance(reply, ErrorReply) and reply.code == "auth_failed"
@@ -255,10 +256,16 @@ def test_oversized_fields_are_refused_small_and_never_echoed_whole(
 ) -> None:
     """Before: 1.5 million tp_ranks made an 11.8 MB reply and log line, and a 6 MB model name came back whole.
     Frames that large are now dropped by ZMQ (test_oversized_frame_is_dropped_by_zmq); these fit in a request."""
-    many_ranks = {"type": "get_metadata", "protocol_version": 1, "fingerprint": msgspec.to_builtins(fake_fingerprint())}
+    many_ranks = {
+        "type": "get_metadata",
+        "protocol_version": PROTOCOL_VERSION,
+        "fingerprint": msgspec.to_builtins(fake_fingerprint()),
+    }
     many_ranks |= {"tp_ranks": list(range(10_000)), "client_nonce": b"", "server_nonce": b""}
-    long_name = GetMetadata(1, fake_fingerprint(model="m" * 50_000), None, b"", b"")  # larger frames: dropped by ZMQ
-    near_limit = GetMetadata(1, fake_fingerprint(model="x" * 4000), list(range(MAX_TP_RANKS)), b"", b"")
+    long_name = GetMetadata(
+        PROTOCOL_VERSION, fake_fingerprint(model="m" * 50_000), None, b"", b""
+    )  # larger frames: dropped by ZMQ
+    near_limit = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(model="x" * 4000), list(range(MAX_TP_RANKS)), b"", b"")
     with caplog.at_level(logging.DEBUG, logger="pd_transfer.handshake"):
         for frame in (msgspec.msgpack.encode(many_ranks), encode(long_name), encode(near_limit)):
             caplog.clear()

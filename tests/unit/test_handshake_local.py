@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from pd_transfer.handshake import (
+    PROTOCOL_VERSION,
     AuthenticationError,
     Challenge,
     EngineMetadata,
@@ -72,8 +73,8 @@ def test_client_rejects_a_reply_with_a_bad_mac(router: tuple[zmq.Socket, int]) -
     sock, port = router
     engine = fake_engine()
     forged = [
-        encode(Challenge(1, new_nonce(), auth_required=True)),
-        encode(Metadata(1, engine, mac=reply_mac("not the secret", b"whatever", encode_engine(engine)))),
+        encode(Challenge(PROTOCOL_VERSION, new_nonce(), auth_required=True)),
+        encode(Metadata(PROTOCOL_VERSION, engine, mac=reply_mac("not the secret", b"whatever", encode_engine(engine)))),
     ]
     thread = threading.Thread(target=_scripted_server, args=(sock, forged))
     thread.start()
@@ -87,7 +88,10 @@ def test_client_rejects_a_reply_with_a_bad_mac(router: tuple[zmq.Socket, int]) -
 def test_client_rechecks_the_served_fingerprint(router: tuple[zmq.Socket, int]) -> None:
     sock, port = router
     impostor = fake_engine(fingerprint=fake_fingerprint(model="other/model"))
-    replies = [encode(Challenge(1, new_nonce(), auth_required=False)), encode(Metadata(1, impostor))]
+    replies = [
+        encode(Challenge(PROTOCOL_VERSION, new_nonce(), auth_required=False)),
+        encode(Metadata(PROTOCOL_VERSION, impostor)),
+    ]
     thread = threading.Thread(target=_scripted_server, args=(sock, replies))
     thread.start()
     with HandshakeClient(fake_fingerprint(), retries=0) as client:
@@ -295,14 +299,14 @@ def test_nonce_expires_after_ttl() -> None:
             challenge = raw.request(encode(Hello()))
             assert isinstance(challenge, Challenge)
             now[0] = 31.0
-            request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+            request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
             request = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request))
             reply = raw.request(encode(request))
     assert reply.code == "auth_failed" and "expired" in reply.message  # type: ignore[union-attr]
 
 
 def test_request_mac_covers_every_field() -> None:
-    request = GetMetadata(1, fake_fingerprint(), [0], new_nonce(), new_nonce())
+    request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), [0], new_nonce(), new_nonce())
     mac = get_metadata_mac(SECRET, request)
     assert verify(mac, get_metadata_mac(SECRET.encode(), request))
     changes = {
@@ -369,7 +373,7 @@ def test_a_wrong_mac_does_not_use_up_the_nonce() -> None:
     with HandshakeServer(fake_engine(), secret=SECRET) as server, RawPeer(HOST, server.port) as raw:
         challenge = raw.request(encode(Hello()))
         assert isinstance(challenge, Challenge)
-        request = GetMetadata(1, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
+        request = GetMetadata(PROTOCOL_VERSION, fake_fingerprint(), None, new_nonce(), challenge.server_nonce)
         forged = msgspec.structs.replace(request, mac=get_metadata_mac("not the secret", request))
         refused = raw.request(encode(forged))
         assert isinstance(refused, ErrorReply) and "MAC" in refused.message

@@ -14,7 +14,7 @@ The worker side describes vLLM's cache by its device: a CPU cache with :func:`.c
 across block sizes, regroups blocks with the packing :mod:`.cpu_packing` measures), a GPU cache with
 :func:`.gpu_cache.describe_gpu_cache`. On a GPU the step's kernels run asynchronously: ``wait_for_save``, at the end
 of each step, records an event on the current stream after them and hands it to the worker side
-(``mark_step_written``), which waits for it before blocks are held for readers.
+(``step_computed``): blocks held after it are offered to readers only once it completed.
 """
 
 from __future__ import annotations
@@ -209,7 +209,9 @@ class PdTransferConnector(KVConnectorBase_V1):
         if self._worker is None:
             return
         try:
-            self._worker.mark_step_written(_step_event(self._cuda_device))
+            event = _step_event(self._cuda_device)
+            if event is not None:
+                self._worker.step_computed(event)
         except Exception:  # never into the engine
             logger.exception("pd-transfer worker: recording the step's event failed")
 
