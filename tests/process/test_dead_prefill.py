@@ -17,7 +17,8 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-from conftest import FINGERPRINT, decode_config, layouts, metric_samples
+from engine_specs import FINGERPRINT, decode_config, layouts
+from metric_samples import metric_samples
 
 from pd_transfer.connector.worker import LoadOutcome, WorkerSide
 from pd_transfer.metrics import TransferMetrics

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import FINGERPRINT, layouts
+from engine_specs import FINGERPRINT, layouts
 
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.drain import Drain, Draining, DrainOutcome
