@@ -127,8 +127,15 @@ def test_sigterm_to_a_prefill_holding_kv_in_the_middle_of_traffic_fails_no_reque
             async def served(count: int) -> bool:
                 return traffic.ok >= count
 
-            async def a_holds() -> bool:
-                return ((await kv(a)) or {}).get("requests_held", 0) >= 2
+            async def a_holds_or_a_client_joins() -> bool:
+                """A holds two requests; else one more client starts (at most ``CLIENTS`` more): a request the
+                paused decode already read before it stopped holds nothing, a new client's prompt is held at A or
+                B (the proxy alternates) until the decode goes on."""
+                if ((await kv(a)) or {}).get("requests_held", 0) >= 2:
+                    return True
+                if len(clients) < 2 * CLIENTS:
+                    clients.append(asyncio.create_task(_client(session, proxy.url, len(clients), traffic)))
+                return False
 
             async def a_drains_or_exited() -> bool:
                 if a.process.poll() is not None:
@@ -142,7 +149,7 @@ def test_sigterm_to_a_prefill_holding_kv_in_the_middle_of_traffic_fails_no_reque
             try:
                 await _until("the first requests answered", lambda: served(CLIENTS))
                 os.kill(d.process.pid, signal.SIGSTOP)  # the decode reads nothing until SIGCONT: A's holds stay
-                await _until("prefill A holding two requests for the paused decode", a_holds)
+                await _until("prefill A holding two requests for the paused decode", a_holds_or_a_client_joins)
                 os.kill(a.process.pid, signal.SIGTERM)
                 await _until("prefill A draining (or exited)", a_drains_or_exited)
                 held = await kv(a)  # None: it did not drain, it exited (its clients' requests fail below)
