@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from pd_transfer.spec import KVRegion
 from .dlists import DescriptorList, merged_spans
 from .errors import TransferError, TransferTimeout, UnknownPeer
 from .huge_pages import HugePageCollapser, huge_pages_for_registrations
-from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
+from .lanes import DEFAULT_SPLIT_MIN_BYTES, LaneRead, ReadLanes
 from .probe import transfer_error, wrapped_error
 from .progress import AdaptivePoller, busy_poll_seconds, native_progress_wait_ms, read_wait_seconds
 from .read_stats import ReadStats
@@ -31,6 +32,7 @@ from .tcp import apply_tcp_defaults
 logger = logging.getLogger(__name__)
 
 NotificationHandler = Callable[[str, bytes], None]
+T = TypeVar("T")
 
 
 class TransferAgent:
@@ -281,6 +283,40 @@ class TransferAgent:
     ) -> ReadStats:
         """:meth:`read` as one READ, never split."""
         return self._transfer("READ", local, local_indices, remote, remote_indices, notification, timeout_s)
+
+    @property
+    def lane_count(self) -> int:
+        """How many threads a read can run on now: the read lanes that are up, and this agent."""
+        lanes = self.lanes
+        return 1 if lanes is None else len(lanes.lanes) + 1
+
+    def run_on_lanes(self, jobs: Sequence[Callable[[LaneRead], T]], timeout_s: float) -> list[T]:
+        """Run ``jobs[k]`` on read lane ``k``'s thread, given that lane's READ (:data:`~.lanes.LaneRead`, of this
+        agent's lists; ``jobs[0]`` runs on this thread and reads as this agent): reads, and whatever must follow
+        them on the same thread. At most :attr:`lane_count` jobs (lanes that came up meanwhile are not used
+        before the next call). Returns their results once every job returned, else raises the first failure (a
+        disconnect before others); a job not done within ``timeout_s`` (plus a grace) raises ``TransferTimeout``.
+        The peers get no notification: send it with :meth:`notify` once the reads are done."""
+        lanes = self.lanes
+        if lanes is None:
+            if len(jobs) != 1:
+                raise ValueError(f"{len(jobs)} jobs, but agent {self.name} has no read lanes up")
+            return [jobs[0](self._whole_read)]
+
+        def on_lane(job: Callable[[LaneRead], T]) -> Callable[[int], T]:
+            return lambda lane: job(lanes.lane_read(self, lane))
+
+        return lanes.run([on_lane(job) for job in jobs], timeout_s)
+
+    def _whole_read(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        timeout_s: float,
+    ) -> ReadStats:
+        return self.read_whole(local, local_indices, remote, remote_indices, b"", timeout_s)
 
     def write(
         self,
