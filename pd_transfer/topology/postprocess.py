@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pd_transfer.spec import KVLayout
@@ -108,6 +109,7 @@ def restage_blocks(plane: torch.Tensor, block_ids: torch.Tensor, spec: Restage, 
             f"plane must be (num_blocks, {spec.block_elements}) with contiguous rows, got shape "
             f"{tuple(plane.shape)} strides {plane.stride()}"
         )
+    _check_devices(plane, block_ids=block_ids)
     total = block_ids.numel()
     if total == 0:
         return
@@ -125,6 +127,25 @@ def restage_blocks(plane: torch.Tensor, block_ids: torch.Tensor, spec: Restage, 
         chunk = staged[: ids.numel()]
         torch.index_select(words, 0, ids, out=chunk)
         _scatter(final, ids, chunk, spec, region_len)
+
+
+def index_on(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 tensor on ``device``: on the CPU the array's own memory (no copy when it is int64
+    already); on an accelerator one asynchronous copy from pinned host memory, queued on the current stream
+    (kernels queued on other streams must wait for it). Move a request's ids once, then slice them."""
+    host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _check_devices(plane: torch.Tensor, **others: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every one of ``others`` lives on ``plane``'s device."""
+    for name, tensor in others.items():
+        if tensor.device != plane.device:
+            raise ValueError(f"{name} is on {tensor.device}, the plane on {plane.device}: make it on the plane's")
 
 
 def _scatter(final: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, spec: Restage, region_len: int) -> None:
@@ -147,6 +168,7 @@ def scatter_staged(plane: torch.Tensor, block_ids: torch.Tensor, staged: torch.T
             f"staged blocks must be ({block_ids.numel()}, {spec.block_elements}) of {plane.dtype}, got"
             f" {tuple(staged.shape)} of {staged.dtype}"
         )
+    _check_devices(plane, block_ids=block_ids, staged=staged)
     if block_ids.numel() == 0:
         return
     row_bytes = spec.head_size * plane.element_size()
