@@ -11,6 +11,7 @@ into ``(heads, tokens, head_size)`` (HND) or ``(tokens, heads, head_size)`` (NHD
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,19 +97,23 @@ def as_same_words(row_bytes: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
     raise ValueError(f"cannot reinterpret tensors of dtype {tensors[0].dtype} as bytes")
 
 
-def restage_blocks(plane: torch.Tensor, block_ids: torch.Tensor, spec: Restage, chunk_bytes: int | None = None) -> None:
+def restage_blocks(
+    plane: torch.Tensor,
+    block_ids: torch.Tensor,
+    spec: Restage,
+    chunk_bytes: int | None = None,
+    *,
+    host_kernel: bool = True,
+) -> None:
     """Restage blocks ``block_ids`` (int64, distinct, on ``plane``'s device) of ``plane`` in place.
 
     ``plane`` is (num_blocks, block_elements) with contiguous rows (any row stride). Blocks are processed
     ``chunk_bytes`` at a time (default :data:`DEFAULT_CHUNK_BYTES` on the CPU, :data:`DEFAULT_DEVICE_CHUNK_BYTES`
-    elsewhere; at least one block): gathered into a scratch buffer (one pass), then scattered back through a
-    permuted view of the plane (one pass), moving the bytes as wide words (:func:`as_words`).
+    elsewhere; at least one block): gathered into a scratch buffer (one pass), then scattered back run by run
+    (:func:`run_layout`; one pass), moving the bytes as wide words (:func:`as_words`). ``host_kernel=False``
+    runs the accelerators' kernel on CPU tensors too (:func:`copy_runs`).
     """
-    if plane.dim() != 2 or plane.shape[1] != spec.block_elements or (plane.stride(1) != 1 and plane.shape[1] > 1):
-        raise ValueError(
-            f"plane must be (num_blocks, {spec.block_elements}) with contiguous rows, got shape "
-            f"{tuple(plane.shape)} strides {plane.stride()}"
-        )
+    _check_plane(plane, spec)
     _check_devices(plane, block_ids=block_ids)
     total = block_ids.numel()
     if total == 0:
@@ -120,13 +125,11 @@ def restage_blocks(plane: torch.Tensor, block_ids: torch.Tensor, spec: Restage, 
     block_bytes = spec.block_elements * words.element_size()
     per_chunk = max(1, min(total, chunk_bytes // max(block_bytes, 1)))
     staged = torch.empty((per_chunk, spec.block_elements), dtype=words.dtype, device=words.device)
-    final = _final_view(words, spec)
-    region_len = spec.block_size * spec.head_size
     for start in range(0, total, per_chunk):
         ids = block_ids[start : start + per_chunk]
         chunk = staged[: ids.numel()]
         torch.index_select(words, 0, ids, out=chunk)
-        _scatter(final, ids, chunk, spec, region_len)
+        _scatter_runs(words, ids, chunk, spec, host_kernel=host_kernel)
 
 
 def index_on(ids: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -141,6 +144,15 @@ def index_on(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def _check_plane(plane: torch.Tensor, spec: Restage) -> None:
+    """Raise ``ValueError`` unless ``plane`` is (num_blocks, block_elements) with contiguous rows."""
+    if plane.dim() != 2 or plane.shape[1] != spec.block_elements or (plane.stride(1) != 1 and plane.shape[1] > 1):
+        raise ValueError(
+            f"plane must be (num_blocks, {spec.block_elements}) with contiguous rows, got shape "
+            f"{tuple(plane.shape)} strides {plane.stride()}"
+        )
+
+
 def _check_devices(plane: torch.Tensor, **others: torch.Tensor) -> None:
     """Raise ``ValueError`` unless every one of ``others`` lives on ``plane``'s device."""
     for name, tensor in others.items():
@@ -148,7 +160,10 @@ def _check_devices(plane: torch.Tensor, **others: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {tensor.device}, the plane on {plane.device}: make it on the plane's")
 
 
-def _scatter(final: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, spec: Restage, region_len: int) -> None:
+def _scatter_permuted(final: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, spec: Restage) -> None:
+    """Write staged blocks ``chunk`` into blocks ``ids`` of ``final`` (:func:`_final_view`) through permuted views,
+    element by element: the definition the run layout is derived from."""
+    region_len = spec.block_size * spec.head_size
     for source in spec.sources:
         first = source.local_head * region_len
         region = chunk[:, first : first + source.num_heads * region_len]
@@ -156,13 +171,72 @@ def _scatter(final: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, spec: 
         dest.index_copy_(0, ids, _staged_view(region, spec, source.num_heads))
 
 
-def scatter_staged(plane: torch.Tensor, block_ids: torch.Tensor, staged: torch.Tensor, spec: Restage) -> None:
+@functools.lru_cache(maxsize=64)
+def run_layout(spec: Restage, row_stride: int) -> tuple[int, np.ndarray]:
+    """How a staged block maps onto its final block as runs: ``(run, rows)``, ``run`` being the longest number of
+    elements such that every aligned run of a staged block lands, unbroken, on an aligned run of the final block,
+    and dividing ``row_stride`` (elements from one block of the plane to the next); ``rows[i]`` (int64, one per
+    run) is the run of the final block that staged run ``i`` lands on. A block 16 -> 64 regroup in HND moves runs
+    of ``piece * head_size`` elements; a layout permute runs of one head vector."""
+    elements = spec.block_elements
+    staged = torch.arange(elements, dtype=torch.int64).view(1, elements)
+    final = torch.empty((1, elements), dtype=torch.int64)
+    _scatter_permuted(_final_view(final, spec), torch.zeros(1, dtype=torch.int64), staged, spec)
+    landing = np.empty(elements, dtype=np.int64)
+    landing[final.view(-1).numpy()] = np.arange(elements)  # where staged element e lands
+    starts = np.flatnonzero(np.diff(landing) != 1) + 1  # staged elements that start a new unbroken run
+    run = int(np.gcd.reduce(np.concatenate([starts, landing[starts], landing[:1], [elements, row_stride]])))
+    return run, landing[::run] // run
+
+
+@functools.lru_cache(maxsize=64)
+def _run_rows_on(spec: Restage, row_stride: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """:func:`run_layout` with its rows on ``device`` (moved once per geometry and device)."""
+    run, rows = run_layout(spec, row_stride)
+    return run, torch.from_numpy(rows).to(device)
+
+
+def _scatter_runs(
+    words: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, spec: Restage, *, host_kernel: bool = True
+) -> None:
+    """Write staged blocks ``chunk`` (len(ids), block_elements) into blocks ``ids`` of ``words`` (num_blocks,
+    block_elements; contiguous rows, any row stride), one indexed copy of whole runs: each run is a row of a
+    (runs, run) view of the plane and of the chunk (:func:`copy_runs`)."""
+    elements = spec.block_elements
+    row_stride = words.stride(0) if words.shape[0] > 1 else elements
+    run, rows = _run_rows_on(spec, row_stride, words.device)
+    runs_per_block, stride_runs = elements // run, row_stride // run
+    plane_runs = words.as_strided(
+        ((words.shape[0] - 1) * stride_runs + runs_per_block, run), (run, 1), words.storage_offset()
+    )
+    targets = (ids.unsqueeze(1) * stride_runs + rows).reshape(-1)
+    copy_runs(plane_runs, targets, chunk.reshape(-1, run), host_kernel=host_kernel)
+
+
+def copy_runs(plane_runs: torch.Tensor, targets: torch.Tensor, runs: torch.Tensor, *, host_kernel: bool = True) -> None:
+    """``plane_runs[targets[i]] = runs[i]`` for every i: rows of contiguous runs (both (n, run), same dtype and
+    device, ``targets`` int64 and distinct). On the CPU (``host_kernel``) numpy copies each run with one memcpy,
+    without the GIL (torch's indexed copies move one element at a time: 2-3 times the CPU on 4 KiB runs);
+    elsewhere, or without ``host_kernel`` (so tests run the device path on CPU tensors), one ``index_put_``."""
+    if host_kernel and plane_runs.device.type == "cpu":
+        run_type = np.dtype((np.void, runs.shape[1] * runs.element_size()))
+        destination = plane_runs.numpy().view(run_type).reshape(-1)
+        destination[targets.numpy()] = runs.contiguous().numpy().view(run_type).reshape(-1)
+        return
+    plane_runs.index_put_((targets,), runs)
+
+
+def scatter_staged(
+    plane: torch.Tensor, block_ids: torch.Tensor, staged: torch.Tensor, spec: Restage, *, host_kernel: bool = True
+) -> None:
     """Write staged blocks held outside the cache into blocks ``block_ids`` of ``plane``, in the local layout.
 
     ``staged`` is (len(block_ids), block_elements) of ``plane``'s dtype, each row a staged block as the reads
     left it; ``plane`` as for :func:`restage_blocks`. One pass: the staged rows are read (from cache, when the
-    staging buffer is small) and written permuted to their final place.
+    staging buffer is small) and written, run by run, to their final place (:func:`run_layout`); ``host_kernel``
+    as for :func:`restage_blocks`.
     """
+    _check_plane(plane, spec)
     if staged.shape != (block_ids.numel(), spec.block_elements) or staged.dtype != plane.dtype:
         raise ValueError(
             f"staged blocks must be ({block_ids.numel()}, {spec.block_elements}) of {plane.dtype}, got"
@@ -173,8 +247,7 @@ def scatter_staged(plane: torch.Tensor, block_ids: torch.Tensor, staged: torch.T
         return
     row_bytes = spec.head_size * plane.element_size()
     words, staged_words = as_same_words(row_bytes, plane, staged)  # one word size: the spec is rescaled once
-    spec = _rescaled(spec, words.shape[1])
-    _scatter(_final_view(words, spec), block_ids, staged_words, spec, spec.block_size * spec.head_size)
+    _scatter_runs(words, block_ids, staged_words, _rescaled(spec, words.shape[1]), host_kernel=host_kernel)
 
 
 def _rescaled(spec: Restage, words_per_block: int) -> Restage:
