@@ -51,6 +51,7 @@ from .push_client import PushOrders
 from .reader_reports import ReaderReports
 from .reads import BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
+from .staging import DEFAULT_STAGING_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class DecodeRank:
         read_timeout_s: float = 30.0,
         min_direct_run_bytes: int | None = None,
         pipeline_groups: int = 8,
-        staging_bytes: int = 16 * 2**20,
+        staging_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
         agent_name: str | None = None,
         confirm_timeout_s: float = 5.0,
         metrics: TransferMetrics | None = None,
@@ -125,7 +126,8 @@ class DecodeRank:
         read_lanes: int | None = None,
         push: str | None = None,
     ) -> None:
-        """``staging_bytes``: each half of the staging area for plans that fix layouts up (0: in place);
+        """``staging_bytes``: each slot group of the staging area for plans that fix layouts up, the chunk a read
+        lane reads and restages at a time (0: in place);
         ``pipeline_groups``: plane groups of an in-place read with a fix-up. ``packed_formats(block_size)``
         gives the packing of a (block, head) for a block size, for caches whose layout names a ``packing``:
         pulls from engines of another block size then read whole remote blocks into a staging area of

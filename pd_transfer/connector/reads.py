@@ -21,7 +21,9 @@ repeated remote ids); transfer failures raise ``TransferError``.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +34,8 @@ import torch
 
 from pd_transfer.affinity import unpin_current_thread
 from pd_transfer.topology.grids import block_ids_array
+from pd_transfer.topology.plan import Postprocess
+from pd_transfer.topology.postprocess import index_on
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
 
@@ -39,6 +43,8 @@ from .cache import KVCache
 from .pull_request import PullRequest
 from .push_client import PushOrders
 from .remote_engines import RemoteEngine, SourceRank
+from .slot_fences import after_mark, mark
+from .staged_reads import StagedChunks, StagedLaneWork
 
 #: One READ of a step: (source rank, local descriptor list, local rows, remote rows); rows are int arrays.
 ReadOrder = tuple[SourceRank, DescriptorList | None, np.ndarray, np.ndarray]
@@ -117,6 +123,7 @@ class BlockReader:
         self.pipeline_groups = pipeline_groups
         self._done_message = done_message
         self.pushes = pushes
+        self._staging_lock = threading.Lock()  # one staged read at a time: they share the staging area
         self._postprocess_pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
         )
@@ -154,6 +161,10 @@ class BlockReader:
         postprocess = remote.plan.postprocess
         groups = plane_groups(len(self.planes), self.pipeline_groups if postprocess is not None else 1)
         reads = self._in_place_orders(remote, rows, groups)
+        if postprocess is not None:  # the request's ids on the planes' device, once
+            device = self.planes[0].device
+            block_ids = postprocess.block_ids_on(request.local_block_ids, request.num_tokens, device)
+            ids_ready = mark(device)
         total_bytes = descriptors = 0
         pending: list[Future[float]] = []
         read_started = time.perf_counter()
@@ -171,11 +182,18 @@ class BlockReader:
             total_bytes += moved
             descriptors += rows_read
             if postprocess is not None:
-                job = (postprocess.apply, self.planes, request.local_block_ids, request.num_tokens, group)
+                job = (self._fix_up_group, postprocess, block_ids, ids_ready, group)
                 pending.append(self._postprocess_pool.submit(_timed, *job))
         reads_done = time.perf_counter()
         post_seconds = sum(future.result(timeout=_until(deadline)) for future in pending)
         return ReadTotals.overlapped(total_bytes, descriptors, read_started, reads_done, post_seconds)
+
+    def _fix_up_group(
+        self, postprocess: Postprocess, block_ids: torch.Tensor, ids_ready: torch.cuda.Event | None, group: range
+    ) -> None:
+        """Fix up plane group ``group`` of the request's blocks ``block_ids``, once their copy to the device is."""
+        after_mark(ids_ready)
+        postprocess.apply_on(self.planes, block_ids, group)
 
     def _in_place_orders(
         self, remote: RemoteEngine, rows: SourceRows, groups: list[range]
@@ -236,74 +254,32 @@ class BlockReader:
 
     # ------------------------------------------------------------------ staged
     def _read_staged(self, remote: RemoteEngine, request_id: str, rows: SourceRows, deadline: float) -> ReadTotals:
-        """Reads into a small registered staging area (two halves, each ``slots`` plane blocks, kept in the
-        CPU cache) chunk by chunk, and scatters each chunk into its final place in the local layout on the
-        worker thread while the next chunk is read: the cache is written once, as by a homogeneous read."""
+        """Reads chunk by chunk into the staging area's slot groups on every read lane at once, each lane
+        restaging its chunk into its final place right after reading it (:mod:`.staged_reads`); the ``ReadDone``
+        notifications follow once every lane is done. One staged read at a time (the staging area is shared)."""
         postprocess, staging = remote.plan.postprocess, remote.staging
         assert postprocess is not None and staging is not None
-        slots, num_blocks = staging.slots, self.cache.num_blocks
-        plane_blocks, reads = self._staged_orders(remote, rows, slots)
-        num_chunks = -(-len(plane_blocks) // slots)
-        total_bytes = descriptors = 0
-        in_flight: list[Future[float] | None] = [None, None]
-        post_seconds = 0.0
-        read_started = time.perf_counter()
-        for index in range(num_chunks):
-            half = index % 2
-            previous = in_flight[half]
-            if previous is not None:  # this half's last chunk must be scattered before it is overwritten
-                post_seconds += previous.result(timeout=_until(deadline))
-            step = [
-                (
-                    source,
-                    source.staging,
-                    staging_rows[bounds[index] : bounds[index + 1]] + half * half_rows,
-                    remote_rows[bounds[index] : bounds[index + 1]],
-                )
-                for source, staging_rows, remote_rows, bounds, half_rows in reads
-            ]
-            moved, rows_read = self._read_step(request_id, step, index == num_chunks - 1, deadline)
-            total_bytes += moved
-            descriptors += rows_read
-            chunk_blocks = plane_blocks[index * slots : (index + 1) * slots]
-            job = (staging.scatter, postprocess.restage, chunk_blocks, half, self.planes, num_blocks)
-            in_flight[half] = self._postprocess_pool.submit(_timed, *job)
-        reads_done = time.perf_counter()
-        for future in in_flight:
-            if future is not None:
-                post_seconds += future.result(timeout=_until(deadline))
-        return ReadTotals.overlapped(total_bytes, descriptors, read_started, reads_done, post_seconds)
-
-    @staticmethod
-    def _staged_orders(
-        remote: RemoteEngine, rows: SourceRows, slots: int
-    ) -> tuple[np.ndarray, list[tuple[SourceRank, np.ndarray, np.ndarray, np.ndarray, int]]]:
-        """The request's plane blocks (``plane * num_blocks + block``, sorted, unique) and, per source,
-        (source, staging rows within a half, remote rows, bounds, rows per half): rows sorted by chunk
-        (stably), chunk ``c`` being rows ``bounds[c]:bounds[c + 1]``, landing in slot ``i % slots`` for the
-        ``i``-th plane block."""
-        plane_blocks_of = [
-            local_rows // plan.local_units_per_block
-            for (local_rows, _), plan in zip(rows, remote.plan.sources, strict=True)
-        ]
-        plane_blocks = np.unique(np.concatenate(plane_blocks_of))
-        num_chunks = -(-len(plane_blocks) // slots)
-        reads = []
-        for source, plan, (local_rows, remote_rows), mine in zip(
-            remote.sources, remote.plan.sources, rows, plane_blocks_of, strict=True
-        ):
-            units = plan.local_units_per_block
-            slot = np.searchsorted(plane_blocks, mine)
-            chunk = slot // slots
-            staging_rows = (slot % slots) * units + local_rows % units
-            order = np.argsort(chunk, kind="stable")
-            bounds = np.searchsorted(chunk[order], np.arange(num_chunks + 1))
-            reads.append((source, staging_rows[order], remote_rows[order], bounds, slots * units))
-        return plane_blocks, reads
+        with self._staging_lock:
+            chunks = StagedChunks.plan(remote.plan, rows, staging.slots, self.cache.num_blocks, staging.fences)
+            work = StagedLaneWork(chunks, remote.sources, staging, postprocess.restage, self.planes, deadline)
+            lanes = min(self.agent.lane_count, staging.fences.lanes, chunks.count)
+            started = time.perf_counter()
+            jobs = [functools.partial(work.run, lane) for lane in range(lanes)]
+            totals = self.agent.run_on_lanes(jobs, max(0.0, deadline - started))
+        for source in remote.sources:
+            self.agent.notify(source.peer, self._done_message(request_id, source))
+        return ReadTotals(
+            bytes=sum(lane.bytes for lane in totals),
+            descriptors=sum(lane.descriptors for lane in totals),
+            read_seconds=max(lane.reads_done for lane in totals) - started,
+            postprocess_seconds=sum(lane.restage_seconds for lane in totals),
+            postprocess_exposed_seconds=time.perf_counter() - max(lane.reads_done for lane in totals),
+        )
 
     # ------------------------------------------------------------------ packed
     def _checked_packed_ids(self, remote: RemoteEngine, request: PullRequest) -> torch.Tensor:
-        """Validate a packed pull's block ids before anything moves; returns the local ids as an int64 tensor."""
+        """Validate a packed pull's block ids before anything moves; returns the local ids as an int64 tensor on
+        the cache's device (moved there once)."""
         source, tokens = remote.plan.sources[0], request.num_tokens
         remote_ids, local_ids = request.remote_block_ids, request.local_block_ids
         block_ids_array(
@@ -312,7 +288,7 @@ class BlockReader:
         local = block_ids_array(
             "local_block_ids", local_ids, tokens, self.cache.layout.block_size, self.cache.num_blocks, True
         )
-        return torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64))
+        return index_on(local, self.planes[0].device)
 
     def _read_packed(
         self, remote: RemoteEngine, request: PullRequest, local_block_ids: torch.Tensor, deadline: float
