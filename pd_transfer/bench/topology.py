@@ -4,7 +4,9 @@ bytes, in one run. Prefill engines run in child processes; the decode ranks live
 Cases on the default model shape (32 layers, K and V apart, 8 KV heads x 128, bf16, 4096 tokens):
 ``tp_2_to_1`` (prefill TP 2, each rank 4 heads -> decode TP 1) and ``block_16_to_64`` (prefill blocks
 of 16 tokens -> decode blocks of 64, regrouped after receive), each against prefill TP 1 / block 16 ->
-decode TP 1 / block 16 moving the same 512 MiB.
+decode TP 1 / block 16 moving the same 512 MiB. Beside the figures: the host's own copy rate (512 MiB contiguous,
+one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, and the settings
+(read lanes, staging chunk bytes).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
+from pd_transfer.connector.staging import DEFAULT_STAGING_CHUNK_BYTES
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 
-from .transfer import QUICK_SHAPE, Shape
+from .transfer import QUICK_SHAPE, Shape, host_copy_gbps
 
 
 def _measure(
@@ -42,7 +45,7 @@ def _measure(
 def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
     """Medians over the repeats. The fix-up runs on a worker thread while later chunks are read:
     ``postprocess_ratio`` is what it adds to the pull (seconds after the last read / read seconds),
-    ``postprocess_cpu_ratio`` its whole cost on the other core (its seconds / read seconds)."""
+    ``postprocess_cpu_ratio`` its whole cost (its seconds, summed over the lanes that ran it / read seconds)."""
     seconds = statistics.median(s.seconds for s in stats)
     read_seconds = statistics.median(s.read_seconds for s in stats)
     post_seconds = statistics.median(s.postprocess_seconds for s in stats)
@@ -68,6 +71,7 @@ def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
 def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     shape: Shape = QUICK_SHAPE if quick else Shape()
     repeats = 3 if quick else repeats
     tokens = shape.request_tokens
@@ -100,11 +104,18 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
                 checks["tp_2_to_1"] &= received_correctly(small.cache, local_ids, tp2_caches, remote_ids, tokens)
                 block_16_to_64 += _measure(big, tp1, remote_ids, big_local_ids, tokens, f"b1664-{index}", 1)
                 checks["block_16_to_64"] &= received_correctly(big.cache, big_local_ids, tp1_caches, remote_ids, tokens)
+            read_lanes = small.agent.lane_count
         finally:
             small.close()
             big.close()
+    copies = {kind: host_copy_gbps(homogeneous[0].bytes, huge_pages=kind) for kind in (False, True)}
     return {
         "shape": asdict(replace(shape)),
+        "host_copy_gbps": round(max(copies.values()), 3),
+        "host_copy_gbps_4k_pages": round(copies[False], 3),
+        "host_copy_gbps_huge_pages": round(copies[True], 3),
+        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],  # 1-minute, before and after
+        "settings": {"read_lanes": read_lanes, "staging_chunk_bytes": DEFAULT_STAGING_CHUNK_BYTES},
         "verified": all(checks.values()),
         "verified_cases": checks,
         "homogeneous": _summary(homogeneous, homogeneous),
