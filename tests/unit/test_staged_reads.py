@@ -72,9 +72,29 @@ def memmove_read(
     )
 
 
+def device_read(staging: StagingArea) -> LaneRead:
+    """:func:`memmove_read` into a staging area on an accelerator: each row copied by torch from host memory (the
+    prefill caches here) into the staging buffer, on the lane's stream."""
+    buffer = staging.blocks.view(torch.uint8).view(-1)
+    start = buffer.data_ptr()
+
+    def read(
+        local: DescriptorList, local_rows: np.ndarray, remote: DescriptorList, remote_rows: np.ndarray, timeout_s: float
+    ) -> ReadStats:
+        for mine, theirs in zip(local_rows.tolist(), remote_rows.tolist(), strict=True):
+            length = int(local.rows[mine, 1])
+            origin = (ctypes.c_uint8 * length).from_address(int(remote.rows[theirs, 0]))
+            offset = int(local.rows[mine, 0]) - start
+            buffer[offset : offset + length].copy_(torch.from_numpy(np.ctypeslib.as_array(origin)))
+        return ReadStats(int(local.row_lengths[local_rows].sum()), len(local_rows), 0.0, 0.0)
+
+    return read
+
+
 @dataclass
 class Pull:
-    """One request, planned and staged: what a lane needs, and the caches to check."""
+    """One request, planned and staged: what a lane needs, and the caches to check (``local`` on the host; with
+    another ``device``, the planes the lanes write are copies there: :meth:`received` brings them back)."""
 
     local: RankCache
     local_ids: list[int]
@@ -82,9 +102,16 @@ class Pull:
     chunks: StagedChunks
     work: StagedLaneWork
 
+    def received(self) -> None:
+        """Copy the planes the lanes wrote back into ``local`` (nothing to do on the CPU)."""
+        for mine, written in zip(self.local.planes(), self.work.planes, strict=True):
+            if written.data_ptr() != mine.data_ptr():
+                mine.copy_(written.cpu())
 
-def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5) -> Pull:
-    """The request of ``tokens`` tokens, its slot groups ``group_blocks`` plane blocks each."""
+
+def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5, device: str = "cpu") -> Pull:
+    """The request of ``tokens`` tokens, its slot groups ``group_blocks`` plane blocks each, read into planes on
+    ``device``."""
     rng = np.random.default_rng(seed)
     remote_blocks, local_blocks = 24, 12
     remote_ids = rng.permutation(remote_blocks)[: -(-tokens // case.remote_block)].tolist()
@@ -104,9 +131,15 @@ def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5)
         strategy="staged",
     )
     assert plan.postprocess is not None and len(plan.sources) == case.remote_tp
-    planes = local.planes()
+    planes = [plane if device == "cpu" else plane.to(device) for plane in local.planes()]
     block_bytes = local.regions[0].plane_block_len
-    staging = StagingArea(Registrations(), block_bytes, group_blocks * block_bytes, planes[0].dtype)  # type: ignore[arg-type]
+    staging = StagingArea(
+        Registrations(),  # type: ignore[arg-type]
+        block_bytes,
+        group_blocks * block_bytes,
+        planes[0].dtype,
+        device=device,
+    )
     first_plane = planes_of(local.regions)[0].base_address
     owner = Registrations()
     sources = [
@@ -214,4 +247,18 @@ def test_a_lane_taking_no_chunk_reports_nothing() -> None:
     assert sorted(t.bytes > 0 for t in totals) == [False, True]
     idle = next(t for t in totals if t.bytes == 0)
     assert idle.reads_done == 0 and idle.restage_seconds == 0
+    check_received(pull.local, pull.local_ids, pull.tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lanes_read_and_restage_on_cuda(case: str) -> None:
+    """The twin of the lanes test with planes and staging on the GPU: two slot groups per lane, fenced by events
+    on each lane's stream; every lane's fix-ups done when its run returns."""
+    pull = staged_pull(CASES[case], 1, device="cuda")
+    staging = pull.work.staging
+    assert staging.blocks.is_cuda and pull.chunks.block_ids.is_cuda and staging.fences.depth == 2
+    run_lanes(pull.work, 3, device_read(staging))
+    pull.received()
     check_received(pull.local, pull.local_ids, pull.tokens)
