@@ -4,9 +4,10 @@
   into the cache. With a postprocess (block-size regroup, layout permute), the reads go plane group by plane
   group and a worker thread fixes up each group in place while the next is read (CMA reads and torch kernels
   both release the GIL), so the fix-up mostly hides behind the transfer.
-* **staged** (plans with a postprocess and a staging area): chunks of (plane, block) pairs into one half of
-  the small double-buffered :class:`StagingArea`, scattered into their final place by the worker thread
-  while the next chunk goes into the other half: the cache is written once, as by a homogeneous read.
+* **staged** (plans with a postprocess and a staging area): chunks of (plane, block) pairs read by every read
+  lane at once, each into slot groups of its own of the small :class:`~.staging.StagingArea`, and scattered into
+  their final place by the same lane right after (:mod:`.staged_reads`): the fix-up is split across the lanes and
+  overlaps the other lanes' reads; the cache is written once, as by a homogeneous read.
 * **packed** (engine-packed blocks of another block size): whole remote blocks into the
   :class:`PackedStaging`, a fill at a time, each regrouped into the local blocks before the next is read.
 
@@ -14,7 +15,8 @@
   :mod:`.push_client`; requests of at least ``PD_TRANSFER_PUSH_MIN_BYTES``): each such rank writes the request's
   rows straight into the cache; the others, and any that answer ``may_read``, are read in place.
 
-Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications.
+Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications (staged
+reads send them once every lane is done).
 Block ids are validated before anything is read (``ValueError``; a :class:`~.pull_request.PullRequest` has no
 repeated remote ids); transfer failures raise ``TransferError``.
 """
@@ -99,7 +101,8 @@ def _until(deadline: float) -> float:
 
 
 class BlockReader:
-    """Reads requests' blocks into ``cache`` with ``agent``; fix-ups run on one worker thread (``close`` stops it).
+    """Reads requests' blocks into ``cache`` with ``agent``; fix-ups of in-place reads run on one worker thread
+    (``close`` stops it), those of staged reads on the read lanes.
 
     ``planes`` are the cache's plane views (``plane_views`` order); ``pipeline_groups`` is how many plane
     groups an in-place read with a postprocess is split into; ``done_message(request_id, source)`` is the
