@@ -49,7 +49,7 @@ from .params import incarnation_token
 from .pull_request import PullRequest
 from .push_client import PushOrders
 from .reader_reports import ReaderReports
-from .reads import BlockReader, ReadTotals
+from .reads import DEFAULT_STAGED_JOBS_PER_LANE, BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
 from .staging import DEFAULT_STAGING_CHUNK_BYTES
 
@@ -125,6 +125,7 @@ class DecodeRank:
         packed_staging_bytes: int = 32 * 2**20,
         read_lanes: int | None = None,
         push: str | None = None,
+        staged_jobs_per_lane: int = DEFAULT_STAGED_JOBS_PER_LANE,
     ) -> None:
         """``staging_bytes``: each slot group of the staging area for plans that fix layouts up, the chunk a read
         lane reads and restages at a time (0: in place);
@@ -132,7 +133,8 @@ class DecodeRank:
         gives the packing of a (block, head) for a block size, for caches whose layout names a ``packing``:
         pulls from engines of another block size then read whole remote blocks into a staging area of
         ``packed_staging_bytes`` and regroup them (without it, such engines are refused). ``read_lanes``: agents
-        (and threads) a large read is split over (default :func:`~pd_transfer.transfer.lanes.default_read_lanes`).
+        (and threads) a large read is split over (default :func:`~pd_transfer.transfer.lanes.default_read_lanes`);
+        ``staged_jobs_per_lane``: threads per lane of a staged read (:class:`~.reads.BlockReader`).
         ``push``: "on", "off" or "auto" (default ``PD_TRANSFER_PUSH``, else "auto": where reads would go over TCP,
         :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to write instead (:mod:`.push_client`)."""
         self.engine_id = engine_id
@@ -182,6 +184,7 @@ class DecodeRank:
             pipeline_groups=pipeline_groups,
             done_message=self.reports.read_done,
             pushes=self.pushes,
+            staged_jobs_per_lane=staged_jobs_per_lane,
         )
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
         self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)

@@ -290,21 +290,31 @@ class TransferAgent:
         lanes = self.lanes
         return 1 if lanes is None else len(lanes.lanes) + 1
 
+    @property
+    def max_lane_jobs(self) -> int:
+        """The most jobs :meth:`run_on_lanes` takes now: one without read lanes, ``MAX_JOBS_PER_LANE`` per lane and
+        for this agent with them."""
+        lanes = self.lanes
+        return 1 if lanes is None else lanes.max_jobs
+
     def run_on_lanes(self, jobs: Sequence[Callable[[LaneRead], T]], timeout_s: float) -> list[T]:
-        """Run ``jobs[k]`` on read lane ``k``'s thread, given that lane's READ (:data:`~.lanes.LaneRead`, of this
-        agent's lists; ``jobs[0]`` runs on this thread and reads as this agent): reads, and whatever must follow
-        them on the same thread. At most :attr:`lane_count` jobs (lanes that came up meanwhile are not used
-        before the next call). Returns their results once every job returned, else raises the first failure (a
-        disconnect before others); a job not done within ``timeout_s`` (plus a grace) raises ``TransferTimeout``.
-        The peers get no notification: send it with :meth:`notify` once the reads are done."""
+        """Run each of ``jobs`` on a thread of its own (``jobs[0]`` on this one), job ``k`` given the READ of lane
+        ``k % lane_count`` (:data:`~.lanes.LaneRead`, of this agent's lists; lane 0 reads as this agent): reads,
+        and whatever must follow them on the same thread. Jobs that share a lane read in turn (its agent
+        serialises them) and do their other work meanwhile. At most :attr:`max_lane_jobs` jobs (lanes that came up
+        meanwhile are not used before the next call).
+        Returns their results once every job returned, else raises the first failure (a disconnect before others);
+        a job not done within ``timeout_s`` (plus a grace) raises ``TransferTimeout``. The peers get no
+        notification: send it with :meth:`notify` once the reads are done."""
         lanes = self.lanes
         if lanes is None:
             if len(jobs) != 1:
                 raise ValueError(f"{len(jobs)} jobs, but agent {self.name} has no read lanes up")
             return [jobs[0](self._whole_read)]
+        count = len(lanes.lanes) + 1
 
         def on_lane(job: Callable[[LaneRead], T]) -> Callable[[int], T]:
-            return lambda lane: job(lanes.lane_read(self, lane))
+            return lambda k: job(lanes.lane_read(self, k % count))
 
         return lanes.run([on_lane(job) for job in jobs], timeout_s)
 

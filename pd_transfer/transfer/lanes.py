@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 #: Reads smaller than this (bytes) are not split: one READ's fixed cost is a few microseconds.
 DEFAULT_SPLIT_MIN_BYTES = 4 * 2**20
+#: The most jobs :meth:`ReadLanes.run` runs at once, per lane and for the owner: a lane can serve several threads
+#: that read in turn (its agent serialises the reads) and do other work in between.
+MAX_JOBS_PER_LANE = 4
 _WARM_UP_TIMEOUT_S = 5.0
 _JOIN_GRACE_S = 5.0  # past a read's own timeout, how long to wait for a lane's part to return
 
@@ -128,8 +131,9 @@ class ReadLanes:
         self.split_min_bytes = split_min_bytes
         self._registrations: dict[int, list[object]] = {}  # id(owner's registration) -> the lanes'
         self._warm: set[str] = set()  # peers every lane has read from
-        self._pool = ThreadPoolExecutor(
-            max_workers=len(self.lanes),
+        self.max_jobs = MAX_JOBS_PER_LANE * (len(self.lanes) + 1)
+        self._pool = ThreadPoolExecutor(  # threads are made as jobs need them
+            max_workers=self.max_jobs - 1,
             thread_name_prefix=f"pd-transfer-lane-{owner}",
             initializer=unpin_current_thread,
         )
@@ -258,12 +262,12 @@ class ReadLanes:
         return read
 
     def run(self, jobs: Sequence[Callable[[int], T]], timeout_s: float) -> list[T]:
-        """Run ``jobs[k](k)`` on lane ``k``'s thread (``jobs[0]`` on this thread), at most one job per lane and the
-        owner; returns their results (in order) once every job returned, else raises the first failure (a
-        disconnect before others). Every job must end within ``timeout_s``: a job that has not by then (plus a
-        grace) is reported as timed out, its thread left to finish."""
-        if not 1 <= len(jobs) <= len(self.lanes) + 1:
-            raise ValueError(f"{len(jobs)} jobs for {len(self.lanes)} lanes and their owner")
+        """Run ``jobs[k](k)`` each on a thread of its own (``jobs[0]`` on this thread), at most :attr:`max_jobs`;
+        returns their results (in order) once every job returned, else raises the first failure (a disconnect
+        before others). Every job must end within ``timeout_s``: a job that has not by then (plus a grace) is
+        reported as timed out, its thread left to finish."""
+        if not 1 <= len(jobs) <= self.max_jobs:
+            raise ValueError(f"{len(jobs)} jobs, at most {self.max_jobs} for {len(self.lanes)} lanes and their owner")
         futures: list[Future[T]] = [self._pool.submit(job, lane) for lane, job in enumerate(jobs[1:], start=1)]
         errors: list[Exception] = []
         results: list[T] = []
