@@ -6,7 +6,7 @@ Cases on the default model shape (32 layers, K and V apart, 8 KV heads x 128, bf
 of 16 tokens -> decode blocks of 64, regrouped after receive), each against prefill TP 1 / block 16 ->
 decode TP 1 / block 16 moving the same 512 MiB. Beside the figures: the host's own copy rate (512 MiB contiguous,
 one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, and the settings
-(read lanes, staging chunk bytes).
+(read lanes, staging chunk bytes, staged jobs per lane).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
+from pd_transfer.connector.reads import DEFAULT_STAGED_JOBS_PER_LANE
 from pd_transfer.connector.staging import DEFAULT_STAGING_CHUNK_BYTES
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
@@ -115,7 +116,11 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
         "host_copy_gbps_4k_pages": round(copies[False], 3),
         "host_copy_gbps_huge_pages": round(copies[True], 3),
         "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],  # 1-minute, before and after
-        "settings": {"read_lanes": read_lanes, "staging_chunk_bytes": DEFAULT_STAGING_CHUNK_BYTES},
+        "settings": {
+            "read_lanes": read_lanes,
+            "staging_chunk_bytes": DEFAULT_STAGING_CHUNK_BYTES,
+            "staged_jobs_per_lane": DEFAULT_STAGED_JOBS_PER_LANE,
+        },
         "verified": all(checks.values()),
         "verified_cases": checks,
         "homogeneous": _summary(homogeneous, homogeneous),
