@@ -5,12 +5,13 @@ Cases on the default model shape (32 layers, K and V apart, 8 KV heads x 128, bf
 ``tp_2_to_1`` (prefill TP 2, each rank 4 heads -> decode TP 1) and ``block_16_to_64`` (prefill blocks
 of 16 tokens -> decode blocks of 64, regrouped after receive), each against prefill TP 1 / block 16 ->
 decode TP 1 / block 16 moving the same 512 MiB. Beside the figures: the host's own copy rate (512 MiB contiguous,
-one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, and the settings
-(read lanes, staging chunk bytes, staged jobs per lane).
+one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, the time it finished
+(UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import statistics
 from dataclasses import asdict, replace
@@ -116,6 +117,7 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
         "host_copy_gbps_4k_pages": round(copies[False], 3),
         "host_copy_gbps_huge_pages": round(copies[True], 3),
         "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],  # 1-minute, before and after
+        "finished_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
         "settings": {
             "read_lanes": read_lanes,
             "staging_chunk_bytes": DEFAULT_STAGING_CHUNK_BYTES,
