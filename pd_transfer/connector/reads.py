@@ -277,18 +277,19 @@ class BlockReader:
             work = StagedLaneWork(chunks, remote.sources, staging, postprocess.restage, self.planes, deadline)
             agent = self.agent
             wanted = agent.lane_count * self.staged_jobs_per_lane
-            lanes = min(wanted, agent.max_lane_jobs, staging.fences.lanes, chunks.count)
+            lanes = max(1, min(wanted, agent.max_lane_jobs, staging.fences.lanes, chunks.count))
             started = time.perf_counter()
             jobs = [functools.partial(work.run, lane) for lane in range(lanes)]
             totals = self.agent.run_on_lanes(jobs, max(0.0, deadline - started))
         for source in remote.sources:
             self.agent.notify(source.peer, self._done_message(request_id, source))
+        reads_done = max(lane.reads_done for lane in totals) or started  # nothing to read: no time
         return ReadTotals(
             bytes=sum(lane.bytes for lane in totals),
             descriptors=sum(lane.descriptors for lane in totals),
-            read_seconds=max(lane.reads_done for lane in totals) - started,
+            read_seconds=reads_done - started,
             postprocess_seconds=sum(lane.restage_seconds for lane in totals),
-            postprocess_exposed_seconds=time.perf_counter() - max(lane.reads_done for lane in totals),
+            postprocess_exposed_seconds=time.perf_counter() - reads_done,
         )
 
     # ------------------------------------------------------------------ packed

@@ -262,3 +262,12 @@ def test_lanes_read_and_restage_on_cuda(case: str) -> None:
     run_lanes(pull.work, 3, device_read(staging))
     pull.received()
     check_received(pull.local, pull.local_ids, pull.tokens)
+
+
+def test_a_request_of_no_tokens_reads_and_writes_nothing() -> None:
+    pull = staged_pull(CASES["tp_2_to_1_nhd_to_hnd"], 1, tokens=0)
+    before = [buffer.clone() for buffer in pull.local.buffers]
+    assert pull.chunks.count == 0 and pull.chunks.block_ids.numel() == 0
+    totals = run_lanes(pull.work, 1)
+    assert totals == [LaneTotals()]
+    assert all(torch.equal(a, b) for a, b in zip(pull.local.buffers, before, strict=True))
