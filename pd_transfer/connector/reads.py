@@ -274,7 +274,8 @@ class BlockReader:
         assert postprocess is not None and staging is not None
         with self._staging_lock:
             chunks = StagedChunks.plan(remote.plan, rows, staging.slots, self.cache.num_blocks, staging.fences)
-            work = StagedLaneWork(chunks, remote.sources, staging, postprocess.restage, self.planes, deadline)
+            runs = staging.scatter_for(postprocess.restage, self.planes)
+            work = StagedLaneWork(chunks, remote.sources, staging, runs, deadline)
             agent = self.agent
             wanted = agent.lane_count * self.staged_jobs_per_lane
             lanes = max(1, min(wanted, agent.max_lane_jobs, staging.fences.lanes, chunks.count))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pd_transfer.topology.plan import PeerPlan
-from pd_transfer.topology.postprocess import Restage, index_on
+from pd_transfer.topology.postprocess import RunScatter, index_on
 from pd_transfer.transfer.lanes import LaneRead
 
 from .remote_engines import SourceRank
@@ -122,8 +122,7 @@ class StagedLaneWork:
     chunks: StagedChunks
     sources: list[SourceRank]
     staging: StagingArea
-    restage: Restage
-    planes: list[torch.Tensor]  # the cache's plane views, ``plane_views`` order
+    runs: RunScatter  # from the staging area's slots into the cache's planes (:meth:`StagingArea.scatter_for`)
     deadline: float  # ``perf_counter`` time
     claim: Iterator[int] = dataclasses.field(default_factory=itertools.count)
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -141,7 +140,6 @@ class StagedLaneWork:
     def _run(self, lane: int, read: LaneRead) -> LaneTotals:
         totals = LaneTotals()
         groups = self.staging.fences.lane_groups(lane)
-        num_blocks = self.planes[0].shape[0]
         for step, chunk in enumerate(self.claim):
             if chunk >= self.chunks.count or self.stop.is_set():
                 break
@@ -159,7 +157,7 @@ class StagedLaneWork:
                 totals.descriptors += stats.descriptors
             totals.reads_done = time.perf_counter()
             segments, block_ids = self.chunks.segments[chunk], self.chunks.block_ids_of(chunk)
-            self.staging.scatter(self.restage, group, segments, block_ids, self.planes, num_blocks)
+            self.staging.scatter(self.runs, group, segments, block_ids)
             self.staging.fences.filled(group)
             totals.restage_seconds += time.perf_counter() - totals.reads_done
         return totals

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pd_transfer.topology.plan import SourcePlan
-from pd_transfer.topology.postprocess import Restage, scatter_staged
+from pd_transfer.topology.postprocess import Restage, RunScatter
 from pd_transfer.transfer.agent import TransferAgent
 
 from .slot_fences import SlotFences
@@ -55,6 +55,7 @@ class StagingArea:
         agent.register_spans([(start, start + self._buffer.numel())])
         self.blocks = self._buffer.view(dtype).view(groups * self.slots, -1)  # one staged plane block per row
         self.fences = SlotFences(self.device, groups)
+        self._scatters: dict[tuple[Restage, int], tuple[list[torch.Tensor], RunScatter]] = {}
 
     def source_rows(self, source: SourcePlan, first_plane_address: int) -> np.ndarray:
         """:meth:`descriptor_rows` of ``source``'s units: where its local grid puts them in a plane block (the grid's
@@ -72,18 +73,22 @@ class StagingArea:
         rows[:, 1] = unit_bytes
         return rows
 
+    def scatter_for(self, restage: Restage, planes: list[torch.Tensor]) -> RunScatter:
+        """The scatter of this area's slots into ``planes`` (num_blocks, ...) by ``restage`` (prepared once per plan
+        and cache: the same ``planes`` list each time)."""
+        key = (restage, id(planes))
+        known = self._scatters.get(key)
+        if known is not None and known[0] is planes:
+            return known[1]
+        runs = RunScatter([plane.view(plane.shape[0], -1) for plane in planes], self.blocks, restage)
+        self._scatters[key] = (planes, runs)  # the list is kept: its id is not reused while it is a key
+        return runs
+
     def scatter(
-        self,
-        restage: Restage,
-        group: int,
-        segments: list[tuple[int, int, int]],
-        block_ids: torch.Tensor,
-        planes: list[torch.Tensor],
-        num_blocks: int,
+        self, runs: RunScatter, group: int, segments: list[tuple[int, int, int]], block_ids: torch.Tensor
     ) -> None:
-        """Scatter the chunk in ``group`` into ``planes`` in the local layout: its slots ``first:end`` hold blocks
+        """Scatter the chunk in ``group`` with ``runs`` (:meth:`scatter_for`): its slots ``first:end`` hold blocks
         ``block_ids[first:end]`` (int64, on the planes' device) of plane ``plane``, for each ``(plane, first,
         end)`` of ``segments``. On an accelerator the work is queued on the current stream."""
-        staged = self.blocks[group * self.slots : (group + 1) * self.slots]
         for plane, first, end in segments:
-            scatter_staged(planes[plane].view(num_blocks, -1), block_ids[first:end], staged[first:end], restage)
+            runs(plane, block_ids[first:end], group * self.slots + first)

@@ -12,7 +12,9 @@ into ``(heads, tokens, head_size)`` (HND) or ``(tokens, heads, head_size)`` (NHD
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,7 +113,7 @@ def restage_blocks(
     ``chunk_bytes`` at a time (default :data:`DEFAULT_CHUNK_BYTES` on the CPU, :data:`DEFAULT_DEVICE_CHUNK_BYTES`
     elsewhere; at least one block): gathered into a scratch buffer (one pass), then scattered back run by run
     (:func:`run_layout`; one pass), moving the bytes as wide words (:func:`as_words`). ``host_kernel=False``
-    runs the accelerators' kernel on CPU tensors too (:func:`copy_runs`).
+    runs the accelerators' kernel on CPU tensors too (:class:`RunScatter`).
     """
     _check_plane(plane, spec)
     _check_devices(plane, block_ids=block_ids)
@@ -125,11 +127,11 @@ def restage_blocks(
     block_bytes = spec.block_elements * words.element_size()
     per_chunk = max(1, min(total, chunk_bytes // max(block_bytes, 1)))
     staged = torch.empty((per_chunk, spec.block_elements), dtype=words.dtype, device=words.device)
+    scatter = RunScatter([words], staged, spec, host_kernel=host_kernel)
     for start in range(0, total, per_chunk):
         ids = block_ids[start : start + per_chunk]
-        chunk = staged[: ids.numel()]
-        torch.index_select(words, 0, ids, out=chunk)
-        _scatter_runs(words, ids, chunk, spec, host_kernel=host_kernel)
+        torch.index_select(words, 0, ids, out=staged[: ids.numel()])
+        scatter(0, ids)
 
 
 def index_on(ids: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -189,41 +191,76 @@ def run_layout(spec: Restage, row_stride: int) -> tuple[int, np.ndarray]:
     return run, landing[::run] // run
 
 
-@functools.lru_cache(maxsize=64)
-def _run_rows_on(spec: Restage, row_stride: int, device: torch.device) -> tuple[int, torch.Tensor]:
-    """:func:`run_layout` with its rows on ``device`` (moved once per geometry and device)."""
-    run, rows = run_layout(spec, row_stride)
-    return run, torch.from_numpy(rows).to(device)
+class RunScatter:
+    """Writes staged blocks of one staging buffer into blocks of fixed planes, run by run (:func:`run_layout`).
+
+    ``planes``: each (num_blocks, block_elements) with contiguous rows (any row stride); ``staged``: (slots,
+    block_elements), contiguous, of the planes' dtype and device. The word views, the run layout and (on an
+    accelerator) its rows on the device are prepared once, so a scatter is an index computation and one indexed
+    copy of whole runs. On the CPU (``host_kernel``) numpy copies each run with one memcpy, without the GIL from
+    500 runs up (torch's indexed copies move one element at a time: 2-3 times the CPU on 4 KiB runs); elsewhere,
+    or without ``host_kernel`` (so tests run the device path on CPU tensors), one ``index_put_``.
+    """
+
+    def __init__(
+        self, planes: Sequence[torch.Tensor], staged: torch.Tensor, spec: Restage, *, host_kernel: bool = True
+    ) -> None:
+        if staged.dim() != 2 or staged.shape[1] != spec.block_elements or not staged.is_contiguous():
+            raise ValueError(
+                f"staged blocks must be contiguous (slots, {spec.block_elements}), got {tuple(staged.shape)}"
+            )
+        self.host = host_kernel and staged.device.type == "cpu"
+        self._planes = [self._prepare(plane, staged, spec) for plane in planes]
+
+    def _prepare(self, plane: torch.Tensor, staged: torch.Tensor, spec: Restage) -> _PlaneRuns:
+        _check_plane(plane, spec)
+        _check_devices(plane, staged=staged)
+        if staged.dtype != plane.dtype:
+            raise ValueError(f"staged blocks are {staged.dtype}, the plane {plane.dtype}")
+        words, staged_words = as_same_words(spec.head_size * plane.element_size(), plane, staged)
+        spec = _rescaled(spec, words.shape[1])
+        elements = spec.block_elements
+        row_stride = words.stride(0) if words.shape[0] > 1 else elements
+        run, rows = run_layout(spec, row_stride)
+        per_block, stride = elements // run, row_stride // run
+        count = (words.shape[0] - 1) * stride + per_block if words.shape[0] else 0
+        destination = words.as_strided((count, run), (run, 1), words.storage_offset())
+        source = staged_words.reshape(-1, run)
+        if self.host:
+            run_type = np.dtype((np.void, run * words.element_size()))
+            return _PlaneRuns(
+                destination.numpy().view(run_type).reshape(-1),
+                source.numpy().view(run_type).reshape(-1),
+                rows,
+                per_block,
+                stride,
+            )
+        return _PlaneRuns(destination, source, torch.from_numpy(rows).to(plane.device), per_block, stride)
+
+    def __call__(self, plane: int, block_ids: torch.Tensor, first_slot: int = 0) -> None:
+        """Write staged slots ``first_slot`` on, one per block, into blocks ``block_ids`` (int64, distinct, on the
+        planes' device) of plane ``plane``; on an accelerator the copy is queued on the current stream."""
+        runs = self._planes[plane]
+        first, end = first_slot * runs.per_block, (first_slot + block_ids.numel()) * runs.per_block
+        if self.host:
+            ids = block_ids.numpy()
+            runs.destination[(ids[:, None] * runs.stride + runs.rows).reshape(-1)] = runs.source[first:end]
+            return
+        targets = (block_ids.unsqueeze(1) * runs.stride + runs.rows).reshape(-1)
+        runs.destination.index_put_((targets,), runs.source[first:end])
 
 
-def _scatter_runs(
-    words: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, spec: Restage, *, host_kernel: bool = True
-) -> None:
-    """Write staged blocks ``chunk`` (len(ids), block_elements) into blocks ``ids`` of ``words`` (num_blocks,
-    block_elements; contiguous rows, any row stride), one indexed copy of whole runs: each run is a row of a
-    (runs, run) view of the plane and of the chunk (:func:`copy_runs`)."""
-    elements = spec.block_elements
-    row_stride = words.stride(0) if words.shape[0] > 1 else elements
-    run, rows = _run_rows_on(spec, row_stride, words.device)
-    runs_per_block, stride_runs = elements // run, row_stride // run
-    plane_runs = words.as_strided(
-        ((words.shape[0] - 1) * stride_runs + runs_per_block, run), (run, 1), words.storage_offset()
-    )
-    targets = (ids.unsqueeze(1) * stride_runs + rows).reshape(-1)
-    copy_runs(plane_runs, targets, chunk.reshape(-1, run), host_kernel=host_kernel)
+@dataclass(frozen=True)
+class _PlaneRuns:
+    """One plane as runs (numpy arrays of void runs on the host path, (runs, run) tensors else), the staging
+    buffer's runs, the run of a block each staged run lands on (``rows``), runs per block, and runs from one block
+    of the plane to the next."""
 
-
-def copy_runs(plane_runs: torch.Tensor, targets: torch.Tensor, runs: torch.Tensor, *, host_kernel: bool = True) -> None:
-    """``plane_runs[targets[i]] = runs[i]`` for every i: rows of contiguous runs (both (n, run), same dtype and
-    device, ``targets`` int64 and distinct). On the CPU (``host_kernel``) numpy copies each run with one memcpy,
-    without the GIL (torch's indexed copies move one element at a time: 2-3 times the CPU on 4 KiB runs);
-    elsewhere, or without ``host_kernel`` (so tests run the device path on CPU tensors), one ``index_put_``."""
-    if host_kernel and plane_runs.device.type == "cpu":
-        run_type = np.dtype((np.void, runs.shape[1] * runs.element_size()))
-        destination = plane_runs.numpy().view(run_type).reshape(-1)
-        destination[targets.numpy()] = runs.contiguous().numpy().view(run_type).reshape(-1)
-        return
-    plane_runs.index_put_((targets,), runs)
+    destination: Any
+    source: Any
+    rows: Any
+    per_block: int
+    stride: int
 
 
 def scatter_staged(
@@ -245,9 +282,7 @@ def scatter_staged(
     _check_devices(plane, block_ids=block_ids, staged=staged)
     if block_ids.numel() == 0:
         return
-    row_bytes = spec.head_size * plane.element_size()
-    words, staged_words = as_same_words(row_bytes, plane, staged)  # one word size: the spec is rescaled once
-    _scatter_runs(words, block_ids, staged_words, _rescaled(spec, words.shape[1]), host_kernel=host_kernel)
+    RunScatter([plane], staged.contiguous(), spec, host_kernel=host_kernel)(0, block_ids)
 
 
 def _rescaled(spec: Restage, words_per_block: int) -> Restage:

@@ -101,10 +101,11 @@ class Pull:
     tokens: int
     chunks: StagedChunks
     work: StagedLaneWork
+    planes: list[torch.Tensor]  # what the lanes write: ``local``'s planes, or their copies on another device
 
     def received(self) -> None:
         """Copy the planes the lanes wrote back into ``local`` (nothing to do on the CPU)."""
-        for mine, written in zip(self.local.planes(), self.work.planes, strict=True):
+        for mine, written in zip(self.local.planes(), self.planes, strict=True):
             if written.data_ptr() != mine.data_ptr():
                 mine.copy_(written.cpu())
 
@@ -156,8 +157,8 @@ def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5,
     rows = [source.indices(remote_ids, local_ids, tokens) for source in plan.sources]
     chunks = StagedChunks.plan(plan, rows, staging.slots, local_blocks, staging.fences)
     deadline = time.perf_counter() + 60
-    work = StagedLaneWork(chunks, sources, staging, plan.postprocess.restage, planes, deadline)
-    return Pull(local, local_ids, tokens, chunks, work)
+    work = StagedLaneWork(chunks, sources, staging, staging.scatter_for(plan.postprocess.restage, planes), deadline)
+    return Pull(local, local_ids, tokens, chunks, work, planes)
 
 
 def run_lanes(work: StagedLaneWork, lanes: int, read: LaneRead = memmove_read) -> list[LaneTotals]:
