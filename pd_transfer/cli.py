@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pd_transfer.bench.transfer import Shape
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -70,6 +74,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.sim.peer import BUSY_ENGINE_ENV
 
     shape = QUICK_SHAPE if args.quick else Shape()
+    if args.device is not None:
+        return _bench_transfer_device(args, shape)
     if args.busy_prefill:  # the prefill processes started from here inherit it
         os.environ[BUSY_ENGINE_ENV] = "1"
     sections = [
@@ -98,10 +104,23 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0 if cases and all(c["verified"] for c in cases) else 1
 
 
+def _bench_transfer_device(args: argparse.Namespace, shape: Shape) -> int:
+    """``bench transfer --device``: the one-node section on a device (``gpu`` in the JSON)."""
+    from pd_transfer.bench import transfer_device
+
+    section = transfer_device.run(shape, args.device, repeats=3 if args.quick else args.repeats)
+    print(json.dumps({"gpu": section}) if args.json else "\n".join(transfer_device.summary_lines(section)))
+    return 0 if all(section[case]["verified"] for case in ("contiguous", "scattered")) else 1
+
+
 def _bench_topology(args: argparse.Namespace) -> int:
     from pd_transfer.bench.topology import run
 
-    result = run(quick=args.quick)
+    try:
+        result = run(quick=args.quick, device=args.device)
+    except ValueError as error:  # a --device that is not here
+        print(error, file=sys.stderr)
+        return 2
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0 if result["verified"] else 1
 
@@ -181,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_wire_argument(transfer, "with --netns: ")
     transfer.add_argument(
+        "--device",
+        help="cuda, cuda:N or cpu: the one-node section with both caches on that device (same-host IPC against raw"
+        " NIXL, the in-process device copy and a raw IPC copy), under 'gpu' in the JSON; other sections skipped",
+    )
+    transfer.add_argument(
         "--busy-prefill",
         action="store_true",
         help="the prefill process also runs a Python loop that keeps the GIL busy, as a serving engine's does",
@@ -189,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     topology = which.add_parser("topology", help="heterogeneous TP and block sizes vs homogeneous")
     topology.add_argument("--json", action="store_true", help="print one JSON object")
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
+    topology.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N: the caches there, against its copy of the rows (gpu.)"
+    )
     topology.set_defaults(func=_bench_topology)
     from pd_transfer.bench import pd_tcp
 

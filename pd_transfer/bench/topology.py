@@ -7,6 +7,9 @@ of 16 tokens -> decode blocks of 64, regrouped after receive), each against pref
 decode TP 1 / block 16 moving the same 512 MiB. Beside the figures: the host's own copy rate (512 MiB contiguous,
 one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, the time it finished
 (UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane).
+
+``--device cuda[:N]`` keeps both sides' caches on that device and adds ``gpu``: each case against the in-process
+device copy of the same rows (:mod:`.device`); ``--device cpu`` does the same on CPU tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pd_transfer.connector.staging import DEFAULT_STAGING_CHUNK_BYTES
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 
+from .device import parse_device, topology_section
 from .transfer import QUICK_SHAPE, Shape, host_copy_gbps
 
 
@@ -70,7 +74,11 @@ def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
     }
 
 
-def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
+def run(*, quick: bool = False, repeats: int = 5, seed: int = 11, device: str | None = None) -> dict:
+    """``device``: where both sides' caches live, and the ``gpu`` section against its copy (None: the CPU, no
+    section). Raises ``ValueError`` for a device that is not here."""
+    target = parse_device(device) if device is not None else None
+    on = str(target) if target is not None else "cpu"
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -82,17 +90,23 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
     big_block = 4 * shape.block_size
     big_cache_blocks = shape.cache_blocks // 4
 
-    homogeneous_spec = PrefillSpec("bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed)
+    homogeneous_spec = PrefillSpec("bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed, device=on)
     tp2_spec = PrefillSpec(
-        "bench-tp2", [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)], shape.cache_blocks, seed=seed + 1
+        "bench-tp2",
+        [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)],
+        shape.cache_blocks,
+        seed=seed + 1,
+        device=on,
     )
     remote_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     local_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     big_local_ids = rng.choice(big_cache_blocks, -(-tokens // big_block), replace=False).tolist()
 
     with PrefillProcess(homogeneous_spec) as tp1, PrefillProcess(tp2_spec) as tp2:
-        small = DecodeRank("bench-decode-b16", KVCache.allocate(shape.layout_for(), shape.cache_blocks))
-        big = DecodeRank("bench-decode-b64", KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks))
+        small_cache = KVCache.allocate(shape.layout_for(), shape.cache_blocks, device=on)
+        big_cache = KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks, device=on)
+        small = DecodeRank("bench-decode-b16", small_cache)
+        big = DecodeRank("bench-decode-b64", big_cache)
         try:
             for decode, prefill in ((small, tp1), (small, tp2), (big, tp1)):
                 decode.connect(prefill.host, prefill.port)
@@ -111,7 +125,7 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
             small.close()
             big.close()
     copies = {kind: host_copy_gbps(homogeneous[0].bytes, huge_pages=kind) for kind in (False, True)}
-    return {
+    result = {
         "shape": asdict(replace(shape)),
         "host_copy_gbps": round(max(copies.values()), 3),
         "host_copy_gbps_4k_pages": round(copies[False], 3),
@@ -129,3 +143,10 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
         "tp_2_to_1": _summary(tp_2_to_1, homogeneous),
         "block_16_to_64": _summary(block_16_to_64, homogeneous),
     }
+    if target is not None:
+        cases = {"homogeneous": (tp1_caches, homogeneous), "tp_2_to_1": (tp2_caches, tp_2_to_1),
+                 "block_16_to_64": (tp1_caches, block_16_to_64)}  # fmt: skip
+        result["gpu"] = topology_section(
+            target, {case: (caches, remote_ids, stats) for case, (caches, stats) in cases.items()}, repeats
+        )
+    return result

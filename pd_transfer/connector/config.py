@@ -25,6 +25,8 @@ from typing import Literal
 
 import msgspec
 
+from .ipc_choice import TransportSetting
+
 FailurePolicy = Literal["fail", "recompute"]
 PushMode = Literal["auto", "on", "off"]
 
@@ -61,6 +63,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # decode: ask prefill ranks to write the KV instead of reading it ("auto": where reads would go over TCP; "on";
     # "off", which on a prefill also refuses such requests); None: PD_TRANSFER_PUSH, else "auto"
     push: PushMode | None = None
+    # how a decode reads prefills on its own host: "auto" (same-host IPC where the prefill offers its memory and it
+    # can be read, CUDA IPC for GPU caches; else NIXL), "nixl" (never IPC; a prefill then offers none either), "ipc"
+    # (IPC or the engine is refused)
+    transport: TransportSetting = "auto"
 
     def __post_init__(self) -> None:
         problems = []

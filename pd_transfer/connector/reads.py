@@ -43,7 +43,7 @@ from pd_transfer.transfer.errors import TransferError, TransferTimeout
 from pd_transfer.transfer.lanes import LaneRead, split_rows
 
 from .cache import KVCache
-from .pull_request import PullRequest
+from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .remote_engines import RemoteEngine, SourceRank
 from .slot_fences import after_mark, mark
@@ -72,6 +72,20 @@ class ReadTotals:
     pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
 
+    def stats(self, request_id: str, seconds: float) -> PullStats:
+        """The stats of request ``request_id``'s pull of ``seconds`` whose reads moved these totals."""
+        return PullStats(
+            request_id=request_id,
+            bytes=self.bytes,
+            descriptors=self.descriptors,
+            read_seconds=self.read_seconds,
+            postprocess_seconds=self.postprocess_seconds,
+            postprocess_exposed_seconds=self.postprocess_exposed_seconds,
+            seconds=seconds,
+            pushed_peers=self.pushed_peers,
+            pushed_bytes=self.pushed_bytes,
+        )
+
     @classmethod
     def overlapped(
         cls, total_bytes: int, descriptors: int, read_started: float, reads_done: float, post_seconds: float
@@ -99,6 +113,11 @@ def _timed(function: Callable[..., object], *args: object) -> float:
     started = time.perf_counter()
     function(*args)
     return time.perf_counter() - started
+
+
+def _lists_of(step: Sequence[ReadOrder]) -> list[DescriptorList]:
+    """The descriptor lists a step reads: each source's local list (if any) and remote list."""
+    return [d for source, local, _, _ in step for d in (local, source.remote) if d is not None]
 
 
 def _until(deadline: float) -> float:
@@ -277,11 +296,13 @@ class BlockReader:
             runs = staging.scatter_for(postprocess.restage, self.planes)
             work = StagedLaneWork(chunks, remote.sources, staging, runs, deadline)
             agent = self.agent
-            wanted = agent.lane_count * self.staged_jobs_per_lane
+            # GPU memory (a staging area or a prefill cache on a GPU) is read by this agent alone
+            usable = agent.lanes_for([d for s in remote.sources for d in (s.staging, s.remote) if d is not None])
+            wanted = usable * self.staged_jobs_per_lane
             lanes = max(1, min(wanted, agent.max_lane_jobs, staging.fences.lanes, chunks.count))
             started = time.perf_counter()
             jobs = [functools.partial(work.run, lane) for lane in range(lanes)]
-            totals = self.agent.run_on_lanes(jobs, max(0.0, deadline - started))
+            totals = agent.run_on_lanes(jobs, max(0.0, deadline - started), lanes=usable)
         for source in remote.sources:
             self.agent.notify(source.peer, self._done_message(request_id, source))
         reads_done = max(lane.reads_done for lane in totals) or started  # nothing to read: no time
@@ -349,7 +370,7 @@ class BlockReader:
         the ``ReadDone`` notifications. Returns (bytes, rows). Several sources, with the read lanes up and enough
         bytes to split, are read on the lanes at once (:meth:`_read_step_on_lanes`)."""
         lanes = self.agent.lanes
-        if len(step) > 1 and lanes is not None:
+        if len(step) > 1 and lanes is not None and self.agent.lanes_for(_lists_of(step)) > 1:
             step_bytes = sum(int(local.row_lengths[rows].sum()) for _, local, rows, _ in step if local is not None)
             if step_bytes >= lanes.split_min_bytes:
                 return self._read_step_on_lanes(request_id, step, last, deadline)

@@ -1,9 +1,10 @@
 """The staging area of a decode rank: where staged plans land their reads before the fix-up.
 
 ``groups`` slot groups of ``slots`` plane blocks each, in one buffer on the cache's device, registered with the
-rank's NIXL agent (and so mirrored on its read lanes) once. A staged pull hands each read lane groups of its own: the
-lane reads a chunk of (plane, block) pairs into one of them and scatters it, regrouped and permuted, into its final
-blocks of the cache right away, on the same thread, while the other lanes read theirs. A group is small enough
+rank's NIXL agent once (host memory is mirrored on its read lanes; a GPU's is registered as its VRAM and read by the
+agent alone). A staged pull hands each read lane groups of its own: the lane reads a chunk of (plane, block) pairs
+into one of them and scatters it, regrouped and permuted, into its final blocks of the cache right away, on the same
+thread, while the other lanes read theirs. A group is small enough
 to stay in the core's cache between the read and the scatter, so the cache itself is written once, as by a
 homogeneous read. On an accelerator the scatter is queued on the lane's stream (:class:`~.slot_fences.SlotFences`),
 and a lane reads into a group again only once the scatter that last read from it has finished.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pd_transfer.spec import place_of_tensor
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.topology.postprocess import Restage, RunScatter
 from pd_transfer.transfer.agent import TransferAgent
@@ -51,8 +53,9 @@ class StagingArea:
         self.groups = groups
         self.device = torch.device(device)
         self._buffer = torch.empty(groups * self.slots * plane_block_bytes, dtype=torch.uint8, device=self.device)
+        self.place = place_of_tensor(self._buffer)  # host memory, or a GPU's (read by the agent alone, not lanes)
         start = self._buffer.data_ptr()
-        agent.register_spans([(start, start + self._buffer.numel())])
+        agent.register_spans([(start, start + self._buffer.numel())], place=self.place)
         self.blocks = self._buffer.view(dtype).view(groups * self.slots, -1)  # one staged plane block per row
         self.fences = SlotFences(self.device, groups)
         self._scatters: dict[tuple[Restage, int], tuple[list[torch.Tensor], RunScatter]] = {}

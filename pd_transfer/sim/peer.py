@@ -58,12 +58,16 @@ class PrefillSpec:
     host: str = "127.0.0.1"  # the side channel's address (inside ``netns`` when that is set)
     netns: str = ""  # a named network namespace (``ip netns``) the child enters before anything opens a socket
     ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
+    device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
+    shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
 
-    def caches(self) -> list[KVCache]:
-        """The caches the child holds, recomputed in this process."""
+    def caches(self, device: str | None = None) -> list[KVCache]:
+        """The caches the child holds, recomputed in this process (on ``device``, default the spec's)."""
         out = []
         for layout in self.layouts:
-            cache = KVCache.allocate(layout, self.num_blocks, kv_split=self.kv_split)
+            cache = KVCache.allocate(
+                layout, self.num_blocks, kv_split=self.kv_split, device=device or self.device, shareable=self.shareable
+            )
             fill_pattern(cache, self.seed)
             out.append(cache)
         return out

@@ -4,7 +4,8 @@ Prefill ranks live in a child process, the decode rank (TP 1, two read lanes) he
 both prefill ranks' reads land in every staged block (NHD -> HND). The failed pull raises a typed error and leaves
 every block outside the request untouched; the same decode rank, staging area and lanes then pull the request from
 another engine exactly (every element checked against the prefill caches) and each of its ranks hears ``ReadDone``
-once. (The staged paths without a failure are checked over NIXL in tests/test_topology_nixl.py, lanes up.)
+once. (The staged paths without a failure are checked over NIXL in tests/process/test_topology_nixl.py,
+lanes up.)
 """
 
 from __future__ import annotations
