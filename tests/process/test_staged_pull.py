@@ -44,7 +44,7 @@ def _killing_after(reads: int, prefill: PrefillProcess, run_on_lanes: Callable) 
     failure and what the pull makes of it are the real ones."""
     done = 0
 
-    def run(jobs: Sequence[Callable[[LaneRead], object]], timeout_s: float) -> list[object]:
+    def run(jobs: Sequence[Callable[[LaneRead], object]], timeout_s: float, **kwargs: object) -> list[object]:
         def on_lane(job: Callable[[LaneRead], object]) -> Callable[[LaneRead], object]:
             def with_read(read: LaneRead) -> object:
                 def killing_read(*args: object) -> object:
@@ -59,7 +59,7 @@ def _killing_after(reads: int, prefill: PrefillProcess, run_on_lanes: Callable) 
 
             return with_read
 
-        return run_on_lanes([on_lane(job) for job in jobs], timeout_s)
+        return run_on_lanes([on_lane(job) for job in jobs], timeout_s, **kwargs)
 
     return run
 
