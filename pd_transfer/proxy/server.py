@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp
 import msgspec
-import yarl
 from aiohttp import web
 
 from pd_transfer.proxy import flow
@@ -41,6 +40,7 @@ from pd_transfer.proxy.responses import (
     snippet,
 )
 from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason, prefill_without_params
+from pd_transfer.proxy.upstream import ConnectFailed, Endpoint, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ class Proxy:
         self._request_latency = {e: self.metrics.request_latency.labels(e) for e in flow.ENDPOINTS}
         self._routes = {path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated")}
         self._requests: dict[tuple[str, int], Any] = {}
-        # Parsed once: aiohttp would parse a string URL on every request.
-        self._urls = {(id(b), e): yarl.URL(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
-        self._decode_hop = DecodeHop(self.decode, self._meter, self._urls)
+        # Where each hop's POST goes, request line and Host header encoded once.
+        self._endpoints = {(id(b), e): Endpoint.of(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
+        self._decode_hop = DecodeHop(self.decode, self._meter, self._endpoints)
         for backend in self._backends():
             self.metrics.healthy.labels(backend.role, backend.url).set(1)
             # Read when scraped, not set twice per hop.
@@ -78,7 +78,8 @@ class Proxy:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/v1/models", self._models)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # health checks and /v1/models
+        self._upstream: Upstream | None = None  # the hops
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.host = ""
@@ -102,6 +103,7 @@ class Proxy:
                 total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
             ),
         )
+        self._upstream = Upstream(self.config.connect_timeout_s, self.config.request_timeout_s, keepalive_s=4.0)
         # handler_cancellation: a client that goes away cancels its handler at once, which closes the upstream
         # connection, so the decode server aborts the request and frees its blocks.
         # keepalive_timeout: aiohttp closes a connection whose next request's headers are not complete this long
@@ -130,6 +132,9 @@ class Proxy:
             await self._runner.cleanup()
             self._runner = None
         await self.releases.close()
+        if self._upstream is not None:
+            self._upstream.close()
+            self._upstream = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -211,7 +216,7 @@ class Proxy:
         try:
             async with self._session.get(backend.url + "/v1/models", headers=self._headers(request, rid)) as answer:
                 raw = await answer.read()
-                return relayed_response(answer, raw, rid)
+                return relayed_response(answer.status, answer.headers, raw, rid)
         except (aiohttp.ClientError, TimeoutError) as e:
             return error_response(
                 502,
@@ -273,7 +278,7 @@ class Proxy:
             self._request_latency[endpoint].observe(time.perf_counter() - started)
 
     def _headers(self, request: web.Request, rid: str) -> dict[str, str]:
-        headers = {REQUEST_ID: rid, "Content-Type": "application/json"}
+        headers = {REQUEST_ID: rid}  # the hops send Content-Type themselves (upstream.Endpoint)
         for name in FORWARDED_HEADERS:
             value = request.headers.get(name)
             if value is not None:
@@ -292,17 +297,18 @@ class Proxy:
             self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers)
         call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started)
-        session = self._session
-        assert session is not None
+        upstream = self._upstream
+        assert upstream is not None
         return await self.releases.decode_then(
-            params, rid, lambda progress: self._decode_hop.run(session, call, progress)
+            params, rid, lambda progress: self._decode_hop.run(upstream, call, progress)
         )
 
     # ---- hops ----
 
     async def _prefill_hop(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """Runs the prefill; on a connection error or a 5xx, once more on another prefill server."""
-        assert self._session is not None
+        upstream = self._upstream
+        assert upstream is not None
         payload = msgspec.json.encode(flow.prefill_body(endpoint, body))
         tried: list[Backend] = []
         failure: HopError | None = None
@@ -315,12 +321,10 @@ class Proxy:
             tried.append(backend)
             since = self._meter.enter(backend)
             try:
-                async with self._session.post(
-                    self._urls[id(backend), endpoint], data=payload, headers=headers
-                ) as answer:
+                async with await upstream.post(self._endpoints[id(backend), endpoint], headers, payload) as answer:
                     raw = await answer.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                if isinstance(e, aiohttp.ClientConnectorError):
+            except (UpstreamError, TimeoutError) as e:
+                if isinstance(e, ConnectFailed):
                     self._connection_failed(backend, e)
                 failure = self._meter.failed_attempt(
                     HopError(
@@ -342,7 +346,7 @@ class Proxy:
                 )
                 continue
             if answer.status >= 400:
-                raise Passthrough(relayed_response(answer, raw, headers[REQUEST_ID]))
+                raise Passthrough(relayed_response(answer.status, answer.headers, raw, headers[REQUEST_ID]))
             try:
                 decoded = msgspec.json.decode(raw)
             except msgspec.DecodeError:
