@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -40,13 +41,18 @@ from pd_transfer.proxy.responses import (
     snippet,
 )
 from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason, prefill_without_params
-from pd_transfer.proxy.upstream import ConnectFailed, Endpoint, Upstream, UpstreamError
+from pd_transfer.proxy.upstream import ConnectFailed, Endpoint, Leftover, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
 # Headers a client sends that the backends need too (vLLM's --api-key); everything else stays at the proxy.
 FORWARDED_HEADERS = ("Authorization",)
 CLIENT_CLOSED = 499  # nginx's convention for "the client went away", used in metrics only
+#: Seconds the proxy goes on reading a prefill's answer after the client left during the prefill hop. vLLM aborts a
+#: request whose connection closes while its engine computes (our connector holds nothing for it), but one its engine
+#: had finished holds its blocks until the lease ends: an answer read within this time names them, released at once.
+#: Past it the connection closes (vLLM aborts the request if it still runs).
+PREFILL_LEFTOVER_S = 1.0
 
 
 class Proxy:
@@ -310,6 +316,7 @@ class Proxy:
         upstream = self._upstream
         assert upstream is not None
         payload = msgspec.json.encode(flow.prefill_body(endpoint, body))
+        leftover = Leftover(PREFILL_LEFTOVER_S, partial(self._prefill_left_over, headers[REQUEST_ID]))
         tried: list[Backend] = []
         failure: HopError | None = None
         while len(tried) < 2:
@@ -321,7 +328,9 @@ class Proxy:
             tried.append(backend)
             since = self._meter.enter(backend)
             try:
-                async with await upstream.post(self._endpoints[id(backend), endpoint], headers, payload) as answer:
+                async with await upstream.post(
+                    self._endpoints[id(backend), endpoint], headers, payload, leftover
+                ) as answer:
                     raw = await answer.read()
             except (UpstreamError, TimeoutError) as e:
                 if isinstance(e, ConnectFailed):
@@ -369,3 +378,16 @@ class Proxy:
                 f"{failure}; the retry on another prefill backend failed too: " + ", ".join(b.url for b in tried),
             )
         raise failure
+
+    def _prefill_left_over(self, rid: str, status: int | None, raw: bytes | None) -> None:
+        """The answer of a prefill hop whose client had left (see :data:`PREFILL_LEFTOVER_S`): the blocks it names
+        are released (no decode was sent them). ``status`` None: no answer in time; vLLM aborted the request."""
+        if status != 200 or raw is None:
+            log.info("request %s: the client left during the prefill hop; the prefill answered %s", rid, status)
+            return
+        try:
+            params = flow.kv_params_from_prefill(msgspec.json.decode(raw))
+        except msgspec.DecodeError:
+            params = None
+        if params is not None:
+            self.releases.release(params, rid, read_possible=False, why="the client left during the prefill hop")

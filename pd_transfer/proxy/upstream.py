@@ -19,26 +19,33 @@ Contract:
   alive; an idle one is closed rather than reused after ``keepalive_s`` (uvicorn, vLLM's server, closes idle ones
   after 5 s: never send on one it is closing). An answer closed or abandoned (the caller cancelled) before its end
   closes its connection, so the backend sees its client leave (vLLM aborts the request and frees its blocks).
+- A caller cancelled while it waits for an answer closes its connection, unless it gave the post a
+  :class:`Leftover`: then the connection goes on reading the answer unattended for at most ``within_s`` seconds and
+  hands it to ``done`` (the proxy releases the prefill's blocks a cancelled prefill hop was answered with), or closes.
 - Memory: headers at most ``MAX_HEAD_BYTES``; an answer holds at most about ``HIGH_WATER`` bytes its reader has not
-  taken (reading from the socket pauses beyond that); :meth:`Answer.read` holds the whole body, as aiohttp's did.
+  taken (reading from the socket pauses beyond that), a left-over one at most ``Leftover.max_bytes``;
+  :meth:`Answer.read` holds the whole body, as aiohttp's did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import cast
+from typing import NamedTuple, cast
 
 import yarl
 from multidict import CIMultiDict
 
-__all__ = ["Answer", "ConnectFailed", "Endpoint", "Upstream", "UpstreamError"]
+__all__ = ["Answer", "ConnectFailed", "Endpoint", "Leftover", "Upstream", "UpstreamError"]
+
+logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one answer
 MAX_CHUNK_LINE_BYTES = 1024  # a chunk's size line (hex size and extensions)
@@ -79,6 +86,16 @@ class Endpoint:
         return cls(parsed.host, port, parsed.scheme == "https", head)
 
 
+class Leftover(NamedTuple):
+    """What becomes of an answer whose caller was cancelled before it had read it: read on for at most
+    ``within_s`` seconds, then ``done(status, body)``, once; ``done(None, None)`` when it did not end in time, broke,
+    or grew past ``max_bytes`` (its connection is then closed: the backend sees its client leave)."""
+
+    within_s: float
+    done: Callable[[int | None, bytes | None], None]
+    max_bytes: int = 1 << 20
+
+
 def _header_lines(headers: dict[str, str]) -> bytes:
     """``Name: value\\r\\n`` lines; ``ValueError`` for a name or value with a line break (never sent)."""
     out = []
@@ -100,12 +117,15 @@ class Upstream:
         self.request_timeout_s = request_timeout_s
         self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._unattended: set[_Connection] = set()  # reading a Leftover's answer
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
-    async def post(self, endpoint: Endpoint, headers: dict[str, str], body: bytes) -> Answer:
+    async def post(
+        self, endpoint: Endpoint, headers: dict[str, str], body: bytes, leftover: Leftover | None = None
+    ) -> Answer:
         """Sends ``body`` (JSON) with ``headers`` (besides ``Host``, ``Content-Type`` and ``Content-Length``) to
-        ``endpoint``; the answer once its headers arrived. See the module for the errors."""
+        ``endpoint``; the answer once its headers arrived. See the module for the errors and ``leftover``."""
         if self._closed:
             raise UpstreamError("the proxy's client is closed")
         loop = asyncio.get_running_loop()
@@ -115,11 +135,15 @@ class Upstream:
         )
         connection = self._take_idle(endpoint) or await self._connect(endpoint, deadline)
         try:
-            head = connection.send(request, body, deadline)
+            head = connection.send(request, body, deadline, leftover)
             if deadline is None:
                 return await head
             async with asyncio.timeout_at(deadline):
                 return await head
+        except asyncio.CancelledError:
+            arrived = head.done() and not head.cancelled() and head.exception() is None
+            connection.abandoned(head.result() if arrived else None)
+            raise
         except BaseException:
             connection.close()
             raise
@@ -131,6 +155,8 @@ class Upstream:
             for connection in connections:
                 connection.close()
         self._idle.clear()
+        for connection in list(self._unattended):
+            connection.close()
 
     def _take_idle(self, endpoint: Endpoint) -> _Connection | None:
         """The most recently idle live connection to ``endpoint``; older ones past ``keepalive_s`` are closed."""
@@ -200,6 +226,8 @@ class Answer:
         self._done = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._leftover: Leftover | None = None  # its request's
+        self._left = False  # handed to its Leftover: close() leaves it alone
 
     async def read(self) -> bytes:
         """The whole body; the errors of :meth:`chunks`."""
@@ -216,7 +244,12 @@ class Answer:
             elif self._done:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
             else:
-                await self._wait()
+                try:
+                    await self._wait()
+                except asyncio.CancelledError:  # what was read goes back: a Leftover gets the whole body
+                    self._chunks.extendleft(reversed(parts))
+                    self._buffered += sum(map(len, parts))
+                    raise
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (a chunked body without its framing); raises :class:`UpstreamError` when
@@ -238,6 +271,8 @@ class Answer:
     def close(self) -> None:
         """Ends the answer: a no-op once its body was received to the end; else its connection is closed (the
         backend sees its client leave)."""
+        if self._left:
+            return
         connection, self._connection = self._connection, None
         if connection is not None and not self._done:
             connection.close()
@@ -259,6 +294,12 @@ class Answer:
             else:
                 async with asyncio.timeout_at(self._deadline):
                     await waiter
+        except asyncio.CancelledError:
+            if self._connection is None:
+                self.close()
+            else:
+                self._connection.abandoned(self)
+            raise
         except BaseException:
             self.close()
             raise
@@ -311,20 +352,47 @@ class _Connection(asyncio.Protocol):
         self._deadline: float | None = None
         self._keep_alive = True
         self._paused = False
+        self._leftover: Leftover | None = None  # the current request's, if its caller gave one
+        self._unattended: asyncio.TimerHandle | None = None  # set while reading an answer nobody waits for
 
     # ---- used by Upstream and Answer ----
 
-    def send(self, request: bytes, body: bytes, deadline: float | None) -> asyncio.Future[Answer]:
+    def send(
+        self, request: bytes, body: bytes, deadline: float | None, leftover: Leftover | None
+    ) -> asyncio.Future[Answer]:
         """Writes a request (``request``: its head, ``body``); the future of its answer (set once the headers
         arrived), whose body must arrive by ``deadline`` (the loop's time; None: no bound)."""
         transport = self._transport
         if transport is None or transport.is_closing():
             raise UpstreamError("the connection closed before the request was sent")
         self._head = asyncio.get_running_loop().create_future()
-        self._deadline = deadline
+        self._deadline, self._leftover = deadline, leftover
         self._state, self._keep_alive = _HEAD, True
         transport.writelines((request, body))
         return self._head
+
+    def abandoned(self, answer: Answer | None) -> None:
+        """The caller was cancelled while waiting for ``answer`` (None: for its head). Without a
+        :class:`Leftover` the connection closes (unless the answer had ended); with one it reads on unattended."""
+        leftover = self._leftover if answer is None else answer._leftover
+        if answer is not None and answer._done:  # ended before the caller could read it
+            if leftover is not None and answer._error is None:
+                body = b"".join(answer._chunks)
+                asyncio.get_running_loop().call_soon(_hand_over, leftover, answer.status, body)
+            return
+        if self._transport is None or self._transport.is_closing():
+            return  # broken already: nothing more will come
+        if leftover is None:
+            if answer is not None:
+                answer.close()
+            else:
+                self.close()
+            return
+        if answer is not None:
+            answer._left = True
+        self._unattended = asyncio.get_running_loop().call_later(leftover.within_s, self._unattended_expired)
+        self.upstream._unattended.add(self)
+        self.resume()
 
     def reusable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing() and self._answer is None
@@ -425,6 +493,7 @@ class _Connection(asyncio.Protocol):
         connection = headers.get("Connection", "").lower()
         self._keep_alive = version != "HTTP/1.0" and "close" not in connection
         answer = self._answer = Answer(self, status, headers, self._deadline)
+        answer._leftover, answer._left = self._leftover, self._unattended is not None
         if self._head is not None and not self._head.done():
             self._head.set_result(answer)
         if status in _NO_BODY_STATUSES:
@@ -453,8 +522,11 @@ class _Connection(asyncio.Protocol):
                 data = data[: self._remaining]
             self._remaining -= len(data)
         if data and answer._feed(data) and not self._paused and self._transport is not None:
-            self._paused = True
-            self._transport.pause_reading()
+            if self._unattended is None:
+                self._paused = True
+                self._transport.pause_reading()
+            elif self._leftover is not None and answer._buffered > self._leftover.max_bytes:
+                raise UpstreamError(f"an unattended answer exceeds {self._leftover.max_bytes} bytes")
         if self._remaining == 0 and self._state == _LENGTH:
             self._complete()
         elif self._remaining == 0 and self._state == _CHUNK_DATA:
@@ -493,6 +565,8 @@ class _Connection(asyncio.Protocol):
         self._head = None
         if answer is not None:
             answer._finish()
+            if self._unattended is not None:
+                self._end_unattended(answer.status, b"".join(answer._chunks))
         if self._keep_alive and self._transport is not None and not self._buffer:
             self.resume()
             self.upstream._keep(self)
@@ -508,4 +582,27 @@ class _Connection(asyncio.Protocol):
         if answer is not None:
             answer._fail(error)
         self._state = _IDLE
+        if self._unattended is not None:
+            self._end_unattended(None, None)
         self.close()
+
+    def _unattended_expired(self) -> None:
+        """The answer read unattended did not end within its Leftover's time: give up on it."""
+        self._broken(UpstreamError("the unattended answer did not end in time"))
+
+    def _end_unattended(self, status: int | None, body: bytes | None) -> None:
+        timer, self._unattended = self._unattended, None
+        if timer is not None:
+            timer.cancel()
+        self.upstream._unattended.discard(self)
+        leftover, self._leftover = self._leftover, None
+        if leftover is not None:
+            _hand_over(leftover, status, body)
+
+
+def _hand_over(leftover: Leftover, status: int | None, body: bytes | None) -> None:
+    """Calls ``leftover.done``; an error there is logged, never raised into the connection."""
+    try:
+        leftover.done(status, body)
+    except Exception:
+        logger.exception("handling an unattended answer failed")

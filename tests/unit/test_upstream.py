@@ -19,6 +19,7 @@ from pd_transfer.proxy.upstream import (
     Answer,
     ConnectFailed,
     Endpoint,
+    Leftover,
     Upstream,
     UpstreamError,
 )
@@ -34,13 +35,23 @@ class ThenClose(bytes):
     """A script step: write these bytes, then close the connection."""
 
 
+@dataclass(frozen=True)
+class Later:
+    """A script step: write ``first`` now and ``then`` once the script's ``answer_now`` is set."""
+
+    then: bytes
+    first: bytes = b""
+
+
 @dataclass
 class Script:
     """A server answering each request (on any connection) with its next step: bytes to write, CLOSE or HOLD."""
 
-    steps: list[bytes | None]
+    steps: list[bytes | Later | None]
     requests: list[bytes] = field(default_factory=list)  # head and body of each request, as received
     connections: int = 0
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # a request was received
+    answer_now: asyncio.Event = field(default_factory=asyncio.Event)  # a Later step may go on
     eof: asyncio.Event = field(default_factory=asyncio.Event)  # a connection's client closed it
     port: int = 0
 
@@ -57,7 +68,13 @@ class Script:
                     int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.startswith(b"Content-Length:")
                 )
                 self.requests.append(head + await reader.readexactly(length))
+                self.arrived.set()
                 step = self.steps.pop(0)
+                if isinstance(step, Later):
+                    writer.write(step.first)
+                    await writer.drain()
+                    await self.answer_now.wait()
+                    step = step.then
                 if step is HOLD:
                     if await reader.read(1) == b"":
                         self.eof.set()
@@ -73,7 +90,7 @@ class Script:
 
 
 @asynccontextmanager
-async def scripted(*steps: bytes | None) -> AsyncIterator[Script]:
+async def scripted(*steps: bytes | Later | None) -> AsyncIterator[Script]:
     script = Script(list(steps))
     server = await asyncio.start_server(script.handle, "127.0.0.1", 0)
     script.port = server.sockets[0].getsockname()[1]
@@ -302,3 +319,93 @@ def test_endpoint_of_a_url(url: str, host: str, port: int, head: bytes) -> None:
     assert target.head == head + b"\r\nContent-Type: application/json\r\n"
     with pytest.raises(ValueError, match="http"):
         Endpoint.of("ftp://10.0.0.5/v1/completions")
+
+
+class Handed:
+    """A Leftover's ``done``: what it was handed, and an event set when it was."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int | None, bytes | None]] = []
+        self.event = asyncio.Event()
+
+    def __call__(self, status: int | None, body: bytes | None) -> None:
+        self.calls.append((status, body))
+        self.event.set()
+
+
+def test_a_caller_cancelled_before_the_answer_hands_it_to_its_leftover_and_the_connection_serves_on() -> None:
+    async def scenario() -> None:
+        async with scripted(Later(then=OK), OK) as script:
+            upstream = Upstream(connect_timeout_s=5)
+            handed = Handed()
+            waiting = asyncio.create_task(
+                upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=10.0, done=handed))
+            )
+            await asyncio.wait_for(script.arrived.wait(), 5)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            script.answer_now.set()  # the answer comes after its caller left
+            await asyncio.wait_for(handed.event.wait(), 5)
+            assert handed.calls == [(200, b'{"ok":true}')]
+            assert await (await post(upstream, script)).read() == b'{"ok":true}'
+            upstream.close()
+        assert script.connections == 1
+
+    run(scenario)
+
+
+def test_a_caller_cancelled_mid_body_hands_the_whole_body_to_its_leftover() -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    rest = b"6\r\n world\r\n0\r\n\r\n"
+
+    async def scenario() -> None:
+        async with scripted(Later(then=rest, first=head)) as script:
+            upstream = Upstream(connect_timeout_s=5)
+            handed = Handed()
+            answer = await upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=10.0, done=handed))
+            reading = asyncio.create_task(answer.read())
+            for _ in range(1000):  # bounded poll of the observable state: the reader waits for the rest
+                if answer._waiter is not None:
+                    break
+                await asyncio.sleep(0.001)
+            assert answer._waiter is not None
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            answer.close()  # as an `async with` would on the way out: the leftover keeps the connection
+            script.answer_now.set()
+            await asyncio.wait_for(handed.event.wait(), 5)
+            assert handed.calls == [(200, b"hello world")]
+            upstream.close()
+
+    run(scenario)
+
+
+def test_a_leftover_answer_that_does_not_end_in_time_closes_its_connection() -> None:
+    async def scenario() -> None:
+        async with scripted(HOLD) as script:
+            upstream = Upstream(connect_timeout_s=5)
+            handed = Handed()
+            waiting = asyncio.create_task(
+                upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=0.1, done=handed))
+            )
+            await asyncio.wait_for(script.arrived.wait(), 5)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await asyncio.wait_for(handed.event.wait(), 5)
+            assert handed.calls == [(None, None)]
+            await asyncio.wait_for(script.eof.wait(), 5)  # the backend sees its client leave
+
+    run(scenario)
+
+
+def test_a_caller_cancelled_without_a_leftover_closes_the_connection() -> None:
+    async def scenario() -> None:
+        async with scripted(HOLD) as script:
+            upstream = Upstream(connect_timeout_s=5)
+            waiting = asyncio.create_task(post(upstream, script))
+            await asyncio.wait_for(script.arrived.wait(), 5)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await asyncio.wait_for(script.eof.wait(), 5)
+
+    run(scenario)
