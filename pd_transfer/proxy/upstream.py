@@ -472,7 +472,7 @@ class _Connection(asyncio.Protocol):
             if len(self._buffer) > MAX_HEAD_BYTES:
                 raise UpstreamError(f"the answer's headers exceed {MAX_HEAD_BYTES} bytes")
             return False
-        lines = bytes(self._buffer[:end]).decode("latin-1").split("\r\n")
+        lines = self._buffer[:end].decode("latin-1").split("\r\n")
         del self._buffer[: end + 4]
         status_line = lines[0].split(" ", 2)
         if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
@@ -480,13 +480,13 @@ class _Connection(asyncio.Protocol):
         status = int(status_line[1])
         if 100 <= status < 200:
             return True  # an interim answer (103 Early Hints): the real one follows
-        headers: CIMultiDict[str] = CIMultiDict()
+        pairs = []
         for line in lines[1:]:
             name, colon, value = line.partition(":")
             if not colon or not name or name[-1] in " \t":
                 raise UpstreamError(f"a header line of the answer is malformed: {line[:80]!r}")
-            headers.add(name, value.strip(" \t"))
-        self._start_body(status, status_line[0], headers)
+            pairs.append((name, value.strip(" \t")))
+        self._start_body(status, status_line[0], CIMultiDict(pairs))
         return True
 
     def _start_body(self, status: int, version: str, headers: CIMultiDict[str]) -> None:
