@@ -438,9 +438,14 @@ class _Connection(asyncio.Protocol):
     # ---- parsing ----
 
     def _parse(self, data: bytes) -> None:
-        if self._state == _LENGTH and not self._buffer:  # the common case: body bytes, nothing left over
-            self._body(data)
-            return
+        if not self._buffer:  # the common cases, nothing left over from the last read
+            if self._state == _LENGTH:  # body bytes
+                self._body(data)
+                return
+            if self._state == _CHUNK_SIZE:  # whole chunks (an SSE event each), without copies
+                data = self._whole_chunks(data)
+                if not data:
+                    return
         self._buffer += data
         while self._buffer and self._transport is not None:
             state = self._state
@@ -521,16 +526,41 @@ class _Connection(asyncio.Protocol):
                 self._buffer = bytearray(data[self._remaining :])
                 data = data[: self._remaining]
             self._remaining -= len(data)
-        if data and answer._feed(data) and not self._paused and self._transport is not None:
+        if data:
+            self._deliver(answer, data)
+        if self._remaining == 0 and self._state == _LENGTH:
+            self._complete()
+        elif self._remaining == 0 and self._state == _CHUNK_DATA:
+            self._state = _CHUNK_END
+
+    def _deliver(self, answer: Answer, data: bytes) -> None:
+        """Body bytes to ``answer``; the socket paused when its reader falls ``HIGH_WATER`` behind (an unattended
+        answer: an error past its Leftover's ``max_bytes``)."""
+        if answer._feed(data) and not self._paused and self._transport is not None:
             if self._unattended is None:
                 self._paused = True
                 self._transport.pause_reading()
             elif self._leftover is not None and answer._buffered > self._leftover.max_bytes:
                 raise UpstreamError(f"an unattended answer exceeds {self._leftover.max_bytes} bytes")
-        if self._remaining == 0 and self._state == _LENGTH:
-            self._complete()
-        elif self._remaining == 0 and self._state == _CHUNK_DATA:
-            self._state = _CHUNK_END
+
+    def _whole_chunks(self, data: bytes) -> bytes:
+        """Delivers the complete chunks at the start of ``data`` (size line, data, CRLF; not the last, empty one);
+        returns the rest, for the general parse."""
+        answer = self._answer
+        assert answer is not None
+        pos, line_end = 0, data.find(b"\r\n")
+        while 0 <= line_end - pos <= MAX_CHUNK_LINE_BYTES:
+            size = _chunk_size(data[pos:line_end])
+            start = line_end + 2
+            stop = start + size
+            if size == 0 or len(data) < stop + 2:
+                break
+            if data[stop : stop + 2] != b"\r\n":
+                raise UpstreamError("a chunk of the answer does not end with CRLF")
+            self._deliver(answer, data[start:stop])
+            pos = stop + 2
+            line_end = data.find(b"\r\n", pos)
+        return data[pos:] if pos else data
 
     def _parse_chunk_size(self) -> bool:
         end = self._buffer.find(b"\r\n")
@@ -538,12 +568,8 @@ class _Connection(asyncio.Protocol):
             if len(self._buffer) > MAX_CHUNK_LINE_BYTES:
                 raise UpstreamError("a chunk size line of the answer is too long")
             return False
-        size = bytes(self._buffer[:end]).split(b";", 1)[0].strip()
+        self._remaining = _chunk_size(bytes(self._buffer[:end]))
         del self._buffer[: end + 2]
-        try:
-            self._remaining = int(size, 16)
-        except ValueError:
-            raise UpstreamError(f"a chunk size of the answer is not hexadecimal: {size[:20]!r}") from None
         self._state = _CHUNK_DATA if self._remaining > 0 else _TRAILER
         return True
 
@@ -598,6 +624,18 @@ class _Connection(asyncio.Protocol):
         leftover, self._leftover = self._leftover, None
         if leftover is not None:
             _hand_over(leftover, status, body)
+
+
+_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size of a chunk from its size line (hex digits, then maybe ``;`` extensions); :class:`UpstreamError` for
+    anything else (a sign, an empty size, more than 15 digits)."""
+    size = line.split(b";", 1)[0].strip(b" \t")
+    if not size or len(size) > 15 or not _HEX_DIGITS.issuperset(size):
+        raise UpstreamError(f"a chunk size of the answer is not hexadecimal: {size[:20]!r}")
+    return int(size, 16)
 
 
 def _hand_over(leftover: Leftover, status: int | None, body: bytes | None) -> None:

@@ -409,3 +409,37 @@ def test_a_caller_cancelled_without_a_leftover_closes_the_connection() -> None:
             await asyncio.wait_for(script.eof.wait(), 5)
 
     run(scenario)
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "expected"),
+    [
+        (b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n", b"hello world"),  # whole chunks in one read, then the end
+        (b"5\r\nhello\r\n6\r\n wo", b"hello world"),  # the second chunk split across reads
+        (b"5\r\nhelloXX6\r\n world\r\n0\r\n\r\n", UpstreamError),  # a chunk without its CRLF
+        (b"-5\r\nhello\r\n0\r\n\r\n", UpstreamError),  # a signed size
+        (b"+5\r\nhello\r\n0\r\n\r\n", UpstreamError),
+        (b"1_0\r\nhello\r\n0\r\n\r\n", UpstreamError),  # what int() alone would take
+        (b"10000000000000000\r\nhello\r\n0\r\n\r\n", UpstreamError),  # more than 15 hex digits
+    ],
+    ids=["whole", "split", "no-crlf", "minus", "plus", "underscore", "huge"],
+)
+def test_chunks_arriving_after_the_head_are_read_as_they_come(chunks: bytes, expected: bytes | type) -> None:
+    rest = b"rld\r\n0\r\n\r\n" if chunks.endswith(b" wo") else b""
+
+    async def scenario() -> None:  # the head first, read before the chunks are sent: they come in reads of their own
+        async with scripted(Later(first=CHUNKED_HEAD, then=chunks + rest)) as script:
+            upstream = Upstream(connect_timeout_s=5)
+            answer = await post(upstream, script)
+            script.answer_now.set()
+            if isinstance(expected, bytes):
+                assert await answer.read() == expected
+            else:
+                with pytest.raises(UpstreamError):
+                    await answer.read()
+            upstream.close()
+
+    run(scenario)
