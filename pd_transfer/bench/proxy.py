@@ -80,10 +80,12 @@ def run_bench(
     pin: bool = True,
     router: str | None = None,
     with_router: bool = True,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """Direct vs proxied requests at each concurrency, ``requests`` of each kind per concurrency
     (``requests_at_1`` at concurrency 1: default ``requests // 5``, each takes a backend round trip); vLLM's
-    router beside our proxy when ``with_router`` and a ``vllm-router`` is found (``router``: its path)."""
+    router beside our proxy when ``with_router`` and a ``vllm-router`` is found (``router``: its path); ``stream``:
+    the decode hop streamed (SSE, a chunk per token), read to its end by the client."""
     cpus = allowed_cpus()
     pinning = {"proxy": cpus[:1], "client_and_stand_ins": cpus[1:]} if pin and len(cpus) >= 2 else None
     own_affinity = set(cpus)
@@ -100,9 +102,11 @@ def run_bench(
         instant = _setup(env, procs, pinning, 0.0, 0.0, binary, routers) if saturation else None
         counts = {c: (requests_at_1 or max(1, requests // 5)) if c == 1 else requests for c in concurrencies}
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            result = runner.run(_measure(*delayed, counts, rounds, warmup))
+            body = dict(BODY, stream=True) if stream else BODY
+            result = runner.run(_measure(*delayed, counts, rounds, warmup, body))
             if instant is not None:
-                result["saturation"] = runner.run(_measure(*instant, {max(concurrencies): requests}, rounds, warmup))
+                saturated = {max(concurrencies): requests}
+                result["saturation"] = runner.run(_measure(*instant, saturated, rounds, warmup, body))
     finally:
         os.sched_setaffinity(0, own_affinity)
         for front in routers:
@@ -119,6 +123,7 @@ def run_bench(
         {
             "goal": _goal(result[f"concurrency_{max(concurrencies)}"]),
             "started_utc": started.isoformat(timespec="seconds"),
+            "stream": stream,
             "requests_per_setting": counts,
             "rounds": rounds,
             "backend_delay": {
@@ -259,16 +264,22 @@ def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
 
 
 async def _measure(
-    prefill: str, decode: str, fronts: dict[str, tuple[str, int]], counts: dict[int, int], rounds: int, warmup: int
+    prefill: str,
+    decode: str,
+    fronts: dict[str, tuple[str, int]],
+    counts: dict[int, int],
+    rounds: int,
+    warmup: int,
+    body: dict[str, Any],
 ) -> dict[str, Any]:
     """Per concurrency (``counts``: concurrency -> requests of each kind): direct requests and requests through each
-    front (``fronts``: name -> (URL, pid)), interleaved in ``rounds``; the summary of :func:`_summary`."""
+    front (``fronts``: name -> (URL, pid)) of ``body``, interleaved in ``rounds``; the summary of :func:`_summary`."""
     import aiohttp  # the 'proxy' extra; imported here so the CLI can list this command without it
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        kinds = {"direct": _direct(session, prefill, decode)}
-        kinds |= {name: _through(session, name, url) for name, (url, _pid) in fronts.items()}
+        kinds = {"direct": _direct(session, prefill, decode, body)}
+        kinds |= {name: _through(session, name, url, body) for name, (url, _pid) in fronts.items()}
         pids = {name: pid for name, (_url, pid) in fronts.items()}
         out: dict[str, Any] = {}
         for concurrency, requests in counts.items():
@@ -279,28 +290,28 @@ async def _measure(
         return out
 
 
-def _direct(session: Any, prefill: str, decode: str) -> Callable[[], Awaitable[float]]:
+def _direct(session: Any, prefill: str, decode: str, body: dict[str, Any]) -> Callable[[], Awaitable[float]]:
     """The proxy's flow done by the client itself: prefill with ``do_remote_decode``, then the decode."""
     endpoint = flow.COMPLETIONS
 
     async def direct() -> float:
         headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
         started = time.perf_counter()
-        raw = await _post(session, "prefill", prefill + endpoint, flow.prefill_body(endpoint, BODY), headers)
+        raw = await _post(session, "prefill", prefill + endpoint, flow.prefill_body(endpoint, body), headers)
         params = flow.kv_params_from_prefill(msgspec.json.decode(raw))
-        await _post(session, "decode", decode + endpoint, flow.decode_body(BODY, params), headers)
+        await _post(session, "decode", decode + endpoint, flow.decode_body(body, params), headers)
         return time.perf_counter() - started
 
     return direct
 
 
-def _through(session: Any, name: str, url: str) -> Callable[[], Awaitable[float]]:
+def _through(session: Any, name: str, url: str, body: dict[str, Any]) -> Callable[[], Awaitable[float]]:
     """One request to a front (our proxy, vLLM's router), which does both hops."""
 
     async def through() -> float:
         headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
         started = time.perf_counter()
-        await _post(session, name, url + flow.COMPLETIONS, BODY, headers)
+        await _post(session, name, url + flow.COMPLETIONS, body, headers)
         return time.perf_counter() - started
 
     return through
@@ -446,6 +457,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's router binary to measure beside our proxy (default: found as scripts/setup-deploy installs it)",
     )
     parser.add_argument("--no-vllm-router", action="store_true", help="measure our proxy alone")
+    parser.add_argument("--stream", action="store_true", help="streamed decode answers (SSE), read to their end")
     parser.add_argument(
         "--runs", type=int, default=1, metavar="N", help='N whole runs back to back: {"runs": [...]} (default 1)'
     )
@@ -465,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
             pin=not args.no_pin,
             router=args.vllm_router,
             with_router=not args.no_vllm_router,
+            stream=args.stream,
         )
         result["host_copy_gbps"] = {"before": copy_before, "after": host_copy_gbps()}  # 256 MiB, numpy, median of 5
         runs.append(result)
