@@ -562,11 +562,16 @@ class _Connection(asyncio.Protocol):
             line_end = data.find(b"\r\n", pos)
         return data[pos:] if pos else data
 
-    def _parse_chunk_size(self) -> bool:
+    def _line_end(self, limit: int, what: str) -> int:
+        """Where the buffer's first line ends (-1: not there yet); :class:`UpstreamError` past ``limit`` bytes."""
         end = self._buffer.find(b"\r\n")
+        if end < 0 and len(self._buffer) > limit:
+            raise UpstreamError(f"{what} of the answer is too long")
+        return end
+
+    def _parse_chunk_size(self) -> bool:
+        end = self._line_end(MAX_CHUNK_LINE_BYTES, "a chunk size line")
         if end < 0:
-            if len(self._buffer) > MAX_CHUNK_LINE_BYTES:
-                raise UpstreamError("a chunk size line of the answer is too long")
             return False
         self._remaining = _chunk_size(bytes(self._buffer[:end]))
         del self._buffer[: end + 2]
@@ -574,10 +579,8 @@ class _Connection(asyncio.Protocol):
         return True
 
     def _parse_trailer(self) -> bool:
-        end = self._buffer.find(b"\r\n")
+        end = self._line_end(MAX_HEAD_BYTES, "the trailer")
         if end < 0:
-            if len(self._buffer) > MAX_HEAD_BYTES:
-                raise UpstreamError("the answer's trailer is too long")
             return False
         del self._buffer[: end + 2]
         if end == 0:  # the empty line ending the trailer

@@ -98,6 +98,18 @@ async def scripted(*steps: bytes | Later | None) -> AsyncIterator[Script]:
         yield script
 
 
+@asynccontextmanager
+async def talking_to(*steps: bytes | Later | None, **settings: float) -> AsyncIterator[tuple[Script, Upstream]]:
+    """A scripted server and a client of it (``settings``: :class:`Upstream`'s, besides a 5 s connect timeout),
+    the client closed on the way out."""
+    async with scripted(*steps) as script:
+        upstream = Upstream(**{"connect_timeout_s": 5.0, **settings})
+        try:
+            yield script, upstream
+        finally:
+            upstream.close()
+
+
 def endpoint(script: Script, path: str = "/v1/completions") -> Endpoint:
     return Endpoint.of(f"http://127.0.0.1:{script.port}{path}")
 
@@ -115,14 +127,12 @@ async def post(upstream: Upstream, script: Script, body: bytes = b'{"a":1}') -> 
 
 def test_sends_one_request_with_its_headers_and_reads_a_content_length_answer_on_a_kept_connection() -> None:
     async def scenario() -> None:
-        async with scripted(OK, OK) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(OK, OK) as (script, upstream):
             for _ in range(2):
                 async with await post(upstream, script) as answer:
                     assert answer.status == 200
                     assert answer.headers["content-type"] == "application/json"
                     assert await answer.read() == b'{"ok":true}'
-            upstream.close()
         assert script.connections == 1  # the second request went on the first's connection
         assert script.requests[0] == (
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
@@ -141,12 +151,10 @@ def test_chunked_answer_yields_its_data_without_the_framing_and_keeps_the_connec
     )
 
     async def scenario() -> None:
-        async with scripted(chunked, OK) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(chunked, OK) as (script, upstream):
             answer = await post(upstream, script)
             assert b"".join([chunk async for chunk in answer.chunks()]) == b'data: {"x": 1}\n\n'
             assert await (await post(upstream, script)).read() == b'{"ok":true}'
-            upstream.close()
         assert script.connections == 1
 
     run(scenario)
@@ -163,11 +171,9 @@ def test_chunked_answer_yields_its_data_without_the_framing_and_keeps_the_connec
 )
 def test_an_answer_the_server_will_not_keep_is_read_whole_and_its_connection_not_reused(answer: bytes) -> None:
     async def scenario() -> None:
-        async with scripted(ThenClose(answer), OK) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(ThenClose(answer), OK) as (script, upstream):
             assert await (await post(upstream, script)).read() == b"until the close"
             assert await (await post(upstream, script)).read() == b'{"ok":true}'
-            upstream.close()
         assert script.connections == 2
 
     run(scenario)
@@ -178,13 +184,11 @@ def test_interim_and_bodiless_answers() -> None:
     no_content = b"HTTP/1.1 204 No Content\r\n\r\n"
 
     async def scenario() -> None:
-        async with scripted(early_hints, no_content, OK) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(early_hints, no_content, OK) as (script, upstream):
             assert await (await post(upstream, script)).read() == b'{"ok":true}'
             answer = await post(upstream, script)
             assert (answer.status, await answer.read()) == (204, b"")
             assert await (await post(upstream, script)).read() == b'{"ok":true}'
-            upstream.close()
         assert script.connections == 1
 
     run(scenario)
@@ -192,11 +196,9 @@ def test_interim_and_bodiless_answers() -> None:
 
 def test_a_connection_idle_past_keepalive_is_not_reused() -> None:
     async def scenario() -> None:
-        async with scripted(OK, OK) as script:
-            upstream = Upstream(connect_timeout_s=5, keepalive_s=0.0)
+        async with talking_to(OK, OK, keepalive_s=0.0) as (script, upstream):
             for _ in range(2):
                 assert await (await post(upstream, script)).read() == b'{"ok":true}'
-            upstream.close()
         assert script.connections == 2
 
     run(scenario)
@@ -220,12 +222,10 @@ def test_a_connection_idle_past_keepalive_is_not_reused() -> None:
 )  # fmt: skip
 def test_a_broken_or_malformed_answer_is_an_upstream_error(answer: bytes) -> None:
     async def scenario() -> None:
-        async with scripted(ThenClose(answer)) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(ThenClose(answer)) as (script, upstream):
             with pytest.raises(UpstreamError) as raised:
                 await (await post(upstream, script)).read()
             assert not isinstance(raised.value, ConnectFailed)
-            upstream.close()
 
     run(scenario)
 
@@ -244,8 +244,7 @@ def test_nothing_listening_is_connect_failed() -> None:
 
 def test_a_silent_backend_times_out_and_sees_its_connection_closed() -> None:
     async def scenario() -> None:
-        async with scripted(HOLD) as script:
-            upstream = Upstream(connect_timeout_s=5, request_timeout_s=0.2)
+        async with talking_to(HOLD, request_timeout_s=0.2) as (script, upstream):
             with pytest.raises(TimeoutError):
                 await post(upstream, script)
             await asyncio.wait_for(script.eof.wait(), 5)
@@ -257,14 +256,12 @@ def test_an_answer_closed_before_its_end_closes_its_connection() -> None:
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
 
     async def scenario() -> None:
-        async with scripted(head, OK) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(head, OK) as (script, upstream):
             answer = await post(upstream, script)
             assert await anext(answer.chunks()) == b"hello"
             answer.close()
             await asyncio.wait_for(script.eof.wait(), 5)  # the backend sees its client leave
             assert await (await post(upstream, script)).read() == b'{"ok":true}'
-            upstream.close()
         assert script.connections == 2
 
     run(scenario)
@@ -275,8 +272,7 @@ def test_a_reader_that_falls_behind_pauses_the_socket_and_reads_everything_after
     big = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + bytes(range(256)) * (size // 256)
 
     async def scenario() -> None:
-        async with scripted(big) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(big) as (script, upstream):
             answer = await post(upstream, script)
             for _ in range(500):  # bounded poll of the observable state: the answer stops taking bytes
                 if answer._buffered > HIGH_WATER:
@@ -285,18 +281,15 @@ def test_a_reader_that_falls_behind_pauses_the_socket_and_reads_everything_after
             held = answer._buffered
             assert HIGH_WATER < held < size
             assert await answer.read() == bytes(range(256)) * (size // 256)
-            upstream.close()
 
     run(scenario)
 
 
 def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent() -> None:
     async def scenario() -> None:
-        async with scripted(OK) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(OK) as (script, upstream):
             with pytest.raises(ValueError, match="line break"):
                 await upstream.post(endpoint(script), {"X-Request-Id": "a\r\nX-Evil: 1"}, b"{}")
-            upstream.close()
         assert script.requests == []
 
     run(scenario)
@@ -335,8 +328,7 @@ class Handed:
 
 def test_a_caller_cancelled_before_the_answer_hands_it_to_its_leftover_and_the_connection_serves_on() -> None:
     async def scenario() -> None:
-        async with scripted(Later(then=OK), OK) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(Later(then=OK), OK) as (script, upstream):
             handed = Handed()
             waiting = asyncio.create_task(
                 upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=10.0, done=handed))
@@ -348,7 +340,6 @@ def test_a_caller_cancelled_before_the_answer_hands_it_to_its_leftover_and_the_c
             await asyncio.wait_for(handed.event.wait(), 5)
             assert handed.calls == [(200, b'{"ok":true}')]
             assert await (await post(upstream, script)).read() == b'{"ok":true}'
-            upstream.close()
         assert script.connections == 1
 
     run(scenario)
@@ -359,8 +350,7 @@ def test_a_caller_cancelled_mid_body_hands_the_whole_body_to_its_leftover() -> N
     rest = b"6\r\n world\r\n0\r\n\r\n"
 
     async def scenario() -> None:
-        async with scripted(Later(then=rest, first=head)) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(Later(then=rest, first=head)) as (script, upstream):
             handed = Handed()
             answer = await upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=10.0, done=handed))
             reading = asyncio.create_task(answer.read())
@@ -375,15 +365,13 @@ def test_a_caller_cancelled_mid_body_hands_the_whole_body_to_its_leftover() -> N
             script.answer_now.set()
             await asyncio.wait_for(handed.event.wait(), 5)
             assert handed.calls == [(200, b"hello world")]
-            upstream.close()
 
     run(scenario)
 
 
 def test_a_leftover_answer_that_does_not_end_in_time_closes_its_connection() -> None:
     async def scenario() -> None:
-        async with scripted(HOLD) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(HOLD) as (script, upstream):
             handed = Handed()
             waiting = asyncio.create_task(
                 upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=0.1, done=handed))
@@ -400,8 +388,7 @@ def test_a_leftover_answer_that_does_not_end_in_time_closes_its_connection() -> 
 
 def test_a_caller_cancelled_without_a_leftover_closes_the_connection() -> None:
     async def scenario() -> None:
-        async with scripted(HOLD) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(HOLD) as (script, upstream):
             waiting = asyncio.create_task(post(upstream, script))
             await asyncio.wait_for(script.arrived.wait(), 5)
             waiting.cancel()
@@ -431,8 +418,7 @@ def test_chunks_arriving_after_the_head_are_read_as_they_come(chunks: bytes, exp
     rest = b"rld\r\n0\r\n\r\n" if chunks.endswith(b" wo") else b""
 
     async def scenario() -> None:  # the head first, read before the chunks are sent: they come in reads of their own
-        async with scripted(Later(first=CHUNKED_HEAD, then=chunks + rest)) as script:
-            upstream = Upstream(connect_timeout_s=5)
+        async with talking_to(Later(first=CHUNKED_HEAD, then=chunks + rest)) as (script, upstream):
             answer = await post(upstream, script)
             script.answer_now.set()
             if isinstance(expected, bytes):
@@ -440,6 +426,5 @@ def test_chunks_arriving_after_the_head_are_read_as_they_come(chunks: bytes, exp
             else:
                 with pytest.raises(UpstreamError):
                     await answer.read()
-            upstream.close()
 
     run(scenario)
