@@ -314,6 +314,14 @@ def test_endpoint_of_a_url(url: str, host: str, port: int, head: bytes) -> None:
         Endpoint.of("ftp://10.0.0.5/v1/completions")
 
 
+async def cancelled_once_sent(upstream: Upstream, script: Script, leftover: Leftover | None) -> None:
+    """A post (with ``leftover``) whose caller is cancelled once the server has the request, before any answer."""
+    waiting = asyncio.create_task(upstream.post(endpoint(script), {}, b"{}", leftover))
+    await asyncio.wait_for(script.arrived.wait(), 5)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+
 class Handed:
     """A Leftover's ``done``: what it was handed, and an event set when it was."""
 
@@ -330,12 +338,7 @@ def test_a_caller_cancelled_before_the_answer_hands_it_to_its_leftover_and_the_c
     async def scenario() -> None:
         async with talking_to(Later(then=OK), OK) as (script, upstream):
             handed = Handed()
-            waiting = asyncio.create_task(
-                upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=10.0, done=handed))
-            )
-            await asyncio.wait_for(script.arrived.wait(), 5)
-            waiting.cancel()
-            await asyncio.gather(waiting, return_exceptions=True)
+            await cancelled_once_sent(upstream, script, Leftover(within_s=10.0, done=handed))
             script.answer_now.set()  # the answer comes after its caller left
             await asyncio.wait_for(handed.event.wait(), 5)
             assert handed.calls == [(200, b'{"ok":true}')]
@@ -373,12 +376,7 @@ def test_a_leftover_answer_that_does_not_end_in_time_closes_its_connection() -> 
     async def scenario() -> None:
         async with talking_to(HOLD) as (script, upstream):
             handed = Handed()
-            waiting = asyncio.create_task(
-                upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=0.1, done=handed))
-            )
-            await asyncio.wait_for(script.arrived.wait(), 5)
-            waiting.cancel()
-            await asyncio.gather(waiting, return_exceptions=True)
+            await cancelled_once_sent(upstream, script, Leftover(within_s=0.1, done=handed))
             await asyncio.wait_for(handed.event.wait(), 5)
             assert handed.calls == [(None, None)]
             await asyncio.wait_for(script.eof.wait(), 5)  # the backend sees its client leave
@@ -389,10 +387,7 @@ def test_a_leftover_answer_that_does_not_end_in_time_closes_its_connection() -> 
 def test_a_caller_cancelled_without_a_leftover_closes_the_connection() -> None:
     async def scenario() -> None:
         async with talking_to(HOLD) as (script, upstream):
-            waiting = asyncio.create_task(post(upstream, script))
-            await asyncio.wait_for(script.arrived.wait(), 5)
-            waiting.cancel()
-            await asyncio.gather(waiting, return_exceptions=True)
+            await cancelled_once_sent(upstream, script, None)
             await asyncio.wait_for(script.eof.wait(), 5)
 
     run(scenario)
