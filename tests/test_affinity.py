@@ -9,12 +9,15 @@ import sys
 
 import pytest
 
-from pd_transfer.affinity import allowed_cpu, thread_cpus
+from pd_transfer.affinity import allowed_cpu
+from pd_transfer.settings import SettingError, Settings
 
 CHILD = """
 import json, os, threading
 os.sched_setaffinity(0, {0})  # as an engine pins its worker
+from pd_transfer.settings import read_settings
 from pd_transfer.transfer.progress import AdaptivePoller
+cpus = read_settings().thread_cpu_set  # this child's edge: PD_TRANSFER_THREAD_CPUS from its environment
 seen = []
 event = threading.Event()
 def poll():
@@ -22,7 +25,7 @@ def poll():
         seen.append(sorted(os.sched_getaffinity(threading.get_native_id())))
         event.set()
     return False
-poller = AdaptivePoller("test", poll)
+poller = AdaptivePoller("test", poll, thread_cpus=cpus)
 poller.start()
 assert event.wait(10), "the poller never polled"
 poller.stop()
@@ -31,11 +34,14 @@ print(json.dumps([seen[0], sorted(os.sched_getaffinity(0))]))
 
 
 def test_cpu_settings_parse() -> None:
-    assert thread_cpus("inherit") is None
-    assert thread_cpus("all") == set(range(os.cpu_count() or 1))
-    assert thread_cpus("0-2,5") == {0, 1, 2, 5}
-    with pytest.raises(ValueError, match="PD_TRANSFER_THREAD_CPUS"):
-        thread_cpus("most")
+    def cpus(text: str) -> frozenset[int] | None:
+        return Settings.from_environ({"PD_TRANSFER_THREAD_CPUS": text}).thread_cpu_set
+
+    assert cpus("inherit") is None
+    assert cpus("all") == cpus("") == set(range(os.cpu_count() or 1))
+    assert cpus("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(SettingError, match="PD_TRANSFER_THREAD_CPUS"):
+        cpus("most")
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to tell pinned from unpinned")

@@ -37,9 +37,12 @@ class KVCache:
         return cls(layout=layout, tensors=tensors, regions=regions)
 
     @classmethod
-    def allocate(cls, layout: KVCacheLayout, num_blocks: int, *, kv_split: bool = True) -> KVCache:
+    def allocate(
+        cls, layout: KVCacheLayout, num_blocks: int, *, kv_split: bool = True, huge_pages: bool = True
+    ) -> KVCache:
         """A zeroed host cache shaped like an engine's: per layer, K and V as separate block-indexed
-        tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer.
+        tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer. Its memory
+        starts in huge pages unless ``huge_pages`` is False (``Settings.own_huge_pages``, :func:`zeroed_host_tensor`).
 
         Block shape: (heads, block_size, head_size) for HND, (block_size, heads, head_size) for NHD. A layout
         with a ``packing`` gets one tensor per layer (kind ``"k"``), each (block, head) of ``block_size *
@@ -54,20 +57,20 @@ class KVCache:
         kinds: list[tuple[str, ...]] = []
         layers: list[int] = []
         if fp.use_mla or layout.packing is not None:
-            storage = zeroed_host_tensor((fp.num_layers, num_blocks, *block_shape), dtype=dtype)
+            storage = zeroed_host_tensor((fp.num_layers, num_blocks, *block_shape), dtype, huge_pages)
             for layer in range(fp.num_layers):
                 tensors.append(storage[layer])
                 kinds.append(("latent",) if fp.use_mla else ("k",))
                 layers.append(layer)
         elif kv_split:
-            storage = zeroed_host_tensor((fp.num_layers, 2, num_blocks, *block_shape), dtype=dtype)
+            storage = zeroed_host_tensor((fp.num_layers, 2, num_blocks, *block_shape), dtype, huge_pages)
             for layer in range(fp.num_layers):
                 for index, kind in enumerate(("k", "v")):
                     tensors.append(storage[layer, index])
                     kinds.append((kind,))
                     layers.append(layer)
         else:
-            storage = zeroed_host_tensor((fp.num_layers, num_blocks, 2, *block_shape), dtype=dtype)
+            storage = zeroed_host_tensor((fp.num_layers, num_blocks, 2, *block_shape), dtype, huge_pages)
             for layer in range(fp.num_layers):
                 tensors.append(storage[layer])
                 kinds.append(("k", "v"))
@@ -78,15 +81,17 @@ class KVCache:
 _HUGE_PAGE_BYTES = 2 * 2**20
 
 
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory was advised to use huge pages before it was first written, so that it is
-    in huge pages from the start (registering it then has nothing to collapse; see ``transfer.huge_pages``). The
-    memory is a private anonymous mapping of its own, from a huge-page boundary: the allocator may hand out heap
-    memory this process wrote before, whose small pages no advice changes (seen after a long test run)."""
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory was advised to use huge pages (unless ``huge_pages`` is False) before it was
+    first written, so that it is in huge pages from the start (registering it then has nothing to collapse; see
+    ``transfer.huge_pages``). The memory is a private anonymous mapping of its own, from a huge-page boundary: the
+    allocator may hand out heap memory this process wrote before, whose small pages no advice changes (seen after a
+    long test run)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
     offset = -raw.data_ptr() % _HUGE_PAGE_BYTES
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
-    advise_huge_pages([(tensor.data_ptr(), tensor.data_ptr() + nbytes)])
+    if huge_pages:
+        advise_huge_pages([(tensor.data_ptr(), tensor.data_ptr() + nbytes)])
     return tensor.zero_()

@@ -10,15 +10,16 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
-from pd_transfer.transfer.tcp import push_accepted
+from pd_transfer.transfer.tcp import push_mode
 
 from . import messages
 from .cache import KVCache
@@ -52,10 +53,13 @@ class PrefillRank:
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         metrics: TransferMetrics | None = None,
-        accept_pushes: bool = True,
+        push: str | None = None,
+        settings: Settings = DEFAULTS,
     ) -> None:
-        """``accept_pushes``: write for decode ranks that ask (:mod:`.pushes`), unless False or
-        ``PD_TRANSFER_PUSH=off``."""
+        """``push``: write for decode ranks that ask (:mod:`.pushes`) unless the push mode is "off" (``push`` if
+        given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``settings``: the agent's (and
+        its writer's), the CPUs of the rank's threads."""
+        accepting = push_mode(push, settings) != "off"  # a bad mode is refused before an agent is made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -65,7 +69,7 @@ class PrefillRank:
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
         self._reply_metadata: dict[str, bytes] = {}  # reader agent -> its connection metadata
         self._replies = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpin_current_thread
+            max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpinning(settings.thread_cpu_set)
         )
         self.malformed_notifications = 0
         self.unexpected_notifications = 0
@@ -76,6 +80,7 @@ class PrefillRank:
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
             serves_reads=True,
+            settings=settings,
         )
         self.agent.register_regions(cache.regions)
         self.pushes = PushWriter(
@@ -85,7 +90,7 @@ class PrefillRank:
             merged_spans(cache.regions),
             on_written=self._take_report,
             on_freed=self._freed_by_unpin,
-            accepting=accept_pushes and push_accepted(),
+            accepting=accepting,
         )
 
     @property

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
@@ -118,7 +118,9 @@ class BlockReader:
         self._done_message = done_message
         self.pushes = pushes
         self._postprocess_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
+            max_workers=1,
+            thread_name_prefix="pd-transfer-postprocess",
+            initializer=unpinning(agent.settings.thread_cpu_set),
         )
 
     def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = True) -> ReadTotals:

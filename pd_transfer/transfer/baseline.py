@@ -9,14 +9,15 @@ import numpy as np
 
 from .native import make_nixl_agent
 from .session import LOCAL
-from .tcp import apply_tcp_defaults
 
 
 class RawNixlReader:
     """A bare NIXL agent (no progress thread, no lock, no :class:`~.session.NixlSession`) reading prepared rows from
     one peer.
 
-    The memory behind ``local_spans`` ((start, end) addresses) is registered again under this agent.
+    The memory behind ``local_spans`` ((start, end) addresses) is registered again under this agent. UCX is
+    configured as for our agents (the same process environment, :func:`pd_transfer.settings.apply_process_defaults`):
+    the comparison is of the read path alone.
     """
 
     def __init__(
@@ -26,7 +27,6 @@ class RawNixlReader:
         local_rows: np.ndarray,
         remote_rows: np.ndarray,
     ) -> None:
-        apply_tcp_defaults()  # UCX configured as for our agents: the comparison is of the read path alone
         self._agent = make_nixl_agent(f"raw-{uuid.uuid4().hex[:8]}")  # no progress thread, native logs quiet
         self._registration = self._agent.register_memory(
             [(start, end - start, 0, "") for start, end in local_spans], "DRAM"
