@@ -42,7 +42,8 @@ class Kind(Protocol):
     """How a variable's text becomes a value (``parse`` raises ``ValueError`` saying what it must be), whether a
     value given in code is one it could have produced (``accepts``), and its values as the README shows them."""
 
-    shown: str
+    @property
+    def shown(self) -> str: ...
 
     def parse(self, text: str) -> Any: ...
 
@@ -562,5 +563,9 @@ def process_environment(values: Mapping[str, str]) -> Iterator[None]:
 
 def _with_ucx_of(settings: Settings, environ: Mapping[str, str]) -> Settings:
     """``settings`` with its UCX fields as ``environ`` holds them."""
-    ucx = {name: variable for name, variable in _variables().items() if variable.name.startswith("UCX_")}
-    return replace(settings, **{name: environ.get(variable.name, "").strip() or None for name, variable in ucx.items()})
+    ucx: dict[str, Any] = {
+        name: environ.get(variable.name, "").strip() or None
+        for name, variable in _variables().items()
+        if variable.name.startswith("UCX_")
+    }
+    return replace(settings, **ucx)
