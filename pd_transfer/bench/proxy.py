@@ -46,6 +46,7 @@ from pd_transfer.affinity import allowed_cpus
 from pd_transfer.bench.proxy_router import RouterProcess, find_router, start_router
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.cli import loop_factory
+from pd_transfer.settings import child_environment, read_settings
 
 PROMPT = " ".join(f"word{i}" for i in range(64))  # ~83 tokens by the proxy's estimate
 TOKENS = 8
@@ -77,7 +78,7 @@ def run_bench(
     cpus = allowed_cpus()
     pinning = {"proxy": cpus[:1], "client_and_stand_ins": cpus[1:]} if pin and len(cpus) >= 2 else None
     own_affinity = set(cpus)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = child_environment({"PYTHONUNBUFFERED": "1"})
     procs: list[subprocess.Popen[str]] = []
     routers: list[RouterProcess] = []
     binary = find_router(router) if with_router else None
@@ -418,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_delay_s=args.prefill_delay,
         token_delay_s=args.token_delay,
         pin=not args.no_pin,
-        router=args.vllm_router,
+        router=args.vllm_router or read_settings().vllm_router,  # this command is its process's edge
         with_router=not args.no_vllm_router,
     )
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

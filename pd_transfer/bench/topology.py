@@ -9,7 +9,6 @@ decode TP 1 / block 16 moving the same 512 MiB.
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import asdict, replace
 
@@ -18,6 +17,7 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 
@@ -65,8 +65,10 @@ def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
     }
 
 
-def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+def run(*, quick: bool = False, repeats: int = 5, seed: int = 11, settings: Settings = DEFAULTS) -> dict:
+    """Heterogeneous TP and block sizes against the homogeneous read, side by side; ``settings``: the command's
+    (both sides run with them)."""
+    settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
     shape: Shape = QUICK_SHAPE if quick else Shape()
     repeats = 3 if quick else repeats
@@ -76,17 +78,24 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
     big_block = 4 * shape.block_size
     big_cache_blocks = shape.cache_blocks // 4
 
-    homogeneous_spec = PrefillSpec("bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed)
+    homogeneous_spec = PrefillSpec("bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed, settings=settings)
     tp2_spec = PrefillSpec(
-        "bench-tp2", [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)], shape.cache_blocks, seed=seed + 1
+        "bench-tp2",
+        [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)],
+        shape.cache_blocks,
+        seed=seed + 1,
+        settings=settings,
     )
     remote_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     local_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     big_local_ids = rng.choice(big_cache_blocks, -(-tokens // big_block), replace=False).tolist()
 
     with PrefillProcess(homogeneous_spec) as tp1, PrefillProcess(tp2_spec) as tp2:
-        small = DecodeRank("bench-decode-b16", KVCache.allocate(shape.layout_for(), shape.cache_blocks))
-        big = DecodeRank("bench-decode-b64", KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks))
+        own = settings.own_huge_pages
+        small_cache = KVCache.allocate(shape.layout_for(), shape.cache_blocks, huge_pages=own)
+        big_cache = KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks, huge_pages=own)
+        small = DecodeRank("bench-decode-b16", small_cache, settings=settings)
+        big = DecodeRank("bench-decode-b64", big_cache, settings=settings)
         try:
             for decode, prefill in ((small, tp1), (small, tp2), (big, tp1)):
                 decode.connect(prefill.host, prefill.port)
