@@ -250,3 +250,22 @@ def test_a_read_planted_outside_settings_fails_the_check(package_copy: Path, pla
     assert hits == done.stdout.splitlines()[:1], done.stdout  # the read, and nothing else
     assert "pd_transfer/connector/leases.py" in hits[0], hits
     assert f"`{PLANTED[planted]}` is banned" in hits[0], hits
+
+
+# ---------------------------------------------------------------------- pd-transfer settings
+def test_the_settings_command_prints_them_resolved_and_refuses_a_bad_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pd_transfer.cli import main
+
+    monkeypatch.setenv("PD_TRANSFER_PUSH", "ON")
+    monkeypatch.delenv("PD_TRANSFER_READ_LANES", raising=False)
+    assert main(["settings"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "PD_TRANSFER_PUSH=on" in lines and "PD_TRANSFER_READ_LANES=" in lines
+    assert len(lines) == len(fields(Settings))
+    assert main(["settings", "--table"]) == 0
+    assert capsys.readouterr().out == Settings.markdown_table()
+    monkeypatch.setenv("PD_TRANSFER_READ_LANES", "many")
+    assert main(["settings"]) == 2
+    assert "PD_TRANSFER_READ_LANES must be a number, not 'many'" in capsys.readouterr().err
