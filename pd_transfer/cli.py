@@ -8,6 +8,10 @@ import logging
 import sys
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pd_transfer.bench.transfer import Shape
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -75,6 +79,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.settings import read_settings
 
     shape = QUICK_SHAPE if args.quick else Shape()
+    if args.device is not None:
+        return _bench_transfer_device(args, shape)
     settings = read_settings()  # the command's edge: read once, handed to both sides
     if args.busy_prefill:
         settings = replace(settings, sim_busy_engine=True)
@@ -105,11 +111,26 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0 if cases and all(c["verified"] for c in cases) else 1
 
 
+def _bench_transfer_device(args: argparse.Namespace, shape: Shape) -> int:
+    """``bench transfer --device``: the one-node section on a device (``gpu`` in the JSON)."""
+    from pd_transfer.bench import transfer_device
+    from pd_transfer.settings import read_settings
+
+    settings = read_settings()  # the command's edge: read once
+    section = transfer_device.run(shape, args.device, repeats=3 if args.quick else args.repeats, settings=settings)
+    print(json.dumps({"gpu": section}) if args.json else "\n".join(transfer_device.summary_lines(section)))
+    return 0 if all(section[case]["verified"] for case in ("contiguous", "scattered")) else 1
+
+
 def _bench_topology(args: argparse.Namespace) -> int:
     from pd_transfer.bench.topology import run
     from pd_transfer.settings import read_settings
 
-    result = run(quick=args.quick, settings=read_settings())  # the command's edge: read once
+    try:
+        result = run(quick=args.quick, device=args.device, settings=read_settings())  # the command's edge
+    except ValueError as error:  # a --device that is not here
+        print(error, file=sys.stderr)
+        return 2
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0 if result["verified"] else 1
 
@@ -209,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_wire_argument(transfer, "with --netns: ")
     transfer.add_argument(
+        "--device",
+        help="cuda, cuda:N or cpu: the one-node section with both caches on that device (same-host IPC against raw"
+        " NIXL, the in-process device copy and a raw IPC copy), under 'gpu' in the JSON; other sections skipped",
+    )
+    transfer.add_argument(
         "--busy-prefill",
         action="store_true",
         help="the prefill process also runs a Python loop that keeps the GIL busy, as a serving engine's does",
@@ -217,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     topology = which.add_parser("topology", help="heterogeneous TP and block sizes vs homogeneous")
     topology.add_argument("--json", action="store_true", help="print one JSON object")
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
+    topology.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N: the caches there, against its copy of the rows (gpu.)"
+    )
     topology.set_defaults(func=_bench_topology)
     from pd_transfer.bench import pd_tcp
 

@@ -3,7 +3,8 @@ pair, then what is left over: failed requests, the held-block and in-flight gaug
 the prefill's leases by how they ended, and the resident memory of every process before and after.
 
 The load (:func:`drive`), the leftover gauges (:func:`settle`) and the memory (:func:`group_rss_bytes`) are also
-what ``tests/faults/`` uses on its own servers; :func:`run` starts a pair and the proxy for the benchmark.
+what ``tests/vllm/test_vllm_faults.py`` uses on its own servers; :func:`run` starts a pair and the proxy for the
+benchmark.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_proces
 from pd_transfer.cluster.processes import ManagedProcess, group_members, stop_all, wait_ready
 from pd_transfer.settings import child_environment, read_settings
 
-__all__ = ["SoakLoad", "add_arguments", "drive", "group_rss_bytes", "held_gauges", "run", "settle"]
+__all__ = ["SoakLoad", "add_arguments", "drive", "group_rss_bytes", "held_gauges", "rss_bytes", "run", "settle"]
 
 MIB = 2**20
 #: Gauge samples that count something held or in flight: all must read 0 once the load is over.
@@ -152,15 +153,21 @@ def nonzero(readings: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     return {f"{name}: {sample}": v for name, gauges in readings.items() for sample, v in gauges.items() if v != 0}
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory (bytes) of process ``pid``: ``VmRSS`` of ``/proc/PID/status``; ``OSError`` once it is gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"process {pid} has no VmRSS (a zombie?)")
+
+
 def group_rss_bytes(process: ManagedProcess) -> int:
     """Resident memory (bytes) of every live process of ``process``'s group (a vLLM server is its API server, its
     engine core and their helpers), summed from ``/proc/PID/status`` (``VmRSS``); 0 when none is alive."""
     total = 0
     for pid in [] if process.process is None else group_members(process.process.pid):
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+            total += rss_bytes(pid)
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
     return total

@@ -215,7 +215,7 @@ def _read_way(seconds: list[float], cpus: list[float], num_bytes: int, raw_gbps:
     }
 
 
-def _one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
+def one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
     """Seconds of ``samples`` pulls of one held block each (the hold, a round trip to the prefill, not counted)."""
     seconds = []
     for index in range(samples):
@@ -225,6 +225,18 @@ def _one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: in
         decode.pull(request_id, prefill.host, prefill.port, [index % 2], [index % 2], block_size)
         seconds.append(time.perf_counter() - started)
     return seconds
+
+
+def request_ids(shape: Shape, seed: int) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """The (remote, local) block ids of the contiguous request and of the scattered one (shuffled, distinct)."""
+    rng = np.random.default_rng(seed)
+    n = shape.request_blocks
+    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
+    scattered = (
+        sorted(rng.choice(shape.cache_blocks, n, replace=False).tolist(), key=lambda _: rng.random()),
+        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
+    )
+    return contiguous, scattered
 
 
 def run(
@@ -251,13 +263,7 @@ def run(
         settings=settings,
         **(prefill_options or {}),  # type: ignore[arg-type]
     )
-    rng = np.random.default_rng(seed)
-    n = shape.request_blocks
-    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
-    scattered = (
-        sorted(rng.choice(shape.cache_blocks, n, replace=False).tolist(), key=lambda _: rng.random()),
-        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
-    )
+    contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
         expected = spec.caches()
         own_huge_pages = settings.own_huge_pages
@@ -296,7 +302,7 @@ def run(
             }
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
             latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
-            pulls = _one_block_pulls(decode, prefill, shape.block_size, samples=100)
+            pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
             prefill.request("release", _LEASE)  # idle: nothing held
             # idle: both sides at once, the decode measured in this process
             prefill.send("idle_cpu", idle_seconds)

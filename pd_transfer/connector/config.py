@@ -28,6 +28,8 @@ import msgspec
 
 from pd_transfer.settings import DEFAULTS, PushMode, Settings
 
+from .ipc_choice import TransportSetting
+
 FailurePolicy = Literal["fail", "recompute"]
 _NO_ENVIRONMENT: Mapping[str, str] = MappingProxyType({})
 
@@ -62,6 +64,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # "off", which on a prefill also refuses such requests); None: the process's PD_TRANSFER_PUSH, else "auto"
     # (pd_transfer.transfer.tcp.push_mode: the one rule, the same for the prefill and the decode)
     push: PushMode | None = None
+    # how a decode reads prefills on its own host: "auto" (same-host IPC where the prefill offers its memory and it
+    # can be read, CUDA IPC for GPU caches; else NIXL), "nixl" (never IPC; a prefill then offers none either), "ipc"
+    # (IPC or the engine is refused)
+    transport: TransportSetting = "auto"
 
     def __post_init__(self) -> None:
         problems = []

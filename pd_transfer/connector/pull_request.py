@@ -1,10 +1,12 @@
-"""One request's pull as a decode rank reads it: which remote blocks land in which local ones, for how many tokens."""
+"""One request's pull as a decode rank reads it: which remote blocks land in which local ones, for how many tokens;
+and what the pull moved (:class:`PullStats`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .errors import DuplicateBlockIds
+from .ipc_choice import Transport
 from .params import first_repeat
 
 
@@ -27,3 +29,26 @@ class PullRequest:
         repeat = first_repeat(self.remote_block_ids)
         if repeat is not None:
             raise DuplicateBlockIds(self.request_id, "remote_block_ids", *repeat)
+
+
+@dataclass(frozen=True)
+class PullStats:
+    """What one request's pull moved (bytes, seconds) and how."""
+
+    request_id: str
+    bytes: int
+    descriptors: int  # rows posted, before NIXL merges adjacent ones
+    read_seconds: float  # first post to last DONE
+    postprocess_seconds: float  # fixing layouts up, summed over plane groups (overlaps the reads)
+    postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
+    seconds: float  # whole pull, handshake excluded when cached
+    connect_seconds: float = 0.0  # reaching the engine: handshake, NIXL peers and warm-up on first contact, else ~0
+    confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
+    pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
+    pushed_bytes: int = 0  # of ``bytes``, what they wrote
+    transport: Transport = "nixl"  # what moved it: NIXL, or same-host IPC ("cuda_ipc", "host_ipc")
+
+    @property
+    def gbps(self) -> float:
+        """GiB/s over the whole pull."""
+        return self.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from pd_transfer.spec import memory_of
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_to
@@ -66,10 +67,13 @@ class PushOrders:
 
     # ------------------------------------------------------------------ setup
     def offer(self, remote: RemoteEngine) -> None:
-        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up (best effort)."""
+        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up, it is read with NIXL
+        and its cache is in host memory (best effort)."""
         if remote.plan.postprocess is not None or remote.packed is not None:
             return
         if not push_to(remote.host, self.mode, self.agent.settings.ucx_tls):
+            return
+        if remote.ipc is not None or not all(memory_of(list(rank.regions)).is_host for rank in remote.engine.ranks):
             return
         metadata = self.agent.metadata
         for source, plan in zip(remote.sources, remote.plan.sources, strict=True):

@@ -36,7 +36,7 @@ from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
 
 from .cache import KVCache
-from .pull_request import PullRequest
+from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .remote_engines import RemoteEngine, SourceRank
 
@@ -57,6 +57,20 @@ class ReadTotals:
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
     pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
+
+    def stats(self, request_id: str, seconds: float) -> PullStats:
+        """The stats of request ``request_id``'s pull of ``seconds`` whose reads moved these totals."""
+        return PullStats(
+            request_id=request_id,
+            bytes=self.bytes,
+            descriptors=self.descriptors,
+            read_seconds=self.read_seconds,
+            postprocess_seconds=self.postprocess_seconds,
+            postprocess_exposed_seconds=self.postprocess_exposed_seconds,
+            seconds=seconds,
+            pushed_peers=self.pushed_peers,
+            pushed_bytes=self.pushed_bytes,
+        )
 
     @classmethod
     def overlapped(

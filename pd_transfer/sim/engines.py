@@ -5,7 +5,8 @@
 engine drives a connector (finish a prompt, then step), through the engine contract only
 (:mod:`pd_transfer.connector.contract`). Blocks are never reused, and the allocator scribbles
 over blocks when the connector hands them back, so a read of freed blocks gets garbage, as it would in a
-real engine that reused them. ``DecodeEngine`` does the same for a decode engine in the calling process.
+real engine that reused them. ``LocalPrefillEngines`` runs the same engines in the calling process (for fake agents);
+``DecodeEngine`` does the same for a decode engine in the calling process.
 
 Waiting is polling with a deadline: step, look, step again.
 """
@@ -219,6 +220,63 @@ class PrefillEngines(ChildProcess):
     def abort(self, engine_id: str, request_id: str) -> dict:
         """Abort a held request on ``engine_id`` (the engine wants its blocks back); returns ``state``."""
         return self._request("abort", engine_id, request_id)
+
+
+class LocalPrefillEngines:
+    """The engines of :class:`PrefillEngines` in this process, behind the same methods: for tests whose agents are
+    in-process fakes (:mod:`pd_transfer.sim.fake_agent`), where a child's real agents could not reach them. Use as a
+    context manager. ``settings``: the engines' (default: the defaults, whatever this process's environment says)."""
+
+    def __init__(self, specs: Sequence[EngineSpec], settings: Settings = DEFAULTS) -> None:
+        self.specs = {spec.engine_id: spec for spec in specs}
+        self._engines: dict[str, _PrefillEngine] = {}
+        try:
+            for spec in specs:
+                self._engines[spec.engine_id] = _PrefillEngine(spec, settings)
+        except BaseException:
+            self.close()
+            raise
+        self.host = "127.0.0.1"
+        self.ports = {engine_id: engine.port for engine_id, engine in self._engines.items()}
+
+    def _engine(self, engine_id: str) -> _PrefillEngine:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            raise RuntimeError(f"prefill engines: KeyError: no engine {engine_id!r}")
+        return engine
+
+    def prefill(
+        self, engine_id: str, request_id: str, prompt_len: int, params: object = None, reason: str = "length"
+    ) -> dict:
+        """As :meth:`PrefillEngines.prefill`."""
+        params = {"do_remote_decode": True} if params is None else params
+        return self._engine(engine_id).prefill(request_id, prompt_len, params, reason)
+
+    def wait_sending(self, engine_id: str, request_ids: Sequence[str], timeout_s: float = 10.0) -> dict:
+        """As :meth:`PrefillEngines.wait_sending`."""
+        return self._engine(engine_id).wait_sending(list(request_ids), timeout_s)
+
+    def state(self, engine_id: str, request_ids: Sequence[str] = ()) -> dict:
+        engine = self._engine(engine_id)
+        engine.step()
+        return engine.state(list(request_ids))
+
+    def abort(self, engine_id: str, request_id: str) -> dict:
+        """As :meth:`PrefillEngines.abort`."""
+        engine = self._engine(engine_id)
+        engine.abort(request_id)
+        return engine.state([request_id])
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+
+    def __enter__(self) -> LocalPrefillEngines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass

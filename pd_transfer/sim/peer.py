@@ -55,16 +55,24 @@ class PrefillSpec:
     host: str = "127.0.0.1"  # the side channel's address (inside ``netns`` when that is set)
     netns: str = ""  # a named network namespace (``ip netns``) the child enters before anything opens a socket
     ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
+    device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
+    shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
     # the child's settings (None: read from its environment, inherited from the parent, at its start); with
     # ``sim_busy_engine`` it also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
     settings: Settings | None = None
 
-    def caches(self, settings: Settings = DEFAULTS) -> list[KVCache]:
-        """The caches the child holds, recomputed in this process (in huge pages unless ``settings`` say not)."""
+    def caches(self, device: str | None = None, settings: Settings = DEFAULTS) -> list[KVCache]:
+        """The caches the child holds, recomputed in this process (on ``device``, default the spec's; host caches in
+        huge pages unless ``settings`` say not)."""
         out = []
         for layout in self.layouts:
             cache = KVCache.allocate(
-                layout, self.num_blocks, kv_split=self.kv_split, huge_pages=settings.own_huge_pages
+                layout,
+                self.num_blocks,
+                kv_split=self.kv_split,
+                device=device or self.device,
+                shareable=self.shareable,
+                huge_pages=settings.own_huge_pages,
             )
             fill_pattern(cache, self.seed)
             out.append(cache)
@@ -106,7 +114,7 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     settings = apply_process_defaults(spec.settings or read_settings(), net_devices="lo")  # this child's edge
     from pd_transfer.connector.prefill import PrefillRank, serve_engine
 
-    ranks = [PrefillRank(spec.engine_id, cache, settings=settings) for cache in spec.caches(settings)]
+    ranks = [PrefillRank(spec.engine_id, cache, settings=settings) for cache in spec.caches(settings=settings)]
     server = serve_engine(
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
     )

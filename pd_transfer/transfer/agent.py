@@ -1,7 +1,9 @@
 """One NIXL agent (UCX backend) that reads and writes KV blocks: its registered cache, its peers, its descriptor lists.
 
 The agent calls NIXL only through its :class:`~.session.NixlSession` (``self.session``; :mod:`.native` is the one
-module that imports ``nixl``). Every NIXL call holds the session's lock; the agent holds the same lock around a call
+module that imports ``nixl``). Memory is host memory ("DRAM") or a GPU's ("VRAM", rows carrying its device index),
+as its :class:`~pd_transfer.spec.MemoryPlace` says; huge-page advice and read lanes (with their warm-up reads) apply
+to host memory only. Every NIXL call holds the session's lock; the agent holds the same lock around a call
 and its own records of it (registrations, peers, descriptor lists, their mirrors on read lanes). The progress poller
 takes the lock for each poll, and reads hold it only while posting or checking a transfer.
 """
@@ -17,7 +19,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 
 from pd_transfer.settings import DEFAULTS, Settings
-from pd_transfer.spec import KVRegion
+from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 
 from .dlists import DescriptorList, merged_spans
 from .errors import TransferError, TransferTimeout, UnknownPeer
@@ -26,7 +28,7 @@ from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
 from .probe import transfer_error, wrapped_error
 from .progress import AdaptivePoller
 from .read_stats import ReadStats
-from .session import LOCAL, NixlSession
+from .session import LOCAL, NixlSession, nixl_memory_type
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class TransferAgent:
                 if self._closed:
                     lanes.close()
                     return
-                lanes.replay(self._spans, self._peer_metadata.values(), self._dlists)
+                lanes.replay(self._spans, self._peer_metadata.values(), [d for d in self._dlists if d.place.is_host])
                 self.lanes = lanes
             logger.info("agent %s: %d read lane(s) up", self.name, count)
         except Exception as error:
@@ -114,32 +116,42 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ memory
     def register_regions(self, regions: Sequence[KVRegion]) -> object:
-        """Register the memory behind ``regions`` (host DRAM), once per cache; returns the registration."""
-        registration = self.register_spans(merged_spans(regions))
-        logger.info("agent %s registered %d regions", self.name, len(regions))
+        """Register the memory behind ``regions`` (all in one memory: host DRAM, or one GPU's VRAM), once per cache;
+        returns the registration."""
+        place = memory_of(list(regions))
+        registration = self.register_spans(merged_spans(regions), place=place)
+        logger.info("agent %s registered %d regions in %s memory", self.name, len(regions), place)
         return registration
 
-    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None) -> object:
-        """Register host memory given as (start, end) byte addresses; returns the registration. With
-        ``huge_pages`` (default: the settings' ``PD_TRANSFER_HUGE_PAGES=all``) the memory is advised to use huge pages
-        and collapsed into them in the background (``self.huge_pages``, :mod:`.huge_pages`)."""
+    def register_spans(
+        self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None, place: MemoryPlace = HOST
+    ) -> object:
+        """Register memory at ``place`` given as (start, end) byte addresses; returns the registration. Host memory
+        with ``huge_pages`` (default: the settings' ``PD_TRANSFER_HUGE_PAGES=all``) is advised to use huge pages
+        and collapsed into them in the background (``self.huge_pages``, :mod:`.huge_pages`), and mirrored on the
+        read lanes."""
         if huge_pages is None:
             huge_pages = self.settings.registered_huge_pages
         filled = [(start, end) for start, end in spans if end > start]
         if not filled:
             raise ValueError("no memory to register: every span is empty")
-        if huge_pages:
+        if huge_pages and place.is_host:
             self.huge_pages.submit(filled)
         with self._lock:
             try:
-                registration = self.session.register_memory(filled)
+                registration = self.session.register_memory(filled, place)
             except Exception as error:
-                raise TransferError(f"agent {self.name}: registering {len(filled)} spans failed: {error}") from error
+                raise TransferError(
+                    f"agent {self.name}: registering {len(filled)} spans of {place} memory failed: {error}"
+                ) from error
             self._registrations.append(registration)
-            self._spans.append((registration, filled))
-            if self.lanes is not None:
-                self.lanes.register(registration, filled)
-        logger.debug("agent %s registered %.1f MiB", self.name, sum(end - start for start, end in filled) / 2**20)
+            if place.is_host:  # GPU memory is not read on lanes
+                self._spans.append((registration, filled))
+                if self.lanes is not None:
+                    self.lanes.register(registration, filled)
+        logger.debug(
+            "agent %s registered %.1f MiB of %s memory", self.name, sum(e - s for s, e in filled) / 2**20, place
+        )
         return registration
 
     def deregister(self, registration: object) -> None:
@@ -203,33 +215,38 @@ class TransferAgent:
         return peer in self._peers
 
     # ------------------------------------------------------------------ descriptor lists
-    def prepare_local(self, rows: np.ndarray) -> DescriptorList:
-        """Prepare local rows (N x 3 uint64: address, length, 0) inside registered memory."""
-        return self._prepare(LOCAL, rows)
+    def prepare_local(self, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
+        """Prepare local rows (N x 3 uint64: address, length, 0) inside registered memory at ``place`` (a GPU's
+        rows get its device index)."""
+        return self._prepare(LOCAL, rows, place)
 
-    def prepare_remote(self, peer: str, rows: np.ndarray) -> DescriptorList:
-        """Prepare rows of a remote peer's registered memory."""
+    def prepare_remote(self, peer: str, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
+        """Prepare rows of a remote peer's registered memory at ``place`` (the device index as the peer numbers its
+        GPUs)."""
         if peer not in self._peers:
             raise UnknownPeer(f"agent {self.name}: no peer {peer!r}; add it first")
-        return self._prepare(peer, rows)
+        return self._prepare(peer, rows, place)
 
-    def _prepare(self, peer: str, rows: np.ndarray) -> DescriptorList:
+    def _prepare(self, peer: str, rows: np.ndarray, place: MemoryPlace) -> DescriptorList:
         rows = np.ascontiguousarray(rows, dtype=np.uint64)
         if rows.ndim != 2 or rows.shape[1] != 3 or rows.shape[0] == 0:
             raise ValueError(f"descriptor rows must be a non-empty N x 3 array, got shape {rows.shape}")
+        if not place.is_host:
+            rows = rows.copy()
+            rows[:, 2] = place.device_index
         started = time.perf_counter()
         with self._lock:
             try:
-                handle = self.session.prepare_dlist(peer, rows)
+                handle = self.session.prepare_dlist(peer, rows, nixl_memory_type(place))
             except Exception as error:
                 where = "local memory" if peer == LOCAL else f"peer {peer}"
                 raise TransferError(
                     f"agent {self.name}: preparing {rows.shape[0]} descriptors of {where} failed"
                     f" (outside registered memory?): {error}"
                 ) from error
-            dlist = DescriptorList(self, handle, "" if peer == LOCAL else peer, rows)
+            dlist = DescriptorList(self, handle, "" if peer == LOCAL else peer, rows, place)
             self._dlists.append(dlist)
-            if self.lanes is not None:
+            if self.lanes is not None and place.is_host:
                 self.lanes.mirror(dlist, rows)
         logger.debug(
             "agent %s prepared %d rows for %s in %.2f ms",

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pd_transfer.spec import KVRegion
+from pd_transfer.spec import HOST, KVRegion, MemoryPlace
 
 
 def merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
@@ -31,12 +31,15 @@ class DescriptorListOwner(Protocol):
 
 class DescriptorList:
     """A prepared NIXL descriptor list (one side of reads): rows of (address, length, device) as ``owner`` prepared
-    them for ``peer`` (``""``: its own memory); ``handle`` is NIXL's."""
+    them for ``peer`` (``""``: its own memory), in memory at ``place``; ``handle`` is NIXL's."""
 
-    def __init__(self, owner: DescriptorListOwner, handle: object, peer: str, rows: np.ndarray) -> None:
+    def __init__(
+        self, owner: DescriptorListOwner, handle: object, peer: str, rows: np.ndarray, place: MemoryPlace = HOST
+    ) -> None:
         self._owner = owner
         self.handle = handle
         self.peer = peer  # "" for the local side
+        self.place = place
         self.num_rows = int(rows.shape[0])
         self.row_lengths = rows[:, 1].astype(np.int64, copy=True)
         self.rows = rows  # kept to mirror the list on read lanes made later

@@ -14,15 +14,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
 from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.spec import HOST, MemoryPlace
 
 from .native import NixlRegDList, make_nixl_agent
 
 #: The name NIXL prepares local memory under (a descriptor list of this agent's own registered memory).
 LOCAL = "NIXL_INIT_AGENT"
+
+NixlMemoryType = Literal["DRAM", "VRAM"]
+
+
+def nixl_memory_type(place: MemoryPlace) -> NixlMemoryType:
+    """NIXL's name of the memory at ``place``: "DRAM" (host), "VRAM" (a GPU; rows then carry its device index)."""
+    return "DRAM" if place.is_host else "VRAM"
 
 
 class NixlSession:
@@ -46,11 +55,12 @@ class NixlSession:
         self._unreleased: list[object] = []  # transfer handles NIXL could not release yet
 
     # ------------------------------------------------------------------ memory
-    def register_memory(self, spans: Sequence[tuple[int, int]]) -> object:
-        """Register host memory (DRAM) given as non-empty (start, end) byte addresses; returns the registration."""
-        rows = [(start, end - start, 0, "") for start, end in spans]
+    def register_memory(self, spans: Sequence[tuple[int, int]], place: MemoryPlace = HOST) -> object:
+        """Register memory at ``place`` (host: "DRAM"; a GPU: "VRAM" with its device index) given as non-empty
+        (start, end) byte addresses; returns the registration."""
+        rows = [(start, end - start, place.device_index, "") for start, end in spans]
         with self.lock:
-            return self._agent.register_memory(rows, "DRAM")
+            return self._agent.register_memory(rows, nixl_memory_type(place))
 
     def deregister_memory(self, registration: object) -> None:
         with self.lock:
@@ -80,11 +90,11 @@ class NixlSession:
             self._agent.remove_remote_agent(peer)
 
     # ------------------------------------------------------------------ descriptor lists
-    def prepare_dlist(self, peer: str, rows: np.ndarray) -> object:
-        """Prepare rows (N x 3 uint64: address, length, 0) of ``peer``'s registered memory (:data:`LOCAL`: ours);
-        returns the prepared list's handle."""
+    def prepare_dlist(self, peer: str, rows: np.ndarray, memory_type: NixlMemoryType = "DRAM") -> object:
+        """Prepare rows (N x 3 uint64: address, length, device index) of ``peer``'s registered memory of
+        ``memory_type`` (:data:`LOCAL`: ours); returns the prepared list's handle."""
         with self.lock:
-            return self._agent.prep_xfer_dlist(peer, rows, "DRAM")
+            return self._agent.prep_xfer_dlist(peer, rows, memory_type)
 
     def release_dlist(self, handle: object) -> None:
         with self.lock:
