@@ -15,8 +15,8 @@
   rows straight into the cache; the others, and any that answer ``may_read``, are read in place.
 
 Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications.
-Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated remote
-ids); transfer failures raise ``TransferError``.
+Block ids are validated before anything is read (``ValueError``; a :class:`~.pull_request.PullRequest` has no
+repeated remote ids); transfer failures raise ``TransferError``.
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
 
 from .cache import KVCache
-from .errors import DuplicateBlockIds
-from .params import first_repeat
+from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .remote_engines import RemoteEngine, SourceRank
 
@@ -58,6 +57,20 @@ class ReadTotals:
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
     pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
+
+    def stats(self, request_id: str, seconds: float) -> PullStats:
+        """The stats of request ``request_id``'s pull of ``seconds`` whose reads moved these totals."""
+        return PullStats(
+            request_id=request_id,
+            bytes=self.bytes,
+            descriptors=self.descriptors,
+            read_seconds=self.read_seconds,
+            postprocess_seconds=self.postprocess_seconds,
+            postprocess_exposed_seconds=self.postprocess_exposed_seconds,
+            seconds=seconds,
+            pushed_peers=self.pushed_peers,
+            pushed_bytes=self.pushed_bytes,
+        )
 
     @classmethod
     def overlapped(
@@ -119,40 +132,30 @@ class BlockReader:
         self._done_message = done_message
         self.pushes = pushes
         self._postprocess_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
+            max_workers=1,
+            thread_name_prefix="pd-transfer-postprocess",
+            initializer=unpinning(agent.settings.thread_cpu_set),
         )
 
-    def read(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
-        *,
-        pushed: bool = True,
-    ) -> ReadTotals:
-        """Read ``num_tokens`` tokens of ``remote_block_ids`` into ``local_block_ids`` (token order) by the
-        strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter`` time); ``pushed=False`` reads
-        even from ranks that would push. Repeated remote ids raise ``DuplicateBlockIds``, other malformed ids
-        ``ValueError``, before anything is read."""
-        repeat = first_repeat(remote_block_ids)
-        if repeat is not None:
-            raise DuplicateBlockIds(request_id, "remote_block_ids", *repeat)
+    def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = True) -> ReadTotals:
+        """Read ``request`` by the strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter``
+        time); ``pushed=False`` reads even from ranks that would push. Block ids that do not fit ``remote``'s plan
+        or the cache raise ``ValueError`` before anything is read."""
         if remote.packed is not None:
-            local_ids = self._checked_packed_ids(remote, remote_block_ids, local_block_ids, num_tokens)
-            return self._read_packed(remote, request_id, remote_block_ids, local_ids, num_tokens, deadline)
+            local_ids = self._checked_packed_ids(remote, request)
+            return self._read_packed(remote, request, local_ids, deadline)
         # rows per source; validates the block ids before anything moves
-        rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
+        rows = [
+            plan.indices(request.remote_block_ids, request.local_block_ids, request.num_tokens)
+            for plan in remote.plan.sources
+        ]
         if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
-            return self._read_staged(remote, request_id, rows, deadline)
+            return self._read_staged(remote, request.request_id, rows, deadline)
         if pushed and self.pushes is not None and remote.plan.postprocess is None:
             ready = [source for source in remote.sources if self.pushes.ready(source.peer)]
             if ready and self._request_bytes(remote, rows) >= self.pushes.min_bytes:
-                ids = (remote_block_ids, local_block_ids, num_tokens)
-                return self._push_in_place(remote, request_id, rows, ready, ids, deadline)
-        return self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)
+                return self._push_in_place(remote, request, rows, ready, deadline)
+        return self._read_in_place(remote, request, rows, deadline)
 
     def close(self) -> None:
         """Wait for running fix-ups and stop the worker thread."""
@@ -160,13 +163,7 @@ class BlockReader:
 
     # ------------------------------------------------------------------ in place
     def _read_in_place(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        rows: SourceRows,
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
+        self, remote: RemoteEngine, request: PullRequest, rows: SourceRows, deadline: float
     ) -> ReadTotals:
         """Reads straight into the cache; a postprocess, if any, fixes up each plane group in place on the
         worker thread while the next group is read."""
@@ -186,11 +183,11 @@ class BlockReader:
                 )
                 for source, local_rows, remote_rows, bounds in reads
             ]
-            moved, rows_read = self._read_step(request_id, step, index == len(groups) - 1, deadline)
+            moved, rows_read = self._read_step(request.request_id, step, index == len(groups) - 1, deadline)
             total_bytes += moved
             descriptors += rows_read
             if postprocess is not None:
-                job = (postprocess.apply, self.planes, local_block_ids, num_tokens, group)
+                job = (postprocess.apply, self.planes, request.local_block_ids, request.num_tokens, group)
                 pending.append(self._postprocess_pool.submit(_timed, *job))
         reads_done = time.perf_counter()
         post_seconds = sum(future.result(timeout=_until(deadline)) for future in pending)
@@ -218,20 +215,15 @@ class BlockReader:
         return sum(len(local) * plan.unit_bytes for (local, _), plan in zip(rows, remote.plan.sources, strict=True))
 
     def _push_in_place(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        rows: SourceRows,
-        ready: list[SourceRank],
-        ids: tuple[list[int], list[int], int],
-        deadline: float,
+        self, remote: RemoteEngine, request: PullRequest, rows: SourceRows, ready: list[SourceRank], deadline: float
     ) -> ReadTotals:
         """The ``ready`` sources write the request into the cache; the others, and those that answer ``may_read``,
         are read (one step, with ``ReadDone``). Raises ``TransferTimeout`` when a source did not answer by
         ``deadline``, ``TransferError`` when one refused without ``may_read``."""
         assert self.pushes is not None
+        request_id = request.request_id
         started = time.perf_counter()
-        outcomes = self.pushes.push(request_id, ready, *ids, deadline)
+        outcomes = self.pushes.push(request, ready, deadline)
         asked = {source.peer for source in ready}
         pushed: list[tuple[SourceRank, np.ndarray]] = []
         step: list[ReadOrder] = []
@@ -326,33 +318,27 @@ class BlockReader:
         return plane_blocks, reads
 
     # ------------------------------------------------------------------ packed
-    def _checked_packed_ids(
-        self, remote: RemoteEngine, remote_block_ids: list[int], local_block_ids: list[int], num_tokens: int
-    ) -> torch.Tensor:
+    def _checked_packed_ids(self, remote: RemoteEngine, request: PullRequest) -> torch.Tensor:
         """Validate a packed pull's block ids before anything moves; returns the local ids as an int64 tensor."""
-        source = remote.plan.sources[0]
+        source, tokens = remote.plan.sources[0], request.num_tokens
+        remote_ids, local_ids = request.remote_block_ids, request.local_block_ids
         block_ids_array(
-            "remote_block_ids", remote_block_ids, num_tokens, source.remote_block_size, source.remote_num_blocks, False
+            "remote_block_ids", remote_ids, tokens, source.remote_block_size, source.remote_num_blocks, False
         )
         local = block_ids_array(
-            "local_block_ids", local_block_ids, num_tokens, self.cache.layout.block_size, self.cache.num_blocks, True
+            "local_block_ids", local_ids, tokens, self.cache.layout.block_size, self.cache.num_blocks, True
         )
         return torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64))
 
     def _read_packed(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        remote_block_ids: list[int],
-        local_block_ids: torch.Tensor,
-        num_tokens: int,
-        deadline: float,
+        self, remote: RemoteEngine, request: PullRequest, local_block_ids: torch.Tensor, deadline: float
     ) -> ReadTotals:
         """Whole remote blocks into the packed staging area, a fill (whole regroup groups) at a time; each fill
         is regrouped into the local blocks before the next is read (the staging area is one buffer)."""
         staging = remote.packed
         assert staging is not None
         remote_size, local_size = remote.plan.sources[0].remote_block_size, self.cache.layout.block_size
+        request_id, remote_block_ids, num_tokens = request.request_id, request.remote_block_ids, request.num_tokens
         chunk_tokens = staging.tokens_per_chunk
         starts = list(range(0, num_tokens, chunk_tokens))
         total_bytes = descriptors = 0

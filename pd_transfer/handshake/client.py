@@ -11,6 +11,9 @@ raise ``HandshakeBackoff`` at once (naming the endpoint, the failure, and when i
 ``failure_backoff_s`` seconds, doubling with each failure in a row up to ``failure_backoff_max_s``. The first fetch
 after the window is the probe (others still fail fast while it runs); a success or ``forget()`` clears the record.
 
+Same-host IPC: a client made with ``prove_host`` answers a ``Challenge`` that names the prefill's host with a proof
+that it runs there (:mod:`.host_identity`), and so gets the ranks' IPC sections; others never do.
+
 Knocking: when the failure was that nobody accepted the connection (refused, or no TCP connection in time: the
 prefill is down or restarting), a fetch inside the window first knocks, at most once per ``knock_interval_s``
 per endpoint: a bare TCP connect bounded by ``knock_timeout_s``. If it connects, something listens again and the
@@ -47,8 +50,9 @@ from .errors import (
     HandshakeTimeout,
     IncompatiblePeer,
 )
+from .host_identity import host_proof
 from .link import AttemptFailed, greet, open_link, receive, unexpected
-from .messages import EngineMetadata, GetMetadata, Metadata, encode_engine
+from .messages import Challenge, EngineMetadata, GetMetadata, Metadata, encode_engine
 from .versions import PROTOCOL_VERSION, SUPPORTED_VERSIONS
 
 logger = logging.getLogger(__name__)
@@ -92,6 +96,8 @@ class HandshakeClient:
     ``supported_versions`` the versions accepted in the server's ``Challenge`` (default: every version this
     package speaks, or only ``protocol_version`` when another is set): a server answering in another version is
     refused, naming both. ``metrics`` (default: the process's) counts handshakes by outcome and their seconds.
+    ``prove_host``: prove to servers that offer same-host IPC that we run on their host, when we do (we then get
+    their ranks' ``ipc`` sections); off, no server sends us any.
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class HandshakeClient:
         clock: Callable[[], float] = time.monotonic,
         supported_versions: frozenset[int] | None = None,
         metrics: TransferMetrics | None = None,
+        prove_host: bool = False,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -121,6 +128,7 @@ class HandshakeClient:
         if failure_backoff_max_s < failure_backoff_s:
             raise ValueError(f"failure_backoff_max_s {failure_backoff_max_s} < failure_backoff_s {failure_backoff_s}")
         self.fingerprint = fingerprint
+        self.prove_host = prove_host
         self.timeout_s = timeout_s
         self.retries = retries
         self.protocol_version = protocol_version
@@ -350,6 +358,7 @@ class HandshakeClient:
                 tp_ranks=None if tp_ranks is None else list(tp_ranks),
                 client_nonce=client_nonce,
                 server_nonce=challenge.server_nonce,
+                host_proof=self._host_proof(challenge, client_nonce, peer),
             )
             if self._secret is not None:
                 request = msgspec.structs.replace(request, mac=signed_request_mac(self._secret, request))
@@ -362,6 +371,15 @@ class HandshakeClient:
             raise HandshakeError(f"handshake with {peer} aborted: the client was closed") from exc
         finally:
             link.close()
+
+    def _host_proof(self, challenge: Challenge, client_nonce: bytes, peer: str) -> bytes:
+        """Our proof that we run on the host the challenge names (b"" when not asked for, not wanted, or not so)."""
+        if challenge.host is None or not self.prove_host:
+            return b""
+        proof, why_not = host_proof(challenge.host, challenge.server_nonce, client_nonce)
+        if not proof:
+            logger.info("handshake with %s: no same-host IPC: %s", peer, why_not)
+        return proof
 
     def _check(self, reply: Metadata, peer: str, client_nonce: bytes, tp_ranks: list[int] | None) -> EngineMetadata:
         engine = reply.engine

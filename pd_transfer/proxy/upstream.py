@@ -194,7 +194,7 @@ class Upstream:
         try:
             async with asyncio.timeout(timeout):
                 _transport, connection = await loop.create_connection(
-                    lambda: _Connection(self, key),
+                    lambda: _Connection(key, self._keep, self._forget, self._unattended),
                     endpoint.host,
                     endpoint.port,
                     ssl=self._tls_context() if endpoint.tls else None,
@@ -216,18 +216,26 @@ class Answer:
     """A backend's answer: ``status``, ``headers`` (case-insensitive) and a body read with :meth:`read` or
     :meth:`chunks` (once). An async context manager that closes it on exit."""
 
-    def __init__(self, connection: _Connection, status: int, headers: CIMultiDict[str], deadline: float | None) -> None:
+    def __init__(
+        self,
+        connection: _Connection,
+        status: int,
+        headers: CIMultiDict[str],
+        deadline: float | None,
+        leftover: Leftover | None = None,
+        left: bool = False,
+    ) -> None:
         self.status = status
         self.headers = headers
+        self.leftover = leftover  # its request's
+        self.buffered = 0  # bytes received that its reader has not taken
         self._connection: _Connection | None = connection
         self._deadline = deadline
         self._chunks: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
         self._done = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._leftover: Leftover | None = None  # its request's
-        self._left = False  # handed to its Leftover: close() leaves it alone
+        self._left = left  # handed to its Leftover: close() leaves it alone
 
     async def read(self) -> bytes:
         """The whole body; the errors of :meth:`chunks`."""
@@ -236,7 +244,7 @@ class Answer:
             if self._chunks:
                 parts += self._chunks
                 self._chunks.clear()
-                self._buffered = 0
+                self.buffered = 0
                 if self._connection is not None:
                     self._connection.resume()
             elif self._error is not None:
@@ -248,7 +256,7 @@ class Answer:
                     await self._wait()
                 except asyncio.CancelledError:  # what was read goes back: a Leftover gets the whole body
                     self._chunks.extendleft(reversed(parts))
-                    self._buffered += sum(map(len, parts))
+                    self.buffered += sum(map(len, parts))
                     raise
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -257,8 +265,8 @@ class Answer:
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._buffered < LOW_WATER and self._connection is not None:
+                self.buffered -= len(chunk)
+                if self.buffered < LOW_WATER and self._connection is not None:
                     self._connection.resume()
                 yield chunk
             elif self._error is not None:
@@ -276,7 +284,7 @@ class Answer:
         connection, self._connection = self._connection, None
         if connection is not None and not self._done:
             connection.close()
-            self._fail(UpstreamError("the answer was closed before its end"))
+            self.fail(UpstreamError("the answer was closed before its end"))
 
     async def __aenter__(self) -> Answer:
         return self
@@ -310,19 +318,41 @@ class Answer:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _feed(self, data: bytes) -> bool:
+    # ---- its connection's side ----
+
+    @property
+    def reader_waiting(self) -> bool:
+        """Whether a reader waits for the body's next bytes."""
+        return self._waiter is not None
+
+    @property
+    def ended(self) -> bool:
+        """Whether the body was received to its end, or failed."""
+        return self._done
+
+    def received(self) -> bytes | None:
+        """The body not yet taken by a reader, once received to its end without an error; else None."""
+        return b"".join(self._chunks) if self._done and self._error is None else None
+
+    def leave(self) -> None:
+        """Handed to its :class:`Leftover`: :meth:`close` leaves its connection alone from now on."""
+        self._left = True
+
+    def feed(self, data: bytes) -> bool:
         """Body bytes arrived; whether the reader holds more than ``HIGH_WATER`` (pause the socket)."""
         self._chunks.append(data)
-        self._buffered += len(data)
+        self.buffered += len(data)
         self._wake()
-        return self._buffered > HIGH_WATER
+        return self.buffered > HIGH_WATER
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """The body was received to its end."""
         self._done = True
         self._connection = None
         self._wake()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """The body will not end: its reader gets ``error`` once it has taken what arrived."""
         if not self._done:
             self._error = error
             self._done = True
@@ -337,11 +367,20 @@ _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _I
 
 class _Connection(asyncio.Protocol):
     """One connection to a backend: sends a request, parses its answer's head and body framing, and hands the body
-    to the :class:`Answer`. One request at a time; back to ``upstream``'s idle list after a complete answer."""
+    to the :class:`Answer`. One request at a time; handed to ``keep`` after a complete answer (its upstream's idle
+    list) and to ``forget`` once closed; in ``unattended`` while it reads an answer for a :class:`Leftover`."""
 
-    def __init__(self, upstream: Upstream, key: tuple[str, int, bool]) -> None:
-        self.upstream = upstream
+    def __init__(
+        self,
+        key: tuple[str, int, bool],
+        keep: Callable[[_Connection], None],
+        forget: Callable[[_Connection], None],
+        unattended: set[_Connection],
+    ) -> None:
         self.key = key
+        self._keep = keep
+        self._forget = forget
+        self._unattended_set = unattended
         self.idle_since = 0.0
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
@@ -374,10 +413,10 @@ class _Connection(asyncio.Protocol):
     def abandoned(self, answer: Answer | None) -> None:
         """The caller was cancelled while waiting for ``answer`` (None: for its head). Without a
         :class:`Leftover` the connection closes (unless the answer had ended); with one it reads on unattended."""
-        leftover = self._leftover if answer is None else answer._leftover
-        if answer is not None and answer._done:  # ended before the caller could read it
-            if leftover is not None and answer._error is None:
-                body = b"".join(answer._chunks)
+        leftover = self._leftover if answer is None else answer.leftover
+        if answer is not None and answer.ended:  # ended before the caller could read it
+            body = answer.received()
+            if leftover is not None and body is not None:
                 asyncio.get_running_loop().call_soon(_hand_over, leftover, answer.status, body)
             return
         if self._transport is None or self._transport.is_closing():
@@ -389,9 +428,9 @@ class _Connection(asyncio.Protocol):
                 self.close()
             return
         if answer is not None:
-            answer._left = True
+            answer.leave()
         self._unattended = asyncio.get_running_loop().call_later(leftover.within_s, self._unattended_expired)
-        self.upstream._unattended.add(self)
+        self._unattended_set.add(self)
         self.resume()
 
     def reusable(self) -> bool:
@@ -428,7 +467,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        self.upstream._forget(self)
+        self._forget(self)
         if self._state == _UNTIL_CLOSE and self._answer is not None:
             self._complete()
             return
@@ -497,8 +536,8 @@ class _Connection(asyncio.Protocol):
     def _start_body(self, status: int, version: str, headers: CIMultiDict[str]) -> None:
         connection = headers.get("Connection", "").lower()
         self._keep_alive = version != "HTTP/1.0" and "close" not in connection
-        answer = self._answer = Answer(self, status, headers, self._deadline)
-        answer._leftover, answer._left = self._leftover, self._unattended is not None
+        answer = Answer(self, status, headers, self._deadline, self._leftover, left=self._unattended is not None)
+        self._answer = answer
         if self._head is not None and not self._head.done():
             self._head.set_result(answer)
         if status in _NO_BODY_STATUSES:
@@ -536,11 +575,11 @@ class _Connection(asyncio.Protocol):
     def _deliver(self, answer: Answer, data: bytes) -> None:
         """Body bytes to ``answer``; the socket paused when its reader falls ``HIGH_WATER`` behind (an unattended
         answer: an error past its Leftover's ``max_bytes``)."""
-        if answer._feed(data) and not self._paused and self._transport is not None:
+        if answer.feed(data) and not self._paused and self._transport is not None:
             if self._unattended is None:
                 self._paused = True
                 self._transport.pause_reading()
-            elif self._leftover is not None and answer._buffered > self._leftover.max_bytes:
+            elif self._leftover is not None and answer.buffered > self._leftover.max_bytes:
                 raise UpstreamError(f"an unattended answer exceeds {self._leftover.max_bytes} bytes")
 
     def _whole_chunks(self, data: bytes) -> bytes:
@@ -593,12 +632,13 @@ class _Connection(asyncio.Protocol):
         self._state = _IDLE
         self._head = None
         if answer is not None:
-            answer._finish()
+            answer.finish()
             if self._unattended is not None:
-                self._end_unattended(answer.status, b"".join(answer._chunks))
+                body = answer.received()
+                self._end_unattended(None if body is None else answer.status, body)
         if self._keep_alive and self._transport is not None and not self._buffer:
             self.resume()
-            self.upstream._keep(self)
+            self._keep(self)
         else:
             self.close()
 
@@ -609,7 +649,7 @@ class _Connection(asyncio.Protocol):
         self._head = None
         answer, self._answer = self._answer, None
         if answer is not None:
-            answer._fail(error)
+            answer.fail(error)
         self._state = _IDLE
         if self._unattended is not None:
             self._end_unattended(None, None)
@@ -623,7 +663,7 @@ class _Connection(asyncio.Protocol):
         timer, self._unattended = self._unattended, None
         if timer is not None:
             timer.cancel()
-        self.upstream._unattended.discard(self)
+        self._unattended_set.discard(self)
         leftover, self._leftover = self._leftover, None
         if leftover is not None:
             _hand_over(leftover, status, body)

@@ -4,10 +4,11 @@ On one host UCX reads with CMA: ``process_vm_readv`` inside ``transfer()``, one 
 thread, the kernel pinning the source pages as it copies. One thread copies that way at well under an in-process
 ``memcpy`` on hosts with fast memory, and the other core stays idle. A NIXL agent serialises its calls (and
 pd-transfer's agent holds a lock around them), so concurrency needs more agents: each lane is a
-:class:`~.agent.TransferAgent` of its own (its own UCX context and worker) that mirrors the owner's registered
-memory, peers and descriptor lists. A read of at least ``split_min_bytes`` is cut into byte-balanced runs of rows:
-the first is read by the owner on the calling thread, one per lane on the lane's thread; the owner sends the read's
-notification once every part is done, so the peer hears of the read only after all of its bytes landed.
+:class:`~.agent.TransferAgent` of its own (its own UCX context and worker; what it offers: :class:`LaneAgent`) that
+mirrors the owner's registered memory, peers and descriptor lists. A read of at least ``split_min_bytes`` is cut into
+byte-balanced runs of rows: the first is read by the owner on the calling thread, one per lane on the lane's thread;
+the owner sends the read's notification once every part is done, so the peer hears of the read only after all of
+its bytes landed.
 
 Lanes are made in the background (a NIXL agent takes about 0.4 s to start): until they are up, and whenever a
 read is small, reads go as one READ. Idle lanes cost no CPU (their threads block, each agent's poller backs off
@@ -18,22 +19,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import CpuSet, unpinning
 
+from .dlists import DescriptorList
 from .errors import PeerDisconnected
-from .progress import env_number
 from .read_stats import ReadStats
-
-if TYPE_CHECKING:
-    from .agent import DescriptorList, TransferAgent
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +40,54 @@ _WARM_UP_TIMEOUT_S = 5.0
 _JOIN_GRACE_S = 5.0  # past a read's own timeout, how long to wait for a lane's part to return
 
 
-def default_read_lanes() -> int:
-    """Agents a decode rank reads with: ``PD_TRANSFER_READ_LANES``, else one per core up to 2."""
-    return max(1, int(env_number("PD_TRANSFER_READ_LANES", min(2, os.cpu_count() or 1))))
-
-
 #: One part of a split read: (lane index, 0 for the owner; rows of the read) -> what it moved.
 ReadPart = Callable[[int, slice], "ReadStats"]
+
+
+class LaneAgent(Protocol):
+    """What the lanes need of an agent (each lane, and their owner, is a :class:`~.agent.TransferAgent`): a lane
+    mirrors the owner and reads a part; the owner reads the first part itself, as one READ (``read_whole``), and
+    notifies the peer once every part is done."""
+
+    @property
+    def name(self) -> str: ...
+
+    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None) -> object: ...
+
+    def deregister(self, registration: object) -> None: ...
+
+    def add_peer(self, agent_metadata: bytes) -> str: ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def prepare_local(self, rows: np.ndarray) -> DescriptorList: ...
+
+    def prepare_remote(self, peer: str, rows: np.ndarray) -> DescriptorList: ...
+
+    def read(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        *,
+        notification: bytes = b"",
+        timeout_s: float = 30.0,
+    ) -> ReadStats: ...
+
+    def read_whole(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        notification: bytes,
+        timeout_s: float,
+    ) -> ReadStats: ...
+
+    def notify(self, peer: str, payload: bytes) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:
@@ -67,10 +105,12 @@ def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:
 
 
 class ReadLanes:
-    """The lanes (extra agents) of the agent named ``owner``, and the threads that read on them. Every method but
-    ``read`` is called under the owner's lock."""
+    """The lanes (extra agents) of the agent named ``owner``, and the threads that read on them (on ``thread_cpus``;
+    None: the creator's). Every method but ``read`` is called under the owner's lock."""
 
-    def __init__(self, owner: str, lanes: Sequence[TransferAgent], *, split_min_bytes: int) -> None:
+    def __init__(
+        self, owner: str, lanes: Sequence[LaneAgent], *, split_min_bytes: int, thread_cpus: CpuSet = None
+    ) -> None:
         self.owner = owner
         self.lanes = list(lanes)
         self.split_min_bytes = split_min_bytes
@@ -79,14 +119,21 @@ class ReadLanes:
         self._pool = ThreadPoolExecutor(
             max_workers=len(self.lanes),
             thread_name_prefix=f"pd-transfer-lane-{owner}",
-            initializer=unpin_current_thread,
+            initializer=unpinning(thread_cpus),
         )
         self.split_reads = 0
 
     @classmethod
-    def make(cls, owner: str, count: int, split_min_bytes: int, new_agent: Callable[[str], TransferAgent]) -> ReadLanes:
+    def make(
+        cls,
+        owner: str,
+        count: int,
+        split_min_bytes: int,
+        new_agent: Callable[[str], LaneAgent],
+        thread_cpus: CpuSet = None,
+    ) -> ReadLanes:
         """``count`` lanes made with ``new_agent(name)`` (closed again if one fails to start)."""
-        made: list[TransferAgent] = []
+        made: list[LaneAgent] = []
         try:
             for k in range(count):
                 made.append(new_agent(f"{owner}-lane{k + 1}"))
@@ -94,7 +141,7 @@ class ReadLanes:
             for lane in made:
                 lane.close()
             raise
-        return cls(owner, made, split_min_bytes=split_min_bytes)
+        return cls(owner, made, split_min_bytes=split_min_bytes, thread_cpus=thread_cpus)
 
     # ------------------------------------------------------------------ mirroring the owner
     def replay(
@@ -149,7 +196,7 @@ class ReadLanes:
 
     def split_read(
         self,
-        owner: TransferAgent,
+        owner: LaneAgent,
         local: DescriptorList,
         local_indices: np.ndarray,
         remote: DescriptorList,
@@ -214,7 +261,7 @@ class ReadLanes:
                 logger.warning("agent %s: closing a read lane failed: %s", self.owner, error)
 
 
-def _warm_up(lane: TransferAgent, peer: str, address: int, nbytes: int) -> None:
+def _warm_up(lane: LaneAgent, peer: str, address: int, nbytes: int) -> None:
     """Read ``nbytes`` at ``address`` of ``peer`` into scratch memory of ``lane`` (best effort: a failure shows
     again on the first real read)."""
     scratch = np.zeros(max(nbytes, 1), dtype=np.uint8)

@@ -275,10 +275,10 @@ def test_a_reader_that_falls_behind_pauses_the_socket_and_reads_everything_after
         async with talking_to(big) as (script, upstream):
             answer = await post(upstream, script)
             for _ in range(500):  # bounded poll of the observable state: the answer stops taking bytes
-                if answer._buffered > HIGH_WATER:
+                if answer.buffered > HIGH_WATER:
                     break
                 await asyncio.sleep(0.01)
-            held = answer._buffered
+            held = answer.buffered
             assert HIGH_WATER < held < size
             assert await answer.read() == bytes(range(256)) * (size // 256)
 
@@ -358,10 +358,10 @@ def test_a_caller_cancelled_mid_body_hands_the_whole_body_to_its_leftover() -> N
             answer = await upstream.post(endpoint(script), {}, b"{}", Leftover(within_s=10.0, done=handed))
             reading = asyncio.create_task(answer.read())
             for _ in range(1000):  # bounded poll of the observable state: the reader waits for the rest
-                if answer._waiter is not None:
+                if answer.reader_waiting:
                     break
                 await asyncio.sleep(0.001)
-            assert answer._waiter is not None
+            assert answer.reader_waiting
             reading.cancel()
             await asyncio.gather(reading, return_exceptions=True)
             answer.close()  # as an `async with` would on the way out: the leftover keeps the connection
