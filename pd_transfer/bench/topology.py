@@ -26,6 +26,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
 from pd_transfer.connector.reads import DEFAULT_STAGED_JOBS_PER_LANE
 from pd_transfer.connector.staging import DEFAULT_STAGING_CHUNK_BYTES
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 
@@ -74,12 +75,15 @@ def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
     }
 
 
-def run(*, quick: bool = False, repeats: int = 5, seed: int = 11, device: str | None = None) -> dict:
-    """``device``: where both sides' caches live, and the ``gpu`` section against its copy (None: the CPU, no
-    section). Raises ``ValueError`` for a device that is not here."""
+def run(
+    *, quick: bool = False, repeats: int = 5, seed: int = 11, device: str | None = None, settings: Settings = DEFAULTS
+) -> dict:
+    """Heterogeneous TP and block sizes against the homogeneous read, side by side. ``device``: where both sides'
+    caches live, and the ``gpu`` section against its copy (None: the CPU, no section). ``settings``: the command's
+    (both sides run with them). Raises ``ValueError`` for a device that is not here."""
     target = parse_device(device) if device is not None else None
     on = str(target) if target is not None else "cpu"
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     shape: Shape = QUICK_SHAPE if quick else Shape()
@@ -90,23 +94,29 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11, device: str | 
     big_block = 4 * shape.block_size
     big_cache_blocks = shape.cache_blocks // 4
 
-    homogeneous_spec = PrefillSpec("bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed, device=on)
+    homogeneous_spec = PrefillSpec(
+        "bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed, device=on, settings=settings
+    )
     tp2_spec = PrefillSpec(
         "bench-tp2",
         [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)],
         shape.cache_blocks,
         seed=seed + 1,
         device=on,
+        settings=settings,
     )
     remote_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     local_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     big_local_ids = rng.choice(big_cache_blocks, -(-tokens // big_block), replace=False).tolist()
 
     with PrefillProcess(homogeneous_spec) as tp1, PrefillProcess(tp2_spec) as tp2:
-        small_cache = KVCache.allocate(shape.layout_for(), shape.cache_blocks, device=on)
-        big_cache = KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks, device=on)
-        small = DecodeRank("bench-decode-b16", small_cache)
-        big = DecodeRank("bench-decode-b64", big_cache)
+        own = settings.own_huge_pages
+        small_cache = KVCache.allocate(shape.layout_for(), shape.cache_blocks, device=on, huge_pages=own)
+        big_cache = KVCache.allocate(
+            shape.layout_for(block_size=big_block), big_cache_blocks, device=on, huge_pages=own
+        )
+        small = DecodeRank("bench-decode-b16", small_cache, settings=settings)
+        big = DecodeRank("bench-decode-b64", big_cache, settings=settings)
         try:
             for decode, prefill in ((small, tp1), (small, tp2), (big, tp1)):
                 decode.connect(prefill.host, prefill.port)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.topology.plan import Postprocess
 from pd_transfer.topology.postprocess import index_on
@@ -157,7 +157,9 @@ class BlockReader:
         self.staged_jobs_per_lane = staged_jobs_per_lane
         self._staging_lock = threading.Lock()  # one staged read at a time: they share the staging area
         self._postprocess_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
+            max_workers=1,
+            thread_name_prefix="pd-transfer-postprocess",
+            initializer=unpinning(agent.settings.thread_cpu_set),
         )
 
     def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = True) -> ReadTotals:

@@ -27,6 +27,7 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 from pd_transfer.transfer import PeerDisconnected, ReadStats, TransferError, UnknownPeer
 
@@ -130,9 +131,11 @@ class FakeAgent:
         read_lanes: int = 1,
         split_min_bytes: int = 0,
         serves_reads: bool = False,
+        settings: Settings = DEFAULTS,
         fabric: FakeFabric | None = None,
     ) -> None:
         self.name = name
+        self.settings = settings  # read by the agent's users (push sizes, TLS); the fake itself ignores them
         self.fabric = fabric if fabric is not None else DEFAULT_FABRIC
         self.native_progress_ms = 0
         self.notifications_received = 0

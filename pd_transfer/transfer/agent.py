@@ -19,17 +19,17 @@ from typing import TypeVar
 
 import numpy as np
 
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 
 from .dlists import DescriptorList, merged_spans
 from .errors import TransferError, TransferTimeout, UnknownPeer
-from .huge_pages import HugePageCollapser, huge_pages_for_registrations
+from .huge_pages import HugePageCollapser
 from .lanes import DEFAULT_SPLIT_MIN_BYTES, LaneRead, ReadLanes
 from .probe import transfer_error, wrapped_error
-from .progress import AdaptivePoller, busy_poll_seconds, native_progress_wait_ms, read_wait_seconds
+from .progress import AdaptivePoller
 from .read_stats import ReadStats
 from .session import LOCAL, NixlSession, nixl_memory_type
-from .tcp import apply_tcp_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class TransferAgent:
     over TCP as they arrive. ``on_notification(peer_name, payload)`` is called on the poller thread for every
     notification that arrives (keep it short: hand work to another thread). ``read_lanes`` > 1 splits reads of at least
     ``split_min_bytes`` over that many agents and threads (see :mod:`.lanes`), once the extra agents are up.
+    ``settings`` (kept as ``self.settings``, handed to the lanes): the native thread's wait, the poller's and the
+    reads' timings, huge pages for registrations, the CPUs of every thread the agent starts, NIXL's log level.
     """
 
     def __init__(
@@ -56,13 +58,14 @@ class TransferAgent:
         read_lanes: int = 1,
         split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
         serves_reads: bool = False,
+        settings: Settings = DEFAULTS,
     ) -> None:
         self.name = name
+        self.settings = settings
         self._on_notification = on_notification
-        apply_tcp_defaults()  # UCX reads them when the agent's context is made
-        self.native_progress_ms = native_progress_wait_ms() if serves_reads else 0
+        self.native_progress_ms = settings.native_progress_ms if serves_reads else 0
         started = time.perf_counter()
-        self.session = NixlSession(name, progress_thread_wait_ms=self.native_progress_ms)
+        self.session = NixlSession(name, progress_thread_wait_ms=self.native_progress_ms, settings=settings)
         self._lock = self.session.lock  # held around a NIXL call and this agent's records of it
         waits = f"{self.native_progress_ms} ms" if self.native_progress_ms else "off"
         logger.info(
@@ -73,9 +76,11 @@ class TransferAgent:
         self._dlists: list[DescriptorList] = []
         self._closed = False
         self.notifications_received = 0
-        self._busy_poll_s = busy_poll_seconds()
-        self._read_wait_s = read_wait_seconds()
-        self._poller = AdaptivePoller(name, self._poll_once, idle_interval_s=idle_poll_interval_s)
+        self._busy_poll_s = settings.busy_poll_s
+        self._read_wait_s = settings.read_wait_s
+        self._poller = AdaptivePoller(
+            name, self._poll_once, idle_interval_s=idle_poll_interval_s, thread_cpus=settings.thread_cpu_set
+        )
         self._poller.start()
         self._spans: list[tuple[object, list[tuple[int, int]]]] = []  # registrations, to mirror on lanes
         self.huge_pages = HugePageCollapser(f"agent {name}")
@@ -92,7 +97,13 @@ class TransferAgent:
     def _start_lanes(self, count: int, split_min_bytes: int) -> None:
         """Make ``count`` lane agents (slow: outside the lock), then mirror everything onto them."""
         try:
-            lanes = ReadLanes.make(self.name, count, split_min_bytes, lambda lane: TransferAgent(lane))
+            lanes = ReadLanes.make(
+                self.name,
+                count,
+                split_min_bytes,
+                lambda lane: TransferAgent(lane, settings=self.settings),
+                thread_cpus=self.settings.thread_cpu_set,
+            )
             with self._lock:
                 if self._closed:
                     lanes.close()
@@ -118,10 +129,11 @@ class TransferAgent:
         self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None, place: MemoryPlace = HOST
     ) -> object:
         """Register memory at ``place`` given as (start, end) byte addresses; returns the registration. Host memory
-        with ``huge_pages`` (default: ``PD_TRANSFER_HUGE_PAGES=all``) is advised to use huge pages and collapsed
-        into them in the background (``self.huge_pages``, :mod:`.huge_pages`), and mirrored on the read lanes."""
+        with ``huge_pages`` (default: the settings' ``PD_TRANSFER_HUGE_PAGES=all``) is advised to use huge pages
+        and collapsed into them in the background (``self.huge_pages``, :mod:`.huge_pages`), and mirrored on the
+        read lanes."""
         if huge_pages is None:
-            huge_pages = huge_pages_for_registrations()
+            huge_pages = self.settings.registered_huge_pages
         filled = [(start, end) for start, end in spans if end > start]
         if not filled:
             raise ValueError("no memory to register: every span is empty")

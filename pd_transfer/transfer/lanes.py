@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,11 +29,10 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import CpuSet, unpinning
 
 from .dlists import DescriptorList
 from .errors import PeerDisconnected, TransferError, TransferTimeout
-from .progress import env_number
 from .read_stats import ReadStats
 
 logger = logging.getLogger(__name__)
@@ -46,11 +44,6 @@ DEFAULT_SPLIT_MIN_BYTES = 4 * 2**20
 MAX_JOBS_PER_LANE = 4
 _WARM_UP_TIMEOUT_S = 5.0
 _JOIN_GRACE_S = 5.0  # past a read's own timeout, how long to wait for a lane's part to return
-
-
-def default_read_lanes() -> int:
-    """Agents a decode rank reads with: ``PD_TRANSFER_READ_LANES``, else one per core up to 2."""
-    return max(1, int(env_number("PD_TRANSFER_READ_LANES", min(2, os.cpu_count() or 1))))
 
 
 #: One part of a split read: (lane index, 0 for the owner; rows of the read) -> what it moved.
@@ -122,10 +115,12 @@ def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:
 
 
 class ReadLanes:
-    """The lanes (extra agents) of the agent named ``owner``, and the threads that read on them. Every method but
-    ``read`` is called under the owner's lock."""
+    """The lanes (extra agents) of the agent named ``owner``, and the threads that read on them (on ``thread_cpus``;
+    None: the creator's). Every method but ``read`` is called under the owner's lock."""
 
-    def __init__(self, owner: str, lanes: Sequence[LaneAgent], *, split_min_bytes: int) -> None:
+    def __init__(
+        self, owner: str, lanes: Sequence[LaneAgent], *, split_min_bytes: int, thread_cpus: CpuSet = None
+    ) -> None:
         self.owner = owner
         self.lanes = list(lanes)
         self.split_min_bytes = split_min_bytes
@@ -135,12 +130,19 @@ class ReadLanes:
         self._pool = ThreadPoolExecutor(  # threads are made as jobs need them
             max_workers=self.max_jobs - 1,
             thread_name_prefix=f"pd-transfer-lane-{owner}",
-            initializer=unpin_current_thread,
+            initializer=unpinning(thread_cpus),
         )
         self.split_reads = 0
 
     @classmethod
-    def make(cls, owner: str, count: int, split_min_bytes: int, new_agent: Callable[[str], LaneAgent]) -> ReadLanes:
+    def make(
+        cls,
+        owner: str,
+        count: int,
+        split_min_bytes: int,
+        new_agent: Callable[[str], LaneAgent],
+        thread_cpus: CpuSet = None,
+    ) -> ReadLanes:
         """``count`` lanes made with ``new_agent(name)`` (closed again if one fails to start)."""
         made: list[LaneAgent] = []
         try:
@@ -150,7 +152,7 @@ class ReadLanes:
             for lane in made:
                 lane.close()
             raise
-        return cls(owner, made, split_min_bytes=split_min_bytes)
+        return cls(owner, made, split_min_bytes=split_min_bytes, thread_cpus=thread_cpus)
 
     # ------------------------------------------------------------------ mirroring the owner
     def replay(
