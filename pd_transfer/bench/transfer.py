@@ -4,7 +4,6 @@ in-process copy of the same blocks, measured side by side in one run, plus idle 
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -17,10 +16,11 @@ import torch
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, busy_engine_requested
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
-from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_mode, resident_huge_page_bytes, thp_mode
+from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, resident_huge_page_bytes, thp_mode
 
 
 @dataclass(frozen=True)
@@ -247,10 +247,12 @@ def run(
     seed: int = 7,
     read_lanes: int | None = None,
     prefill_options: dict[str, str] | None = None,
+    settings: Settings = DEFAULTS,
 ) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
-    default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``)."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``);
+    ``settings``: the command's (both sides run with them), with the UCX variables in force now."""
+    settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
     layout = shape.layout_for()
     spec = PrefillSpec(
@@ -258,13 +260,20 @@ def run(
         layouts=[layout],
         num_blocks=shape.cache_blocks,
         seed=seed,
+        settings=settings,
         **(prefill_options or {}),  # type: ignore[arg-type]
     )
     contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
         expected = spec.caches()
-        decode = DecodeRank("bench-decode", KVCache.allocate(layout, shape.cache_blocks), read_lanes=read_lanes)
-        scratch = KVCache.allocate(layout, shape.cache_blocks)
+        own_huge_pages = settings.own_huge_pages
+        decode = DecodeRank(
+            "bench-decode",
+            KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages),
+            read_lanes=read_lanes,
+            settings=settings,
+        )
+        scratch = KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages)
         try:
             decode.agent.lanes_ready.wait(30.0)  # made in the background; a server's first pulls may go without
             decode.agent.huge_pages.wait(60.0)  # likewise: reads before it are correct, only slower
@@ -273,13 +282,13 @@ def run(
             connect_ms = (time.perf_counter() - started) * 1e3
             pushes = decode.push_ready(prefill.host, prefill.port, timeout_s=10.0)
             lanes = decode.agent.lanes
-            settings = {
+            reported = {
                 "read_lanes": 1 + (len(lanes.lanes) if lanes is not None else 0),
                 "split_min_bytes": lanes.split_min_bytes if lanes is not None else None,
-                "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+                "ucx_env": {k: v for k, v in sorted(environment().items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
-                "huge_pages": huge_pages_mode(),
-                "busy_prefill_engine": busy_engine_requested(),
+                "huge_pages": settings.huge_pages,
+                "busy_prefill_engine": settings.sim_busy_engine,
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
                 "push": pushes,  # the decode asks the prefill to write (PD_TRANSFER_PUSH; auto: over TCP)
             }
@@ -310,7 +319,7 @@ def run(
         "host_copy_gbps": round(max(copies.values()), 3),
         "host_copy_gbps_4k_pages": round(copies[False], 3),
         "host_copy_gbps_huge_pages": round(copies[True], 3),
-        "settings": settings,
+        "settings": reported,
         "request_bytes": results["contiguous"]["bytes"],
         "connect_ms": round(connect_ms, 1),
         **results,

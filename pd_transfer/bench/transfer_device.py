@@ -12,7 +12,6 @@ shareable memory, copied through the host IPC path), cheaply enough for CI. The 
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.ipc_engine import IpcSource, run_copies, storages
 from pd_transfer.connector.remote_engines import RemoteEngine
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.topology import PeerPlan, SourcePlan
@@ -173,9 +173,10 @@ def _copy_rate_gbps(device: torch.device, nbytes: int, repeats: int = 5) -> floa
     return nbytes / statistics.median(seconds) / 2**30
 
 
-def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7) -> dict:
-    """The whole benchmark on ``device`` ("cuda", "cuda:N" or "cpu"); returns the JSON-ready ``gpu`` section."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings: Settings = DEFAULTS) -> dict:
+    """The whole benchmark on ``device`` ("cuda", "cuda:N" or "cpu"); returns the JSON-ready ``gpu`` section.
+    ``settings``: the command's (both sides run with them)."""
+    settings = apply_process_defaults(settings, net_devices="lo")
     where = torch.device(device)
     if where.type == "cuda":
         where = torch.device("cuda", torch.cuda.current_device() if where.index is None else where.index)
@@ -188,12 +189,13 @@ def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7) -> dict:
         seed=seed,
         device=str(where),
         shareable=where.type == "cpu",
+        settings=settings,
     )
     contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
-        (expected,) = spec.caches()
+        (expected,) = spec.caches(settings=settings)
         cache = KVCache.allocate(layout, shape.cache_blocks, device=where)
-        decode = DecodeRank("bench-device-decode", cache, read_lanes=1)
+        decode = DecodeRank("bench-device-decode", cache, read_lanes=1, settings=settings)
         scratch = KVCache.allocate(layout, shape.cache_blocks, device=where)
         try:
             started = time.perf_counter()

@@ -56,10 +56,12 @@ class KVCache:
         kv_split: bool = True,
         device: str | torch.device = "cpu",
         shareable: bool = False,
+        huge_pages: bool = True,
     ) -> KVCache:
         """A zeroed cache shaped like an engine's, on ``device`` (host memory by default: in huge pages, or, with
         ``shareable``, in a memfd that same-host readers may map): per layer, K and V as separate block-indexed
-        tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer.
+        tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer. Host memory
+        starts in huge pages unless ``huge_pages`` is False (``Settings.own_huge_pages``, :func:`zeroed_host_tensor`).
 
         Block shape: (heads, block_size, head_size) for HND, (block_size, heads, head_size) for NHD. A layout
         with a ``packing`` gets one tensor per layer (kind ``"k"``), each (block, head) of ``block_size *
@@ -80,7 +82,7 @@ class KVCache:
             if shareable:
                 nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
                 return shareable_host_buffer(nbytes).view(dtype).view(shape)
-            return zeroed_host_tensor(shape, dtype=dtype)
+            return zeroed_host_tensor(shape, dtype, huge_pages)
 
         if fp.use_mla or layout.packing is not None:
             storage = zeroed((fp.num_layers, num_blocks, *block_shape))
@@ -107,15 +109,17 @@ class KVCache:
 _HUGE_PAGE_BYTES = 2 * 2**20
 
 
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory was advised to use huge pages before it was first written, so that it is
-    in huge pages from the start (registering it then has nothing to collapse; see ``transfer.huge_pages``). The
-    memory is a private anonymous mapping of its own, from a huge-page boundary: the allocator may hand out heap
-    memory this process wrote before, whose small pages no advice changes (seen after a long test run)."""
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory was advised to use huge pages (unless ``huge_pages`` is False) before it was
+    first written, so that it is in huge pages from the start (registering it then has nothing to collapse; see
+    ``transfer.huge_pages``). The memory is a private anonymous mapping of its own, from a huge-page boundary: the
+    allocator may hand out heap memory this process wrote before, whose small pages no advice changes (seen after a
+    long test run)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
     offset = -raw.data_ptr() % _HUGE_PAGE_BYTES
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
-    advise_huge_pages([(tensor.data_ptr(), tensor.data_ptr() + nbytes)])
+    if huge_pages:
+        advise_huge_pages([(tensor.data_ptr(), tensor.data_ptr() + nbytes)])
     return tensor.zero_()

@@ -39,11 +39,11 @@ from typing import NoReturn
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
-from pd_transfer.transfer.lanes import default_read_lanes
 from pd_transfer.transfer.tcp import push_mode
 
 from . import messages
@@ -56,8 +56,9 @@ from .params import incarnation_token
 from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .reader_reports import ReaderReports
-from .reads import BlockReader, ReadTotals
+from .reads import DEFAULT_STAGED_JOBS_PER_LANE, BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
+from .staging import DEFAULT_STAGING_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class DecodeRank:
         read_timeout_s: float = 30.0,
         min_direct_run_bytes: int | None = None,
         pipeline_groups: int = 8,
-        staging_bytes: int = 16 * 2**20,
+        staging_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
         agent_name: str | None = None,
         confirm_timeout_s: float = 5.0,
         metrics: TransferMetrics | None = None,
@@ -94,18 +95,23 @@ class DecodeRank:
         packed_staging_bytes: int = 32 * 2**20,
         read_lanes: int | None = None,
         push: str | None = None,
+        staged_jobs_per_lane: int = DEFAULT_STAGED_JOBS_PER_LANE,
+        settings: Settings = DEFAULTS,
         transport: TransportSetting = "auto",
     ) -> None:
-        """``staging_bytes``: each half of the staging area for plans that fix layouts up (0: in place);
+        """``staging_bytes``: each slot group of the staging area for plans that fix layouts up, the chunk a read
+        lane reads and restages at a time (0: in place);
         ``pipeline_groups``: plane groups of an in-place read with a fix-up. ``packed_formats(block_size)``
         gives the packing of a (block, head) for a block size, for caches whose layout names a ``packing``:
         pulls from engines of another block size then read whole remote blocks into a staging area of
         ``packed_staging_bytes`` and regroup them (without it, such engines are refused). ``read_lanes``: agents
-        (and threads) a large read is split over (default :func:`~pd_transfer.transfer.lanes.default_read_lanes`).
-        ``push``: "on", "off" or "auto" (default ``PD_TRANSFER_PUSH``, else "auto": where reads would go over TCP,
-        :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to write instead (:mod:`.push_client`; host
-        caches only). ``transport``: "auto" (same-host IPC with engines that offer it, else NIXL), "nixl", "ipc"
-        (engines that cannot be read through IPC are refused; see :mod:`.ipc_choice`)."""
+        (and threads) a large read is split over (default ``settings.read_lane_count``);
+        ``staged_jobs_per_lane``: threads per lane of a staged read (:class:`~.reads.BlockReader`).
+        ``push``: "on", "off" or "auto" (default ``settings.push``; "auto": where reads would go over TCP,
+        :func:`~pd_transfer.transfer.tcp.push_mode`, :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to
+        write instead (:mod:`.push_client`; host caches only). ``settings``: the agent's and its lanes', the CPUs of
+        the rank's threads. ``transport``: "auto" (same-host IPC with engines that offer it, else NIXL), "nixl",
+        "ipc" (engines that cannot be read through IPC are refused; see :mod:`.ipc_choice`)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -113,12 +119,14 @@ class DecodeRank:
         self.confirm_timeout_s = confirm_timeout_s
         name = agent_name or f"{engine_id}-decode-tp{cache.layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.confirmations = LeaseConfirmations(name)
-        lanes = default_read_lanes() if read_lanes is None else read_lanes
+        lanes = settings.read_lane_count if read_lanes is None else read_lanes
+        mode = push_mode(push, settings)  # a bad mode is refused before an agent is made
+        if not cache.place.is_host:
+            mode = "off"
         self.pushes: PushOrders | None = None
-        self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes)
+        self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes, settings=settings)
         reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
-        mode = push_mode(push) if cache.place.is_host else "off"
         if mode != "off":
             self.pushes = PushOrders(self.agent, engine_id, cache.layout.tp_rank, mode=mode)
         self.client = HandshakeClient(
@@ -155,6 +163,7 @@ class DecodeRank:
             pipeline_groups=pipeline_groups,
             done_message=self.reports.read_done,
             pushes=self.pushes,
+            staged_jobs_per_lane=staged_jobs_per_lane,
         )
         self.ipc_reader = IpcReader(self.agent, cache, planes, done_message=self.reports.read_done)
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)

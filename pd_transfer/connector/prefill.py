@@ -22,15 +22,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.handshake.messages import EngineMetadata, RankIpc, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
-from pd_transfer.transfer.tcp import push_accepted
+from pd_transfer.transfer.tcp import push_mode
 
 from . import messages
 from .cache import KVCache
@@ -72,12 +73,15 @@ class PrefillRank:
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         metrics: TransferMetrics | None = None,
-        accept_pushes: bool = True,
+        push: str | None = None,
+        settings: Settings = DEFAULTS,
         offer_ipc: bool = True,
     ) -> None:
-        """``accept_pushes``: write for decode ranks that ask (:mod:`.pushes`; host caches only), unless False or
-        ``PD_TRANSFER_PUSH=off``. ``offer_ipc``: offer the cache to same-host decodes through IPC where it can be
-        shared."""
+        """``push``: write for decode ranks that ask (:mod:`.pushes`; host caches only) unless the push mode is "off"
+        (``push`` if given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``settings``: the
+        agent's (and its writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host
+        decodes through IPC where it can be shared."""
+        accepting = push_mode(push, settings) != "off"  # a bad mode is refused before an agent is made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -87,7 +91,7 @@ class PrefillRank:
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
         self._reply_metadata: dict[str, bytes] = {}  # reader agent -> its connection metadata
         self._replies = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpin_current_thread
+            max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpinning(settings.thread_cpu_set)
         )
         self.malformed_notifications = 0
         self.unexpected_notifications = 0
@@ -98,6 +102,7 @@ class PrefillRank:
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
             serves_reads=True,
+            settings=settings,
         )
         self.agent.register_regions(cache.regions)
         self.pushes = PushWriter(
@@ -107,7 +112,7 @@ class PrefillRank:
             merged_spans(cache.regions),
             on_written=self._take_report,
             on_freed=self._freed_by_unpin,
-            accepting=accept_pushes and push_accepted() and cache.place.is_host,
+            accepting=accepting and cache.place.is_host,
         )
         self.ipc = self._export(cache) if offer_ipc else None
 

@@ -55,7 +55,7 @@ from .ipc_choice import Transport, TransportChoice, TransportSetting, choose_tra
 from .ipc_engine import IpcEngine
 from .ipc_handles import IpcUnavailable, gpu_reach
 from .packed_staging import PackedStaging
-from .staging import StagingArea
+from .staging import DEFAULT_STAGING_CHUNK_BYTES, StagingArea
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,10 @@ def incarnation(engine: EngineMetadata) -> tuple[str, tuple[str, ...]]:
 class RemoteEngines:
     """The engines one decode rank reads from, keyed by side channel ``(host, port)``; thread-safe.
 
-    ``staging_bytes`` is the size of each half of the shared staging area (0: plans that fix layouts up do
-    so in place). ``packed_formats(block_size)`` gives the packing of a (block, head) for a block size, for
-    caches whose layout names a ``packing``; without it, such caches refuse engines of another block size.
+    ``staging_bytes`` is the size of each slot group (the chunk a read lane reads and restages at a time) of the
+    shared staging area (0: plans that fix layouts up do so in place). ``packed_formats(block_size)`` gives the
+    packing of a (block, head) for a block size, for caches whose layout names a ``packing``; without it, such
+    caches refuse engines of another block size.
     ``read_timeout_s`` bounds each warm-up read. ``on_connected(remote)`` is called for each engine once it is
     connected (before any request uses it). ``transport``: "auto" (same-host IPC where it can be used, else NIXL),
     "nixl", or "ipc" (an engine that cannot be opened through IPC is refused with ``IpcUnavailable``).
@@ -116,7 +117,7 @@ class RemoteEngines:
         *,
         read_timeout_s: float,
         min_direct_run_bytes: int | None = None,
-        staging_bytes: int = 16 * 2**20,
+        staging_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         packed_staging_bytes: int = 32 * 2**20,
         metrics: TransferMetrics | None = None,
@@ -400,12 +401,13 @@ class RemoteEngines:
         with self._staging_lock:
             if self._staging is None:
                 plane_block_bytes = self.cache.regions[0].plane_block_len
-                dtype = plane_views(self.cache.tensors, self.cache.regions)[0].dtype
-                self._staging = StagingArea(self.agent, plane_block_bytes, self.staging_bytes, dtype)
+                plane = plane_views(self.cache.tensors, self.cache.regions)[0]
+                self._staging = StagingArea(
+                    self.agent, plane_block_bytes, self.staging_bytes, plane.dtype, device=plane.device
+                )
             staging = self._staging
-        first_block = planes_of(list(self.cache.regions))[0].base_address
-        unit_offsets = source.local_grid[: source.local_units_per_block, 0].astype(np.int64) - first_block
-        return self.agent.prepare_local(staging.descriptor_rows(unit_offsets, source.unit_bytes))
+        first_plane = planes_of(list(self.cache.regions))[0].base_address
+        return self.agent.prepare_local(staging.source_rows(source, first_plane), staging.place)
 
     # ------------------------------------------------------------------ scratch reads
     def one_unit_read_latencies(self, host: str, port: int, samples: int) -> list[float]:

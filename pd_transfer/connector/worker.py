@@ -31,10 +31,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.errors import TransferError
 
@@ -73,29 +74,35 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         metrics: TransferMetrics | None = None,
+        settings: Settings = DEFAULTS,
     ) -> None:
         """``packed_formats``: for caches with a ``packing``, the (block, head) packing of a block size
         (see :class:`DecodeRank`), so that engines of other block sizes can be read. ``metrics``: where the
-        decode side records (default: the process-wide ones)."""
+        decode side records (default: the process-wide ones). ``settings``: the process's (read at its edge), handed
+        to both ranks; the push mode both follow is ``config.push``, else ``settings.push``."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self._packed_formats = packed_formats
         self.cache = cache
         self.config = config
+        self.settings = settings
         self.rank = cache.layout.tp_rank
         self.prefill = PrefillRank(
             engine_id,
             cache,
             lease_seconds=config.lease_seconds,
             clock=clock,
-            accept_pushes=config.push != "off",
+            push=config.push,
+            settings=settings,
             offer_ipc=config.transport != "nixl",
         )
         self._computed: ReadyEvent | None = None  # the latest step's "KV written" event (GPU engines)
         self._decode: DecodeRank | None = None
         self._decode_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
-            config.load_threads, thread_name_prefix=f"pd-transfer-load-tp{self.rank}", initializer=unpin_current_thread
+            config.load_threads,
+            thread_name_prefix=f"pd-transfer-load-tp{self.rank}",
+            initializer=unpinning(settings.thread_cpu_set),
         )
         self._lock = threading.Lock()
         self._sending: set[str] = set()
@@ -127,6 +134,7 @@ class WorkerSide:
                     packed_formats=self._packed_formats,
                     metrics=self.metrics,
                     push=self.config.push,
+                    settings=self.settings,
                     transport=self.config.transport,
                 )
             return self._decode

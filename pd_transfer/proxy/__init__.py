@@ -39,7 +39,7 @@ request, freeing its blocks.
 ``pd_proxy_backend_healthy{role,backend}``.
 
 Modules: ``server`` (``Proxy``, ``ProxyConfig``, the prefill hop), ``decode_hop`` (the decode hop and its relay),
-``flow`` (validation and the bodies of both hops, no HTTP),
+``upstream`` (the hops' HTTP/1.1 client), ``flow`` (validation and the bodies of both hops, no HTTP),
 ``routing`` (backends, policies), ``metrics``, ``cli`` (``pd-transfer proxy`` / ``python -m pd_transfer.proxy``).
 Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy`.
 """

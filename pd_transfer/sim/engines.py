@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.contract import SchedulerContract, WorkerContract
 from pd_transfer.connector.leases import LeaseLedger
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 
@@ -45,13 +45,13 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 1
     side_channel_port: int = 0  # 0: any free port; a fixed one to restart an engine where it was
 
-    def caches(self) -> list[KVCache]:
+    def caches(self, settings: Settings = DEFAULTS) -> list[KVCache]:
         """The ranks' caches, filled as the child fills them (recomputed here to check what was read)."""
         from pd_transfer.sim.peer import fill_pattern
 
         caches = []
         for layout in self.layouts:
-            cache = KVCache.allocate(layout, self.num_blocks)
+            cache = KVCache.allocate(layout, self.num_blocks, huge_pages=settings.own_huge_pages)
             fill_pattern(cache, self.seed)
             caches.append(cache)
         return caches
@@ -67,19 +67,19 @@ def _scribble(caches: Sequence[KVCache], block_ids: Sequence[int]) -> None:
 
 
 class _PrefillEngine:
-    """One prefill engine as its scheduler and workers see it."""
+    """One prefill engine as its scheduler and workers see it, with the child process's ``settings``."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, settings: Settings) -> None:
         from pd_transfer.connector.scheduler import SchedulerSide
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 
         self.spec = spec
-        self.caches = spec.caches()
+        self.caches = spec.caches(settings)
         config = ConnectorConfig(
             side_channel_host="127.0.0.1", side_channel_port=spec.side_channel_port, lease_seconds=spec.lease_seconds
         )
         self.block_size = spec.layouts[0].block_size
-        sides = [WorkerSide(spec.engine_id, cache, config) for cache in self.caches]
+        sides = [WorkerSide(spec.engine_id, cache, config, settings=settings) for cache in self.caches]
         self.ledgers: list[LeaseLedger] = [side.prefill.ledger for side in sides]  # looked at, never driven
         self.workers: list[WorkerContract] = list(sides)
         self.scheduler: SchedulerContract = SchedulerSide(
@@ -150,8 +150,9 @@ class _PrefillEngine:
 
 
 def _child(conn: multiprocessing.connection.Connection, specs: bytes) -> None:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    engines = {spec.engine_id: _PrefillEngine(spec) for spec in msgspec.msgpack.decode(specs, type=list[EngineSpec])}
+    settings = apply_process_defaults(read_settings(), net_devices="lo")  # this child's edge: its environment
+    decoded = msgspec.msgpack.decode(specs, type=list[EngineSpec])
+    engines = {spec.engine_id: _PrefillEngine(spec, settings) for spec in decoded}
     conn.send(("ready", {engine_id: engine.port for engine_id, engine in engines.items()}))
     try:
         for command, engine_id, *args in commands(conn):
@@ -224,14 +225,14 @@ class PrefillEngines(ChildProcess):
 class LocalPrefillEngines:
     """The engines of :class:`PrefillEngines` in this process, behind the same methods: for tests whose agents are
     in-process fakes (:mod:`pd_transfer.sim.fake_agent`), where a child's real agents could not reach them. Use as a
-    context manager."""
+    context manager. ``settings``: the engines' (default: the defaults, whatever this process's environment says)."""
 
-    def __init__(self, specs: Sequence[EngineSpec]) -> None:
+    def __init__(self, specs: Sequence[EngineSpec], settings: Settings = DEFAULTS) -> None:
         self.specs = {spec.engine_id: spec for spec in specs}
         self._engines: dict[str, _PrefillEngine] = {}
         try:
             for spec in specs:
-                self._engines[spec.engine_id] = _PrefillEngine(spec)
+                self._engines[spec.engine_id] = _PrefillEngine(spec, settings)
         except BaseException:
             self.close()
             raise
@@ -304,6 +305,7 @@ class DecodeEngine:
         config: ConnectorConfig,
         *,
         metrics: TransferMetrics | None = None,
+        settings: Settings = DEFAULTS,
     ):
         from pd_transfer.connector.scheduler import SchedulerSide
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
@@ -311,9 +313,9 @@ class DecodeEngine:
         self.engine_id = engine_id
         self.block_size = layouts[0].block_size
         self.num_blocks = num_blocks
-        self._caches = [KVCache.allocate(layout, num_blocks) for layout in layouts]
+        self._caches = [KVCache.allocate(layout, num_blocks, huge_pages=settings.own_huge_pages) for layout in layouts]
         self.workers: list[WorkerContract] = [
-            WorkerSide(engine_id, cache, config, metrics=metrics) for cache in self._caches
+            WorkerSide(engine_id, cache, config, metrics=metrics, settings=settings) for cache in self._caches
         ]
         self.scheduler: SchedulerContract = SchedulerSide(
             config, engine_id=engine_id, block_size=self.block_size, tp_size=len(layouts)

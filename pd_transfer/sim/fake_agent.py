@@ -21,11 +21,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import msgspec
 import numpy as np
 
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 from pd_transfer.transfer import PeerDisconnected, ReadStats, TransferError, UnknownPeer
 
@@ -40,6 +42,7 @@ AGENT_CONSTRUCTORS = (
 )
 
 NotificationHandler = Callable[[str, bytes], None]
+T = TypeVar("T")
 Spans = list[tuple[int, int]]  # (start, end) byte addresses, sorted, merged
 
 
@@ -128,13 +131,17 @@ class FakeAgent:
         read_lanes: int = 1,
         split_min_bytes: int = 0,
         serves_reads: bool = False,
+        settings: Settings = DEFAULTS,
         fabric: FakeFabric | None = None,
     ) -> None:
         self.name = name
+        self.settings = settings  # read by the agent's users (push sizes, TLS); the fake itself ignores them
         self.fabric = fabric if fabric is not None else DEFAULT_FABRIC
         self.native_progress_ms = 0
         self.notifications_received = 0
         self.lanes = None
+        self.lane_count = 1  # every read is this agent's own
+        self.max_lane_jobs = 1
         self.lanes_ready = threading.Event()
         self.lanes_ready.set()
         self._on_notification = on_notification
@@ -282,6 +289,28 @@ class FakeAgent:
     ) -> ReadStats:
         """:meth:`read` (a fake agent never splits a read)."""
         return self._transfer("read", local, local_indices, remote, remote_indices, notification)
+
+    def lanes_for(self, lists: Iterable[FakeDescriptorList]) -> int:
+        """1: no list is read on lanes."""
+        return 1
+
+    def run_on_lanes(
+        self, jobs: Sequence[Callable[[Callable[..., ReadStats]], T]], timeout_s: float, *, lanes: int | None = None
+    ) -> list[T]:
+        """The one job of ``jobs``, on this thread, reading with :meth:`read_whole` (``ValueError`` for more)."""
+        if len(jobs) != 1:
+            raise ValueError(f"{len(jobs)} jobs, but fake agent {self.name} has no read lanes")
+
+        def read(
+            local: FakeDescriptorList,
+            mine: np.ndarray,
+            remote: FakeDescriptorList,
+            theirs: np.ndarray,
+            timeout_s: float,
+        ) -> ReadStats:
+            return self.read_whole(local, mine, remote, theirs, b"", timeout_s)
+
+        return [jobs[0](read)]
 
     def write(
         self,

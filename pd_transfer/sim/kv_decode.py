@@ -18,6 +18,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.params import InvalidTransferParams, RemotePrefill, parse_transfer_params
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.block_pool import BlockPool
 from pd_transfer.sim.kv_model import KVModel, holds_pattern, kv_pattern
 
@@ -30,6 +31,7 @@ class DecodeKV:
     model: KVModel
     config: ConnectorConfig
     hold_window: bool = False  # trust the prefill's hold window as the vLLM connector does (else always confirm)
+    settings: Settings = DEFAULTS  # the process's, read at its edge
     pulls: int = 0
     failures: int = 0
     bytes_moved: int = 0
@@ -39,11 +41,13 @@ class DecodeKV:
         self.layout = self.model.layout()
         self.rank = DecodeRank(
             self.engine_id,
-            KVCache.allocate(self.layout, self.model.num_blocks),
+            KVCache.allocate(self.layout, self.model.num_blocks, huge_pages=self.settings.own_huge_pages),
             secret=self.config.secret,
             handshake_timeout_s=self.config.handshake_timeout_s,
             read_timeout_s=self.config.read_timeout_s,
             confirm_timeout_s=self.config.confirm_timeout_s,
+            push=self.config.push,
+            settings=self.settings,
         )
         self.pool = BlockPool(self.model.num_blocks)
 

@@ -20,6 +20,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.connector.worker import OutputAggregator, WorkerSide
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.block_pool import BlockPool
 from pd_transfer.sim.kv_model import KVModel, kv_pattern, write_pattern
 
@@ -30,11 +31,11 @@ class PrefillKV:
     """A TP 1 prefill engine as the connector sees it: a scheduler side (with the side channel), one worker, an
     aggregator, a block pool. Not thread-safe: drive it from one thread (the event loop)."""
 
-    def __init__(self, engine_id: str, model: KVModel, config: ConnectorConfig) -> None:
+    def __init__(self, engine_id: str, model: KVModel, config: ConnectorConfig, settings: Settings = DEFAULTS) -> None:
         self.layout = model.layout()
-        self.cache = KVCache.allocate(self.layout, model.num_blocks)
+        self.cache = KVCache.allocate(self.layout, model.num_blocks, huge_pages=settings.own_huge_pages)
         self.pool = BlockPool(model.num_blocks)
-        self.worker = WorkerSide(engine_id, self.cache, config)
+        self.worker = WorkerSide(engine_id, self.cache, config, settings=settings)
         self.scheduler = SchedulerSide(config, engine_id=engine_id, block_size=model.block_size)
         self.port = self.scheduler.start_side_channel([self.worker.rank_metadata])
         self.aggregator = OutputAggregator(1)

@@ -39,6 +39,7 @@ from pd_transfer.connector.drain import Draining
 from pd_transfer.connector.params import InvalidTransferParams
 from pd_transfer.proxy.routing import DRAINING_HEADER
 from pd_transfer.proxy.server import REQUEST_ID
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings
 from pd_transfer.sim.http_standin import StandIn, error_response, json_response
 from pd_transfer.sim.kv_decode import DecodeKV
 from pd_transfer.sim.kv_model import KVModel, prompt_tokens
@@ -163,11 +164,17 @@ class KVStandIn(StandIn):
 
 
 def make_engine(
-    role: str, engine_id: str, model: KVModel, config: ConnectorConfig, *, hold_window: bool = False
+    role: str,
+    engine_id: str,
+    model: KVModel,
+    config: ConnectorConfig,
+    *,
+    hold_window: bool = False,
+    settings: Settings = DEFAULTS,
 ) -> PrefillKV | DecodeKV:
     if role == "prefill":
-        return PrefillKV(engine_id, model, config)
-    return DecodeKV(engine_id, model, config, hold_window=hold_window)
+        return PrefillKV(engine_id, model, config, settings)
+    return DecodeKV(engine_id, model, config, hold_window=hold_window, settings=settings)
 
 
 async def _serve_forever(args: argparse.Namespace) -> None:
@@ -187,7 +194,10 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         read_timeout_s=args.read_timeout,
     )
     engine_id = args.engine_id or f"kv-standin-{args.role}-{uuid.uuid4().hex[:8]}"
-    engine = await asyncio.to_thread(make_engine, args.role, engine_id, model, config, hold_window=args.hold_window)
+    settings = apply_process_defaults(read_settings())  # this process's edge: read once, before any agent
+    engine = await asyncio.to_thread(
+        make_engine, args.role, engine_id, model, config, hold_window=args.hold_window, settings=settings
+    )
     server = KVStandIn(args.role, engine, engine_id=engine_id, default_tokens=args.tokens, keep_bodies=False)
     try:
         await server.start(args.host, args.port)

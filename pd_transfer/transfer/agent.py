@@ -13,26 +13,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import numpy as np
 
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 
 from .dlists import DescriptorList, merged_spans
 from .errors import TransferError, TransferTimeout, UnknownPeer
-from .huge_pages import HugePageCollapser, huge_pages_for_registrations
-from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
+from .huge_pages import HugePageCollapser
+from .lanes import DEFAULT_SPLIT_MIN_BYTES, LaneRead, ReadLanes
 from .probe import transfer_error, wrapped_error
-from .progress import AdaptivePoller, busy_poll_seconds, native_progress_wait_ms, read_wait_seconds
+from .progress import AdaptivePoller
 from .read_stats import ReadStats
 from .session import LOCAL, NixlSession, nixl_memory_type
-from .tcp import apply_tcp_defaults
 
 logger = logging.getLogger(__name__)
 
 NotificationHandler = Callable[[str, bytes], None]
+T = TypeVar("T")
 
 
 class TransferAgent:
@@ -43,6 +45,8 @@ class TransferAgent:
     over TCP as they arrive. ``on_notification(peer_name, payload)`` is called on the poller thread for every
     notification that arrives (keep it short: hand work to another thread). ``read_lanes`` > 1 splits reads of at least
     ``split_min_bytes`` over that many agents and threads (see :mod:`.lanes`), once the extra agents are up.
+    ``settings`` (kept as ``self.settings``, handed to the lanes): the native thread's wait, the poller's and the
+    reads' timings, huge pages for registrations, the CPUs of every thread the agent starts, NIXL's log level.
     """
 
     def __init__(
@@ -54,13 +58,14 @@ class TransferAgent:
         read_lanes: int = 1,
         split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
         serves_reads: bool = False,
+        settings: Settings = DEFAULTS,
     ) -> None:
         self.name = name
+        self.settings = settings
         self._on_notification = on_notification
-        apply_tcp_defaults()  # UCX reads them when the agent's context is made
-        self.native_progress_ms = native_progress_wait_ms() if serves_reads else 0
+        self.native_progress_ms = settings.native_progress_ms if serves_reads else 0
         started = time.perf_counter()
-        self.session = NixlSession(name, progress_thread_wait_ms=self.native_progress_ms)
+        self.session = NixlSession(name, progress_thread_wait_ms=self.native_progress_ms, settings=settings)
         self._lock = self.session.lock  # held around a NIXL call and this agent's records of it
         waits = f"{self.native_progress_ms} ms" if self.native_progress_ms else "off"
         logger.info(
@@ -71,9 +76,11 @@ class TransferAgent:
         self._dlists: list[DescriptorList] = []
         self._closed = False
         self.notifications_received = 0
-        self._busy_poll_s = busy_poll_seconds()
-        self._read_wait_s = read_wait_seconds()
-        self._poller = AdaptivePoller(name, self._poll_once, idle_interval_s=idle_poll_interval_s)
+        self._busy_poll_s = settings.busy_poll_s
+        self._read_wait_s = settings.read_wait_s
+        self._poller = AdaptivePoller(
+            name, self._poll_once, idle_interval_s=idle_poll_interval_s, thread_cpus=settings.thread_cpu_set
+        )
         self._poller.start()
         self._spans: list[tuple[object, list[tuple[int, int]]]] = []  # registrations, to mirror on lanes
         self.huge_pages = HugePageCollapser(f"agent {name}")
@@ -90,7 +97,13 @@ class TransferAgent:
     def _start_lanes(self, count: int, split_min_bytes: int) -> None:
         """Make ``count`` lane agents (slow: outside the lock), then mirror everything onto them."""
         try:
-            lanes = ReadLanes.make(self.name, count, split_min_bytes, lambda lane: TransferAgent(lane))
+            lanes = ReadLanes.make(
+                self.name,
+                count,
+                split_min_bytes,
+                lambda lane: TransferAgent(lane, settings=self.settings),
+                thread_cpus=self.settings.thread_cpu_set,
+            )
             with self._lock:
                 if self._closed:
                     lanes.close()
@@ -116,10 +129,11 @@ class TransferAgent:
         self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None, place: MemoryPlace = HOST
     ) -> object:
         """Register memory at ``place`` given as (start, end) byte addresses; returns the registration. Host memory
-        with ``huge_pages`` (default: ``PD_TRANSFER_HUGE_PAGES=all``) is advised to use huge pages and collapsed
-        into them in the background (``self.huge_pages``, :mod:`.huge_pages`), and mirrored on the read lanes."""
+        with ``huge_pages`` (default: the settings' ``PD_TRANSFER_HUGE_PAGES=all``) is advised to use huge pages
+        and collapsed into them in the background (``self.huge_pages``, :mod:`.huge_pages`), and mirrored on the
+        read lanes."""
         if huge_pages is None:
-            huge_pages = huge_pages_for_registrations()
+            huge_pages = self.settings.registered_huge_pages
         filled = [(start, end) for start, end in spans if end > start]
         if not filled:
             raise ValueError("no memory to register: every span is empty")
@@ -297,6 +311,62 @@ class TransferAgent:
     ) -> ReadStats:
         """:meth:`read` as one READ, never split."""
         return self._transfer("READ", local, local_indices, remote, remote_indices, notification, timeout_s)
+
+    @property
+    def lane_count(self) -> int:
+        """How many threads a read can run on now: the read lanes that are up, and this agent."""
+        lanes = self.lanes
+        return 1 if lanes is None else len(lanes.lanes) + 1
+
+    @property
+    def max_lane_jobs(self) -> int:
+        """The most jobs :meth:`run_on_lanes` takes now: one without read lanes, ``MAX_JOBS_PER_LANE`` per lane and
+        for this agent with them."""
+        lanes = self.lanes
+        return 1 if lanes is None else lanes.max_jobs
+
+    def lanes_for(self, lists: Iterable[DescriptorList]) -> int:
+        """How many lanes can read ``lists`` now (``lanes`` of :meth:`run_on_lanes`): :attr:`lane_count` when every
+        list is mirrored on the read lanes, else 1, this agent alone (GPU memory is not read on lanes)."""
+        lanes = self.lanes
+        if lanes is None:
+            return 1
+        count = len(lanes.lanes)
+        return count + 1 if all(len(dlist.lane_lists) == count for dlist in lists) else 1
+
+    def run_on_lanes(
+        self, jobs: Sequence[Callable[[LaneRead], T]], timeout_s: float, *, lanes: int | None = None
+    ) -> list[T]:
+        """Run each of ``jobs`` on a thread of its own (``jobs[0]`` on this one), job ``k`` given the READ of lane
+        ``k % lanes`` (:data:`~.lanes.LaneRead`, of this agent's lists; lane 0 reads as this agent; ``lanes``
+        defaults to :attr:`lane_count`, and 1 keeps every read on this agent: :meth:`lanes_for`): reads, and
+        whatever must follow them on the same thread. Jobs that share a lane read in turn (its agent serialises
+        them) and do their other work meanwhile. At most :attr:`max_lane_jobs` jobs (lanes that came up meanwhile
+        are not used before the next call).
+        Returns their results once every job returned, else raises the first failure (a disconnect before others);
+        a job not done within ``timeout_s`` (plus a grace) raises ``TransferTimeout``. The peers get no
+        notification: send it with :meth:`notify` once the reads are done."""
+        read_lanes = self.lanes
+        if read_lanes is None:
+            if len(jobs) != 1:
+                raise ValueError(f"{len(jobs)} jobs, but agent {self.name} has no read lanes up")
+            return [jobs[0](self._whole_read)]
+        count = len(read_lanes.lanes) + 1 if lanes is None else max(1, min(lanes, len(read_lanes.lanes) + 1))
+
+        def on_lane(job: Callable[[LaneRead], T]) -> Callable[[int], T]:
+            return lambda k: job(read_lanes.lane_read(self, k % count))
+
+        return read_lanes.run([on_lane(job) for job in jobs], timeout_s)
+
+    def _whole_read(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        timeout_s: float,
+    ) -> ReadStats:
+        return self.read_whole(local, local_indices, remote, remote_indices, b"", timeout_s)
 
     def write(
         self,

@@ -11,7 +11,6 @@ from pd_transfer.spec import HOST, MemoryPlace
 
 from .native import make_nixl_agent
 from .session import LOCAL, nixl_memory_type
-from .tcp import apply_tcp_defaults
 
 
 class RawNixlReader:
@@ -19,7 +18,9 @@ class RawNixlReader:
     one peer.
 
     The memory behind ``local_spans`` ((start, end) addresses, at ``local``) is registered again under this agent;
-    the peer's rows are in its memory at ``remote`` (a GPU's: "VRAM", rows carrying the device index).
+    the peer's rows are in its memory at ``remote`` (a GPU's: "VRAM", rows carrying the device index). UCX is
+    configured as for our agents (the same process environment, :func:`pd_transfer.settings.apply_process_defaults`):
+    the comparison is of the read path alone.
     """
 
     def __init__(
@@ -32,7 +33,6 @@ class RawNixlReader:
         local: MemoryPlace = HOST,
         remote: MemoryPlace = HOST,
     ) -> None:
-        apply_tcp_defaults()  # UCX configured as for our agents: the comparison is of the read path alone
         self._agent = make_nixl_agent(f"raw-{uuid.uuid4().hex[:8]}")  # no progress thread, native logs quiet
         self._registration = self._agent.register_memory(
             [(start, end - start, local.device_index, "") for start, end in local_spans], nixl_memory_type(local)

@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, MemoryPlace
 
 from .native import NixlRegDList, make_nixl_agent
@@ -39,12 +40,18 @@ class NixlSession:
     ``progress_thread_wait_ms`` > 0 runs NIXL's progress thread with that longest wait (an agent that serves reads);
     0 runs none and :meth:`notifications` progresses the agent (:func:`.native.make_nixl_agent`). Handles (a
     registration, a prepared descriptor list, a transfer) are NIXL's opaque objects, passed back as they came.
+    ``settings``: the CPUs of NIXL's progress thread, whether NIXL's Python logger is quieted.
     """
 
-    def __init__(self, name: str, *, progress_thread_wait_ms: int = 0) -> None:
+    def __init__(self, name: str, *, progress_thread_wait_ms: int = 0, settings: Settings = DEFAULTS) -> None:
         self.name = name
         self.lock = threading.RLock()
-        self._agent = make_nixl_agent(name, progress_thread_wait_ms=progress_thread_wait_ms)
+        self._agent = make_nixl_agent(
+            name,
+            progress_thread_wait_ms=progress_thread_wait_ms,
+            thread_cpus=settings.thread_cpu_set,
+            quiet_logs=settings.nixl_log_level is None,
+        )
         self._unreleased: list[object] = []  # transfer handles NIXL could not release yet
 
     # ------------------------------------------------------------------ memory

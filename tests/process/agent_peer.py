@@ -34,13 +34,19 @@ def serve(
     one received (None after 10 s) until "stop". ``serves_reads``: the agent's like a prefill rank's;
     ``python_progress=False`` stops its poller first, so that only NIXL's own thread (if any) progresses it."""
     os.environ.update(env)
+    from pd_transfer.settings import Settings, apply_process_defaults
     from pd_transfer.spec import region_from_tensor
     from pd_transfer.transfer.agent import TransferAgent
+
+    settings = apply_process_defaults(Settings.from_environ(os.environ))  # this child's edge: what ``env`` says
 
     received: queue.Queue[tuple[str, bytes]] = queue.Queue()
     tensors = [pattern(r).clone() for r in range(NUM_REGIONS)]
     agent = TransferAgent(
-        "peer-prefill", on_notification=lambda peer, msg: received.put((peer, msg)), serves_reads=serves_reads
+        "peer-prefill",
+        on_notification=lambda peer, msg: received.put((peer, msg)),
+        serves_reads=serves_reads,
+        settings=settings,
     )
     regions = [region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)]
     agent.register_regions(regions)

@@ -12,7 +12,9 @@ import pytest
 CHILD = """
 import json, os, threading
 os.sched_setaffinity(0, {0})  # as an engine pins its worker
+from pd_transfer.settings import read_settings
 from pd_transfer.transfer.progress import AdaptivePoller
+cpus = read_settings().thread_cpu_set  # this child's edge: PD_TRANSFER_THREAD_CPUS from its environment
 seen = []
 event = threading.Event()
 def poll():
@@ -20,7 +22,7 @@ def poll():
         seen.append(sorted(os.sched_getaffinity(threading.get_native_id())))
         event.set()
     return False
-poller = AdaptivePoller("test", poll)
+poller = AdaptivePoller("test", poll, thread_cpus=cpus)
 poller.start()
 assert event.wait(10), "the poller never polled"
 poller.stop()

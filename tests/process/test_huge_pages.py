@@ -12,6 +12,8 @@ import torch
 from agent_peer import large_pattern, serve_large
 from test_huge_page_advice import MIB, needs_thp, span_of
 
+from pd_transfer.connector.cache import zeroed_host_tensor
+from pd_transfer.settings import Settings
 from pd_transfer.transfer import TransferAgent
 from pd_transfer.transfer.huge_pages import (
     resident_huge_page_bytes,
@@ -66,10 +68,20 @@ def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> N
         agent.close()
 
 
+def test_an_agent_with_the_switch_off_advises_and_collapses_nothing() -> None:
+    off = Settings.from_environ({"PD_TRANSFER_HUGE_PAGES": "0"})
+    tensor = zeroed_host_tensor((32 * MIB,), torch.uint8, huge_pages=off.own_huge_pages)
+    agent = TransferAgent("huge-pages-off", settings=off)
+    try:
+        agent.register_spans([span_of(tensor)])  # nothing advised, nothing collapsed
+        assert agent.huge_pages.wait(10.0) and agent.huge_pages.results == []
+    finally:
+        agent.close()
+
+
 @needs_thp
-def test_engine_memory_is_left_alone_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_memory_is_left_alone_by_default() -> None:
     """Memory pd-transfer did not allocate (an engine's) is registered as it is unless the mode is "all"."""
-    monkeypatch.delenv("PD_TRANSFER_HUGE_PAGES", raising=False)
     memory = large_pattern(32 * MIB // 4)
     agent = TransferAgent("huge-pages-default")
     try:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
 
+from pd_transfer.settings import SettingError, Settings
 from pd_transfer.transfer import TransferAgent, TransferTimeout
-from pd_transfer.transfer.progress import native_progress_wait_ms
 from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(180)
@@ -22,27 +22,23 @@ pytestmark = pytest.mark.timeout(180)
 _ENV = "PD_TRANSFER_NATIVE_PROGRESS_MS"
 
 
-def test_the_wait_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(_ENV, raising=False)
-    assert native_progress_wait_ms() == 20
+def test_the_wait_setting() -> None:
+    assert Settings.from_environ({}).native_progress_ms == 20
     for value, expected in (("0", 0), ("2.5", 3), (" 100 ", 100), ("", 20)):
-        monkeypatch.setenv(_ENV, value)
-        assert native_progress_wait_ms() == expected, value
+        assert Settings.from_environ({_ENV: value}).native_progress_ms == expected, value
     for bad in ("-1", "soon", "nan", "1e12"):
-        monkeypatch.setenv(_ENV, bad)
-        with pytest.raises(ValueError, match=_ENV):
-            native_progress_wait_ms()
+        with pytest.raises(SettingError, match=_ENV):
+            Settings.from_environ({_ENV: bad})
 
 
-def test_only_agents_that_serve_reads_run_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(_ENV, "7")
+def test_only_agents_that_serve_reads_run_the_thread() -> None:
+    seven = Settings(native_progress_ms=7)
     with (
-        TransferAgent("test-native-reader") as reader,
-        TransferAgent("test-native-target", serves_reads=True) as target,
+        TransferAgent("test-native-reader", settings=seven) as reader,
+        TransferAgent("test-native-target", serves_reads=True, settings=seven) as target,
     ):
         assert (reader.native_progress_ms, target.native_progress_ms) == (0, 7)
-    monkeypatch.setenv(_ENV, "0")
-    with TransferAgent("test-native-off", serves_reads=True) as target:
+    with TransferAgent("test-native-off", serves_reads=True, settings=Settings(native_progress_ms=0)) as target:
         assert target.native_progress_ms == 0
 
 
@@ -74,20 +70,19 @@ def test_without_the_native_thread_an_unpolled_target_never_answers(monkeypatch:
         _read_everything_from_unpolled_target(monkeypatch, "0", timeout_s=3.0)
 
 
-def test_the_native_thread_is_not_pinned_where_its_creator_was(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_native_thread_is_not_pinned_where_its_creator_was() -> None:
     # an engine's worker is pinned to one core; the threads NIXL starts for a serving agent made there must not be
     # (pinned beside a spinning engine a progress thread starved for tens of seconds), and the creator keeps its pin
     cpus = os.sched_getaffinity(0)
     if len(cpus) < 2:
         pytest.skip("one CPU here: no pin to escape")
-    monkeypatch.setenv(_ENV, "20")
-    monkeypatch.delenv("PD_TRANSFER_THREAD_CPUS", raising=False)  # the default: every CPU
     me = threading.get_native_id()
     pinned = {min(cpus)}
     existing = set(os.listdir("/proc/self/task"))
     os.sched_setaffinity(me, pinned)
     try:
-        with TransferAgent("test-native-pinned", serves_reads=True) as agent:
+        # the default settings: a native thread waking every 20 ms, our threads on every CPU
+        with TransferAgent("test-native-pinned", serves_reads=True, settings=Settings()) as agent:
             deadline = time.monotonic() + 10.0  # the poller unpins itself before its first poll
             while agent.poll_count == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from pd_transfer.connector.errors import LeaseNotConfirmed
 from pd_transfer.connector.prefill import PrefillRank, serve_engine
 from pd_transfer.connector.pull_request import PullRequest
 from pd_transfer.connector.push_plans import plan_to_wire
+from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -37,26 +39,28 @@ def layout(tp_size: int = 1, tp_rank: int = 0, block_size: int = 16) -> KVCacheL
 
 
 @pytest.fixture(scope="module")
-def tcp_env() -> Iterator[None]:
+def tcp_settings() -> Iterator[Settings]:
+    """UCX on TCP in this process's environment (UCX reads it here; prefill processes inherit it), and the settings
+    both sides run with: push "auto" (so, over TCP only, push), every request pushed however small."""
     if "tcp" not in ucx_transports(TCP):
         pytest.skip("UCX has no tcp transport here")
     with pytest.MonkeyPatch.context() as patch:
         for key, value in TCP.items():
             patch.setenv(key, value)
-        patch.delenv("PD_TRANSFER_PUSH", raising=False)
-        patch.setenv("PD_TRANSFER_PUSH_MIN_BYTES", "0")  # these requests are small: push them all the same
-        yield
+        yield Settings(push="auto", push_min_bytes=0, ucx_tls=TCP["UCX_TLS"])
 
 
 @pytest.fixture(scope="module")
-def prefill(tcp_env: None) -> Iterator[PrefillProcess]:
-    with PrefillProcess(PrefillSpec("test-push-prefill", [layout()], NUM_BLOCKS, seed=11)) as process:
+def prefill(tcp_settings: Settings) -> Iterator[PrefillProcess]:
+    spec = PrefillSpec("test-push-prefill", [layout()], NUM_BLOCKS, seed=11, settings=tcp_settings)
+    with PrefillProcess(spec) as process:
         yield process
 
 
 @pytest.fixture
-def decode(tcp_env: None) -> Iterator[DecodeRank]:
-    rank = DecodeRank(f"test-push-decode-{time.monotonic_ns()}", KVCache.allocate(layout(), NUM_BLOCKS))
+def decode(tcp_settings: Settings) -> Iterator[DecodeRank]:
+    cache = KVCache.allocate(layout(), NUM_BLOCKS)
+    rank = DecodeRank(f"test-push-decode-{time.monotonic_ns()}", cache, settings=tcp_settings)
     try:
         yield rank
     finally:
@@ -132,9 +136,9 @@ def test_a_setup_outside_the_prefill_cache_is_refused_and_read_instead(
     assert received_correctly(decode.cache, [6, 7], prefill.spec.caches(), [4, 5], 32)
 
 
-def test_a_request_below_the_push_size_is_read(prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_TRANSFER_PUSH_MIN_BYTES", str(2 * 3 * 2 * 4 * 16 * 16 * 2))  # two blocks' worth
-    decode = DecodeRank("test-push-small", KVCache.allocate(layout(), NUM_BLOCKS))
+def test_a_request_below_the_push_size_is_read(prefill: PrefillProcess, tcp_settings: Settings) -> None:
+    two_blocks = replace(tcp_settings, push_min_bytes=2 * 3 * 2 * 4 * 16 * 16 * 2)
+    decode = DecodeRank("test-push-small", KVCache.allocate(layout(), NUM_BLOCKS), settings=two_blocks)
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
         prefill.request("hold", "req-small", [9])
@@ -146,16 +150,19 @@ def test_a_request_below_the_push_size_is_read(prefill: PrefillProcess, monkeypa
         decode.close()
 
 
-def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_env: None) -> None:
+def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_settings: Settings) -> None:
     # the prefill keeps max_readers readers: a third decode rank pushes the first out, whose next order is read
     # and asks it to set up again; its order after that is pushed
     cache = KVCache.allocate(layout(), NUM_BLOCKS)
     fill_pattern(cache, seed=4)
-    rank = PrefillRank("test-push-evicting", cache)
+    rank = PrefillRank("test-push-evicting", cache, settings=tcp_settings)
     rank.pushes.max_readers = 1
     server = serve_engine("test-push-evicting", [rank.rank_metadata])
     host, port = server.host, server.port
-    first, second = (DecodeRank(f"test-push-reader-{n}", KVCache.allocate(layout(), NUM_BLOCKS)) for n in (1, 2))
+    first, second = (
+        DecodeRank(f"test-push-reader-{n}", KVCache.allocate(layout(), NUM_BLOCKS), settings=tcp_settings)
+        for n in (1, 2)
+    )
     try:
         assert first.push_ready(host, port, timeout_s=30) and second.push_ready(host, port, timeout_s=30)
         rank.hold("req-evicted", [1])
@@ -171,9 +178,9 @@ def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_env: None) -> None:
         rank.close()
 
 
-def test_a_decode_with_push_off_reads(prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_TRANSFER_PUSH", "off")
-    decode = DecodeRank("test-push-off", KVCache.allocate(layout(), NUM_BLOCKS))
+def test_a_decode_with_push_off_reads(prefill: PrefillProcess, tcp_settings: Settings) -> None:
+    off = replace(tcp_settings, push="off")  # PD_TRANSFER_PUSH=off
+    decode = DecodeRank("test-push-off", KVCache.allocate(layout(), NUM_BLOCKS), settings=off)
     try:
         assert decode.pushes is None and not decode.push_ready(prefill.host, prefill.port, timeout_s=5)
         prefill.request("hold", "req-push-off", [9])
@@ -182,10 +189,11 @@ def test_a_decode_with_push_off_reads(prefill: PrefillProcess, monkeypatch: pyte
         decode.close()
 
 
-def test_a_prefill_with_push_off_refuses_setups(tcp_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_TRANSFER_PUSH", "off")  # inherited by the prefill process
-    with PrefillProcess(PrefillSpec("test-push-off-prefill", [layout()], NUM_BLOCKS, seed=3)) as prefill:
-        decode = DecodeRank("test-push-asks", KVCache.allocate(layout(), NUM_BLOCKS), push="on")
+def test_a_prefill_with_push_off_refuses_setups(tcp_settings: Settings) -> None:
+    off = replace(tcp_settings, push="off")  # PD_TRANSFER_PUSH=off in the prefill's process
+    with PrefillProcess(PrefillSpec("test-push-off-prefill", [layout()], NUM_BLOCKS, seed=3, settings=off)) as prefill:
+        cache = KVCache.allocate(layout(), NUM_BLOCKS)
+        decode = DecodeRank("test-push-asks", cache, push="on", settings=tcp_settings)
         try:
             assert not decode.push_ready(prefill.host, prefill.port, timeout_s=30)
             prefill.request("hold", "req-prefill-off", [2, 3])
@@ -197,13 +205,14 @@ def test_a_prefill_with_push_off_refuses_setups(tcp_env: None, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("decode_block_size", [16, 32])
-def test_two_prefill_ranks_into_one_decode_rank(tcp_env: None, decode_block_size: int) -> None:
+def test_two_prefill_ranks_into_one_decode_rank(tcp_settings: Settings, decode_block_size: int) -> None:
     # TP 2 -> TP 1: each prefill rank writes its heads; 16-token blocks into 32-token ones need a fix-up after the
     # transfer, and such plans are read (staged), never pushed
     prefill_layouts = [layout(2, rank) for rank in range(2)]
-    with PrefillProcess(PrefillSpec("test-push-tp2", prefill_layouts, NUM_BLOCKS, seed=9)) as prefill:
+    spec = PrefillSpec("test-push-tp2", prefill_layouts, NUM_BLOCKS, seed=9, settings=tcp_settings)
+    with PrefillProcess(spec) as prefill:
         cache = KVCache.allocate(layout(block_size=decode_block_size), NUM_BLOCKS)
-        decode = DecodeRank("test-push-tp1", cache, push="on")
+        decode = DecodeRank("test-push-tp1", cache, push="on", settings=tcp_settings)
         try:
             pushing = decode.remote_plan(prefill.host, prefill.port).postprocess is None
             assert pushing == (decode_block_size == 16)
@@ -218,12 +227,13 @@ def test_two_prefill_ranks_into_one_decode_rank(tcp_env: None, decode_block_size
             decode.close()
 
 
-def test_an_order_to_a_dead_prefill_fails_fast_and_reads_its_restart(tcp_env: None) -> None:
+def test_an_order_to_a_dead_prefill_fails_fast_and_reads_its_restart(tcp_settings: Settings) -> None:
     # the prefill dies after the decode connected: the order goes nowhere, and the probes of the silent rank give
     # the disconnect away long before the 30 s read timeout; a prefill restarted at the address is then read from
-    spec = PrefillSpec("test-push-dies", [layout()], NUM_BLOCKS, seed=2, port=free_port())
+    spec = PrefillSpec("test-push-dies", [layout()], NUM_BLOCKS, seed=2, port=free_port(), settings=tcp_settings)
     prefill = PrefillProcess(spec)
-    decode = DecodeRank("test-push-orphan", KVCache.allocate(layout(), NUM_BLOCKS), push="on")
+    cache = KVCache.allocate(layout(), NUM_BLOCKS)
+    decode = DecodeRank("test-push-orphan", cache, push="on", settings=tcp_settings)
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
         prefill.kill()

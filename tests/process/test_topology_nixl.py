@@ -56,20 +56,36 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+DECODE_BLOCKS = 24
+FIX_UP_CASES = ["block_16_to_64", "hnd_to_nhd", "nhd_kv_together_tp2_to_hnd_tp1_block_32"]
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - set(FIX_UP_CASES)))
 def test_heterogeneous_pull_over_nixl(case: str) -> None:
-    _pull_and_check(case)
+    _pull_and_check(case, [{}])
 
 
-@pytest.mark.parametrize("staging_bytes", [0, 1], ids=["fix-up-in-place", "one-slot-staging"])
-@pytest.mark.parametrize("case", ["block_16_to_64", "hnd_to_nhd", "nhd_kv_together_tp2_to_hnd_tp1_block_32"])
-def test_fix_up_paths(case: str, staging_bytes: int) -> None:
-    """Plans that fix layouts up: without a staging area (in place, plane group by plane group) and with a
-    one-block staging area (many chunks through both halves of the double buffer)."""
-    _pull_and_check(case, staging_bytes=staging_bytes)
+@pytest.mark.parametrize("case", FIX_UP_CASES)
+def test_fix_up_paths(case: str) -> None:
+    """Plans that fix layouts up, from one prefill: with the default staging area, with a one-block staging area
+    (a chunk per plane block, through every lane's slot groups), and without one (in place, plane group by plane
+    group)."""
+    _pull_and_check(case, [{}, {"staging_bytes": 1}, {"staging_bytes": 0}])
 
 
-def _pull_and_check(case: str, **decode_options: int) -> None:
+@dataclass(frozen=True)
+class Request:
+    """One request of a case: its ids on each side, its tokens, and what the prefill holds."""
+
+    remote_ids: list[int]
+    local_ids: list[int]
+    tokens: int
+    expected: list[KVCache]
+
+
+def _pull_and_check(case: str, variants: list[dict[str, int]]) -> None:
+    """Pull the case's request into fresh decode ranks made with each of ``variants`` (decode options) in turn, from
+    one prefill process, and check each."""
     prefill_side, decode_side, heads, mla = CASES[case]
     fingerprint = _fingerprint(heads, mla)
     tokens = 150  # several blocks of every size, the last one partly filled
@@ -79,41 +95,48 @@ def _pull_and_check(case: str, **decode_options: int) -> None:
         f"prefill-{case}", _layouts(prefill_side, fingerprint), prefill_blocks, kv_split=prefill_side.kv_split, seed=3
     )
     remote_ids = rng.choice(prefill_blocks, -(-tokens // prefill_side.block_size), replace=False).tolist()
-    decode_blocks = 24
-    local_ids = rng.choice(decode_blocks, -(-tokens // decode_side.block_size), replace=False).tolist()
+    local_ids = rng.choice(DECODE_BLOCKS, -(-tokens // decode_side.block_size), replace=False).tolist()
     with PrefillProcess(spec) as prefill:
-        expected = spec.caches()
-        decodes = [
-            DecodeRank(
-                f"decode-{case}",
-                KVCache.allocate(layout, decode_blocks, kv_split=decode_side.kv_split),
-                **decode_options,
-            )
-            for layout in _layouts(decode_side, fingerprint)
-        ]
-        try:
-            for decode in decodes:
-                stats = decode.pull(case, prefill.host, prefill.port, remote_ids, local_ids, tokens)
-                assert stats.bytes > 0
-            for decode in decodes:
-                assert received_correctly(decode.cache, local_ids, expected, remote_ids, tokens), decode.agent.name
-                untouched = sorted(set(range(decode_blocks)) - set(local_ids))
-                for tensor in decode.cache.tensors:
-                    assert bool((tensor[untouched] == 0).all())
-            released = prefill.wait_released(case, timeout_s=10)
-            # every prefill rank some decode rank read from was released; the others never held readers
-            sources = {s.remote_rank for d in decodes for s in d.remote_plan(prefill.host, prefill.port).sources}
-            for rank, readers in enumerate(released):
-                if rank in sources:
-                    assert readers is not None and readers >= 1, (rank, released)
-                else:
-                    assert readers is None, (rank, released)
-            assert sum(r or 0 for r in released) == sum(
-                len(d.remote_plan(prefill.host, prefill.port).sources) for d in decodes
-            )
-        finally:
-            for decode in decodes:
-                decode.close()
+        request = Request(remote_ids, local_ids, tokens, spec.caches())
+        for variant, options in enumerate(variants):
+            layouts = _layouts(decode_side, fingerprint)
+            decodes = [
+                DecodeRank(
+                    f"decode-{case}-{variant}",
+                    KVCache.allocate(layout, DECODE_BLOCKS, kv_split=decode_side.kv_split),
+                    **options,
+                )
+                for layout in layouts
+            ]
+            try:
+                _pull_and_check_into(prefill, f"{case}-{variant}", decodes, request)
+            finally:
+                for decode in decodes:
+                    decode.close()
+
+
+def _pull_and_check_into(prefill: PrefillProcess, request_id: str, decodes: list[DecodeRank], request: Request) -> None:
+    """Pull ``request`` into every decode rank (its read lanes up: the pull uses them) and check what landed, what
+    did not change, and which prefill ranks were released by how many readers."""
+    remote_ids, local_ids, tokens = request.remote_ids, request.local_ids, request.tokens
+    for decode in decodes:
+        assert decode.agent.lanes_ready.wait(60)
+        stats = decode.pull(request_id, prefill.host, prefill.port, remote_ids, local_ids, tokens)
+        assert stats.bytes > 0
+    for decode in decodes:
+        assert received_correctly(decode.cache, local_ids, request.expected, remote_ids, tokens), decode.agent.name
+        untouched = sorted(set(range(DECODE_BLOCKS)) - set(local_ids))
+        for tensor in decode.cache.tensors:
+            assert bool((tensor[untouched] == 0).all())
+    released = prefill.wait_released(request_id, timeout_s=10)
+    # every prefill rank some decode rank read from was released; the others never held readers
+    sources = {s.remote_rank for d in decodes for s in d.remote_plan(prefill.host, prefill.port).sources}
+    for rank, readers in enumerate(released):
+        if rank in sources:
+            assert readers is not None and readers >= 1, (rank, released)
+        else:
+            assert readers is None, (rank, released)
+    assert sum(r or 0 for r in released) == sum(len(d.remote_plan(prefill.host, prefill.port).sources) for d in decodes)
 
 
 def test_impossible_tp_is_refused_at_handshake_naming_the_numbers() -> None:

@@ -1,37 +1,20 @@
 """Reads over UCX's tcp transport with pd-transfer's segment sizes (:mod:`pd_transfer.transfer.tcp`): a child
-process owns the memory, this process reads it with NIXL; either side may be a peer left at UCX's own defaults."""
+process owns the memory, this process reads it with NIXL; either side may be a peer left at UCX's own defaults.
+(How the sizes are put in force, once per process: tests/unit/test_settings.py.)"""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
 
+from pd_transfer.settings import TCP_SEGMENT_ENV
 from pd_transfer.transfer import TransferAgent
-from pd_transfer.transfer.tcp import TCP_SEGMENT_ENV, apply_tcp_defaults
 from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(180)
 
 UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "64k"}  # UCX's own
-
-
-def test_segment_sizes_are_left_alone_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_TRANSFER_TCP_SEGMENTS", "0")
-    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "")
-    assert apply_tcp_defaults() == {}
-    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == ""
-
-
-def test_segment_sizes_are_set_unless_the_user_set_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PD_TRANSFER_TCP_SEGMENTS", raising=False)  # on by default
-    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "")  # blank counts as unset (and is restored after the test)
-    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "128k")
-    in_force = apply_tcp_defaults()
-    assert in_force == {"UCX_TCP_TX_SEG_SIZE": TCP_SEGMENT_ENV["UCX_TCP_TX_SEG_SIZE"], "UCX_TCP_RX_SEG_SIZE": "128k"}
-    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == TCP_SEGMENT_ENV["UCX_TCP_TX_SEG_SIZE"]
 
 
 @pytest.mark.parametrize("at_ucx_defaults", ["target", "reader"])

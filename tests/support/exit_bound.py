@@ -9,18 +9,23 @@ bound the run fails within minutes, and says where it hung."""
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 
 import pytest
 
-from pd_transfer.transfer.progress import env_number
-
 DEFAULT_EXIT_BOUND_S = 120.0
+_ENV = "PD_TRANSFER_TEST_EXIT_BOUND_S"  # the test suite's own setting, not the package's
 
 
 def exit_bound_s() -> float:
-    """``PD_TRANSFER_TEST_EXIT_BOUND_S`` in seconds (a positive number), else ``DEFAULT_EXIT_BOUND_S``."""
-    seconds = env_number("PD_TRANSFER_TEST_EXIT_BOUND_S", DEFAULT_EXIT_BOUND_S)  # ValueError naming it if no number
+    """``PD_TRANSFER_TEST_EXIT_BOUND_S`` in seconds (a positive number; blank or unset: ``DEFAULT_EXIT_BOUND_S``).
+    Raises ``ValueError`` naming the variable for anything else."""
+    text = os.environ.get(_ENV, "").strip()
+    try:
+        seconds = float(text) if text else DEFAULT_EXIT_BOUND_S
+    except ValueError:
+        raise ValueError(f"{_ENV} must be a number, not {text[:40]!r}") from None
     if not seconds > 0:  # NaN too
         raise ValueError(f"PD_TRANSFER_TEST_EXIT_BOUND_S must be a positive number of seconds, got {seconds}")
     return seconds

@@ -7,15 +7,19 @@ import os
 
 import pytest
 
-from pd_transfer.affinity import allowed_cpu, thread_cpus
+from pd_transfer.affinity import allowed_cpu
+from pd_transfer.settings import SettingError, Settings
 
 
 def test_cpu_settings_parse() -> None:
-    assert thread_cpus("inherit") is None
-    assert thread_cpus("all") == set(range(os.cpu_count() or 1))
-    assert thread_cpus("0-2,5") == {0, 1, 2, 5}
-    with pytest.raises(ValueError, match="PD_TRANSFER_THREAD_CPUS"):
-        thread_cpus("most")
+    def cpus(text: str) -> frozenset[int] | None:
+        return Settings.from_environ({"PD_TRANSFER_THREAD_CPUS": text}).thread_cpu_set
+
+    assert cpus("inherit") is None
+    assert cpus("all") == cpus("") == set(range(os.cpu_count() or 1))
+    assert cpus("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(SettingError, match="PD_TRANSFER_THREAD_CPUS"):
+        cpus("most")
 
 
 def test_allowed_cpu_counts_only_cpus_this_process_may_use() -> None:

@@ -39,6 +39,7 @@ from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
 from pd_transfer.connector.prefill import PrefillRank, serve_engine
 from pd_transfer.handshake import HandshakeServer
+from pd_transfer.settings import Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.sim.peer import fill_pattern
@@ -116,9 +117,11 @@ def prefill(fake_agents: FakeFabric) -> Iterator[Prefill]:
         made.close()
 
 
-def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_TRANSFER_PUSH_MIN_BYTES", "0")  # these requests are small: push them all the same
-    decode = DecodeRank(f"push-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), push="on")
+def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill) -> None:
+    small_pushed = Settings(push_min_bytes=0)  # these requests are small: push them all the same
+    decode = DecodeRank(
+        f"push-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), push="on", settings=small_pushed
+    )
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=10)
         remote_ids, local_ids, tokens = [17, 3, 29, 8, 30], [5, 31, 0, 21, 22], 16 * 4 + 7

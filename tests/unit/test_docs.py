@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pd_transfer.settings import Settings
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pd_transfer"
 README = ROOT / "README.md"
@@ -142,14 +144,9 @@ def test_every_relative_link_points_at_a_file_and_heading(path: Path) -> None:
     assert not broken, f"{path.name}: {broken}"
 
 
-def test_the_readme_has_the_settings_table_between_its_markers() -> None:
+def test_the_readme_settings_table_is_the_one_the_settings_declare() -> None:
+    """The block between the README's settings markers is ``Settings.markdown_table()`` (``pd-transfer settings
+    --table``) exactly: every variable the package reads, with its default, values and meaning."""
     section = README.read_text().split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
     table = section.split("<!-- settings:begin -->\n", 1)[1].split("<!-- settings:end -->", 1)[0]
-    assert table.startswith("| name | default | meaning |\n")
-    read = {
-        name
-        for source in PACKAGE.rglob("*.py")
-        for name in re.findall(r"PD_TRANSFER_[A-Z0-9_]*[A-Z0-9]", source.read_text())
-    }
-    missing = sorted(name for name in read if f"`{name}`" not in table)
-    assert not missing, f"environment variables the package reads but the README's settings table lacks: {missing}"
+    assert table == Settings.markdown_table(), "regenerate the block with `pd-transfer settings --table`"

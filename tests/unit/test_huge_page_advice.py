@@ -11,15 +11,14 @@ import pytest
 import torch
 from agent_peer import large_pattern
 
-from pd_transfer.connector.cache import zeroed_host_tensor
+from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
+from pd_transfer.settings import SettingError, Settings
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.huge_pages import (
     HUGE_PAGE_BYTES,
     advise_huge_pages,
     aligned_runs,
     collapse_huge_pages,
-    huge_pages_enabled,
-    huge_pages_for_registrations,
-    huge_pages_mode,
     resident_huge_page_bytes,
     thp_mode,
 )
@@ -81,22 +80,34 @@ def test_a_cache_tensor_is_in_huge_pages_from_its_first_write() -> None:
     assert resident >= 28 * MIB
 
 
-def test_the_switch_turns_the_advice_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "0")
-    tensor = zeroed_host_tensor((32 * MIB,), torch.uint8)
-    assert advise_huge_pages([span_of(tensor)]) == 0
-    assert collapse_huge_pages([span_of(tensor)]).reason == "off"
+def test_the_switch_turns_the_advice_off() -> None:
+    off = Settings.from_environ({"PD_TRANSFER_HUGE_PAGES": "0"})
+    tensor = zeroed_host_tensor((32 * MIB,), torch.uint8, huge_pages=off.own_huge_pages)
+    assert int(tensor.count_nonzero()) == 0
     if thp_mode() == "madvise":  # unadvised memory gets no huge pages in this mode
         assert resident_huge_page_bytes([span_of(tensor)]) == 0
 
 
-def test_the_mode_says_whose_memory_is_advised(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PD_TRANSFER_HUGE_PAGES", raising=False)
-    assert (huge_pages_mode(), huge_pages_enabled(), huge_pages_for_registrations()) == ("own", True, False)
-    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "all")
-    assert (huge_pages_mode(), huge_pages_enabled(), huge_pages_for_registrations()) == ("all", True, True)
-    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "off")
-    assert (huge_pages_mode(), huge_pages_enabled(), huge_pages_for_registrations()) == ("0", False, False)
-    monkeypatch.setenv("PD_TRANSFER_HUGE_PAGES", "sometimes" * 10)
-    with pytest.raises(ValueError, match="PD_TRANSFER_HUGE_PAGES must be own, all or 0"):
-        huge_pages_mode()
+def test_the_mode_says_whose_memory_is_advised() -> None:
+    def mode(text: str) -> tuple[str, bool, bool]:
+        settings = Settings.from_environ({"PD_TRANSFER_HUGE_PAGES": text})
+        return settings.huge_pages, settings.own_huge_pages, settings.registered_huge_pages
+
+    assert mode("") == ("own", True, False)
+    assert mode("all") == ("all", True, True)
+    assert mode("off") == ("0", False, False)
+    with pytest.raises(SettingError, match="PD_TRANSFER_HUGE_PAGES must be one of own, all, 0"):
+        mode("sometimes" * 10)
+
+
+@needs_thp
+def test_a_cache_allocated_with_the_switch_off_is_not_advised() -> None:
+    if thp_mode() != "madvise":
+        pytest.skip(
+            f"transparent huge pages are {thp_mode()!r} here: only in madvise mode does unadvised memory stay small"
+        )
+    fingerprint = ModelFingerprint(model="m", dtype="float32", num_layers=1, total_num_kv_heads=8, head_size=128)
+    layout = KVCacheLayout(fingerprint=fingerprint, tp_size=1, tp_rank=0, block_size=16)
+    cache = KVCache.allocate(layout, 512, huge_pages=False)  # 32 MiB per plane
+    spans = [(region.base_address, region.base_address + region.span_bytes) for region in cache.regions]
+    assert resident_huge_page_bytes(spans) == 0

@@ -26,6 +26,7 @@ from pd_transfer.connector.params import (
 )
 from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.settings import SettingError, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.sim.fake_agent import FakeFabric
 
@@ -321,16 +322,15 @@ def test_config_is_checked_naming_the_setting() -> None:
         ConnectorConfig.from_dict({"lease_seconds": True}, env={})
     with pytest.raises(ConfigError, match=r"failure_policy"):
         ConnectorConfig.from_dict({"failure_policy": "retry"}, env={})
-    with pytest.raises(ConfigError, match="VLLM_NIXL_SIDE_CHANNEL_PORT"):
-        ConnectorConfig.from_dict({}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "port"})
+    with pytest.raises(SettingError, match="VLLM_NIXL_SIDE_CHANNEL_PORT"):  # the process's settings, at its edge
+        Settings.from_environ({"VLLM_NIXL_SIDE_CHANNEL_PORT": "port"})
     with pytest.raises(ConfigError, match=r"engine_spin_s: must be within 0..10 s, got -1"):
         ConnectorConfig.from_dict({"engine_spin_s": -1}, env={})
     assert ConnectorConfig.from_dict({"engine_spin_s": None}, env={}).engine_spin_s is None  # vLLM's own
     assert ConnectorConfig.from_dict({}, env={}).engine_spin_s == 0.001
-    config = ConnectorConfig.from_dict(
-        {"side_channel_port": 7000},
-        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"},
-    )
+    settings = Settings.from_environ({"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"})
+    assert ConnectorConfig.from_dict({}, settings=settings).side_channel_port == 5601
+    config = ConnectorConfig.from_dict({"side_channel_port": 7000}, settings=settings)
     assert (config.side_channel_host, config.side_channel_port) == ("10.1.2.3", 7000)  # the dict wins
     assert config.failure_policy == "recompute" and config.lease_seconds == 30.0
     assert config.heartbeat_interval_s == 10.0

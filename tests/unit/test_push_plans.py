@@ -19,6 +19,7 @@ from pd_transfer.connector.push_plans import (
     plan_to_wire,
     unpack_rows,
 )
+from pd_transfer.settings import SettingError, Settings
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology import PeerPlan
 from pd_transfer.topology.plan import SourcePlan
@@ -88,20 +89,16 @@ def test_rows_must_lie_inside_the_cache() -> None:
             check_rows_inside(np.array([row], dtype=np.uint64), spans, "rows")
 
 
-def test_push_is_asked_for_only_where_reads_go_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_push_is_asked_for_only_where_reads_go_over_tcp() -> None:
     assert reads_over_tcp("tcp,self") and reads_over_tcp("tcp") and reads_over_tcp("TCP, self")
     for tls in ("", "tcp,cma,self", "rc,tcp", "^cma", "shm,tcp", "self", "all"):
         assert not reads_over_tcp(tls), tls
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
-    assert push_to("127.0.0.1", "auto") and not push_to("10.1.2.3", "off")
-    monkeypatch.setenv("UCX_TLS", "tcp,cma,self")
-    assert not push_to("10.1.2.3", "auto") and push_to("127.0.0.1", "on")
-    monkeypatch.delenv("UCX_TLS")  # UCX chooses: CMA on one host, TCP to another unless RDMA is there
-    assert not push_to("127.0.0.1", "auto") and not push_to("localhost", "auto")
-    assert push_to("192.0.2.7", "auto") == (not rdma_devices())  # TEST-NET-1: never this host's
+    assert push_to("127.0.0.1", "auto", "tcp,self") and not push_to("10.1.2.3", "off", "tcp,self")
+    assert not push_to("10.1.2.3", "auto", "tcp,cma,self") and push_to("127.0.0.1", "on", "tcp,cma,self")
+    # UCX_TLS unset: UCX chooses: CMA on one host, TCP to another unless RDMA is there
+    assert not push_to("127.0.0.1", "auto", None) and not push_to("localhost", "auto", None)
+    assert push_to("192.0.2.7", "auto", None) == (not rdma_devices())  # TEST-NET-1: never this host's
     assert is_local_address("127.0.0.2") and not is_local_address("192.0.2.7")
-    monkeypatch.delenv("PD_TRANSFER_PUSH", raising=False)
-    assert push_mode() == "auto" and push_mode(" ON ") == "on"
-    monkeypatch.setenv("PD_TRANSFER_PUSH", "sometimes")
-    with pytest.raises(ValueError, match="PD_TRANSFER_PUSH"):
-        push_mode()
+    assert push_mode(None, Settings()) == "auto" and push_mode(" ON ", Settings()) == "on"
+    with pytest.raises(SettingError, match="PD_TRANSFER_PUSH"):
+        Settings.from_environ({"PD_TRANSFER_PUSH": "sometimes"})

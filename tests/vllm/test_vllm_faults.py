@@ -11,18 +11,21 @@ and the tiny model (``pd-transfer make-model``), like ``tests/vllm/test_vllm_pd.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import pytest
 from fault_kit import (
     FRAME_KINDS,
     Background,
+    HeldAnswers,
     fingerprint_of,
     hostile_frames,
     incarnation,
@@ -51,6 +54,7 @@ from vllm_servers import (
 from pd_transfer.bench.soak import drive, group_rss_bytes, nonzero, proxy_process, rss_bytes, settle
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
 from pd_transfer.handshake import HandshakeClient
+from pd_transfer.proxy.server import Proxy, ProxyConfig
 from pd_transfer.sim.handshake_server import RawPeer
 
 pytestmark = pytest.mark.timeout(1200)
@@ -289,6 +293,73 @@ def test_prefill_killed_during_a_large_pull_ends_with_each_policy(cluster: Clust
     assert tokens_of(recomputed) == expected
     assert failed is not None and failed.status == 500, f"policy fail answered {failed_answer}"
     assert max(ends.values()) < ENDS_WITHIN_S, ends
+
+
+# ---- a client gone during the prefill hop ------------------------------------------------------------------------
+
+
+def test_client_gone_after_the_prefill_answered_frees_its_blocks_at_once(cluster: Cluster) -> None:
+    """Issue 24 item 6. A client that leaves while the proxy waits for the prefill: if the prefill's engine is still
+    computing, closing the connection makes vLLM abort the request and our connector holds nothing for an aborted
+    one; but once the engine has finished, its blocks are held for a decode the proxy will never send them to. The
+    proxy reads that answer on (``PREFILL_LEFTOVER_S``) and releases them: freed at once, counted ``released``.
+    Before, it closed the connection with the answer unread and the blocks stayed held to the lease's end (counted
+    ``expired``). Here the answer waits in a relay until the client has gone, so the proxy cannot have it before."""
+    prefill = cluster.prefill
+    before = {reason: metric_value(prefill.url, LEASES, reason=reason) for reason in ("released", "expired")}
+    prompt = _prompt(3 * BLOCK, seed=80)
+
+    async def scenario() -> tuple[float, dict[str, float]]:
+        relay = HeldAnswers(prefill.url)
+        await relay.start()
+        try:
+            config = ProxyConfig(prefill=[relay.url], decode=[cluster.decode_fail.url], health_interval_s=600.0)
+            async with Proxy(config) as proxy:
+                await proxy.start()
+                relay.hold()
+                async with aiohttp.ClientSession() as client:
+                    body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS}
+                    request = asyncio.create_task(client.post(proxy.url + "/v1/completions", json=body))
+                    await asyncio.wait_for(relay.answered.wait(), 60.0)  # vLLM answered: it holds the blocks
+                    request.cancel()  # the client leaves: its connection to the proxy closes
+                    await asyncio.gather(request, return_exceptions=True)
+                    hop = proxy.prefill.backends[0]
+                    await _poll(lambda: hop.in_flight == 0, 10.0, "the proxy's handler has ended")
+                left = time.monotonic()
+                relay.release()
+                await asyncio.to_thread(
+                    _wait_counter, prefill, LEASES, before["released"] + 1, LEASE_S / 2, reason="released"
+                )
+                return time.monotonic() - left, _releases(proxy)
+        finally:
+            await relay.stop()
+
+    seconds, releases = asyncio.run(scenario())
+    print(f"\nclient gone during the prefill hop: the blocks released {seconds:.2f} s later (lease {LEASE_S:g} s)")
+    assert releases == {"releasing": 1}, releases
+    assert metric_value(prefill.url, LEASES, reason="expired") == before["expired"]
+    wait_until(lambda: metric_value(prefill.url, USAGE) <= 0, 15.0, "the prefill holds nothing")
+
+
+async def _poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Until ``condition()`` holds, on the event loop (which the proxy shares); fails after ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.01)  # polling pace
+    except TimeoutError:
+        pytest.fail(f"not within {timeout_s:g} s: {what}")
+
+
+def _releases(proxy: Proxy) -> dict[str, float]:
+    """The proxy's ``pd_proxy_releases_total`` by outcome, those above 0."""
+    found: dict[str, float] = {}
+    for line in proxy.metrics.render().decode().splitlines():
+        if line.startswith("pd_proxy_releases_total{"):
+            outcome, value = line.split('outcome="', 1)[1].split('"', 1)[0], float(line.rsplit(" ", 1)[1])
+            if value:
+                found[outcome] = value
+    return found
 
 
 # ---- a decode killed in the middle of a request ------------------------------------------------------------------

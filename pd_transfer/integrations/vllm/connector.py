@@ -38,6 +38,7 @@ from vllm.v1.request import RequestStatus
 from pd_transfer.connector.config import ConnectorConfig, FailurePolicy
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.settings import Settings, apply_process_defaults, environment
 
 from .compat import CacheHitSource
 from .cpu_cache import describe_cpu_cache
@@ -97,10 +98,13 @@ class PdTransferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        log_to_stderr()
+        environ = environment()  # this vLLM process is our edge: its environment is read here, once
+        self.settings = apply_process_defaults(Settings.from_environ(environ))  # before a worker makes its agents
+        log_to_stderr(self.settings.log_level)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
-        self.config = ConnectorConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self.config = ConnectorConfig.from_dict(extra, settings=self.settings, env=environ)
         self.engine_id = str(transfer.engine_id)
         _align_failure_policy(transfer, self.config.failure_policy, role)
         if self.config.engine_spin_s is not None:
@@ -163,7 +167,9 @@ class PdTransferConnector(KVConnectorBase_V1):
                 cache_dtype=cache_dtype,
             )
             packed_formats = packed_format_source(layout, cache.tensors[0].dtype, cache_dtype)
-        self._worker = WorkerSide(self.engine_id, cache, self.config, packed_formats=packed_formats)
+        self._worker = WorkerSide(
+            self.engine_id, cache, self.config, packed_formats=packed_formats, settings=self.settings
+        )
         logger.info(
             "pd-transfer worker tp%d/%d: %d region(s) x %d blocks registered on %s (%.0f MiB, %s), fingerprint %s",
             layout.tp_rank,

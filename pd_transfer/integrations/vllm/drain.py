@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from pd_transfer.connector.drain import Drain
+from pd_transfer.settings import read_settings
 
 from .logs import log_to_stderr
 
@@ -101,7 +102,7 @@ class DrainMiddleware:
 
     def _install(self) -> None:
         self._installed = True
-        log_to_stderr()
+        log_to_stderr(read_settings().log_level)  # this vLLM process is our edge
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not in the main thread: the drain will not start on SIGTERM")
             return

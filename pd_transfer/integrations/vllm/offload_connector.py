@@ -51,6 +51,7 @@ from pd_transfer.offload import (
     TransferWorker,
     chain_block_keys,
 )
+from pd_transfer.settings import read_settings
 
 from .compat import CacheHitSource
 from .connector import register_by_name
@@ -107,7 +108,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        log_to_stderr()
+        log_to_stderr(read_settings().log_level)  # this vLLM process is our edge
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         self.config = OffloadConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
