@@ -66,6 +66,7 @@ from .groups import GroupReader
 from .hash_ahead import MIN_AHEAD_BYTES, ChecksumsAhead, helper_useful
 from .keys import BlockKey, check_key, short
 from .metrics import OffloadMetrics
+from .page_cache import resident_fraction
 from .specs import PageFormat, TierBlocks
 
 __all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "DirectoryTier", "ReadOutcome", "check_header", "encode_header"]
@@ -161,6 +162,27 @@ class DirectoryTier:
         if file is not None and self.group_blocks > 1 and self.group_path_of(file).is_file():
             return True
         return self.path_of(key).is_file()
+
+    def files_holding(self, keys: Sequence[BlockKey], files: Sequence[BlockKey] = ()) -> list[Path] | None:
+        """The files a load of ``keys`` would read (``files``: each key's file key, as for :meth:`exists`: its group
+        file if there, else its block file), each once, in order; None when some block has neither."""
+        found: dict[Path, None] = {}
+        for key, file in zip(keys, files or keys, strict=True):
+            group = self.group_path_of(file) if self.group_blocks > 1 else None
+            if group is not None and (group in found or group.is_file()):
+                found[group] = None
+            elif self.path_of(key).is_file():
+                found[self.path_of(key)] = None
+            else:
+                return None
+        return list(found)
+
+    def cached(self, keys: Sequence[BlockKey], files: Sequence[BlockKey] = ()) -> bool:
+        """Whether every file a load of ``keys`` would read (:meth:`files_holding`) is wholly in the page cache, so
+        the load reads no storage (:mod:`.page_cache`; a page evicted after this answer is read from storage by the
+        load). False when a block has no file or it cannot be told."""
+        paths = self.files_holding(keys, files)
+        return paths is not None and all(resident_fraction(path) == 1.0 for path in paths)
 
     # ------------------------------------------------------------------ writing files
     def write_temp(self, key: BlockKey, pages: Pages, *, reuse: Path | None = None) -> Path:
