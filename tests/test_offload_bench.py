@@ -9,7 +9,6 @@ from pathlib import Path
 from pd_transfer.bench import offload
 from pd_transfer.offload.hash_ahead import helper_useful
 
-
 #: 2 MiB jobs: enough for the checksum helper (1 MiB and up), a quarter of the time of ``--quick``'s 32 MiB
 SMALL = offload.Shape(num_tensors=4, page_bytes=16384, blocks=32, engine_blocks=40)
 
