@@ -9,9 +9,12 @@
   the tier: empty (its files deleted before each store, so every block file is created; the headline) and
   full (``full_tier``: at its bound, every store evicts the oldest job's files and rewrites them). The rate
   of the payload checksum the tier computes on every store and load, and the cost of creating one file in
-  that filesystem, are measured beside them, and the empty tier's store once more with every checksum computed
-  on the store's own thread (``checksum_serial``; the tier's default computes them on a helper thread while it
-  writes when the process may use two or more CPUs: ``checksum_thread``).
+  that filesystem, are measured beside them, and the empty tier's jobs once more with no helper thread
+  (``one_thread``: every checksum computed on the store's own thread, every file read by the load's own thread;
+  the tier's defaults where the process may use two or more CPUs hash a store's files on a helper thread while it
+  writes them, ``checksum_thread``, and read a load's files on its thread and a helper at once, ``read_thread``).
+  The disk tier's loads, and their yardstick's reads, are timed twice each round: with the page cache warm and
+  cold (``page_cache`` says how and what was resident).
 
 Ratios are baseline / ours (1.0: as fast as the baseline), by the wall clock and by this process's CPU
 seconds (``*_cpu_ratio_*``: on a machine shared with other jobs, the CPU time is the steadier of the two).
@@ -51,7 +54,7 @@ from pd_transfer.offload import (
     file_keys,
 )
 from pd_transfer.offload.checksum import payload_checksum
-from pd_transfer.offload.hash_ahead import helper_useful
+from pd_transfer.offload.helpers import helper_useful
 from pd_transfer.offload.page_cache import DROP_METHOD, drop_from_cache, resident_fraction
 from pd_transfer.spec import ModelFingerprint
 
@@ -341,7 +344,7 @@ def run(
             _disk_cases(root, cache, shape, repeats, 1, cases=(("scattered", True),)) if group_blocks > 1 else {}
         )
         serial = _disk_cases(root, cache, shape, repeats, group_blocks, cases=(("scattered", True),),
-                             checksum_thread=False, full_tier=False)  # fmt: skip
+                             helpers=False, full_tier=False)  # fmt: skip
         create_us = file_create_us(root)
         filesystem = filesystem_of(root)
         blocks = [[t[b].numpy() for t in cache] for b in range(shape.blocks)]
@@ -357,12 +360,13 @@ def run(
         "checksum_gb_s": _rate(shape.job_bytes, crc_s),
         "file_create_us": create_us,
         "group_blocks": group_blocks,
-        "checksum_thread": helper_useful(),  # the tier's default here: a helper thread with 2+ CPUs
+        "checksum_thread": helper_useful(),  # the tier's defaults here: helper threads with 2+ CPUs
+        "read_thread": helper_useful(),
     }
     disk_result |= {label: _rates(shape, case, "file_write", "file_read") for label, case in disk.items()}
-    # the empty tier's scattered case again, every checksum computed on the store's own thread (the code before
-    # the helper thread), in this run
-    disk_result["checksum_serial"] = {
+    # the empty tier's scattered case again, every checksum and read on the job's own thread (the code before the
+    # helper threads), in this run
+    disk_result["one_thread"] = {
         label: _rates(shape, case, "file_write", "file_read") for label, case in serial.items()
     }
     if per_block:  # the same cases with a file per block (group_blocks 1), measured in this run
@@ -383,15 +387,15 @@ def _disk_cases(
     group_blocks: int,
     cases: tuple[tuple[str, bool], ...] = _CASES,
     *,
-    checksum_thread: bool | None = None,
+    helpers: bool | None = None,
     full_tier: bool = True,
 ) -> dict[str, dict]:
     """The disk tier's cases: an empty tier (``cases``: contiguous and scattered engine blocks), and a full one
     (its bound two jobs, two untimed rounds to fill it, then every store evicts the oldest job's files).
-    ``checksum_thread``: the tier's (None: its default)."""
+    ``helpers``: the tier's ``checksum_thread`` and ``read_thread`` (None: its defaults)."""
     fmt = shape.page_format()
     tier = DirectoryTier(root / f"tier{group_blocks}", fmt, max_bytes=4 * shape.job_bytes, group_blocks=group_blocks,
-                         checksum_thread=checksum_thread)  # fmt: skip
+                         checksum_thread=helpers, read_thread=helpers)  # fmt: skip
     files = _file_baseline(root, tier, cache, shape, full=False)
     result = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in cases}
     shutil.rmtree(tier.directory, ignore_errors=True)
@@ -458,7 +462,7 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
         "goals_met": all(ratio is not None and ratio >= GOAL_RATIO for ratio in goals.values()),
         "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered"))
         and disk["full_tier"]["verified"]
-        and all(case["verified"] for key in ("per_block", "checksum_serial") for case in disk.get(key, {}).values()),
+        and all(case["verified"] for key in ("per_block", "one_thread") for case in disk.get(key, {}).values()),
         "end_to_end": None,
         "end_to_end_note": "measured by `bench offload --end-to-end` (real vLLM servers), not by this run",
     }
@@ -499,8 +503,11 @@ def cli_run(args: argparse.Namespace) -> int:
             f" load {disk['full_tier_load_ratio_vs_file_read']:.3f} x plain read,"
             f" cold {disk['full_tier_cold_load_ratio_vs_file_read']}; creating a file {disk['file_create_us']} us"
         )
-        serial = disk["checksum_serial"]["scattered"]
-        print(f"  disk, checksum on the store's thread  store {serial['store_ratio_vs_file_write']:.3f} x plain write")
+        serial = disk["one_thread"]["scattered"]
+        print(
+            f"  disk, no helper thread  store {serial['store_ratio_vs_file_write']:.3f} x plain write,"
+            f" load {serial['load_ratio_vs_file_read']:.3f} x plain read, cold {serial['cold_load_ratio_vs_file_read']}"
+        )
         for label, case in disk.get("per_block", {}).items():
             print(
                 f"  disk, a file per block ({label})  store {case['store_ratio_vs_file_write']:.3f} x plain write,"

@@ -63,11 +63,13 @@ from .file_format import (
 )
 from .file_io import TEMP_SUFFIX, publish, temp_name, touch, walk, write_all, writing
 from .groups import GroupReader
-from .hash_ahead import MIN_AHEAD_BYTES, ChecksumsAhead, helper_useful
+from .hash_ahead import MIN_AHEAD_BYTES, ChecksumsAhead
+from .helpers import helper_useful
 from .keys import BlockKey, check_key, short
 from .metrics import OffloadMetrics
 from .page_cache import resident_fraction
 from .specs import PageFormat, TierBlocks
+from .two_readers import by_file, read_groups
 
 __all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "DirectoryTier", "ReadOutcome", "check_header", "encode_header"]
 
@@ -112,12 +114,14 @@ class DirectoryTier:
         clock: Callable[[], float] = time.time,
         group_blocks: int = DEFAULT_GROUP_BLOCKS,
         checksum_thread: bool | None = None,
+        read_thread: bool | None = None,
     ) -> None:
         """``fsync``: flush each file before its rename (survives power loss, costs a disk flush per file;
         without it a process crash still never leaves a torn file). ``clock`` is wall time, compared with
         file mtimes to find stale temporary files. ``group_blocks``: blocks per group file (1: none).
         ``checksum_thread``: compute a store job's checksums on a helper thread while it writes
-        (:mod:`.hash_ahead`); None: when this process may use more than one CPU."""
+        (:mod:`.hash_ahead`); ``read_thread``: a load job's files are read by its thread and a helper thread at
+        once (:mod:`.two_readers`); None for either: when this process may use more than one CPU."""
         if max_bytes < page_format.block_bytes + HEADER_BYTES:
             raise OffloadInputError(f"max_bytes {max_bytes} holds no block of {page_format.block_bytes} bytes")
         self.root = Path(root)
@@ -127,6 +131,7 @@ class DirectoryTier:
         self.stale_temp_seconds = stale_temp_seconds
         self.group_blocks = check_group_blocks(group_blocks)
         self.checksum_thread = helper_useful() if checksum_thread is None else bool(checksum_thread)
+        self.read_thread = helper_useful() if read_thread is None else bool(read_thread)
         self._metrics = metrics
         self._clock = clock
         self._tag = page_format.tag
@@ -392,19 +397,24 @@ class DirectoryTier:
     ) -> tuple[int, list[BlockKey]]:
         """Load ``blocks.keys[i]`` into engine block ``block_ids[i]``, from its group file ``blocks.files[i]``
         if that exists, else from its block file; returns (bytes loaded, keys that missed). Each block is
-        checksummed right after it is read, while its bytes are still in the CPU's caches."""
+        checksummed right after it is read, while its bytes are still in the CPU's caches. With ``read_thread``
+        (and a job of 1 MiB or more) the job's files are read by this thread and a helper at once."""
         files = self._files_of(blocks)
-        missed = []
+        grouped = self.group_blocks > 1  # a group's last block has file == key: try its group first
         with GroupReader(
             self.page_format, self.group_blocks, self.group_path_of, self._reject, self._count_rejected
         ) as groups:
-            for key, file, block in zip(blocks.keys, files, block_ids, strict=True):
-                pages = [cache[block] for cache in caches]
+
+            def read(index: int) -> bool:
+                key, file = blocks.keys[index], files[index]
+                pages = [cache[block_ids[index]] for cache in caches]
                 self._check_pages(pages)
-                grouped = self.group_blocks > 1  # a group's last block has file == key: try its group first
-                if (groups.load(file, key, pages) if grouped else "missing") != "ok" and self.load(key, pages) != "ok":
-                    missed.append(key)
-        return (len(blocks.keys) - len(missed)) * self.page_format.block_bytes, missed
+                return (grouped and groups.load(file, key, pages) == "ok") or self.load(key, pages) == "ok"
+
+            two = self.read_thread and len(blocks.keys) * self.page_format.block_bytes >= MIN_AHEAD_BYTES
+            missed = read_groups(by_file(files), read, two=two)
+        failed = [key for index, key in enumerate(blocks.keys) if index in missed]
+        return (len(blocks.keys) - len(failed)) * self.page_format.block_bytes, failed
 
     def _files_of(self, blocks: TierBlocks) -> tuple[BlockKey, ...]:
         if not blocks.files:
