@@ -21,7 +21,9 @@ format (version 2) written before groups existed are block files: still read, an
 A file's payload is written first and its header, which holds the payload checksums, last, at offset 0, before
 the rename. With two or more CPUs a file's checksums are computed on a helper thread while its payload is written
 (:mod:`.hash_ahead`: the checksum off the write's critical path); else each block's right before its write. A
-load checks each block right after its read, while its bytes are in the CPU's caches.
+load checks each block right after its read, while its bytes are in the CPU's caches; with two or more CPUs a
+load job's files are read by two threads at once (:mod:`.two_readers`). :meth:`DirectoryTier.cached` tells whether
+the page cache holds the files a load would read (:mod:`.page_cache`).
 
 The size bound covers every block and group file under ``root``. Before a batch of new files is written, a
 sweep scans them when this process's estimate plus the batch passes ``max_bytes`` and after every 10% of
