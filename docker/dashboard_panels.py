@@ -1,6 +1,6 @@
 """The Grafana dashboard (docker/grafana/pd-transfer.json) as Prometheus queries: every panel's PromQL run against
 a real Prometheus's HTTP API until each panel returns data, bounded. Grafana does not run in the tests: these are
-the queries it would run. Used by tests/test_dashboard.py (a ``pd-transfer up`` cluster) and docker/test-cluster
+the queries it would run. Used by tests/vllm/test_dashboard.py (a ``pd-transfer up`` cluster) and docker/test-cluster
 (the compose cluster's own Prometheus container). Standard library only (docker/test-cluster runs on a bare
 Python); docker/ is no package, so callers put this folder on ``sys.path``.
 """

@@ -6,8 +6,9 @@ light but must run promptly: pinned to the core of a worker that spins between s
 thread was measured starved for over 20 s (a READ from a decode on the same core never completed, so its
 lease ran out). So each of our threads widens its own affinity when it starts.
 
-``PD_TRANSFER_THREAD_CPUS`` chooses where: unset or ``all`` (every CPU this machine has; the kernel keeps it
-within the process's cpuset), ``inherit`` (keep the engine's pin), or a list such as ``0-3,8``.
+``PD_TRANSFER_THREAD_CPUS`` chooses where (``Settings.thread_cpu_set``, passed down to whoever starts threads): unset
+or ``all`` (every CPU this machine has; the kernel keeps it within the process's cpuset), ``inherit`` (keep the
+engine's pin), or a list such as ``0-3,8``.
 """
 
 from __future__ import annotations
@@ -15,44 +16,34 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
+from functools import partial
 
 logger = logging.getLogger(__name__)
 
-ENV = "PD_TRANSFER_THREAD_CPUS"
+CpuSet = AbstractSet[int] | None  # the CPUs a thread may run on; None: the ones it inherited
 
 
-def thread_cpus(setting: str | None = None) -> set[int] | None:
-    """The CPUs our threads should run on, from ``setting`` (default: the environment); None: inherit."""
-    value = (os.environ.get(ENV, "all") if setting is None else setting).strip().lower()
-    if value == "inherit":
-        return None
-    if value in ("", "all"):
-        return set(range(os.cpu_count() or 1))
-    cpus: set[int] = set()
-    for part in value.split(","):
-        first, _, last = part.strip().partition("-")
-        try:
-            cpus.update(range(int(first), int(last or first) + 1))
-        except ValueError:
-            raise ValueError(f"{ENV}={value!r}: expected 'all', 'inherit' or a CPU list like '0-3,8'") from None
-    return cpus
-
-
-def unpin_current_thread() -> None:
-    """Give the calling thread the affinity of :func:`thread_cpus` (best effort: logged, never raised)."""
+def unpin_current_thread(cpus: CpuSet) -> None:
+    """Give the calling thread the affinity ``cpus`` (``Settings.thread_cpu_set``; None: keep what it inherited).
+    Best effort: logged, never raised."""
     try:
-        cpus = thread_cpus()
         if cpus is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(threading.get_native_id(), cpus)
     except (OSError, ValueError) as error:
         logger.warning("could not set the CPU affinity of thread %s: %s", threading.current_thread().name, error)
 
 
+def unpinning(cpus: CpuSet) -> Callable[[], None]:
+    """:func:`unpin_current_thread` of ``cpus``, as a thread pool's ``initializer``."""
+    return partial(unpin_current_thread, cpus)
+
+
 @contextmanager
-def threads_started_unpinned() -> Iterator[None]:
-    """Native threads a library starts inside this block get the affinity of :func:`thread_cpus` (a thread inherits
+def threads_started_unpinned(cpus: CpuSet) -> Iterator[None]:
+    """Native threads a library starts inside this block get the affinity ``cpus`` (a thread inherits
     its creator's when it starts, and ours cannot reach it after): the calling thread's own affinity is widened
     for the block and put back after (best effort, as :func:`unpin_current_thread`)."""
     native_id = threading.get_native_id()
@@ -60,7 +51,7 @@ def threads_started_unpinned() -> Iterator[None]:
         saved: set[int] | None = os.sched_getaffinity(native_id)
     except (OSError, AttributeError):
         saved = None
-    unpin_current_thread()
+    unpin_current_thread(cpus)
     try:
         yield
     finally:

@@ -5,14 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pd_transfer.bench.transfer import Shape
 
 
 def _demo(args: argparse.Namespace) -> int:
     """Two processes on loopback: a prefill engine serves its cache, this process pulls a request."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from pd_transfer.settings import apply_process_defaults, read_settings
+
+    settings = apply_process_defaults(read_settings(), net_devices="lo")  # the command's edge: read once
     from pd_transfer.bench.transfer import Shape
     from pd_transfer.connector.cache import KVCache
     from pd_transfer.connector.decode import DecodeRank
@@ -21,7 +27,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     shape = Shape(num_layers=args.layers, request_tokens=args.tokens, cache_blocks=2 * -(-args.tokens // 16))
     layout = shape.layout_for()
-    spec = PrefillSpec(engine_id="demo-prefill", layouts=[layout], num_blocks=shape.cache_blocks, secret=args.secret)
+    spec = PrefillSpec(
+        engine_id="demo-prefill", layouts=[layout], num_blocks=shape.cache_blocks, secret=args.secret, settings=settings
+    )
     print(
         f"starting a prefill process: {shape.num_layers} layers x K,V, {shape.num_kv_heads} KV heads x "
         f"{shape.head_size}, {shape.dtype}, {shape.block_size}-token blocks, {shape.cache_blocks} blocks"
@@ -32,7 +40,8 @@ def _demo(args: argparse.Namespace) -> int:
             f"  prefill pid {prefill.pid} serves its side channel on {prefill.host}:{prefill.port}"
             f" ({time.perf_counter() - started:.1f} s)"
         )
-        decode = DecodeRank("demo-decode", KVCache.allocate(layout, shape.cache_blocks), secret=args.secret)
+        cache = KVCache.allocate(layout, shape.cache_blocks, huge_pages=settings.own_huge_pages)
+        decode = DecodeRank("demo-decode", cache, secret=args.secret, settings=settings)
         try:
             started = time.perf_counter()
             engine = decode.connect(prefill.host, prefill.port)
@@ -67,11 +76,14 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
     from pd_transfer.bench.transfer_sections import run_sections, summary_lines
-    from pd_transfer.sim.peer import BUSY_ENGINE_ENV
+    from pd_transfer.settings import read_settings
 
     shape = QUICK_SHAPE if args.quick else Shape()
-    if args.busy_prefill:  # the prefill processes started from here inherit it
-        os.environ[BUSY_ENGINE_ENV] = "1"
+    if args.device is not None:
+        return _bench_transfer_device(args, shape)
+    settings = read_settings()  # the command's edge: read once, handed to both sides
+    if args.busy_prefill:
+        settings = replace(settings, sim_busy_engine=True)
     sections = [
         s
         for s, on in (("default", not args.only_tcp), ("tcp", args.tcp or args.only_tcp), ("tcp_netns", args.netns))
@@ -86,6 +98,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         repeats=3 if args.quick else args.repeats,
         idle_seconds=1.0 if args.quick else 5.0,
         wire_gbit=args.wire_gbit,
+        settings=settings,
     )
     print(json.dumps(result) if args.json else "\n".join(summary_lines(result)))
     cases = [
@@ -98,12 +111,44 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0 if cases and all(c["verified"] for c in cases) else 1
 
 
+def _bench_transfer_device(args: argparse.Namespace, shape: Shape) -> int:
+    """``bench transfer --device``: the one-node section on a device (``gpu`` in the JSON)."""
+    from pd_transfer.bench import transfer_device
+    from pd_transfer.settings import read_settings
+
+    settings = read_settings()  # the command's edge: read once
+    section = transfer_device.run(shape, args.device, repeats=3 if args.quick else args.repeats, settings=settings)
+    print(json.dumps({"gpu": section}) if args.json else "\n".join(transfer_device.summary_lines(section)))
+    return 0 if all(section[case]["verified"] for case in ("contiguous", "scattered")) else 1
+
+
 def _bench_topology(args: argparse.Namespace) -> int:
     from pd_transfer.bench.topology import run
+    from pd_transfer.settings import read_settings
 
-    result = run(quick=args.quick)
+    try:
+        result = run(quick=args.quick, device=args.device, settings=read_settings())  # the command's edge
+    except ValueError as error:  # a --device that is not here
+        print(error, file=sys.stderr)
+        return 2
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0 if result["verified"] else 1
+
+
+def _settings(args: argparse.Namespace) -> int:
+    """``pd-transfer settings``: every variable as this environment resolves it (``NAME=value``), or, with
+    ``--table``, the README's table of them all."""
+    from pd_transfer.settings import SettingError, Settings, read_settings
+
+    if args.table:
+        print(Settings.markdown_table(), end="")
+        return 0
+    try:
+        print("\n".join(read_settings().lines()))
+    except SettingError as error:
+        print(f"pd-transfer settings: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -130,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=32, help="model layers (default 32)")
     demo.add_argument("--secret", default=None, help="shared side-channel secret")
     demo.set_defaults(func=_demo)
+
+    settings = commands.add_parser("settings", help="the environment variables pd-transfer reads, as resolved here")
+    settings.add_argument("--table", action="store_true", help="print the README's table of them instead")
+    settings.set_defaults(func=_settings)
 
     model = commands.add_parser(
         "make-model", help="build the tiny seeded Llama used by tests, or (--smollm2) the real model `up` serves"
@@ -181,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_wire_argument(transfer, "with --netns: ")
     transfer.add_argument(
+        "--device",
+        help="cuda, cuda:N or cpu: the one-node section with both caches on that device (same-host IPC against raw"
+        " NIXL, the in-process device copy and a raw IPC copy), under 'gpu' in the JSON; other sections skipped",
+    )
+    transfer.add_argument(
         "--busy-prefill",
         action="store_true",
         help="the prefill process also runs a Python loop that keeps the GIL busy, as a serving engine's does",
@@ -189,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     topology = which.add_parser("topology", help="heterogeneous TP and block sizes vs homogeneous")
     topology.add_argument("--json", action="store_true", help="print one JSON object")
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
+    topology.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N: the caches there, against its copy of the rows (gpu.)"
+    )
     topology.set_defaults(func=_bench_topology)
     from pd_transfer.bench import pd_tcp
 

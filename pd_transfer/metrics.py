@@ -1,6 +1,7 @@
 """Prometheus metrics of pd-transfer's endpoints in one process.
 
-Decode ranks record every pull (bytes, seconds, descriptor rows, fix-up time added, outcome), the loads
+Decode ranks record every pull (bytes, seconds, descriptor rows, fix-up time added, outcome; the pulls, their
+bytes and seconds labelled with the ``transport`` that moved them: ``nixl``, ``cuda_ipc``, ``host_ipc``), the loads
 that failed by kind, the prefill engines handshaken afresh at a known address (a restart), their handshakes by
 outcome and seconds, and the requests waiting for remote KV; prefill ranks record how each lease ended (read,
 expired, aborted, released) and the blocks they hold; side-channel servers the frames they refused by reason and
@@ -27,7 +28,8 @@ class TransferMetrics:
         r = self.registry
         self.pull_seconds = Histogram(
             "pd_transfer_pull_seconds",
-            "Seconds of a request's pull, first post to usable KV",
+            "Seconds of a request's pull, first post to usable KV, by transport: nixl, cuda_ipc, host_ipc",
+            ["transport"],
             buckets=_SECONDS,
             registry=r,
         )
@@ -40,14 +42,21 @@ class TransferMetrics:
         self.pull_rows = Histogram(
             "pd_transfer_pull_descriptor_rows", "Descriptor rows posted per pull", buckets=_ROWS, registry=r
         )
-        self.pulled_bytes = Counter("pd_transfer_pulled_bytes", "Bytes of KV cache pulled", registry=r)
+        self.pulled_bytes = Counter(
+            "pd_transfer_pulled_bytes", "Bytes of KV cache pulled, by transport", ["transport"], registry=r
+        )
         self.pushed_bytes = Counter(
             "pd_transfer_pushed_bytes",
             "Bytes of KV cache the prefill ranks wrote into this decode (push, where reads would go over TCP); part of"
             " pd_transfer_pulled_bytes",
             registry=r,
         )
-        self.pulls = Counter("pd_transfer_pulls", "Pulls by outcome of the reads: ok, failed", ["outcome"], registry=r)
+        self.pulls = Counter(
+            "pd_transfer_pulls",
+            "Pulls by outcome of the reads (ok, failed) and transport (nixl, cuda_ipc, host_ipc)",
+            ["outcome", "transport"],
+            registry=r,
+        )
         self.pull_failures = Counter(
             "pd_transfer_pull_failures",
             "Loads of a request's KV that failed, handshake to lease confirmation, by kind: handshake, wrong_engine,"
@@ -121,14 +130,21 @@ class TransferMetrics:
         self.info_labels = dict(labels)
 
     def observe_pull(
-        self, seconds: float, num_bytes: int, rows: int, fixup_exposed_seconds: float, pushed_bytes: int = 0
+        self,
+        seconds: float,
+        num_bytes: int,
+        rows: int,
+        fixup_exposed_seconds: float,
+        pushed_bytes: int = 0,
+        *,
+        transport: str = "nixl",
     ) -> None:
-        self.pull_seconds.observe(seconds)
-        self.pulled_bytes.inc(num_bytes)
+        self.pull_seconds.labels(transport).observe(seconds)
+        self.pulled_bytes.labels(transport).inc(num_bytes)
         self.pushed_bytes.inc(pushed_bytes)
         self.pull_rows.observe(rows)
         self.fixup_exposed_seconds.observe(fixup_exposed_seconds)
-        self.pulls.labels("ok").inc()
+        self.pulls.labels("ok", transport).inc()
 
 
 _default: TransferMetrics | None = None

@@ -9,6 +9,8 @@ Vocabulary used throughout pd-transfer:
   ``kind_index * plane_block_len`` inside the region's block.
 * Inside a plane block the elements are ``(heads, tokens, head_size)`` for layout ``HND`` or
   ``(tokens, heads, head_size)`` for ``NHD``; ``heads`` is this rank's share of the KV heads.
+* A region's **memory** is ``"host"`` (CPU memory) or ``"cuda"`` (the memory of GPU ``device_index``, numbered as
+  the owning process sees its devices). All regions of one rank's cache share one memory (:func:`memory_of`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space add
 
 KVLayout = Literal["HND", "NHD"]
 PlaneKind = Literal["k", "v", "latent"]
+MemoryKind = Literal["host", "cuda"]
+DeviceIndex = Annotated[int, msgspec.Meta(ge=0, le=1023)]
 
 #: Bytes per element of the dtypes a KV cache may use.
 DTYPE_SIZES: dict[str, int] = {
@@ -130,6 +134,13 @@ class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: Count
     block_len: Count  # bytes of one block, all kinds together
     block_stride: Count  # bytes between the starts of consecutive blocks
+    memory: MemoryKind = "host"  # where the bytes are: host memory, or the GPU ``device_index``
+    device_index: DeviceIndex = 0  # the GPU, as the owner's process numbers them (0 for host memory)
+
+    @property
+    def place(self) -> MemoryPlace:
+        """Where this region's bytes are."""
+        return MemoryPlace(self.memory, self.device_index)
 
     @property
     def plane_block_len(self) -> int:
@@ -141,6 +152,47 @@ class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.num_blocks == 0:
             return 0
         return (self.num_blocks - 1) * self.block_stride + self.block_len
+
+
+class MemoryPlace(msgspec.Struct, frozen=True):
+    """Where a cache's bytes are: host memory (``device_index`` 0), or GPU ``device_index`` of the owning process."""
+
+    memory: MemoryKind = "host"
+    device_index: int = 0
+
+    @property
+    def is_host(self) -> bool:
+        return self.memory == "host"
+
+    def __str__(self) -> str:
+        return "host" if self.memory == "host" else f"cuda:{self.device_index}"
+
+
+HOST = MemoryPlace()
+
+
+def memory_of(regions: list[KVRegion]) -> MemoryPlace:
+    """The one memory every region is in (host for no regions); ``ValueError`` naming two regions that differ."""
+    if not regions:
+        return HOST
+    first = regions[0].place
+    for region in regions[1:]:
+        if region.place != first:
+            raise ValueError(
+                f"a cache's regions must share one memory: layer {regions[0].layer} is in {first},"
+                f" layer {region.layer} in {region.place}"
+            )
+    return first
+
+
+def place_of_tensor(tensor: torch.Tensor) -> MemoryPlace:
+    """The memory ``tensor`` is in; ``ValueError`` for devices other than the CPU and CUDA GPUs."""
+    device = tensor.device
+    if device.type == "cpu":
+        return HOST
+    if device.type == "cuda":
+        return MemoryPlace("cuda", 0 if device.index is None else device.index)
+    raise ValueError(f"KV caches live in host or CUDA memory, not on {device}")
 
 
 class Plane(msgspec.Struct, frozen=True):
@@ -175,13 +227,15 @@ def planes_of(regions: list[KVRegion]) -> list[Plane]:
 
 
 def region_from_tensor(tensor: torch.Tensor, layer: int, kinds: tuple[PlaneKind, ...]) -> KVRegion:
-    """Describe a tensor whose dim 0 is the block index and whose blocks are each contiguous."""
+    """Describe a tensor whose dim 0 is the block index and whose blocks are each contiguous, in host or CUDA memory
+    (its memory and device are the tensor's)."""
     if tensor.dim() < 2:
         raise ValueError(f"a KV region needs a block dimension and block contents, got shape {tuple(tensor.shape)}")
     block = tensor[0]
     if not block.is_contiguous():
         raise ValueError(f"layer {layer} {kinds}: each block must be contiguous in memory (strides {tensor.stride()})")
     element_size = tensor.element_size()
+    place = place_of_tensor(tensor)
     return KVRegion(
         layer=layer,
         kinds=kinds,
@@ -189,4 +243,6 @@ def region_from_tensor(tensor: torch.Tensor, layer: int, kinds: tuple[PlaneKind,
         num_blocks=tensor.shape[0],
         block_len=block.numel() * element_size,
         block_stride=tensor.stride(0) * element_size,
+        memory=place.memory,
+        device_index=place.device_index,
     )

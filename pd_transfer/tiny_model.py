@@ -251,7 +251,8 @@ def synthetic_corpus(approx_bytes: int = 400_000, *, corpus_seed: int = 1234) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def _json_bytes(obj: object) -> bytes:
+def json_bytes(obj: object) -> bytes:
+    """``obj`` as a model folder's JSON files are written: indented, keys sorted, a final newline."""
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -286,7 +287,8 @@ def _train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _tokenizer_files() -> dict[str, bytes]:
+def tokenizer_files() -> dict[str, bytes]:
+    """The tiny model's tokenizer files: file name -> contents (the tokenizer is trained on each call)."""
     tokenizer = _train_tokenizer()
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     added = {
@@ -312,8 +314,8 @@ def _tokenizer_files() -> dict[str, bytes]:
     }
     return {
         "tokenizer.json": (tokenizer.to_str(pretty=True) + "\n").encode(),
-        "tokenizer_config.json": _json_bytes(tokenizer_config),
-        "special_tokens_map.json": _json_bytes(special),
+        "tokenizer_config.json": json_bytes(tokenizer_config),
+        "special_tokens_map.json": json_bytes(special),
     }
 
 
@@ -362,7 +364,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file beside it: a reader sees the old file or the whole new
+    one (mode 0644)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -423,16 +427,16 @@ def build_tiny_model(directory: Path, *, seed: int = 0, dtype: str = "float32", 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).unlink(missing_ok=True)
     contents: dict[str, bytes] = {
-        "config.json": _json_bytes({**MODEL_CONFIG, "torch_dtype": dtype}),
-        "generation_config.json": _json_bytes({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}),
-        **_tokenizer_files(),
+        "config.json": json_bytes({**MODEL_CONFIG, "torch_dtype": dtype}),
+        "generation_config.json": json_bytes({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}),
+        **tokenizer_files(),
         "model.safetensors": _safetensors_bytes(seed, dtype),
     }
     digests = {}
     for name in FILES:
-        _write_atomic(directory / name, contents[name])
+        write_atomic(directory / name, contents[name])
         digests[name] = hashlib.sha256(contents[name]).hexdigest()
-    _write_atomic(directory / MARKER, _json_bytes({**wanted, "files": digests}))
+    write_atomic(directory / MARKER, json_bytes({**wanted, "files": digests}))
     return directory
 
 

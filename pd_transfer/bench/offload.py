@@ -476,6 +476,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--group-blocks", type=int, default=DEFAULT_GROUP_BLOCKS, help="the disk tier's blocks per group file"
     )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N: only the host tier, from an engine cache there (gpu.offload)",
+    )
     offload_vllm.add_arguments(parser)
 
 
@@ -485,6 +490,10 @@ def cli_run(args: argparse.Namespace) -> int:
     if args.end_to_end:
         return offload_vllm.cli_run(args)
     shape, repeats = (QUICK_SHAPE, 3) if args.quick else (Shape(), args.repeats)
+    if args.device is not None:  # the host tier from a cache on a device (pd_transfer.bench.device)
+        from pd_transfer.bench import device
+
+        return device.offload_cli(args.device, shape, repeats, as_json=args.json)
     result = run(shape, repeats=repeats, directory=args.dir, group_blocks=args.group_blocks)
     if args.json:
         print(json.dumps(result))

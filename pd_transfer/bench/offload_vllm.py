@@ -65,6 +65,7 @@ from pd_transfer.cluster.launch import (
 )
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, wait_ready
 from pd_transfer.offload.page_cache import DROP_METHOD, drop_from_cache, resident_fraction
+from pd_transfer.settings import child_environment, read_settings
 
 from .offload_vllm_sizing import BLOCK, MAX_TOKENS, PREFIX, TAIL, Sizing, save_result, sizing_for
 
@@ -77,7 +78,7 @@ PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 REQUEST_TIMEOUT_S = 120.0
 FLUSH_TIMEOUT_S = 60.0
-MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"
+MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"  # Settings.vllm_model
 _EXCEPTION = re.compile(r"^(\(\w+ pid=\d+\) )?([\w.]+)?(Error|Exception)\b: ")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -205,7 +206,7 @@ def _server(name: str, config: dict[str, object] | None, settings: Settings) -> 
         max_model_len=size.max_model_len,
         seed=0,
     )
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env = child_environment({"VLLM_SERVER_DEV_MODE": "1"})
     log_path = settings.log_dir / f"{name}.log"
     return server_process(name, spec, log_path, python=settings.python, connector=False, base_env=env)
 
@@ -505,7 +506,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     if unknown:
         raise ValueError(f"unknown setups {unknown}; known: {', '.join(SETUPS)}")
     return Settings(
-        model=args.model or os.environ.get(MODEL_ENV) or str(TINY_MODEL_DIR),
+        model=args.model or read_settings().vllm_model or str(TINY_MODEL_DIR),  # the command's edge
         python=args.python,
         log_dir=args.log_dir or Path("runs") / time.strftime("bench-offload-%Y%m%d-%H%M%S"),
         repeats=args.repeats,

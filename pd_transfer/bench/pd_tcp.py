@@ -32,12 +32,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from pd_transfer.settings import DEFAULTS, Settings, child_environment, read_settings
 from pd_transfer.sim.child import die_with_parent, stop_process
-from pd_transfer.sim.kv_standin import KVModel
+from pd_transfer.sim.kv_model import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
 from .tcp_stream import stream_gbps
@@ -157,14 +158,15 @@ def wait_idle(prefill_url: str, timeout_s: float = 10.0) -> None:
 
 
 def run_path(
-    sizes_mib: Sequence[int], rounds: int, modes: Sequence[str], net: Veth | None
+    sizes_mib: Sequence[int], rounds: int, modes: Sequence[str], net: Veth | None, ucx: Mapping[str, str]
 ) -> dict[str, dict[str, Any]]:
-    """Every mode and size over one path: the veth ``net`` (prefill inside its namespace) or loopback."""
+    """Every mode and size over one path: the veth ``net`` (prefill inside its namespace) or loopback; the
+    stand-ins' environments carry the UCX variables ``ucx``."""
     largest_blocks = -(-max(sizes_mib) * 2**20 // (bytes_per_token() * MODEL.block_size))
     model_args = ["--num-blocks", str(2 * largest_blocks + 64), "--read-timeout", "60"]
     prefill_host = net.inner_address if net else "127.0.0.1"
     decode_host = net.outer_address if net else "127.0.0.1"
-    base = {**os.environ, **tcp_ucx_env()}
+    base = child_environment(ucx)
     prefill_args = ["--host", prefill_host, "--side-channel-host", prefill_host, *model_args]
     prefill_env = {**base, "UCX_NET_DEVICES": net.inner if net else "lo"}
     results: dict[str, dict[str, Any]] = {}
@@ -189,12 +191,18 @@ def run_path(
 
 
 def run(
-    sizes_mib: Sequence[int] = SIZES_MIB, rounds: int = 5, netns: bool = True, wire_gbit: float | None = None
+    sizes_mib: Sequence[int] = SIZES_MIB,
+    rounds: int = 5,
+    netns: bool = True,
+    wire_gbit: float | None = None,
+    settings: Settings = DEFAULTS,
 ) -> dict[str, Any]:
     """The whole benchmark: the veth path where it can be built (else the reason), shaped to ``wire_gbit`` Gbit/s
-    if given, and loopback."""
-    result: dict[str, Any] = {"ucx_env": {**tcp_ucx_env()}, "model": {"bytes_per_token": bytes_per_token()}}
-    result["loopback"] = run_path(sizes_mib, rounds, MODES, None)
+    if given, and loopback. The stand-ins run over TCP with :data:`~pd_transfer.transfer.tcp.TCP_UCX_ENV` (any of
+    those variables ``settings`` holds as they are there)."""
+    ucx = tcp_ucx_env(settings)
+    result: dict[str, Any] = {"ucx_env": ucx, "model": {"bytes_per_token": bytes_per_token()}}
+    result["loopback"] = run_path(sizes_mib, rounds, MODES, None, ucx)
     if not netns:
         result["veth"] = {"skipped": "not asked for (--no-netns)"}
     else:
@@ -203,7 +211,7 @@ def run(
                 result["veth"] = {"skipped": net}
             else:
                 before = rx_bytes(net.outer)
-                result["veth"] = run_path(sizes_mib, rounds, MODES, net)
+                result["veth"] = run_path(sizes_mib, rounds, MODES, net, ucx)
                 result["veth"]["decode_rx_bytes"] = rx_bytes(net.outer) - before
                 result["veth"]["wire_gbit"] = wire_gbit
     result["load_average"] = list(os.getloadavg())
@@ -239,6 +247,6 @@ def cli_run(args: argparse.Namespace) -> int:
         raise SystemExit("--rounds and every --sizes-mib must be at least 1")
     if args.wire_gbit is not None and not args.netns:
         raise SystemExit("--wire-gbit shapes the veth: drop --no-netns")
-    result = run(args.sizes_mib, args.rounds, args.netns, args.wire_gbit)
+    result = run(args.sizes_mib, args.rounds, args.netns, args.wire_gbit, read_settings())  # the command's edge
     print(json.dumps(result, indent=2) if args.json else "\n".join(lines(result)))
     return 0

@@ -15,7 +15,11 @@ process's CPU time (user + system) over its requests.
 vLLM's router (``vllm-router``, Rust) runs beside our proxy in the same run when it is installed
 (:mod:`pd_transfer.bench.proxy_router`): P/D mode over the same stand-ins, pinned to the proxy's core, its requests
 interleaved with the others in every round; its figures go in a ``vllm_router`` object beside ours at each
-concurrency (``added_ms_p50`` / ``_p99`` against the same direct requests, ``cpu_ms_per_request``).
+concurrency (``added_ms_p50`` / ``_p99`` against the same direct requests, ``cpu_ms_per_request``), and ours over
+the router's in ``vs_vllm_router`` (CPU per request, p50, p99: ratios of the same run). ``goal`` says whether ours
+spends at most ``GOAL_CPU_X`` times the router's CPU per request at a latency at most ``GOAL_LATENCY_X`` times its
+(p50 and p99) at the largest concurrency. The host's in-process copy rate (GiB/s) before and after the run, and the
+load average at both ends, say how busy the machine was (the command measures the copy, not :func:`run_bench`).
 
 The stand-ins answer after a model's latency (``BACKEND_DELAY``): real backends spend a request's time generating
 on a GPU, not on the CPU the proxy runs on, and that time sets how many requests per second 64 clients send. With
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import queue
@@ -44,8 +49,10 @@ import msgspec
 
 from pd_transfer.affinity import allowed_cpus
 from pd_transfer.bench.proxy_router import RouterProcess, find_router, start_router
+from pd_transfer.bench.vllm_scale import host_copy_gbps
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.cli import loop_factory
+from pd_transfer.settings import child_environment, read_settings
 
 PROMPT = " ".join(f"word{i}" for i in range(64))  # ~83 tokens by the proxy's estimate
 TOKENS = 8
@@ -55,6 +62,10 @@ HEADERS = {"Content-Type": "application/json"}
 # (time to first token), each generated token ~10 ms (inter-token latency at batch ~64). So a request here takes
 # ~20 + 8 x 10 = 100 ms in its backends, and 64 clients send ~640 requests/s.
 BACKEND_DELAY = {"prefill_s": 0.020, "decode_token_s": 0.010}
+# Issue 24's goal beside vLLM's router, at the largest concurrency: CPU per request at most 1.5 times the router's,
+# latency (p50 and p99) at most the router's.
+GOAL_CPU_X = 1.5
+GOAL_LATENCY_X = 1.0
 
 
 def run_bench(
@@ -70,14 +81,18 @@ def run_bench(
     pin: bool = True,
     router: str | None = None,
     with_router: bool = True,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """Direct vs proxied requests at each concurrency, ``requests`` of each kind per concurrency
     (``requests_at_1`` at concurrency 1: default ``requests // 5``, each takes a backend round trip); vLLM's
-    router beside our proxy when ``with_router`` and a ``vllm-router`` is found (``router``: its path)."""
+    router beside our proxy when ``with_router`` and a ``vllm-router`` is found (``router``: its path); ``stream``:
+    the decode hop streamed (SSE, a chunk per token), read to its end by the client."""
     cpus = allowed_cpus()
     pinning = {"proxy": cpus[:1], "client_and_stand_ins": cpus[1:]} if pin and len(cpus) >= 2 else None
     own_affinity = set(cpus)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = datetime.datetime.now(datetime.UTC)
+    load_before = os.getloadavg()[0]
+    env = child_environment({"PYTHONUNBUFFERED": "1"})
     procs: list[subprocess.Popen[str]] = []
     routers: list[RouterProcess] = []
     binary = find_router(router) if with_router else None
@@ -88,9 +103,11 @@ def run_bench(
         instant = _setup(env, procs, pinning, 0.0, 0.0, binary, routers) if saturation else None
         counts = {c: (requests_at_1 or max(1, requests // 5)) if c == 1 else requests for c in concurrencies}
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            result = runner.run(_measure(*delayed, counts, rounds, warmup))
+            body = dict(BODY, stream=True) if stream else BODY
+            result = runner.run(_measure(*delayed, counts, rounds, warmup, body))
             if instant is not None:
-                result["saturation"] = runner.run(_measure(*instant, {max(concurrencies): requests}, rounds, warmup))
+                saturated = {max(concurrencies): requests}
+                result["saturation"] = runner.run(_measure(*instant, saturated, rounds, warmup, body))
     finally:
         os.sched_setaffinity(0, own_affinity)
         for front in routers:
@@ -105,6 +122,9 @@ def run_bench(
                 proc.wait()
     result.update(
         {
+            "goal": _goal(result[f"concurrency_{max(concurrencies)}"]),
+            "started_utc": started.isoformat(timespec="seconds"),
+            "stream": stream,
             "requests_per_setting": counts,
             "rounds": rounds,
             "backend_delay": {
@@ -123,9 +143,25 @@ def run_bench(
             else {"skipped": "vllm-router not found (scripts/setup-deploy installs it)" if with_router else "off"},
             "event_loop": "uvloop" if loop_factory() else "asyncio",
             "load_average_1m": round(os.getloadavg()[0], 2),
+            "load_average_1m_at_start": round(load_before, 2),
         }
     )
     return result
+
+
+def _goal(summary: dict[str, Any]) -> dict[str, Any]:
+    """Whether ``summary`` (one concurrency's) meets the goal beside vLLM's router (see the module)."""
+    if "vs_vllm_router" not in summary:
+        return {"met": None, "why": "no vllm-router in this run"}
+    x = summary["vs_vllm_router"]
+    met = x["cpu_per_request"] <= GOAL_CPU_X and max(x["p50"], x["p99"]) <= GOAL_LATENCY_X
+    return {
+        "concurrency": summary["concurrency"],
+        "cpu_per_request_at_most_x": GOAL_CPU_X,
+        "latency_at_most_x": GOAL_LATENCY_X,
+        **x,
+        "met": met,
+    }
 
 
 def _setup(
@@ -229,16 +265,22 @@ def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
 
 
 async def _measure(
-    prefill: str, decode: str, fronts: dict[str, tuple[str, int]], counts: dict[int, int], rounds: int, warmup: int
+    prefill: str,
+    decode: str,
+    fronts: dict[str, tuple[str, int]],
+    counts: dict[int, int],
+    rounds: int,
+    warmup: int,
+    body: dict[str, Any],
 ) -> dict[str, Any]:
     """Per concurrency (``counts``: concurrency -> requests of each kind): direct requests and requests through each
-    front (``fronts``: name -> (URL, pid)), interleaved in ``rounds``; the summary of :func:`_summary`."""
+    front (``fronts``: name -> (URL, pid)) of ``body``, interleaved in ``rounds``; the summary of :func:`_summary`."""
     import aiohttp  # the 'proxy' extra; imported here so the CLI can list this command without it
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        kinds = {"direct": _direct(session, prefill, decode)}
-        kinds |= {name: _through(session, name, url) for name, (url, _pid) in fronts.items()}
+        kinds = {"direct": _direct(session, prefill, decode, body)}
+        kinds |= {name: _through(session, name, url, body) for name, (url, _pid) in fronts.items()}
         pids = {name: pid for name, (_url, pid) in fronts.items()}
         out: dict[str, Any] = {}
         for concurrency, requests in counts.items():
@@ -249,28 +291,28 @@ async def _measure(
         return out
 
 
-def _direct(session: Any, prefill: str, decode: str) -> Callable[[], Awaitable[float]]:
+def _direct(session: Any, prefill: str, decode: str, body: dict[str, Any]) -> Callable[[], Awaitable[float]]:
     """The proxy's flow done by the client itself: prefill with ``do_remote_decode``, then the decode."""
     endpoint = flow.COMPLETIONS
 
     async def direct() -> float:
         headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
         started = time.perf_counter()
-        raw = await _post(session, "prefill", prefill + endpoint, flow.prefill_body(endpoint, BODY), headers)
+        raw = await _post(session, "prefill", prefill + endpoint, flow.prefill_body(endpoint, body), headers)
         params = flow.kv_params_from_prefill(msgspec.json.decode(raw))
-        await _post(session, "decode", decode + endpoint, flow.decode_body(BODY, params), headers)
+        await _post(session, "decode", decode + endpoint, flow.decode_body(body, params), headers)
         return time.perf_counter() - started
 
     return direct
 
 
-def _through(session: Any, name: str, url: str) -> Callable[[], Awaitable[float]]:
+def _through(session: Any, name: str, url: str, body: dict[str, Any]) -> Callable[[], Awaitable[float]]:
     """One request to a front (our proxy, vLLM's router), which does both hops."""
 
     async def through() -> float:
         headers = {**HEADERS, "X-Request-Id": uuid.uuid4().hex}
         started = time.perf_counter()
-        await _post(session, name, url + flow.COMPLETIONS, BODY, headers)
+        await _post(session, name, url + flow.COMPLETIONS, body, headers)
         return time.perf_counter() - started
 
     return through
@@ -331,6 +373,7 @@ def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
         "concurrency": concurrency,
         "requests_each": len(runs.times["direct"]) + len(runs.failures["direct"]),
         "proxy_cpu_ms_per_request": round(runs.cpu["proxy"] / len(runs.times["proxy"]) * 1e3, 3),
+        "proxy_cpu_s": round(runs.cpu["proxy"], 2),
         "failed": {name: len(runs.failures[name]) for name in ("direct", "proxy")},  # not in the latencies
     }
     if "vllm_router" in runs.times:
@@ -342,7 +385,14 @@ def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
             "ms_p99": r["p99"],
             "requests_per_s": round(len(runs.times["vllm_router"]) / runs.wall["vllm_router"], 1),
             "cpu_ms_per_request": round(runs.cpu["vllm_router"] / len(runs.times["vllm_router"]) * 1e3, 3),
+            "cpu_s": round(runs.cpu["vllm_router"], 2),
             "failed": len(runs.failures["vllm_router"]),
+        }
+        router_cpu = out["vllm_router"]["cpu_ms_per_request"]
+        out["vs_vllm_router"] = {
+            "cpu_per_request": round(out["proxy_cpu_ms_per_request"] / router_cpu, 2) if router_cpu else None,
+            "p50": round(p["p50"] / r["p50"], 3),
+            "p99": round(p["p99"] / r["p99"], 3),
         }
     first = [failures[0] for failures in runs.failures.values() if failures]
     if first:
@@ -408,19 +458,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's router binary to measure beside our proxy (default: found as scripts/setup-deploy installs it)",
     )
     parser.add_argument("--no-vllm-router", action="store_true", help="measure our proxy alone")
+    parser.add_argument("--stream", action="store_true", help="streamed decode answers (SSE), read to their end")
+    parser.add_argument(
+        "--runs", type=int, default=1, metavar="N", help='N whole runs back to back: {"runs": [...]} (default 1)'
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """``pd-transfer bench proxy [--json] [--quick] [--requests N] [--prefill-delay S] [--token-delay S]``."""
-    result = run_bench(
-        requests=200 if args.quick else args.requests,
-        warmup=20 if args.quick else 100,
-        prefill_delay_s=args.prefill_delay,
-        token_delay_s=args.token_delay,
-        pin=not args.no_pin,
-        router=args.vllm_router,
-        with_router=not args.no_vllm_router,
-    )
+    """``pd-transfer bench proxy [--json] [--quick] [--requests N] [--prefill-delay S] [--token-delay S] [--runs
+    N]``."""
+    router = args.vllm_router or read_settings().vllm_router  # this command is its process's edge
+    runs = []
+    for _ in range(max(1, args.runs)):
+        copy_before = host_copy_gbps()
+        result = run_bench(
+            requests=200 if args.quick else args.requests,
+            warmup=20 if args.quick else 100,
+            prefill_delay_s=args.prefill_delay,
+            token_delay_s=args.token_delay,
+            pin=not args.no_pin,
+            router=router,
+            with_router=not args.no_vllm_router,
+            stream=args.stream,
+        )
+        result["host_copy_gbps"] = {"before": copy_before, "after": host_copy_gbps()}  # 256 MiB, numpy, median of 5
+        runs.append(result)
+    result = runs[0] if len(runs) == 1 else {"runs": runs}
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -2,7 +2,8 @@
 bench proxy``: in P/D mode (``--vllm-pd-disaggregation --kv-connector nixl``) over the same stand-in prefill and
 decode, pinned to the proxy's core, so both fronts do the same two hops for the same client load.
 
-The binary is found as ``--vllm-router PATH``, else ``$PD_TRANSFER_VLLM_ROUTER``, else ``vllm-router`` on PATH, else
+The binary is found as ``--vllm-router PATH``, else ``$PD_TRANSFER_VLLM_ROUTER`` (both passed as ``explicit`` by
+the command), else ``vllm-router`` on PATH, else
 ``.venv-deploy/bin/vllm-router`` beside the interpreter's virtual environment (``scripts/setup-deploy`` puts it
 there). Without one the benchmark records why and measures our proxy alone.
 """
@@ -21,16 +22,14 @@ from pd_transfer.cluster.http_client import free_port, is_healthy
 
 __all__ = ["RouterProcess", "find_router", "router_command", "start_router"]
 
-ROUTER_ENV = "PD_TRANSFER_VLLM_ROUTER"
 START_TIMEOUT_S = 120.0  # the router reads every backend at start: slow on a loaded 2-core host
 LOG_TAIL_CHARS = 2000
 
 
 def find_router(explicit: str | None = None) -> str | None:
     """The ``vllm-router`` executable to run (see the module docstring), or None when there is none."""
-    for candidate in (explicit, os.environ.get(ROUTER_ENV)):
-        if candidate:
-            return candidate
+    if explicit:
+        return explicit
     on_path = shutil.which("vllm-router")
     if on_path:
         return on_path

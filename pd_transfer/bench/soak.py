@@ -3,7 +3,8 @@ pair, then what is left over: failed requests, the held-block and in-flight gaug
 the prefill's leases by how they ended, and the resident memory of every process before and after.
 
 The load (:func:`drive`), the leftover gauges (:func:`settle`) and the memory (:func:`group_rss_bytes`) are also
-what ``tests/faults/`` uses on its own servers; :func:`run` starts a pair and the proxy for the benchmark.
+what ``tests/vllm/test_vllm_faults.py`` uses on its own servers; :func:`run` starts a pair and the proxy for the
+benchmark.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pd_transfer.affinity import allowed_cpu
 from pd_transfer.cluster.http_client import RequestFailed, answer_tokens, completion, free_port, scrape_metrics
 from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
 from pd_transfer.cluster.processes import ManagedProcess, group_members, stop_all, wait_ready
+from pd_transfer.settings import child_environment, read_settings
 
-__all__ = ["SoakLoad", "add_arguments", "drive", "group_rss_bytes", "held_gauges", "run", "settle"]
+__all__ = ["SoakLoad", "add_arguments", "drive", "group_rss_bytes", "held_gauges", "rss_bytes", "run", "settle"]
 
 MIB = 2**20
 #: Gauge samples that count something held or in flight: all must read 0 once the load is over.
@@ -151,15 +153,21 @@ def nonzero(readings: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     return {f"{name}: {sample}": v for name, gauges in readings.items() for sample, v in gauges.items() if v != 0}
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory (bytes) of process ``pid``: ``VmRSS`` of ``/proc/PID/status``; ``OSError`` once it is gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"process {pid} has no VmRSS (a zombie?)")
+
+
 def group_rss_bytes(process: ManagedProcess) -> int:
     """Resident memory (bytes) of every live process of ``process``'s group (a vLLM server is its API server, its
     engine core and their helpers), summed from ``/proc/PID/status`` (``VmRSS``); 0 when none is alive."""
     total = 0
     for pid in [] if process.process is None else group_members(process.process.pid):
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+            total += rss_bytes(pid)
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
     return total
@@ -241,7 +249,7 @@ def proxy_process(prefill: Sequence[str], decode: Sequence[str], logs: Path, por
     port = port or free_port()
     command = [sys.executable, "-m", "pd_transfer.proxy", "--prefill", *prefill, "--decode", *decode]
     command += ["--port", str(port)]
-    return ManagedProcess("proxy", command, dict(os.environ), logs / "proxy.log", f"http://127.0.0.1:{port}")
+    return ManagedProcess("proxy", command, child_environment(), logs / "proxy.log", f"http://127.0.0.1:{port}")
 
 
 def portable(readings: Mapping[str, Mapping[str, float]], model: str) -> dict[str, dict[str, float]]:
@@ -309,8 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="requests at once (32)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (8)")
     parser.add_argument("--lease", type=float, default=30.0, help="the prefill's lease in seconds (30)")
-    model = os.environ.get("PD_TRANSFER_VLLM_MODEL") or str(TINY_MODEL_DIR)
-    parser.add_argument("--model", default=model, help="model folder ($PD_TRANSFER_VLLM_MODEL or the tiny model)")
+    parser.add_argument("--model", default=None, help="model folder ($PD_TRANSFER_VLLM_MODEL or the tiny model)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs vLLM (this one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (runs/bench-soak-TIMESTAMP)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for servers to be healthy")
@@ -331,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
     interrupted (SIGINT, SIGTERM or SIGHUP: every server is stopped first)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    if args.model is None:  # this command is its process's edge: its settings are read here, once
+        args.model = read_settings().vllm_model or str(TINY_MODEL_DIR)
     try:
         result = soak(args)
     except KeyboardInterrupt:

@@ -4,11 +4,17 @@ bytes, in one run. Prefill engines run in child processes; the decode ranks live
 Cases on the default model shape (32 layers, K and V apart, 8 KV heads x 128, bf16, 4096 tokens):
 ``tp_2_to_1`` (prefill TP 2, each rank 4 heads -> decode TP 1) and ``block_16_to_64`` (prefill blocks
 of 16 tokens -> decode blocks of 64, regrouped after receive), each against prefill TP 1 / block 16 ->
-decode TP 1 / block 16 moving the same 512 MiB.
+decode TP 1 / block 16 moving the same 512 MiB. Beside the figures: the host's own copy rate (512 MiB contiguous,
+one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, the time it finished
+(UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane).
+
+``--device cuda[:N]`` keeps both sides' caches on that device and adds ``gpu``: each case against the in-process
+device copy of the same rows (:mod:`.device`); ``--device cpu`` does the same on CPU tensors.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import statistics
 from dataclasses import asdict, replace
@@ -18,10 +24,14 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
+from pd_transfer.connector.reads import DEFAULT_STAGED_JOBS_PER_LANE
+from pd_transfer.connector.staging import DEFAULT_STAGING_CHUNK_BYTES
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 
-from .transfer import QUICK_SHAPE, Shape
+from .device import parse_device, topology_section
+from .transfer import QUICK_SHAPE, Shape, host_copy_gbps
 
 
 def _measure(
@@ -42,7 +52,7 @@ def _measure(
 def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
     """Medians over the repeats. The fix-up runs on a worker thread while later chunks are read:
     ``postprocess_ratio`` is what it adds to the pull (seconds after the last read / read seconds),
-    ``postprocess_cpu_ratio`` its whole cost on the other core (its seconds / read seconds)."""
+    ``postprocess_cpu_ratio`` its whole cost (its seconds, summed over the lanes that ran it / read seconds)."""
     seconds = statistics.median(s.seconds for s in stats)
     read_seconds = statistics.median(s.read_seconds for s in stats)
     post_seconds = statistics.median(s.postprocess_seconds for s in stats)
@@ -65,9 +75,17 @@ def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
     }
 
 
-def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+def run(
+    *, quick: bool = False, repeats: int = 5, seed: int = 11, device: str | None = None, settings: Settings = DEFAULTS
+) -> dict:
+    """Heterogeneous TP and block sizes against the homogeneous read, side by side. ``device``: where both sides'
+    caches live, and the ``gpu`` section against its copy (None: the CPU, no section). ``settings``: the command's
+    (both sides run with them). Raises ``ValueError`` for a device that is not here."""
+    target = parse_device(device) if device is not None else None
+    on = str(target) if target is not None else "cpu"
+    settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     shape: Shape = QUICK_SHAPE if quick else Shape()
     repeats = 3 if quick else repeats
     tokens = shape.request_tokens
@@ -76,17 +94,29 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
     big_block = 4 * shape.block_size
     big_cache_blocks = shape.cache_blocks // 4
 
-    homogeneous_spec = PrefillSpec("bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed)
+    homogeneous_spec = PrefillSpec(
+        "bench-tp1", [shape.layout_for()], shape.cache_blocks, seed=seed, device=on, settings=settings
+    )
     tp2_spec = PrefillSpec(
-        "bench-tp2", [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)], shape.cache_blocks, seed=seed + 1
+        "bench-tp2",
+        [shape.layout_for(tp_size=2, tp_rank=r) for r in range(2)],
+        shape.cache_blocks,
+        seed=seed + 1,
+        device=on,
+        settings=settings,
     )
     remote_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     local_ids = rng.choice(shape.cache_blocks, small_blocks, replace=False).tolist()
     big_local_ids = rng.choice(big_cache_blocks, -(-tokens // big_block), replace=False).tolist()
 
     with PrefillProcess(homogeneous_spec) as tp1, PrefillProcess(tp2_spec) as tp2:
-        small = DecodeRank("bench-decode-b16", KVCache.allocate(shape.layout_for(), shape.cache_blocks))
-        big = DecodeRank("bench-decode-b64", KVCache.allocate(shape.layout_for(block_size=big_block), big_cache_blocks))
+        own = settings.own_huge_pages
+        small_cache = KVCache.allocate(shape.layout_for(), shape.cache_blocks, device=on, huge_pages=own)
+        big_cache = KVCache.allocate(
+            shape.layout_for(block_size=big_block), big_cache_blocks, device=on, huge_pages=own
+        )
+        small = DecodeRank("bench-decode-b16", small_cache, settings=settings)
+        big = DecodeRank("bench-decode-b64", big_cache, settings=settings)
         try:
             for decode, prefill in ((small, tp1), (small, tp2), (big, tp1)):
                 decode.connect(prefill.host, prefill.port)
@@ -100,14 +130,33 @@ def run(*, quick: bool = False, repeats: int = 5, seed: int = 11) -> dict:
                 checks["tp_2_to_1"] &= received_correctly(small.cache, local_ids, tp2_caches, remote_ids, tokens)
                 block_16_to_64 += _measure(big, tp1, remote_ids, big_local_ids, tokens, f"b1664-{index}", 1)
                 checks["block_16_to_64"] &= received_correctly(big.cache, big_local_ids, tp1_caches, remote_ids, tokens)
+            read_lanes = small.agent.lane_count
         finally:
             small.close()
             big.close()
-    return {
+    copies = {kind: host_copy_gbps(homogeneous[0].bytes, huge_pages=kind) for kind in (False, True)}
+    result = {
         "shape": asdict(replace(shape)),
+        "host_copy_gbps": round(max(copies.values()), 3),
+        "host_copy_gbps_4k_pages": round(copies[False], 3),
+        "host_copy_gbps_huge_pages": round(copies[True], 3),
+        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],  # 1-minute, before and after
+        "finished_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "settings": {
+            "read_lanes": read_lanes,
+            "staging_chunk_bytes": DEFAULT_STAGING_CHUNK_BYTES,
+            "staged_jobs_per_lane": DEFAULT_STAGED_JOBS_PER_LANE,
+        },
         "verified": all(checks.values()),
         "verified_cases": checks,
         "homogeneous": _summary(homogeneous, homogeneous),
         "tp_2_to_1": _summary(tp_2_to_1, homogeneous),
         "block_16_to_64": _summary(block_16_to_64, homogeneous),
     }
+    if target is not None:
+        cases = {"homogeneous": (tp1_caches, homogeneous), "tp_2_to_1": (tp2_caches, tp_2_to_1),
+                 "block_16_to_64": (tp1_caches, block_16_to_64)}  # fmt: skip
+        result["gpu"] = topology_section(
+            target, {case: (caches, remote_ids, stats) for case, (caches, stats) in cases.items()}, repeats
+        )
+    return result

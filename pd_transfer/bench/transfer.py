@@ -4,7 +4,6 @@ in-process copy of the same blocks, measured side by side in one run, plus idle 
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -17,10 +16,11 @@ import torch
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, busy_engine_requested
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
-from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, huge_pages_mode, resident_huge_page_bytes, thp_mode
+from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, resident_huge_page_bytes, thp_mode
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def _read_way(seconds: list[float], cpus: list[float], num_bytes: int, raw_gbps:
     }
 
 
-def _one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
+def one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: int, samples: int) -> list[float]:
     """Seconds of ``samples`` pulls of one held block each (the hold, a round trip to the prefill, not counted)."""
     seconds = []
     for index in range(samples):
@@ -227,6 +227,18 @@ def _one_block_pulls(decode: DecodeRank, prefill: PrefillProcess, block_size: in
     return seconds
 
 
+def request_ids(shape: Shape, seed: int) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """The (remote, local) block ids of the contiguous request and of the scattered one (shuffled, distinct)."""
+    rng = np.random.default_rng(seed)
+    n = shape.request_blocks
+    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
+    scattered = (
+        sorted(rng.choice(shape.cache_blocks, n, replace=False).tolist(), key=lambda _: rng.random()),
+        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
+    )
+    return contiguous, scattered
+
+
 def run(
     shape: Shape = Shape(),
     *,
@@ -235,10 +247,12 @@ def run(
     seed: int = 7,
     read_lanes: int | None = None,
     prefill_options: dict[str, str] | None = None,
+    settings: Settings = DEFAULTS,
 ) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
-    default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``)."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``);
+    ``settings``: the command's (both sides run with them), with the UCX variables in force now."""
+    settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
     layout = shape.layout_for()
     spec = PrefillSpec(
@@ -246,19 +260,20 @@ def run(
         layouts=[layout],
         num_blocks=shape.cache_blocks,
         seed=seed,
+        settings=settings,
         **(prefill_options or {}),  # type: ignore[arg-type]
     )
-    rng = np.random.default_rng(seed)
-    n = shape.request_blocks
-    contiguous = (list(range(3, 3 + n)), list(range(5, 5 + n)))
-    scattered = (
-        sorted(rng.choice(shape.cache_blocks, n, replace=False).tolist(), key=lambda _: rng.random()),
-        rng.choice(shape.cache_blocks, n, replace=False).tolist(),
-    )
+    contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
         expected = spec.caches()
-        decode = DecodeRank("bench-decode", KVCache.allocate(layout, shape.cache_blocks), read_lanes=read_lanes)
-        scratch = KVCache.allocate(layout, shape.cache_blocks)
+        own_huge_pages = settings.own_huge_pages
+        decode = DecodeRank(
+            "bench-decode",
+            KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages),
+            read_lanes=read_lanes,
+            settings=settings,
+        )
+        scratch = KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages)
         try:
             decode.agent.lanes_ready.wait(30.0)  # made in the background; a server's first pulls may go without
             decode.agent.huge_pages.wait(60.0)  # likewise: reads before it are correct, only slower
@@ -267,13 +282,13 @@ def run(
             connect_ms = (time.perf_counter() - started) * 1e3
             pushes = decode.push_ready(prefill.host, prefill.port, timeout_s=10.0)
             lanes = decode.agent.lanes
-            settings = {
+            reported = {
                 "read_lanes": 1 + (len(lanes.lanes) if lanes is not None else 0),
                 "split_min_bytes": lanes.split_min_bytes if lanes is not None else None,
-                "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+                "ucx_env": {k: v for k, v in sorted(environment().items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
-                "huge_pages": huge_pages_mode(),
-                "busy_prefill_engine": busy_engine_requested(),
+                "huge_pages": settings.huge_pages,
+                "busy_prefill_engine": settings.sim_busy_engine,
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
                 "push": pushes,  # the decode asks the prefill to write (PD_TRANSFER_PUSH; auto: over TCP)
             }
@@ -287,7 +302,7 @@ def run(
             }
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
             latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
-            pulls = _one_block_pulls(decode, prefill, shape.block_size, samples=100)
+            pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
             prefill.request("release", _LEASE)  # idle: nothing held
             # idle: both sides at once, the decode measured in this process
             prefill.send("idle_cpu", idle_seconds)
@@ -304,7 +319,7 @@ def run(
         "host_copy_gbps": round(max(copies.values()), 3),
         "host_copy_gbps_4k_pages": round(copies[False], 3),
         "host_copy_gbps_huge_pages": round(copies[True], 3),
-        "settings": settings,
+        "settings": reported,
         "request_bytes": results["contiguous"]["bytes"],
         "connect_ms": round(connect_ms, 1),
         **results,

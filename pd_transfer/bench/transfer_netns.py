@@ -24,8 +24,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from pd_transfer.settings import DEFAULTS, Settings, process_environment
+
 from .transfer import Shape
-from .transfer_tcp import environment, run
+from .transfer_tcp import run
 
 _IP_TIMEOUT_S = 30.0
 
@@ -155,14 +157,21 @@ def veth_or_reason(wire_gbit: float | None = None) -> Iterator[Veth | str]:
         delete_veth(net)
 
 
-def run_netns(shape: Shape, *, repeats: int, idle_seconds: float, wire_gbit: float | None = None) -> dict:
+def run_netns(
+    shape: Shape,
+    *,
+    repeats: int,
+    idle_seconds: float,
+    wire_gbit: float | None = None,
+    settings: Settings = DEFAULTS,
+) -> dict:
     """:func:`.transfer_tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
     (:func:`shape_wire`; the result's ``wire_gbit``); ``{"skipped": reason}`` where that cannot be built."""
     with veth_or_reason(wire_gbit) as net:
         if isinstance(net, str):
             return {"skipped": net}
         received = rx_bytes(net.outer)
-        with environment({"UCX_NET_DEVICES": net.outer}):
+        with process_environment({"UCX_NET_DEVICES": net.outer}):
             result = run(
                 shape,
                 repeats=repeats,
@@ -171,6 +180,7 @@ def run_netns(shape: Shape, *, repeats: int, idle_seconds: float, wire_gbit: flo
                 decode_host=net.outer_address,
                 stream_prefix=["ip", "netns", "exec", net.ns],
                 prefill_options={"netns": net.ns, "ucx_net_devices": net.inner},
+                settings=settings,
             )
         result["veth_rx_bytes"] = rx_bytes(net.outer) - received
         result["wire_gbit"] = wire_gbit

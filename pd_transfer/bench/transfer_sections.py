@@ -5,24 +5,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pd_transfer.settings import DEFAULTS, Settings
+
 from . import transfer, transfer_tcp
 from .transfer import Shape
 from .transfer_netns import run_netns
 
 
 def run_sections(
-    sections: Sequence[str], shape: Shape, *, repeats: int, idle_seconds: float, wire_gbit: float | None = None
+    sections: Sequence[str],
+    shape: Shape,
+    *,
+    repeats: int,
+    idle_seconds: float,
+    wire_gbit: float | None = None,
+    settings: Settings = DEFAULTS,
 ) -> dict:
     """The benchmark's sections by name: ``default`` (the transports UCX picks: CMA on one host) at the top level,
     ``tcp`` and ``tcp_netns`` (across a veth, where network namespaces can be made; ``wire_gbit``: the veth shaped
-    to that rate) under their names."""
+    to that rate) under their names; every one with the command's ``settings``."""
     result: dict = {}
     if "default" in sections:
-        result.update(transfer.run(shape, repeats=repeats, idle_seconds=idle_seconds))
+        result.update(transfer.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings))
     if "tcp" in sections:
-        result["tcp"] = transfer_tcp.run(shape, repeats=repeats, idle_seconds=idle_seconds)
+        result["tcp"] = transfer_tcp.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings)
     if "tcp_netns" in sections:
-        result["tcp_netns"] = run_netns(shape, repeats=repeats, idle_seconds=idle_seconds, wire_gbit=wire_gbit)
+        result["tcp_netns"] = run_netns(
+            shape, repeats=repeats, idle_seconds=idle_seconds, wire_gbit=wire_gbit, settings=settings
+        )
     return result
 
 

@@ -4,8 +4,10 @@ sockets; ``iperf3`` too where installed) and raw NIXL on the same descriptors.
 
 With TCP a NIXL READ is emulated by the target: the prefill's progress thread serves it, so its polling decides
 latency and throughput (see :mod:`pd_transfer.transfer.progress`). The UCX settings come from
-:data:`pd_transfer.transfer.tcp.TCP_UCX_ENV` (the user's own ``UCX_*`` variables win); the JSON names them and the
-transports UCX chose. GiB/s throughout (``gbps`` keys, 2**30 bytes per second).
+:data:`pd_transfer.transfer.tcp.TCP_UCX_ENV` (the user's own ``UCX_*`` variables win), put in this process's
+environment for the section (:func:`pd_transfer.settings.process_environment`: UCX reads them there, and the prefill
+process inherits them); the JSON names them and the transports UCX chose. GiB/s throughout (``gbps`` keys, 2**30
+bytes per second).
 
 Over TCP the decode asks the prefill to push (``PD_TRANSFER_PUSH=auto``, :mod:`pd_transfer.connector.pushes`): the
 ``gbps`` and ``ratio_vs_tcp_stream`` keys are then the pushed pulls, and ``read_gbps``, ``read_ratio_vs_tcp_stream``
@@ -14,13 +16,12 @@ the same requests read, each right after its pushed twin.
 
 from __future__ import annotations
 
-import os
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from pd_transfer.settings import DEFAULTS, Settings, process_environment
 from pd_transfer.transfer.tcp import tcp_ucx_env
 from pd_transfer.transfer.transports import ucx_transports
 
@@ -36,21 +37,6 @@ def request_bytes_of(shape: Shape) -> int:
     return shape.request_blocks * shape.block_size * per_token
 
 
-@contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ`` (children started meanwhile inherit them), restore on exit."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def run(
     shape: Shape,
     *,
@@ -62,14 +48,15 @@ def run(
     decode_host: str = "127.0.0.1",
     stream_prefix: Sequence[str] = (),
     prefill_options: dict[str, str] | None = None,
+    settings: Settings = DEFAULTS,
 ) -> dict:
     """The transfer benchmark over UCX's tcp transport, the TCP stream measured before and after it (the median of
     both is the stream's rate the ratios use). ``extra_env``: UCX settings to try on top of the defaults;
     ``prefill_host``, ``stream_prefix`` and ``prefill_options`` (``netns``, ``ucx_net_devices``) put the prefill
     and the stream's sender elsewhere (another network namespace); the stream's receiver listens on
-    ``decode_host``."""
-    env = {**tcp_ucx_env(), "UCX_TLS": "tcp,self", **(extra_env or {})}
-    with environment(env):
+    ``decode_host``. ``settings``: the command's."""
+    env = {**tcp_ucx_env(settings), "UCX_TLS": "tcp,self", **(extra_env or {})}
+    with process_environment(env):
         request_bytes = request_bytes_of(shape)
         before = stream_gbps(request_bytes, repeats, host=decode_host, prefix=stream_prefix)
         result = transfer.run(
@@ -78,6 +65,7 @@ def run(
             idle_seconds=idle_seconds,
             read_lanes=read_lanes,
             prefill_options={"host": prefill_host, **(prefill_options or {})},
+            settings=settings,
         )
         after = stream_gbps(request_bytes, repeats, host=decode_host, prefix=stream_prefix)
         iperf3 = iperf3_gbps(4 * request_bytes, host=decode_host, prefix=stream_prefix)

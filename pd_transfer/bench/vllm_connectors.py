@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,10 +21,11 @@ from pd_transfer.bench.vllm_run import DEFAULT_LENGTHS, MAX_TOKENS, BenchSetting
 from pd_transfer.bench.vllm_scale import SCALE_LENGTHS, run_scale
 from pd_transfer.bench.vllm_scale_report import plot_ttft, render_scale_table
 from pd_transfer.cluster.launch import TINY_MODEL_DIR
+from pd_transfer.settings import read_settings
 
 __all__ = ["add_arguments", "run"]
 
-MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"
+MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"  # Settings.vllm_model
 MAX_PROMPT_TOKENS = 2000  # under --max-model-len 2048, with room for the decoded tokens
 SCALE_MAX_PROMPT_TOKENS = 4400  # --scale: under --max-model-len 4608
 SCALE_REQUESTS = 3  # --scale: measured requests per prompt length
@@ -51,8 +51,9 @@ def _positive(text: str) -> int:
 
 
 def _default_model() -> str:
-    """``$PD_TRANSFER_VLLM_MODEL``, else the tiny model where ``pd-transfer make-model`` puts it by default."""
-    return os.environ.get(MODEL_ENV) or str(TINY_MODEL_DIR)
+    """``$PD_TRANSFER_VLLM_MODEL``, else the tiny model where ``pd-transfer make-model`` puts it by default (read
+    when the command builds its settings: its process's edge)."""
+    return read_settings().vllm_model or str(TINY_MODEL_DIR)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -113,18 +113,18 @@ def build_kv8b_model(directory: Path, *, seed: int = 0, dtype: str = "float32", 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).unlink(missing_ok=True)
     contents = {
-        "config.json": tiny_model._json_bytes({**KV8B_CONFIG, "torch_dtype": dtype}),
-        "generation_config.json": tiny_model._json_bytes(
+        "config.json": tiny_model.json_bytes({**KV8B_CONFIG, "torch_dtype": dtype}),
+        "generation_config.json": tiny_model.json_bytes(
             {"bos_token_id": tiny_model.BOS_ID, "eos_token_id": tiny_model.EOS_ID, "pad_token_id": tiny_model.PAD_ID}
         ),
-        **tiny_model._tokenizer_files(),
+        **tiny_model.tokenizer_files(),
         "model.safetensors": save(_weights(seed, dtype), metadata={"format": "pt"}),
     }
     for name, data in contents.items():
-        tiny_model._write_atomic(directory / name, data)
+        tiny_model.write_atomic(directory / name, data)
     digests = {name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}
     marker = {**wanted, "kv_bytes_per_token": kv_bytes_per_token(dtype), "files": digests}
-    tiny_model._write_atomic(directory / MARKER, tiny_model._json_bytes(marker))
+    tiny_model.write_atomic(directory / MARKER, tiny_model.json_bytes(marker))
     return directory
 
 

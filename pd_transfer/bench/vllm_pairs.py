@@ -17,6 +17,7 @@ from pd_transfer.affinity import allowed_cpu
 from pd_transfer.cluster.http_client import free_port
 from pd_transfer.cluster.launch import ServerSpec, server_process, vllm_command, vllm_env
 from pd_transfer.cluster.processes import ManagedProcess, group_members, proc_stat_fields, wait_ready
+from pd_transfer.settings import child_environment
 
 __all__ = [
     "BLOCK_SIZE",
@@ -72,7 +73,7 @@ def _nixl_server(name: str, spec: ServerSpec, python: str, log_path: Path) -> Ma
     """A server with vLLM's NixlConnector: its config on the command line, its side channel in the environment."""
     command = vllm_command(spec, python, connector=False)
     command += ["--kv-transfer-config", json.dumps(NIXL_KV_TRANSFER_CONFIG, separators=(",", ":"))]
-    env = vllm_env(spec, os.environ)
+    env = vllm_env(spec, child_environment())
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
     return ManagedProcess(name, command, env, log_path, spec.url)

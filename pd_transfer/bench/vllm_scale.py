@@ -33,7 +33,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_transfer.affinity import ENV as THREAD_CPUS_ENV
 from pd_transfer.affinity import allowed_cpu
 from pd_transfer.bench.vllm_pairs import CPU_INDEX, Pair, bench_server, idle_cpu_percent, start_servers
 from pd_transfer.bench.vllm_requests import (
@@ -48,6 +47,7 @@ from pd_transfer.bench.vllm_run import BenchSettings, _scrub, _terminate_as_inte
 from pd_transfer.bench.vllm_scale_affinity import affinity_census, pinned_command, restore_strays
 from pd_transfer.cluster.http_client import RequestFailed, answer_tokens, wait_metric
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
+from pd_transfer.settings import read_settings
 
 __all__ = ["SCALE_KVCACHE_GIB", "SCALE_LENGTHS", "SCALE_MAX_MODEL_LEN", "host_copy_gbps", "run_scale"]
 
@@ -272,7 +272,7 @@ def _setup(run: _Scale, started_utc: str, copy_gbps: float) -> dict[str, Any]:
         "order": ["plain", *settings.order],
         "setups": "one after the other, never two at once; prefill on core 0, decode on core 1, plain on core 0",
         "cpu_placement": CPU_PLACEMENT,
-        "pd_transfer_thread_cpus": os.environ.get(THREAD_CPUS_ENV),
+        "pd_transfer_thread_cpus": read_settings().thread_cpus,  # what the servers inherit
         "flags": f"--dtype float32 --max-model-len {run.max_model_len} --seed 0 --block-size 128"
         + "".join(f" {arg}" for arg in run.extra_args)
         + f", {kv}",

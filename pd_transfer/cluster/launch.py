@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from pd_transfer.cluster.processes import ManagedProcess
+from pd_transfer.settings import child_environment
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -224,7 +224,7 @@ def server_process(
     """The (not yet started) process of a vLLM server serving ``spec``: :func:`vllm_command` run with
     :func:`vllm_env` of ``base_env`` (default: this process's environment), output to ``log_path``.
     ``connector=False``: a plain server. Raises ``ValueError`` as ``vllm_env`` does."""
-    env = vllm_env(spec, os.environ if base_env is None else base_env)
+    env = vllm_env(spec, child_environment() if base_env is None else base_env)
     command = vllm_command(spec, python, connector=connector)
     return ManagedProcess(name, command, env, log_path, spec.url, info=dict(info or {}))
 

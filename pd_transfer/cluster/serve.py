@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from pd_transfer.cluster.launch import ROLES, ServerSpec, vllm_command, vllm_env
+from pd_transfer.settings import child_environment
 
 __all__ = ["add_arguments", "main", "run", "shell_line", "spec_from_args"]
 
@@ -82,7 +83,7 @@ def shell_line(command: Sequence[str], env: Mapping[str, str], base_env: Mapping
 
 def run(args: argparse.Namespace) -> int:
     """Build the server's command and exec it (or print it with ``--print``). Returns an exit code on error."""
-    base = dict(os.environ)
+    base = child_environment()
     try:
         spec = spec_from_args(args)
         command = vllm_command(spec)

@@ -32,13 +32,12 @@ from pd_transfer.cluster.monitoring import write_scrape_config
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, stop_all, wait_ready
 from pd_transfer.cluster.up_args import (
     DEFAULT_MODEL_DIR,
-    MODEL_ENV,
-    MODELS_DIR_ENV,
     SIDE_CHANNEL_OFFSET,
     add_arguments,
     server_ports,
     validate,
 )
+from pd_transfer.settings import Settings, child_environment, read_settings
 
 __all__ = ["add_arguments", "cpu_binds", "main", "plan_servers", "run", "validate"]
 
@@ -185,19 +184,19 @@ def _mark_stopped(children: Sequence[ManagedProcess]) -> None:
         pass
 
 
-def _resolve_model(args: argparse.Namespace, out: _Output) -> Path:
-    """The model folder to serve: ``--model``; else ``$PD_TRANSFER_MODEL`` (the tiny model built there if it holds
-    none); else SmolLM2-135M-Instruct, built once into ``$PD_TRANSFER_MODELS_DIR`` (default ``.models``), or the
-    tiny model, with a one-line note, when a TP size cannot split its 3 KV heads or it cannot be built here (no
-    network, a package missing)."""
+def _resolve_model(args: argparse.Namespace, out: _Output, settings: Settings) -> Path:
+    """The model folder to serve: ``--model``; else ``$PD_TRANSFER_MODEL`` (``settings.model``; the tiny model built
+    there if it holds none); else SmolLM2-135M-Instruct, built once into ``$PD_TRANSFER_MODELS_DIR``
+    (``settings.models_dir``, default ``.models``), or the tiny model, with a one-line note, when a TP size cannot
+    split its 3 KV heads or it cannot be built here (no network, a package missing)."""
     if args.model is not None:
         return args.model.expanduser().resolve()
-    if os.environ.get(MODEL_ENV):
-        model = Path(os.environ[MODEL_ENV]).expanduser().resolve()
+    if settings.model:
+        model = Path(settings.model).expanduser().resolve()
         return model if (model / "config.json").is_file() else _tiny_model(model, out)
     from pd_transfer.real_model import KV_HEADS, SMOLLM2_DIR, RealModelUnavailable, ensure_smollm2, is_built
 
-    models = Path(os.environ.get(MODELS_DIR_ENV) or DEFAULT_MODEL_DIR.parent).expanduser().resolve()
+    models = Path(settings.models_dir or DEFAULT_MODEL_DIR.parent).expanduser().resolve()
     tiny, real = models / DEFAULT_MODEL_DIR.name, models / SMOLLM2_DIR.name
     split = [tp for tp in (args.prefill_tp, args.decode_tp) if KV_HEADS % tp]
     if split:
@@ -327,14 +326,14 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
             file=sys.stderr,
         )
         return 2
-    model = _resolve_model(args, out)
+    model = _resolve_model(args, out, read_settings())  # this process's edge: its settings, read once
     served_name = model.name
     log_dir = (args.log_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")).expanduser().resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     planned = plan_servers(args, str(model), served_name)
     if args.prefill_block_size != args.decode_block_size:
         out.say("note: prefill and decode block sizes differ; requests the connector cannot map are computed locally")
-    base_env = dict(os.environ)
+    base_env = child_environment()
     _start_servers(planned, log_dir, base_env, children)
     proxy_url = f"http://127.0.0.1:{args.proxy_port}"
     _write_state(log_dir, "starting", proxy_url, served_name, children)

@@ -1,4 +1,4 @@
-"""A rank's paged KV cache as tensors plus their region descriptions."""
+"""A rank's paged KV cache as tensors plus their region descriptions, in host memory or on one GPU."""
 
 from __future__ import annotations
 
@@ -8,17 +8,28 @@ from dataclasses import dataclass
 
 import torch
 
-from pd_transfer.spec import KVCacheLayout, KVRegion, region_from_tensor
+from pd_transfer.spec import KVCacheLayout, KVRegion, MemoryPlace, memory_of, region_from_tensor
 from pd_transfer.transfer.huge_pages import advise_huge_pages
+
+from .ipc_handles import shareable_host_buffer
 
 
 @dataclass
 class KVCache:
-    """The tensors a rank registers, with ``regions[i]`` describing ``tensors[i]`` (dim 0: block)."""
+    """The tensors a rank registers, with ``regions[i]`` describing ``tensors[i]`` (dim 0: block), all in one memory
+    (host, or one GPU)."""
 
     layout: KVCacheLayout
     tensors: list[torch.Tensor]
     regions: list[KVRegion]
+
+    def __post_init__(self) -> None:
+        memory_of(self.regions)  # raises ValueError for a cache spread over several memories
+
+    @property
+    def place(self) -> MemoryPlace:
+        """Where the cache's bytes are."""
+        return memory_of(self.regions)
 
     @property
     def num_blocks(self) -> int:
@@ -37,9 +48,20 @@ class KVCache:
         return cls(layout=layout, tensors=tensors, regions=regions)
 
     @classmethod
-    def allocate(cls, layout: KVCacheLayout, num_blocks: int, *, kv_split: bool = True) -> KVCache:
-        """A zeroed host cache shaped like an engine's: per layer, K and V as separate block-indexed
-        tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer.
+    def allocate(
+        cls,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        *,
+        kv_split: bool = True,
+        device: str | torch.device = "cpu",
+        shareable: bool = False,
+        huge_pages: bool = True,
+    ) -> KVCache:
+        """A zeroed cache shaped like an engine's, on ``device`` (host memory by default: in huge pages, or, with
+        ``shareable``, in a memfd that same-host readers may map): per layer, K and V as separate block-indexed
+        tensors (``kv_split``) or one tensor with K and V inside each block; MLA: one latent per layer. Host memory
+        starts in huge pages unless ``huge_pages`` is False (``Settings.own_huge_pages``, :func:`zeroed_host_tensor`).
 
         Block shape: (heads, block_size, head_size) for HND, (block_size, heads, head_size) for NHD. A layout
         with a ``packing`` gets one tensor per layer (kind ``"k"``), each (block, head) of ``block_size *
@@ -53,21 +75,30 @@ class KVCache:
         tensors: list[torch.Tensor] = []
         kinds: list[tuple[str, ...]] = []
         layers: list[int] = []
+
+        def zeroed(shape: tuple[int, ...]) -> torch.Tensor:
+            if torch.device(device).type != "cpu":
+                return torch.zeros(shape, dtype=dtype, device=device)
+            if shareable:
+                nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                return shareable_host_buffer(nbytes).view(dtype).view(shape)
+            return zeroed_host_tensor(shape, dtype, huge_pages)
+
         if fp.use_mla or layout.packing is not None:
-            storage = zeroed_host_tensor((fp.num_layers, num_blocks, *block_shape), dtype=dtype)
+            storage = zeroed((fp.num_layers, num_blocks, *block_shape))
             for layer in range(fp.num_layers):
                 tensors.append(storage[layer])
                 kinds.append(("latent",) if fp.use_mla else ("k",))
                 layers.append(layer)
         elif kv_split:
-            storage = zeroed_host_tensor((fp.num_layers, 2, num_blocks, *block_shape), dtype=dtype)
+            storage = zeroed((fp.num_layers, 2, num_blocks, *block_shape))
             for layer in range(fp.num_layers):
                 for index, kind in enumerate(("k", "v")):
                     tensors.append(storage[layer, index])
                     kinds.append((kind,))
                     layers.append(layer)
         else:
-            storage = zeroed_host_tensor((fp.num_layers, num_blocks, 2, *block_shape), dtype=dtype)
+            storage = zeroed((fp.num_layers, num_blocks, 2, *block_shape))
             for layer in range(fp.num_layers):
                 tensors.append(storage[layer])
                 kinds.append(("k", "v"))
@@ -78,15 +109,17 @@ class KVCache:
 _HUGE_PAGE_BYTES = 2 * 2**20
 
 
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory was advised to use huge pages before it was first written, so that it is
-    in huge pages from the start (registering it then has nothing to collapse; see ``transfer.huge_pages``). The
-    memory is a private anonymous mapping of its own, from a huge-page boundary: the allocator may hand out heap
-    memory this process wrote before, whose small pages no advice changes (seen after a long test run)."""
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory was advised to use huge pages (unless ``huge_pages`` is False) before it was
+    first written, so that it is in huge pages from the start (registering it then has nothing to collapse; see
+    ``transfer.huge_pages``). The memory is a private anonymous mapping of its own, from a huge-page boundary: the
+    allocator may hand out heap memory this process wrote before, whose small pages no advice changes (seen after a
+    long test run)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
     offset = -raw.data_ptr() % _HUGE_PAGE_BYTES
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
-    advise_huge_pages([(tensor.data_ptr(), tensor.data_ptr() + nbytes)])
+    if huge_pages:
+        advise_huge_pages([(tensor.data_ptr(), tensor.data_ptr() + nbytes)])
     return tensor.zero_()

@@ -1,10 +1,11 @@
 """The connector's settings: typed, validated, read from a dict (vLLM's ``kv_connector_extra_config``).
 
 Unknown keys and wrong types are refused with a message naming the key. The side channel's address falls
-back to the environment variables vLLM's NixlConnector uses (``VLLM_NIXL_SIDE_CHANNEL_HOST`` /
-``VLLM_NIXL_SIDE_CHANNEL_PORT``), then to their defaults (``localhost:5600``). The shared secret is given
-either as ``secret`` or, to keep it off command lines, as ``secret_env``: the name of an environment
-variable holding it (read by ``from_dict``).
+back to the process's settings (:class:`~pd_transfer.settings.Settings`, from the environment variables vLLM's
+NixlConnector uses: ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_PORT``), then to their defaults
+(``localhost:5600``). The shared secret is given either as ``secret`` or, to keep it off command lines, as
+``secret_env``: the name of an environment variable holding it (looked up by ``from_dict`` in the environment its
+caller, the process's edge, passes).
 
 **Failure policy** (``failure_policy``): what a decode worker reports when a request's KV could not be
 loaded, or was loaded but not confirmed (see :mod:`pd_transfer.connector.leases`):
@@ -19,17 +20,18 @@ Either way no stale or partial KV is ever used, and nothing raises into the engi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import msgspec
 
-FailurePolicy = Literal["fail", "recompute"]
-PushMode = Literal["auto", "on", "off"]
+from pd_transfer.settings import DEFAULTS, PushMode, Settings
 
-ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
-ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+from .ipc_choice import TransportSetting
+
+FailurePolicy = Literal["fail", "recompute"]
+_NO_ENVIRONMENT: Mapping[str, str] = MappingProxyType({})
 
 
 class ConfigError(ValueError):
@@ -59,8 +61,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # process for seconds when the cores are busy; None: leave vLLM's own
     engine_spin_s: float | None = 0.001
     # decode: ask prefill ranks to write the KV instead of reading it ("auto": where reads would go over TCP; "on";
-    # "off", which on a prefill also refuses such requests); None: PD_TRANSFER_PUSH, else "auto"
+    # "off", which on a prefill also refuses such requests); None: the process's PD_TRANSFER_PUSH, else "auto"
+    # (pd_transfer.transfer.tcp.push_mode: the one rule, the same for the prefill and the decode)
     push: PushMode | None = None
+    # how a decode reads prefills on its own host: "auto" (same-host IPC where the prefill offers its memory and it
+    # can be read, CUDA IPC for GPU caches; else NIXL), "nixl" (never IPC; a prefill then offers none either), "ipc"
+    # (IPC or the engine is refused)
+    transport: TransportSetting = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -96,38 +103,35 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
     @classmethod
     def from_dict(
-        cls, extra: Mapping[str, object] | None = None, *, env: Mapping[str, str] | None = None
+        cls,
+        extra: Mapping[str, object] | None = None,
+        *,
+        settings: Settings = DEFAULTS,
+        env: Mapping[str, str] = _NO_ENVIRONMENT,
     ) -> ConnectorConfig:
-        """Settings from ``extra`` (e.g. ``kv_connector_extra_config``), then ``env`` (default: the process
-        environment) for the side channel's address, then defaults. Raises ``ConfigError``."""
+        """Settings from ``extra`` (e.g. ``kv_connector_extra_config``), then ``settings`` (the process's, read at its
+        edge) for the side channel's address, then defaults; ``secret_env`` is looked up in ``env`` (the process's
+        environment, passed by its edge). Raises ``ConfigError``."""
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):
             raise ConfigError(f"connector settings must be a mapping, got {type(extra).__name__}")
-        environment = os.environ if env is None else env
         known = cls.__struct_fields__
         unknown = sorted(str(key) for key in extra if key not in known)
         if unknown:
             raise ConfigError(f"unknown connector setting(s) {', '.join(unknown)}; known: {', '.join(known)}")
         data = dict(extra)
-        host = environment.get(ENV_SIDE_CHANNEL_HOST)
-        if "side_channel_host" not in data and host is not None:
-            if not host.strip():
-                raise ConfigError(f"{ENV_SIDE_CHANNEL_HOST} is set but empty")
-            data["side_channel_host"] = host.strip()
-        port = environment.get(ENV_SIDE_CHANNEL_PORT)
-        if "side_channel_port" not in data and port is not None:
-            try:
-                data["side_channel_port"] = int(port.strip())
-            except ValueError:
-                raise ConfigError(f"{ENV_SIDE_CHANNEL_PORT}={port!r} is not an integer port") from None
+        if "side_channel_host" not in data and settings.side_channel_host is not None:
+            data["side_channel_host"] = settings.side_channel_host
+        if "side_channel_port" not in data and settings.side_channel_port is not None:
+            data["side_channel_port"] = settings.side_channel_port
         secret_env = data.get("secret_env")
         if secret_env is not None:
             if "secret" in data:
                 raise ConfigError("secret, secret_env: give one of them, not both")
             if not isinstance(secret_env, str) or not secret_env:
                 raise ConfigError(f"secret_env: must be the name of an environment variable, got {secret_env!r}")
-            secret = environment.get(secret_env)
+            secret = env.get(secret_env)
             if not secret:
                 raise ConfigError(f"secret_env: the environment variable {secret_env} is not set or empty")
             data["secret"] = secret

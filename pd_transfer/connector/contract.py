@@ -19,8 +19,9 @@ different processes and talk only through the msgspec structs of :mod:`pd_transf
    ``abort_held`` for a held request the engine wants back early;
 4. scheduler: ``build_step_metadata``, exactly once, after scheduling; the result goes to every worker;
 5. every worker: ``start_load`` with that metadata, before the forward pass (it does not block);
-6. every worker, after the forward pass: ``step_output`` (or ``get_finished``, then ``get_failed_requests``
-   and ``get_block_ids_with_load_errors``, in that order, in the same step);
+6. every worker, after the forward pass: on a GPU, ``step_computed`` with an event recorded on the stream that
+   wrote the step's KV (holds started later wait for it); then ``step_output`` (or ``get_finished``, then
+   ``get_failed_requests`` and ``get_block_ids_with_load_errors``, in that order, in the same step);
 7. scheduler: ``update_connector_output`` with the workers' results aggregated over all ranks (a request is
    finished once every rank reported it: ``OutputAggregator`` in :mod:`pd_transfer.connector.worker`).
 
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 from pd_transfer.handshake.messages import RankMetadata
 
 from .metadata import StepMetadata, TransferResults
+from .prefill import ReadyEvent
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerSide
@@ -134,6 +136,12 @@ class WorkerContract(Protocol):
 
     def start_load(self, metadata: StepMetadata) -> None:
         """Act on a step's metadata without blocking: holds at once, network work in the background."""
+        ...
+
+    def step_computed(self, ready: ReadyEvent) -> None:
+        """The step's kernels that write KV were queued; ``ready`` completes when they finished (a
+        ``torch.cuda.Event`` recorded after them). Holds of later steps wait for the latest such event before
+        their blocks are offered to readers. Engines whose KV is written synchronously (CPU) need not call it."""
         ...
 
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -3,9 +3,11 @@
 A :class:`DecodeRank` composes one NIXL agent (its cache registered) with:
 
 * :class:`~.remote_engines.RemoteEngines`: per remote engine, once: handshake, compatibility check, peers,
-  a transfer plan and its descriptor lists, a warm-up read;
+  a transfer plan and its descriptor lists, a warm-up read; or, where the engine is on this host and offers its
+  memory, that memory opened through same-host IPC (``transport``: CUDA IPC for GPU caches);
 * :class:`~.reads.BlockReader`: per request, the plan's rows read in place, staged or packed, one READ per
-  prefill rank read from per step, the last carrying a ``ReadDone`` notification;
+  prefill rank read from per step, the last carrying a ``ReadDone`` notification; for an engine opened through
+  IPC, :class:`~.ipc_reads.IpcReader`: the rows copied on the rank's own stream, waited for, then ``ReadDone``;
 * :class:`~.reader_reports.ReaderReports` and :class:`~.confirmations.LeaseConfirmations`: what it tells the
   prefill ranks (``ReadDone``, ``ReadFailed``, heartbeats, ``ReleaseUnread``) and the ``LeaseConfirm``
   answers it waits for.
@@ -18,7 +20,10 @@ afresh (:meth:`.RemoteEngines.refresh`): by ``check_engine`` when a request name
 one connected there (for a second, an engine id found not served at an address is refused without asking
 again), and by ``pull`` when a read fails because the peer disconnected: if the address then publishes a new
 incarnation, the read is made once more from it, within the pull's deadline (whether the new incarnation holds
-the request is for the lease confirmation to say: a prefill that never held it refuses).
+the request is for the lease confirmation to say: a prefill that never held it refuses), unless the request's
+params name the incarnation that held it and that is another one (then the pull fails at once). Where nothing
+listens at the address any more, the pull fails a few milliseconds after the read did: one handshake attempt and
+one TCP connect, both refused.
 """
 
 from __future__ import annotations
@@ -28,28 +33,32 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NoReturn
 
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
-from pd_transfer.transfer.lanes import default_read_lanes
 from pd_transfer.transfer.tcp import push_mode
 
 from . import messages
 from .cache import KVCache
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
+from .ipc_choice import TransportSetting
+from .ipc_reads import IpcReader
 from .params import incarnation_token
+from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .reader_reports import ReaderReports
-from .reads import BlockReader, ReadTotals
+from .reads import DEFAULT_STAGED_JOBS_PER_LANE, BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
+from .staging import DEFAULT_STAGING_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -61,43 +70,6 @@ _WINDOW_READ_ALLOWANCE_S = 0.5  # a read relies on the hold window only if this 
 def engine_incarnation(remote: RemoteEngine) -> str:
     """The incarnation token (``remote_incarnation``) of the engine ``remote`` connects to."""
     return incarnation_token(rank.agent_name for rank in sorted(remote.engine.ranks, key=lambda r: r.tp_rank))
-
-
-@dataclass(frozen=True)
-class PullStats:
-    """What one request's pull moved (bytes, seconds) and how."""
-
-    request_id: str
-    bytes: int
-    descriptors: int  # rows posted, before NIXL merges adjacent ones
-    read_seconds: float  # first post to last DONE
-    postprocess_seconds: float  # fixing layouts up, summed over plane groups (overlaps the reads)
-    postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
-    seconds: float  # whole pull, handshake excluded when cached
-    connect_seconds: float = 0.0  # reaching the engine: handshake, NIXL peers and warm-up on first contact, else ~0
-    confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
-    pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
-    pushed_bytes: int = 0  # of ``bytes``, what they wrote
-
-    @classmethod
-    def of(cls, request_id: str, totals: ReadTotals, seconds: float) -> PullStats:
-        """The stats of a pull of ``seconds`` whose reads moved ``totals``."""
-        return cls(
-            request_id=request_id,
-            bytes=totals.bytes,
-            descriptors=totals.descriptors,
-            read_seconds=totals.read_seconds,
-            postprocess_seconds=totals.postprocess_seconds,
-            postprocess_exposed_seconds=totals.postprocess_exposed_seconds,
-            seconds=seconds,
-            pushed_peers=totals.pushed_peers,
-            pushed_bytes=totals.pushed_bytes,
-        )
-
-    @property
-    def gbps(self) -> float:
-        """GiB/s over the whole pull."""
-        return self.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
 
 
 class DecodeRank:
@@ -115,7 +87,7 @@ class DecodeRank:
         read_timeout_s: float = 30.0,
         min_direct_run_bytes: int | None = None,
         pipeline_groups: int = 8,
-        staging_bytes: int = 16 * 2**20,
+        staging_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
         agent_name: str | None = None,
         confirm_timeout_s: float = 5.0,
         metrics: TransferMetrics | None = None,
@@ -123,15 +95,23 @@ class DecodeRank:
         packed_staging_bytes: int = 32 * 2**20,
         read_lanes: int | None = None,
         push: str | None = None,
+        staged_jobs_per_lane: int = DEFAULT_STAGED_JOBS_PER_LANE,
+        settings: Settings = DEFAULTS,
+        transport: TransportSetting = "auto",
     ) -> None:
-        """``staging_bytes``: each half of the staging area for plans that fix layouts up (0: in place);
+        """``staging_bytes``: each slot group of the staging area for plans that fix layouts up, the chunk a read
+        lane reads and restages at a time (0: in place);
         ``pipeline_groups``: plane groups of an in-place read with a fix-up. ``packed_formats(block_size)``
         gives the packing of a (block, head) for a block size, for caches whose layout names a ``packing``:
         pulls from engines of another block size then read whole remote blocks into a staging area of
         ``packed_staging_bytes`` and regroup them (without it, such engines are refused). ``read_lanes``: agents
-        (and threads) a large read is split over (default :func:`~pd_transfer.transfer.lanes.default_read_lanes`).
-        ``push``: "on", "off" or "auto" (default ``PD_TRANSFER_PUSH``, else "auto": where reads would go over TCP,
-        :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to write instead (:mod:`.push_client`)."""
+        (and threads) a large read is split over (default ``settings.read_lane_count``);
+        ``staged_jobs_per_lane``: threads per lane of a staged read (:class:`~.reads.BlockReader`).
+        ``push``: "on", "off" or "auto" (default ``settings.push``; "auto": where reads would go over TCP,
+        :func:`~pd_transfer.transfer.tcp.push_mode`, :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to
+        write instead (:mod:`.push_client`; host caches only). ``settings``: the agent's and its lanes', the CPUs of
+        the rank's threads. ``transport``: "auto" (same-host IPC with engines that offer it, else NIXL), "nixl",
+        "ipc" (engines that cannot be read through IPC are refused; see :mod:`.ipc_choice`)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -139,12 +119,14 @@ class DecodeRank:
         self.confirm_timeout_s = confirm_timeout_s
         name = agent_name or f"{engine_id}-decode-tp{cache.layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.confirmations = LeaseConfirmations(name)
-        lanes = default_read_lanes() if read_lanes is None else read_lanes
+        lanes = settings.read_lane_count if read_lanes is None else read_lanes
+        mode = push_mode(push, settings)  # a bad mode is refused before an agent is made
+        if not cache.place.is_host:
+            mode = "off"
         self.pushes: PushOrders | None = None
-        self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes)
+        self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes, settings=settings)
         reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
-        mode = push_mode(push)
         if mode != "off":
             self.pushes = PushOrders(self.agent, engine_id, cache.layout.tp_rank, mode=mode)
         self.client = HandshakeClient(
@@ -153,6 +135,7 @@ class DecodeRank:
             timeout_s=handshake_timeout_s,
             failure_backoff_s=handshake_failure_backoff_s,  # a dead prefill's endpoint fails fast this long
             metrics=self.metrics,
+            prove_host=transport != "nixl",  # same-host prefills then send their IPC handles
         )
         self.remotes = RemoteEngines(
             self.agent,
@@ -165,6 +148,7 @@ class DecodeRank:
             packed_staging_bytes=packed_staging_bytes,
             metrics=self.metrics,
             on_connected=None if self.pushes is None else self.pushes.offer,
+            transport=transport,
         )
         self._not_served: dict[tuple[str, int, str], float] = {}  # (host, port, engine id) -> asked again after
         self._not_served_lock = threading.Lock()
@@ -179,7 +163,9 @@ class DecodeRank:
             pipeline_groups=pipeline_groups,
             done_message=self.reports.read_done,
             pushes=self.pushes,
+            staged_jobs_per_lane=staged_jobs_per_lane,
         )
+        self.ipc_reader = IpcReader(self.agent, cache, planes, done_message=self.reports.read_done)
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
         self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)
         self.reads_confirmed = 0  # pulls confirmed by every prefill rank read from
@@ -229,7 +215,11 @@ class DecodeRank:
 
     def one_unit_read_latencies(self, host: str, port: int, samples: int) -> list[float]:
         """Post-to-done seconds of ``samples`` one-row reads (one plane block when the plan reads whole
-        blocks) from the first source rank, into scratch memory: the cache is not touched."""
+        blocks) from the first source rank, into scratch memory: the cache is not touched. For an engine opened
+        through IPC, one-row copies, each queued and waited for."""
+        remote = self.remotes.connect(host, port)
+        if remote.ipc is not None:
+            return self.ipc_reader.unit_copy_latencies(remote, samples)
         return self.remotes.one_unit_read_latencies(host, port, samples)
 
     def push_ready(self, host: str, port: int, timeout_s: float) -> bool:
@@ -266,56 +256,77 @@ class DecodeRank:
         instead, unless ``pushed`` is False (benchmarks compare both ways).
 
         Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated
-        remote ids). On a transfer failure the prefill ranks are told (``ReadFailed``) when reachable and the
-        error propagates, except that a read failed by a disconnected peer is made once more if its address
-        now serves a new incarnation (the prefill restarted); a dead engine is dropped, so the next pull
-        handshakes afresh.
+        remote ids, before connecting). On a transfer failure the prefill ranks are told (``ReadFailed``) when
+        reachable and the error propagates, except that a read failed by a disconnected peer is made once more if
+        its address now serves a new incarnation (the prefill restarted); a dead engine is dropped, so the next
+        pull handshakes afresh.
         """
-        ids = (remote_block_ids, local_block_ids, num_tokens)
-        return self._pull(request_id, host, port, *ids, timeout_s, pushed=pushed)[0]
+        request = PullRequest(request_id, remote_block_ids, local_block_ids, num_tokens)
+        return self._pull(request, host, port, timeout_s, pushed=pushed)[0]
 
     def _pull(
         self,
-        request_id: str,
+        request: PullRequest,
         host: str,
         port: int,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
         timeout_s: float | None,
         *,
         pushed: bool = True,
+        incarnation: str | None = None,
     ) -> tuple[PullStats, RemoteEngine]:
-        """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted)."""
+        """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted). With the
+        ``incarnation`` that holds the request (from its params), a restart found after a disconnect fails the pull
+        at once unless the new incarnation is that one: another never held the request."""
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
         connected = time.perf_counter()
         deadline = started + (self.read_timeout_s if timeout_s is None else timeout_s)
-        ids = (request_id, remote_block_ids, local_block_ids, num_tokens, deadline)
+        request_id = request.request_id
         told: RemoteEngine | None = None  # already sent ReadFailed
         try:
             try:
-                totals = self.reader.read(remote, *ids, pushed=pushed)
+                totals = self._read(remote, request, deadline, pushed)
             except PeerDisconnected as error:
                 self.reports.read_failed(remote.sources, request_id, str(error))  # best effort: it is gone
                 told = remote
                 remote = self._after_disconnect(remote, request_id, error)  # raises unless it restarted
-                totals = self.reader.read(remote, *ids, pushed=pushed)
+                if incarnation is not None and engine_incarnation(remote) != incarnation:
+                    told = remote  # it never held the request: nothing to tell it
+                    raise PeerDisconnected(
+                        f"{error}; the prefill at {host}:{port} restarted, and its new incarnation never held"
+                        f" request {request_id}"
+                    ) from None
+                totals = self._read(remote, request, deadline, pushed)
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=remote is not told)
             raise
         stats = replace(
-            PullStats.of(request_id, totals, time.perf_counter() - started), connect_seconds=connected - started
+            totals.stats(request_id, time.perf_counter() - started),
+            connect_seconds=connected - started,
+            transport=remote.transport,
         )
         self.metrics.observe_pull(
-            stats.seconds, stats.bytes, stats.descriptors, stats.postprocess_exposed_seconds, stats.pushed_bytes
+            stats.seconds,
+            stats.bytes,
+            stats.descriptors,
+            stats.postprocess_exposed_seconds,
+            stats.pushed_bytes,
+            transport=stats.transport,
         )
         return stats, remote
 
+    def _read(self, remote: RemoteEngine, request: PullRequest, deadline: float, pushed: bool) -> ReadTotals:
+        """``request``'s blocks from ``remote``: copied where it is opened through IPC, else read with NIXL."""
+        if remote.ipc is not None:
+            return self.ipc_reader.read(remote, request)
+        return self.reader.read(remote, request, deadline, pushed=pushed)
+
     def _after_disconnect(self, remote: RemoteEngine, request_id: str, error: PeerDisconnected) -> RemoteEngine:
         """A read from ``remote`` failed because its peer went away: handshake with its address afresh and return
-        the new incarnation there. Raises ``error`` if there is none (the engine is then dropped, and the next
-        pull handshakes afresh)."""
+        the new incarnation there. Raises ``PeerDisconnected`` if there is none, naming why (the engine is then
+        dropped, and the next pull handshakes afresh). Where nothing listens at the address any more, that is known
+        after one refused attempt and one refused TCP connect (:class:`~pd_transfer.handshake.client.HandshakeClient`),
+        a few milliseconds, and while the address is in its fail-fast window at once."""
         try:
             fresh = self.remotes.refresh(remote.host, remote.port, remote, dropping_on_failure=True)
         except Exception as refresh_error:
@@ -327,7 +338,7 @@ class DecodeRank:
                 remote.port,
                 refresh_error,
             )
-            raise error from None
+            raise PeerDisconnected(f"{error}; and then: {refresh_error}") from None
         if fresh is remote:  # the same agents answer: not a restart; drop it as a dead engine anyway
             self.forget(remote.host, remote.port)
             raise error
@@ -355,7 +366,7 @@ class DecodeRank:
             remote.port,
             error,
         )
-        self.metrics.pulls.labels("failed").inc()
+        self.metrics.pulls.labels("failed", remote.transport).inc()
 
     def pull_confirmed(
         self,
@@ -382,28 +393,17 @@ class DecodeRank:
         do not use them), and whatever :meth:`pull` raises. On the way, decode rank 0 tells prefill ranks that
         no decode rank reads (``ReleaseUnread``).
         """
+        request = PullRequest(request_id, remote_block_ids, local_block_ids, num_tokens)
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
         connect_seconds = time.perf_counter() - started
         if self._window_usable(remote, trust_until, incarnation):
             assert trust_until is not None
-            stats = self._pull_in_window(
-                request_id,
-                host,
-                port,
-                remote_block_ids,
-                local_block_ids,
-                num_tokens,
-                timeout_s,
-                trust_until,
-                incarnation,
-            )
+            stats = self.pull_in_window(request, host, port, timeout_s, trust_until, incarnation)
             return replace(stats, connect_seconds=stats.connect_seconds + connect_seconds)
         with self.confirmations.awaiting(request_id, self.agent.set_expecting_reads):  # poll fast meanwhile
             with self._pull_lock:
-                stats, remote = self._pull(
-                    request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s
-                )
+                stats, remote = self._pull(request, host, port, timeout_s, incarnation=incarnation)
             # of the incarnation read from; a rank that pushed confirmed with the write
             peers = [source.peer for source in remote.sources if source.peer not in stats.pushed_peers]
             self._release_unread(request_id, host, port)
@@ -424,22 +424,22 @@ class DecodeRank:
             return False
         return trust_until - time.monotonic() >= _WINDOW_READ_ALLOWANCE_S
 
-    def _pull_in_window(
+    def pull_in_window(
         self,
-        request_id: str,
+        request: PullRequest,
         host: str,
         port: int,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
         timeout_s: float | None,
         trust_until: float,
         incarnation: str | None,
     ) -> PullStats:
-        """:meth:`pull` without asking for confirmations; the KV counts only if the read ended before
-        ``trust_until`` from the incarnation that promised the window (a prefill restarted meanwhile did not)."""
+        """:meth:`pull_confirmed` relying on the hold window, whatever is left of it: :meth:`pull` without asking
+        for confirmations; the KV counts only if the read ended before ``trust_until`` (``time.monotonic``) from
+        the incarnation ``incarnation`` that promised the window (a prefill restarted meanwhile did not), else
+        ``LeaseNotConfirmed``. :meth:`pull_confirmed` takes this way only with enough of the window left."""
+        request_id = request.request_id
         with self._pull_lock:
-            stats, remote = self._pull(request_id, host, port, remote_block_ids, local_block_ids, num_tokens, timeout_s)
+            stats, remote = self._pull(request, host, port, timeout_s, incarnation=incarnation)
         ended = time.monotonic()
         self._release_unread(request_id, host, port)
         if len(stats.pushed_peers) == len(remote.sources):  # every rank wrote from blocks it held and pinned
@@ -493,7 +493,8 @@ class DecodeRank:
         self.reports.release_unread(request_id, peers)
 
     def close(self) -> None:
-        """Wait for running fix-ups, then close the handshake client and the NIXL agent."""
+        """Wait for running fix-ups, then close the IPC handles, the handshake client and the NIXL agent."""
         self.reader.close()
+        self.remotes.close()
         self.client.close()
         self.agent.close()

@@ -19,7 +19,8 @@ from .cache import KVCache
 
 
 class PackedStaging:
-    """``slots`` remote-sized blocks of every layer of a local cache, registered with ``agent``.
+    """``slots`` remote-sized blocks of every layer of a local cache, on the cache's device, registered with
+    ``agent``.
 
     ``cache`` describes the staging area as a cache of ``slots`` blocks (the local layout with the remote
     block size), so the ordinary planner reads whole remote chunks into it; ``planes[i]`` is layer ``i``'s
@@ -45,7 +46,10 @@ class PackedStaging:
         slot_bytes = len(local.regions) * heads * remote_format.chunk_elements * local.tensors[0].element_size()
         per_group = self.regroup.remote_blocks_per_group
         self.slots = max(per_group, staging_bytes // slot_bytes // per_group * per_group)
-        buffer = torch.empty((len(local.regions), self.slots, heads, remote_format.chunk_elements), dtype=dtype)
+        device = local.tensors[0].device
+        buffer = torch.empty(
+            (len(local.regions), self.slots, heads, remote_format.chunk_elements), dtype=dtype, device=device
+        )
         self.planes = list(buffer.unbind(0))
         self.cache = KVCache.from_tensors(
             self.layout, self.planes, [("k",)] * len(self.planes), [region.layer for region in local.regions]

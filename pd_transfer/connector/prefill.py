@@ -1,5 +1,16 @@
 """The sending side: one prefill TP rank whose blocks decode ranks read, and the server that
-publishes an engine's ranks on the side channel."""
+publishes an engine's ranks on the side channel.
+
+A rank offers its cache for same-host IPC where it can (``offer_ipc``; :mod:`.ipc_handles`: a GPU cache in
+memory a legacy CUDA IPC handle can share, or a host cache allocated shareable): the handles are made once, here,
+and the side channel sends them only to decode processes that proved they run on this host. The rank keeps its
+cache registered until ``close``; the cache itself is the engine's and outlives the rank, so closing a rank whose
+memory decodes still have open is safe.
+
+Ordering: a hold may carry a ``ready`` event (:class:`ReadyEvent`, e.g. a ``torch.cuda.Event`` the engine recorded
+after the kernels that wrote the request's KV); the lease starts only once it completed, so the blocks are never
+offered to readers (nor written by a push, nor confirmed) before their KV is complete.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +20,22 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
-from pd_transfer.affinity import unpin_current_thread
-from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
+from pd_transfer.affinity import unpinning
+from pd_transfer.handshake.messages import EngineMetadata, RankIpc, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
-from pd_transfer.transfer.tcp import push_accepted
+from pd_transfer.transfer.tcp import push_mode
 
 from . import messages
 from .cache import KVCache
+from .ipc_handles import export_cache
 from .leases import Freed, LeaseLedger, Reply
 from .pushes import PushWriter
 
@@ -29,6 +43,13 @@ logger = logging.getLogger(__name__)
 
 #: Called once per request when every expected decode reader has reported: (request_id, readers).
 ReleaseHandler = Callable[[str, list[messages.PeerMessage]], None]
+
+
+class ReadyEvent(Protocol):
+    """Completes once the work that wrote some KV has finished (``torch.cuda.Event`` is one)."""
+
+    def synchronize(self) -> None:
+        """Block until the event completed."""
 
 
 class PrefillRank:
@@ -52,10 +73,15 @@ class PrefillRank:
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         metrics: TransferMetrics | None = None,
-        accept_pushes: bool = True,
+        push: str | None = None,
+        settings: Settings = DEFAULTS,
+        offer_ipc: bool = True,
     ) -> None:
-        """``accept_pushes``: write for decode ranks that ask (:mod:`.pushes`), unless False or
-        ``PD_TRANSFER_PUSH=off``."""
+        """``push``: write for decode ranks that ask (:mod:`.pushes`; host caches only) unless the push mode is "off"
+        (``push`` if given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``settings``: the
+        agent's (and its writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host
+        decodes through IPC where it can be shared."""
+        accepting = push_mode(push, settings) != "off"  # a bad mode is refused before an agent is made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -65,7 +91,7 @@ class PrefillRank:
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
         self._reply_metadata: dict[str, bytes] = {}  # reader agent -> its connection metadata
         self._replies = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpin_current_thread
+            max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpinning(settings.thread_cpu_set)
         )
         self.malformed_notifications = 0
         self.unexpected_notifications = 0
@@ -76,6 +102,7 @@ class PrefillRank:
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
             serves_reads=True,
+            settings=settings,
         )
         self.agent.register_regions(cache.regions)
         self.pushes = PushWriter(
@@ -85,8 +112,19 @@ class PrefillRank:
             merged_spans(cache.regions),
             on_written=self._take_report,
             on_freed=self._freed_by_unpin,
-            accepting=accept_pushes and push_accepted(),
+            accepting=accepting and cache.place.is_host,
         )
+        self.ipc = self._export(cache) if offer_ipc else None
+
+    def _export(self, cache: KVCache) -> RankIpc | None:
+        """The cache's IPC handles, or None (logged with why: where a GPU cache cannot be shared, at info)."""
+        ipc, why_not = export_cache(cache.tensors, cache.regions)
+        if ipc is None:
+            log = logger.debug if cache.place.is_host else logger.info
+            log("prefill %s: cache in %s not offered for same-host IPC: %s", self.agent.name, cache.place, why_not)
+        else:
+            logger.info("prefill %s: cache in %s offered for same-host IPC", self.agent.name, cache.place)
+        return ipc
 
     @property
     def rank_metadata(self) -> RankMetadata:
@@ -96,12 +134,15 @@ class PrefillRank:
             agent_metadata=self.agent.metadata,
             layout=self.cache.layout,
             regions=list(self.cache.regions),
+            ipc=self.ipc,
         )
 
     # ------------------------------------------------------------------ the engine's side
-    def hold(self, request_id: str, block_ids: list[int]) -> Freed | None:
-        """Hold a finished request's blocks for its readers; returns it freed at once if they all reported
-        already."""
+    def hold(self, request_id: str, block_ids: list[int], *, ready: ReadyEvent | None = None) -> Freed | None:
+        """Hold a finished request's blocks for its readers, once ``ready`` (if given) completed; returns it freed
+        at once if they all reported already."""
+        if ready is not None:
+            ready.synchronize()
         freed = self.ledger.hold(request_id, block_ids)
         self._after_change([freed] if freed is not None else [])
         return freed

@@ -20,12 +20,13 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from pd_transfer.spec import memory_of
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
-from pd_transfer.transfer.progress import env_number
 from pd_transfer.transfer.tcp import push_to
 
 from . import messages
+from .pull_request import PullRequest
 from .push_plans import plan_to_wire
 from .remote_engines import RemoteEngine, SourceRank
 
@@ -37,26 +38,23 @@ PREFILL_SHARE = 0.8
 PROBE_INTERVAL_S = 0.5
 #: Seconds between polls of the agent while an order is answered (as a read checks its state).
 POLL_WAIT_S = 50e-6
-#: Requests smaller than this (bytes) are read: an order costs 0.3-0.5 ms more than a read before the first byte
-#: moves, and a read costs about 0.08 ms more per MiB over loopback TCP (``bench pd-tcp``: 1 MiB read in 1.4 ms,
-#: pushed in 1.8; 64 MiB read in 29 ms, pushed in 23.5).
-DEFAULT_PUSH_MIN_BYTES = 4 * 2**20
-
-
-def push_min_bytes() -> int:
-    """Smallest request pushed (bytes): ``PD_TRANSFER_PUSH_MIN_BYTES``, else :data:`DEFAULT_PUSH_MIN_BYTES`."""
-    return max(0, int(env_number("PD_TRANSFER_PUSH_MIN_BYTES", DEFAULT_PUSH_MIN_BYTES)))
 
 
 class PushOrders:
-    """Push for decode rank ``reader_rank`` of engine ``engine_id``, whose ``agent`` has its cache registered."""
+    """Push for decode rank ``reader_rank`` of engine ``engine_id``, whose ``agent`` has its cache registered.
+
+    Requests smaller than ``PD_TRANSFER_PUSH_MIN_BYTES`` (the agent's ``settings.push_min_bytes``, default 4 MiB) are
+    read: an order costs 0.3-0.5 ms more than a read before the first byte moves, and a read costs about 0.08 ms more
+    per MiB over loopback TCP (``bench pd-tcp``: 1 MiB read in 1.4 ms, pushed in 1.8; 64 MiB read in 29 ms, pushed
+    in 23.5).
+    """
 
     def __init__(self, agent: TransferAgent, engine_id: str, reader_rank: int, *, mode: str = "auto") -> None:
         """``mode``: "on" offers push to every engine, "auto" where reads would go over TCP
-        (:func:`~pd_transfer.transfer.tcp.push_to`)."""
+        (:func:`~pd_transfer.transfer.tcp.push_to`, with the agent's ``settings.ucx_tls``)."""
         self.agent = agent
         self.mode = mode
-        self.min_bytes = push_min_bytes()
+        self.min_bytes = agent.settings.push_min_bytes
         self.engine_id = engine_id
         self.reader_rank = reader_rank
         self._cond = threading.Condition()
@@ -69,8 +67,13 @@ class PushOrders:
 
     # ------------------------------------------------------------------ setup
     def offer(self, remote: RemoteEngine) -> None:
-        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up (best effort)."""
-        if remote.plan.postprocess is not None or remote.packed is not None or not push_to(remote.host, self.mode):
+        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up, it is read with NIXL
+        and its cache is in host memory (best effort)."""
+        if remote.plan.postprocess is not None or remote.packed is not None:
+            return
+        if not push_to(remote.host, self.mode, self.agent.settings.ucx_tls):
+            return
+        if remote.ipc is not None or not all(memory_of(list(rank.regions)).is_host for rank in remote.engine.ranks):
             return
         metadata = self.agent.metadata
         for source, plan in zip(remote.sources, remote.plan.sources, strict=True):
@@ -150,20 +153,14 @@ class PushOrders:
 
     # ------------------------------------------------------------------ orders
     def push(
-        self,
-        request_id: str,
-        sources: Sequence[SourceRank],
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
+        self, request: PullRequest, sources: Sequence[SourceRank], deadline: float
     ) -> dict[str, messages.PushOutcome]:
-        """Order each of ``sources`` to write ``request_id``; returns the outcome of each that answered by
+        """Order each of ``sources`` to write ``request``; returns the outcome of each that answered by
         ``deadline`` (``time.perf_counter`` time; an order that could not be sent answers ``may_read`` at once)."""
-        with self.agent.expecting_traffic(), self._awaiting(request_id) as answers:
+        with self.agent.expecting_traffic(), self._awaiting(request.request_id) as answers:
             for source in sources:
-                self._send_order(request_id, source, remote_block_ids, local_block_ids, num_tokens, deadline, answers)
-            outcomes = self._wait(request_id, sources, answers, deadline)
+                self._send_order(request, source, deadline, answers)
+            outcomes = self._wait(request.request_id, sources, answers, deadline)
         self.pushed += sum(1 for outcome in outcomes.values() if outcome.ok)
         self.read_instead += sum(1 for outcome in outcomes.values() if outcome.may_read)
         return outcomes
@@ -205,21 +202,17 @@ class PushOrders:
                 logger.info("decode %s: probing %s for request %s: %s", self.agent.name, peer, request_id, error)
 
     def _send_order(
-        self,
-        request_id: str,
-        source: SourceRank,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
-        answers: dict[str, messages.PushOutcome],
+        self, request: PullRequest, source: SourceRank, deadline: float, answers: dict[str, messages.PushOutcome]
     ) -> None:
+        """Send ``source`` its order for ``request``; one that cannot be sent is answered ``may_read`` in
+        ``answers`` at once."""
+        request_id = request.request_id
         order = messages.PushOrder(
             request_id=request_id,
             expected_readers=source.expected_readers,
-            remote_block_ids=remote_block_ids,
-            local_block_ids=local_block_ids,
-            num_tokens=num_tokens,
+            remote_block_ids=request.remote_block_ids,
+            local_block_ids=request.local_block_ids,
+            num_tokens=request.num_tokens,
             timeout_ms=max(0, int((deadline - time.perf_counter()) * PREFILL_SHARE * 1000)),
         )
         payload = messages.encode(order)

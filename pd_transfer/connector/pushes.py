@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError
@@ -83,7 +83,7 @@ class PushWriter:
         accepting: bool = True,
     ) -> None:
         self.owner = owner
-        self.accepting = accepting  # False: every setup is refused (PD_TRANSFER_PUSH=off on the prefill)
+        self.accepting = accepting  # False: every setup is refused (push mode "off" on the prefill)
         self._writer: TransferAgent | None = None  # made on the first setup, on the writer thread
         self.ledger = ledger
         self.tp_rank = tp_rank
@@ -96,7 +96,9 @@ class PushWriter:
         self._peers: OrderedDict[str, None] = OrderedDict()  # loaded in the writer agent, oldest first (likewise)
         self._queued = 0
         self._queued_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pd-transfer-push", initializer=unpin_current_thread)
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="pd-transfer-push", initializer=unpinning(owner.settings.thread_cpu_set)
+        )
         self.writes = 0
         self.refusals = 0
 
@@ -133,7 +135,7 @@ class PushWriter:
     def _writer_agent(self) -> TransferAgent:
         """The agent that writes (and answers), with the cache registered: made once."""
         if self._writer is None:
-            writer = TransferAgent(f"{self.owner.name}-push")
+            writer = TransferAgent(f"{self.owner.name}-push", settings=self.owner.settings)
             try:
                 writer.register_spans(self.spans, huge_pages=False)
             except Exception:
@@ -145,7 +147,7 @@ class PushWriter:
     def _setup(self, peer: str, setup: messages.PushSetup) -> None:
         name = self.owner.name
         if not self.accepting:
-            self._refuse_setup(peer, setup, "push is off on this prefill (PD_TRANSFER_PUSH=off)")
+            self._refuse_setup(peer, setup, "push is off on this prefill (its push mode is off)")
             return
         try:
             writer = self._writer_agent()

@@ -4,9 +4,10 @@
   into the cache. With a postprocess (block-size regroup, layout permute), the reads go plane group by plane
   group and a worker thread fixes up each group in place while the next is read (CMA reads and torch kernels
   both release the GIL), so the fix-up mostly hides behind the transfer.
-* **staged** (plans with a postprocess and a staging area): chunks of (plane, block) pairs into one half of
-  the small double-buffered :class:`StagingArea`, scattered into their final place by the worker thread
-  while the next chunk goes into the other half: the cache is written once, as by a homogeneous read.
+* **staged** (plans with a postprocess and a staging area): chunks of (plane, block) pairs read by every read
+  lane at once, each into slot groups of its own of the small :class:`~.staging.StagingArea`, and scattered into
+  their final place by the same lane right after (:mod:`.staged_reads`): the fix-up is split across the lanes and
+  overlaps the other lanes' reads; the cache is written once, as by a homogeneous read.
 * **packed** (engine-packed blocks of another block size): whole remote blocks into the
   :class:`PackedStaging`, a fill at a time, each regrouped into the local blocks before the next is read.
 
@@ -14,14 +15,17 @@
   :mod:`.push_client`; requests of at least ``PD_TRANSFER_PUSH_MIN_BYTES``): each such rank writes the request's
   rows straight into the cache; the others, and any that answer ``may_read``, are read in place.
 
-Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications.
-Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated remote
-ids); transfer failures raise ``TransferError``.
+Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications (staged
+reads send them once every lane is done).
+Block ids are validated before anything is read (``ValueError``; a :class:`~.pull_request.PullRequest` has no
+repeated remote ids); transfer failures raise ``TransferError``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,16 +34,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.topology.grids import block_ids_array
+from pd_transfer.topology.plan import Postprocess
+from pd_transfer.topology.postprocess import index_on
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
+from pd_transfer.transfer.lanes import LaneRead, split_rows
 
 from .cache import KVCache
-from .errors import DuplicateBlockIds
-from .params import first_repeat
+from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .remote_engines import RemoteEngine, SourceRank
+from .slot_fences import after_mark, mark
+from .staged_reads import StagedChunks, StagedLaneWork
+
+#: Threads a staged read runs per read lane: while one reads through the lane's agent, the others restage what they
+#: read, so the agent never waits for a fix-up even where a fix-up takes twice a read (as on a loaded 2-core host:
+#: 1, 2, 3, 4 threads per lane gave 0.50-0.76, 0.75-0.85, 0.98-1.13, 0.96 of the homogeneous read, load 13-19).
+DEFAULT_STAGED_JOBS_PER_LANE = 3
 
 #: One READ of a step: (source rank, local descriptor list, local rows, remote rows); rows are int arrays.
 ReadOrder = tuple[SourceRank, DescriptorList | None, np.ndarray, np.ndarray]
@@ -58,6 +71,20 @@ class ReadTotals:
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
     pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
+
+    def stats(self, request_id: str, seconds: float) -> PullStats:
+        """The stats of request ``request_id``'s pull of ``seconds`` whose reads moved these totals."""
+        return PullStats(
+            request_id=request_id,
+            bytes=self.bytes,
+            descriptors=self.descriptors,
+            read_seconds=self.read_seconds,
+            postprocess_seconds=self.postprocess_seconds,
+            postprocess_exposed_seconds=self.postprocess_exposed_seconds,
+            seconds=seconds,
+            pushed_peers=self.pushed_peers,
+            pushed_bytes=self.pushed_bytes,
+        )
 
     @classmethod
     def overlapped(
@@ -88,18 +115,26 @@ def _timed(function: Callable[..., object], *args: object) -> float:
     return time.perf_counter() - started
 
 
+def _lists_of(step: Sequence[ReadOrder]) -> list[DescriptorList]:
+    """The descriptor lists a step reads: each source's local list (if any) and remote list."""
+    return [d for source, local, _, _ in step for d in (local, source.remote) if d is not None]
+
+
 def _until(deadline: float) -> float:
     """Seconds left until ``deadline`` (``time.perf_counter`` time), at least 1 ms: a wait on the fix-up."""
     return max(0.001, deadline - time.perf_counter())
 
 
 class BlockReader:
-    """Reads requests' blocks into ``cache`` with ``agent``; fix-ups run on one worker thread (``close`` stops it).
+    """Reads requests' blocks into ``cache`` with ``agent``; fix-ups of in-place reads run on one worker thread
+    (``close`` stops it), those of staged reads on the read lanes.
 
     ``planes`` are the cache's plane views (``plane_views`` order); ``pipeline_groups`` is how many plane
     groups an in-place read with a postprocess is split into; ``done_message(request_id, source)`` is the
     ``ReadDone`` notification the last READ from ``source`` carries. With ``pushes``, plans without a fix-up are
-    written by the source ranks that agreed to push (:mod:`.push_client`), and read from the others.
+    written by the source ranks that agreed to push (:mod:`.push_client`), and read from the others. A staged read
+    runs ``staged_jobs_per_lane`` threads per read lane (each reads, in turn with the others of its lane, and
+    restages what it read), as many as the staging area has slot groups for.
     """
 
     def __init__(
@@ -111,6 +146,7 @@ class BlockReader:
         pipeline_groups: int,
         done_message: Callable[[str, SourceRank], bytes],
         pushes: PushOrders | None = None,
+        staged_jobs_per_lane: int = DEFAULT_STAGED_JOBS_PER_LANE,
     ) -> None:
         self.agent = agent
         self.cache = cache
@@ -118,41 +154,33 @@ class BlockReader:
         self.pipeline_groups = pipeline_groups
         self._done_message = done_message
         self.pushes = pushes
+        self.staged_jobs_per_lane = staged_jobs_per_lane
+        self._staging_lock = threading.Lock()  # one staged read at a time: they share the staging area
         self._postprocess_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pd-transfer-postprocess", initializer=unpin_current_thread
+            max_workers=1,
+            thread_name_prefix="pd-transfer-postprocess",
+            initializer=unpinning(agent.settings.thread_cpu_set),
         )
 
-    def read(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        remote_block_ids: list[int],
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
-        *,
-        pushed: bool = True,
-    ) -> ReadTotals:
-        """Read ``num_tokens`` tokens of ``remote_block_ids`` into ``local_block_ids`` (token order) by the
-        strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter`` time); ``pushed=False`` reads
-        even from ranks that would push. Repeated remote ids raise ``DuplicateBlockIds``, other malformed ids
-        ``ValueError``, before anything is read."""
-        repeat = first_repeat(remote_block_ids)
-        if repeat is not None:
-            raise DuplicateBlockIds(request_id, "remote_block_ids", *repeat)
+    def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = True) -> ReadTotals:
+        """Read ``request`` by the strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter``
+        time); ``pushed=False`` reads even from ranks that would push. Block ids that do not fit ``remote``'s plan
+        or the cache raise ``ValueError`` before anything is read."""
         if remote.packed is not None:
-            local_ids = self._checked_packed_ids(remote, remote_block_ids, local_block_ids, num_tokens)
-            return self._read_packed(remote, request_id, remote_block_ids, local_ids, num_tokens, deadline)
+            local_ids = self._checked_packed_ids(remote, request)
+            return self._read_packed(remote, request, local_ids, deadline)
         # rows per source; validates the block ids before anything moves
-        rows = [plan.indices(remote_block_ids, local_block_ids, num_tokens) for plan in remote.plan.sources]
+        rows = [
+            plan.indices(request.remote_block_ids, request.local_block_ids, request.num_tokens)
+            for plan in remote.plan.sources
+        ]
         if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
-            return self._read_staged(remote, request_id, rows, deadline)
+            return self._read_staged(remote, request.request_id, rows, deadline)
         if pushed and self.pushes is not None and remote.plan.postprocess is None:
             ready = [source for source in remote.sources if self.pushes.ready(source.peer)]
             if ready and self._request_bytes(remote, rows) >= self.pushes.min_bytes:
-                ids = (remote_block_ids, local_block_ids, num_tokens)
-                return self._push_in_place(remote, request_id, rows, ready, ids, deadline)
-        return self._read_in_place(remote, request_id, rows, local_block_ids, num_tokens, deadline)
+                return self._push_in_place(remote, request, rows, ready, deadline)
+        return self._read_in_place(remote, request, rows, deadline)
 
     def close(self) -> None:
         """Wait for running fix-ups and stop the worker thread."""
@@ -160,19 +188,17 @@ class BlockReader:
 
     # ------------------------------------------------------------------ in place
     def _read_in_place(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        rows: SourceRows,
-        local_block_ids: list[int],
-        num_tokens: int,
-        deadline: float,
+        self, remote: RemoteEngine, request: PullRequest, rows: SourceRows, deadline: float
     ) -> ReadTotals:
         """Reads straight into the cache; a postprocess, if any, fixes up each plane group in place on the
         worker thread while the next group is read."""
         postprocess = remote.plan.postprocess
         groups = plane_groups(len(self.planes), self.pipeline_groups if postprocess is not None else 1)
         reads = self._in_place_orders(remote, rows, groups)
+        if postprocess is not None:  # the request's ids on the planes' device, once
+            device = self.planes[0].device
+            block_ids = postprocess.block_ids_on(request.local_block_ids, request.num_tokens, device)
+            ids_ready = mark(device)
         total_bytes = descriptors = 0
         pending: list[Future[float]] = []
         read_started = time.perf_counter()
@@ -186,15 +212,22 @@ class BlockReader:
                 )
                 for source, local_rows, remote_rows, bounds in reads
             ]
-            moved, rows_read = self._read_step(request_id, step, index == len(groups) - 1, deadline)
+            moved, rows_read = self._read_step(request.request_id, step, index == len(groups) - 1, deadline)
             total_bytes += moved
             descriptors += rows_read
             if postprocess is not None:
-                job = (postprocess.apply, self.planes, local_block_ids, num_tokens, group)
+                job = (self._fix_up_group, postprocess, block_ids, ids_ready, group)
                 pending.append(self._postprocess_pool.submit(_timed, *job))
         reads_done = time.perf_counter()
         post_seconds = sum(future.result(timeout=_until(deadline)) for future in pending)
         return ReadTotals.overlapped(total_bytes, descriptors, read_started, reads_done, post_seconds)
+
+    def _fix_up_group(
+        self, postprocess: Postprocess, block_ids: torch.Tensor, ids_ready: torch.cuda.Event | None, group: range
+    ) -> None:
+        """Fix up plane group ``group`` of the request's blocks ``block_ids``, once their copy to the device is."""
+        after_mark(ids_ready)
+        postprocess.apply_on(self.planes, block_ids, group)
 
     def _in_place_orders(
         self, remote: RemoteEngine, rows: SourceRows, groups: list[range]
@@ -218,20 +251,15 @@ class BlockReader:
         return sum(len(local) * plan.unit_bytes for (local, _), plan in zip(rows, remote.plan.sources, strict=True))
 
     def _push_in_place(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        rows: SourceRows,
-        ready: list[SourceRank],
-        ids: tuple[list[int], list[int], int],
-        deadline: float,
+        self, remote: RemoteEngine, request: PullRequest, rows: SourceRows, ready: list[SourceRank], deadline: float
     ) -> ReadTotals:
         """The ``ready`` sources write the request into the cache; the others, and those that answer ``may_read``,
         are read (one step, with ``ReadDone``). Raises ``TransferTimeout`` when a source did not answer by
         ``deadline``, ``TransferError`` when one refused without ``may_read``."""
         assert self.pushes is not None
+        request_id = request.request_id
         started = time.perf_counter()
-        outcomes = self.pushes.push(request_id, ready, *ids, deadline)
+        outcomes = self.pushes.push(request, ready, deadline)
         asked = {source.peer for source in ready}
         pushed: list[tuple[SourceRank, np.ndarray]] = []
         step: list[ReadOrder] = []
@@ -260,99 +288,57 @@ class BlockReader:
 
     # ------------------------------------------------------------------ staged
     def _read_staged(self, remote: RemoteEngine, request_id: str, rows: SourceRows, deadline: float) -> ReadTotals:
-        """Reads into a small registered staging area (two halves, each ``slots`` plane blocks, kept in the
-        CPU cache) chunk by chunk, and scatters each chunk into its final place in the local layout on the
-        worker thread while the next chunk is read: the cache is written once, as by a homogeneous read."""
+        """Reads chunk by chunk into the staging area's slot groups on every read lane at once, each lane
+        restaging its chunk into its final place right after reading it (:mod:`.staged_reads`); the ``ReadDone``
+        notifications follow once every lane is done. One staged read at a time (the staging area is shared)."""
         postprocess, staging = remote.plan.postprocess, remote.staging
         assert postprocess is not None and staging is not None
-        slots, num_blocks = staging.slots, self.cache.num_blocks
-        plane_blocks, reads = self._staged_orders(remote, rows, slots)
-        num_chunks = -(-len(plane_blocks) // slots)
-        total_bytes = descriptors = 0
-        in_flight: list[Future[float] | None] = [None, None]
-        post_seconds = 0.0
-        read_started = time.perf_counter()
-        for index in range(num_chunks):
-            half = index % 2
-            previous = in_flight[half]
-            if previous is not None:  # this half's last chunk must be scattered before it is overwritten
-                post_seconds += previous.result(timeout=_until(deadline))
-            step = [
-                (
-                    source,
-                    source.staging,
-                    staging_rows[bounds[index] : bounds[index + 1]] + half * half_rows,
-                    remote_rows[bounds[index] : bounds[index + 1]],
-                )
-                for source, staging_rows, remote_rows, bounds, half_rows in reads
-            ]
-            moved, rows_read = self._read_step(request_id, step, index == num_chunks - 1, deadline)
-            total_bytes += moved
-            descriptors += rows_read
-            chunk_blocks = plane_blocks[index * slots : (index + 1) * slots]
-            job = (staging.scatter, postprocess.restage, chunk_blocks, half, self.planes, num_blocks)
-            in_flight[half] = self._postprocess_pool.submit(_timed, *job)
-        reads_done = time.perf_counter()
-        for future in in_flight:
-            if future is not None:
-                post_seconds += future.result(timeout=_until(deadline))
-        return ReadTotals.overlapped(total_bytes, descriptors, read_started, reads_done, post_seconds)
-
-    @staticmethod
-    def _staged_orders(
-        remote: RemoteEngine, rows: SourceRows, slots: int
-    ) -> tuple[np.ndarray, list[tuple[SourceRank, np.ndarray, np.ndarray, np.ndarray, int]]]:
-        """The request's plane blocks (``plane * num_blocks + block``, sorted, unique) and, per source,
-        (source, staging rows within a half, remote rows, bounds, rows per half): rows sorted by chunk
-        (stably), chunk ``c`` being rows ``bounds[c]:bounds[c + 1]``, landing in slot ``i % slots`` for the
-        ``i``-th plane block."""
-        plane_blocks_of = [
-            local_rows // plan.local_units_per_block
-            for (local_rows, _), plan in zip(rows, remote.plan.sources, strict=True)
-        ]
-        plane_blocks = np.unique(np.concatenate(plane_blocks_of))
-        num_chunks = -(-len(plane_blocks) // slots)
-        reads = []
-        for source, plan, (local_rows, remote_rows), mine in zip(
-            remote.sources, remote.plan.sources, rows, plane_blocks_of, strict=True
-        ):
-            units = plan.local_units_per_block
-            slot = np.searchsorted(plane_blocks, mine)
-            chunk = slot // slots
-            staging_rows = (slot % slots) * units + local_rows % units
-            order = np.argsort(chunk, kind="stable")
-            bounds = np.searchsorted(chunk[order], np.arange(num_chunks + 1))
-            reads.append((source, staging_rows[order], remote_rows[order], bounds, slots * units))
-        return plane_blocks, reads
+        with self._staging_lock:
+            chunks = StagedChunks.plan(remote.plan, rows, staging.slots, self.cache.num_blocks, staging.fences)
+            runs = staging.scatter_for(postprocess.restage, self.planes)
+            work = StagedLaneWork(chunks, remote.sources, staging, runs, deadline)
+            agent = self.agent
+            # GPU memory (a staging area or a prefill cache on a GPU) is read by this agent alone
+            usable = agent.lanes_for([d for s in remote.sources for d in (s.staging, s.remote) if d is not None])
+            wanted = usable * self.staged_jobs_per_lane
+            lanes = max(1, min(wanted, agent.max_lane_jobs, staging.fences.lanes, chunks.count))
+            started = time.perf_counter()
+            jobs = [functools.partial(work.run, lane) for lane in range(lanes)]
+            totals = agent.run_on_lanes(jobs, max(0.0, deadline - started), lanes=usable)
+        for source in remote.sources:
+            self.agent.notify(source.peer, self._done_message(request_id, source))
+        reads_done = max(lane.reads_done for lane in totals) or started  # nothing to read: no time
+        return ReadTotals(
+            bytes=sum(lane.bytes for lane in totals),
+            descriptors=sum(lane.descriptors for lane in totals),
+            read_seconds=reads_done - started,
+            postprocess_seconds=sum(lane.restage_seconds for lane in totals),
+            postprocess_exposed_seconds=time.perf_counter() - reads_done,
+        )
 
     # ------------------------------------------------------------------ packed
-    def _checked_packed_ids(
-        self, remote: RemoteEngine, remote_block_ids: list[int], local_block_ids: list[int], num_tokens: int
-    ) -> torch.Tensor:
-        """Validate a packed pull's block ids before anything moves; returns the local ids as an int64 tensor."""
-        source = remote.plan.sources[0]
+    def _checked_packed_ids(self, remote: RemoteEngine, request: PullRequest) -> torch.Tensor:
+        """Validate a packed pull's block ids before anything moves; returns the local ids as an int64 tensor on
+        the cache's device (moved there once)."""
+        source, tokens = remote.plan.sources[0], request.num_tokens
+        remote_ids, local_ids = request.remote_block_ids, request.local_block_ids
         block_ids_array(
-            "remote_block_ids", remote_block_ids, num_tokens, source.remote_block_size, source.remote_num_blocks, False
+            "remote_block_ids", remote_ids, tokens, source.remote_block_size, source.remote_num_blocks, False
         )
         local = block_ids_array(
-            "local_block_ids", local_block_ids, num_tokens, self.cache.layout.block_size, self.cache.num_blocks, True
+            "local_block_ids", local_ids, tokens, self.cache.layout.block_size, self.cache.num_blocks, True
         )
-        return torch.from_numpy(np.ascontiguousarray(local, dtype=np.int64))
+        return index_on(local, self.planes[0].device)
 
     def _read_packed(
-        self,
-        remote: RemoteEngine,
-        request_id: str,
-        remote_block_ids: list[int],
-        local_block_ids: torch.Tensor,
-        num_tokens: int,
-        deadline: float,
+        self, remote: RemoteEngine, request: PullRequest, local_block_ids: torch.Tensor, deadline: float
     ) -> ReadTotals:
         """Whole remote blocks into the packed staging area, a fill (whole regroup groups) at a time; each fill
         is regrouped into the local blocks before the next is read (the staging area is one buffer)."""
         staging = remote.packed
         assert staging is not None
         remote_size, local_size = remote.plan.sources[0].remote_block_size, self.cache.layout.block_size
+        request_id, remote_block_ids, num_tokens = request.request_id, request.remote_block_ids, request.num_tokens
         chunk_tokens = staging.tokens_per_chunk
         starts = list(range(0, num_tokens, chunk_tokens))
         total_bytes = descriptors = 0
@@ -383,7 +369,13 @@ class BlockReader:
     # ------------------------------------------------------------------ one step
     def _read_step(self, request_id: str, step: Sequence[ReadOrder], last: bool, deadline: float) -> tuple[int, int]:
         """One READ per source of (local list, local rows) <- remote rows; the reads of the last step carry
-        the ``ReadDone`` notifications. Returns (bytes, rows)."""
+        the ``ReadDone`` notifications. Returns (bytes, rows). Several sources, with the read lanes up and enough
+        bytes to split, are read on the lanes at once (:meth:`_read_step_on_lanes`)."""
+        lanes = self.agent.lanes
+        if len(step) > 1 and lanes is not None and self.agent.lanes_for(_lists_of(step)) > 1:
+            step_bytes = sum(int(local.row_lengths[rows].sum()) for _, local, rows, _ in step if local is not None)
+            if step_bytes >= lanes.split_min_bytes:
+                return self._read_step_on_lanes(request_id, step, last, deadline)
         moved = rows = 0
         for source, local_list, local_rows, remote_rows in step:
             assert local_list is not None
@@ -398,3 +390,35 @@ class BlockReader:
             moved += stats.bytes
             rows += stats.descriptors
         return moved, rows
+
+    def _read_step_on_lanes(
+        self, request_id: str, step: Sequence[ReadOrder], last: bool, deadline: float
+    ) -> tuple[int, int]:
+        """:meth:`_read_step` with each source's rows cut into one byte-balanced part per lane: every lane reads
+        its part of each source in turn, so no lane waits for the others between sources; the notifications
+        follow once every lane is done."""
+        count = self.agent.lane_count
+        cuts = [split_rows(local.row_lengths[rows], count) if local is not None else [] for _, local, rows, _ in step]
+
+        def lane_job(lane: int) -> Callable[[LaneRead], tuple[int, int]]:
+            def run(read: LaneRead) -> tuple[int, int]:
+                moved = rows_read = 0
+                for (source, local, local_rows, remote_rows), parts in zip(step, cuts, strict=True):
+                    if local is None or lane >= len(parts):
+                        continue
+                    part = parts[lane]
+                    timeout_s = max(0.0, deadline - time.perf_counter())
+                    stats = read(local, local_rows[part], source.remote, remote_rows[part], timeout_s)
+                    moved += stats.bytes
+                    rows_read += stats.descriptors
+                return moved, rows_read
+
+            return run
+
+        totals = self.agent.run_on_lanes(
+            [lane_job(lane) for lane in range(count)], max(0.0, deadline - time.perf_counter())
+        )
+        if last:
+            for source, *_ in step:
+                self.agent.notify(source.peer, self._done_message(request_id, source))
+        return sum(moved for moved, _ in totals), sum(rows for _, rows in totals)

@@ -7,8 +7,13 @@ with a one-unit read into scratch memory, so the first request does not pay for 
 fix layouts up also get descriptor lists into the staging area; caches packed by the engine read engines of
 another block size through a packed staging area instead.
 
+Transport (:mod:`.ipc_choice`): where the prefill ranks read are on this host and offered their memory (GPU memory
+our GPU can reach, or shareable host memory), the engine is opened through same-host IPC instead (:mod:`.ipc_reads`;
+no warm-up read), once; the connect log line names the transport and why. NIXL still carries the notifications.
+Descriptor lists name the memory they are in: a GPU's ("VRAM", with its device index) or the host's.
+
 A failed connect removes the peers it added. ``forget`` drops an engine (it restarted or died), so the next
-request handshakes afresh.
+request handshakes afresh; its IPC handles, if any, are closed with it (once no copy holds them).
 
 Restarts: a prefill restarted at the same address is a new *incarnation*: new NIXL agents (their names change
 on every start) and maybe a new engine id. ``refresh`` handshakes afresh, bypassing the cache; if the engine
@@ -35,9 +40,10 @@ import torch
 
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.errors import HandshakeError
+from pd_transfer.handshake.host_identity import local_boot_id
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.metrics import TransferMetrics
-from pd_transfer.spec import KVCacheLayout, KVRegion, planes_of
+from pd_transfer.spec import KVCacheLayout, KVRegion, memory_of, planes_of
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
 from pd_transfer.topology.mapping import TopologyError
 from pd_transfer.topology.packed import PackedBlockFormat
@@ -45,8 +51,11 @@ from pd_transfer.topology.plan import DEFAULT_MIN_DIRECT_RUN_BYTES
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 
 from .cache import KVCache
+from .ipc_choice import Transport, TransportChoice, TransportSetting, choose_transport
+from .ipc_engine import IpcEngine
+from .ipc_handles import IpcUnavailable, gpu_reach
 from .packed_staging import PackedStaging
-from .staging import StagingArea
+from .staging import DEFAULT_STAGING_CHUNK_BYTES, StagingArea
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +84,12 @@ class RemoteEngine:
     sources: list[SourceRank]
     staging: StagingArea | None = None  # the staging area the sources' ``staging`` lists point into
     packed: PackedStaging | None = None  # packed blocks of another block size: read whole, then regrouped
+    ipc: IpcEngine | None = None  # the engine's memory opened through same-host IPC: copied, not read with NIXL
+
+    @property
+    def transport(self) -> Transport:
+        """What its requests go by: "nixl", or same-host IPC ("cuda_ipc", "host_ipc")."""
+        return "nixl" if self.ipc is None else self.ipc.transport
 
 
 def incarnation(engine: EngineMetadata) -> tuple[str, tuple[str, ...]]:
@@ -85,11 +100,13 @@ def incarnation(engine: EngineMetadata) -> tuple[str, tuple[str, ...]]:
 class RemoteEngines:
     """The engines one decode rank reads from, keyed by side channel ``(host, port)``; thread-safe.
 
-    ``staging_bytes`` is the size of each half of the shared staging area (0: plans that fix layouts up do
-    so in place). ``packed_formats(block_size)`` gives the packing of a (block, head) for a block size, for
-    caches whose layout names a ``packing``; without it, such caches refuse engines of another block size.
+    ``staging_bytes`` is the size of each slot group (the chunk a read lane reads and restages at a time) of the
+    shared staging area (0: plans that fix layouts up do so in place). ``packed_formats(block_size)`` gives the
+    packing of a (block, head) for a block size, for caches whose layout names a ``packing``; without it, such
+    caches refuse engines of another block size.
     ``read_timeout_s`` bounds each warm-up read. ``on_connected(remote)`` is called for each engine once it is
-    connected (before any request uses it).
+    connected (before any request uses it). ``transport``: "auto" (same-host IPC where it can be used, else NIXL),
+    "nixl", or "ipc" (an engine that cannot be opened through IPC is refused with ``IpcUnavailable``).
     """
 
     def __init__(
@@ -100,13 +117,15 @@ class RemoteEngines:
         *,
         read_timeout_s: float,
         min_direct_run_bytes: int | None = None,
-        staging_bytes: int = 16 * 2**20,
+        staging_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         packed_staging_bytes: int = 32 * 2**20,
         metrics: TransferMetrics | None = None,
         on_connected: Callable[[RemoteEngine], None] | None = None,
+        transport: TransportSetting = "auto",
     ) -> None:
         self.agent = agent
+        self.transport = transport
         self._on_connected = on_connected
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.cache = cache
@@ -204,6 +223,12 @@ class RemoteEngines:
                 del self._remotes[key]
             self._dropped.add(key)
         self.client.forget(*key, failure=False)
+        self._disconnect(remote)
+
+    def _disconnect(self, remote: RemoteEngine) -> None:
+        """Close ``remote``'s IPC handles and remove its peers."""
+        if remote.ipc is not None:
+            remote.ipc.close()
         for source in remote.sources:
             self.agent.remove_peer(source.peer)
 
@@ -218,8 +243,15 @@ class RemoteEngines:
             remote = self._remotes.pop((host, port), None)
         self.client.forget(host, port)
         if remote is not None:
-            for source in remote.sources:
-                self.agent.remove_peer(source.peer)
+            self._disconnect(remote)
+
+    def close(self) -> None:
+        """Close every connected engine's IPC handles (its peers go with the agent)."""
+        with self._lock:
+            remotes = list(self._remotes.values())
+        for remote in remotes:
+            if remote.ipc is not None:
+                remote.ipc.close()
 
     def source_peers(self, host: str, port: int) -> list[str]:
         """NIXL agent names of the prefill ranks we read from at ``host:port`` ([] if not connected)."""
@@ -252,10 +284,17 @@ class RemoteEngines:
             check_compatible(self.cache.layout, rank.layout)
         packed = self._packed_staging_if_needed(engine)
         plan = self._plan(engine, packed)
-        sources = self._add_sources(engine, plan)
-        staging = self._staging if plan.postprocess is not None else None
+        choice, ipc = self._open_ipc(engine, plan, packed is not None)
+        try:
+            sources = self._add_sources(engine, plan, via_ipc=ipc is not None)
+        except BaseException:
+            if ipc is not None:
+                ipc.close()
+            raise
+        staging = self._staging if plan.postprocess is not None and ipc is None else None
         logger.info(
-            "decode %s: connected to engine %s at %s:%d (TP %d, %d source rank(s), postprocess: %s) in %.0f ms",
+            "decode %s: connected to engine %s at %s:%d (TP %d, %d source rank(s), postprocess: %s) in %.0f ms;"
+            " transport %s (%s)",
             self.agent.name,
             engine.engine_id,
             host,
@@ -264,8 +303,30 @@ class RemoteEngines:
             len(sources),
             "packed regroup" if packed is not None else "yes" if plan.postprocess is not None else "no",
             (time.perf_counter() - started) * 1e3,
+            choice.transport,
+            choice.reason,
         )
-        return RemoteEngine(engine, host, port, plan, sources, staging=staging, packed=packed)
+        return RemoteEngine(engine, host, port, plan, sources, staging=staging, packed=packed, ipc=ipc)
+
+    def _open_ipc(
+        self, engine: EngineMetadata, plan: PeerPlan, packed: bool
+    ) -> tuple[TransportChoice, IpcEngine | None]:
+        """The transport for ``engine`` and, for same-host IPC, its memory opened. Raises ``IpcUnavailable`` when
+        the setting is "ipc" and it cannot be used."""
+        by_rank = {rank.tp_rank: rank for rank in engine.ranks}
+        ranks = [by_rank[source.remote_rank] for source in plan.sources]
+        place = self.cache.place
+        choice = choose_transport(self.transport, place, ranks, local_boot_id(), packed=packed, reach=gpu_reach)
+        if choice.transport == "nixl":
+            if self.transport == "ipc":
+                raise IpcUnavailable(f"transport ipc: engine {engine.engine_id}: {choice.reason}")
+            return choice, None
+        try:
+            return choice, IpcEngine.open(choice.transport, engine, plan, self.cache)
+        except IpcUnavailable as error:
+            if self.transport == "ipc":
+                raise IpcUnavailable(f"transport ipc: engine {engine.engine_id}: {error}") from None
+            return TransportChoice("nixl", f"same-host IPC failed to open: {error}"), None
 
     def _packed_staging_if_needed(self, engine: EngineMetadata) -> PackedStaging | None:
         """A packed staging area when our blocks are packed and the engine's block size differs, else None."""
@@ -288,21 +349,24 @@ class RemoteEngines:
             min_direct_run_bytes=self.min_direct_run_bytes,
         )
 
-    def _add_sources(self, engine: EngineMetadata, plan: PeerPlan) -> list[SourceRank]:
-        """Add each source rank as a peer, prepare its descriptor lists, warm it up; on failure, remove the
-        peers added so far and re-raise."""
+    def _add_sources(self, engine: EngineMetadata, plan: PeerPlan, *, via_ipc: bool = False) -> list[SourceRank]:
+        """Add each source rank as a peer, prepare its descriptor lists (in the memory each side's cache is in) and,
+        unless the engine is copied through IPC (``via_ipc``), its staging lists, and warm it up; on failure, remove
+        the peers added so far and re-raise."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
         sources: list[SourceRank] = []
+        local = self.cache.place
         try:
             for source in plan.sources:
                 rank = by_rank[source.remote_rank]
                 peer = self.agent.add_peer(rank.agent_metadata)
-                remote_list = self.agent.prepare_remote(peer, source.remote_grid)
-                local_list = self.agent.prepare_local(source.local_grid)
+                remote_list = self.agent.prepare_remote(peer, source.remote_grid, memory_of(list(rank.regions)))
+                local_list = self.agent.prepare_local(source.local_grid, local)
                 readers = expected_readers(source.remote_rank, rank.layout, self.cache.layout.tp_size)
-                staging = self._prepare_staging(source) if plan.postprocess is not None else None
+                staging = self._prepare_staging(source) if plan.postprocess is not None and not via_ipc else None
                 sources.append(SourceRank(source.remote_rank, peer, local_list, remote_list, readers, staging))
-                self._warm_up(remote_list, source.unit_bytes)
+                if not via_ipc:
+                    self._warm_up(remote_list, source.unit_bytes)
         except Exception:
             for item in sources:
                 self.agent.remove_peer(item.peer)
@@ -337,12 +401,13 @@ class RemoteEngines:
         with self._staging_lock:
             if self._staging is None:
                 plane_block_bytes = self.cache.regions[0].plane_block_len
-                dtype = plane_views(self.cache.tensors, self.cache.regions)[0].dtype
-                self._staging = StagingArea(self.agent, plane_block_bytes, self.staging_bytes, dtype)
+                plane = plane_views(self.cache.tensors, self.cache.regions)[0]
+                self._staging = StagingArea(
+                    self.agent, plane_block_bytes, self.staging_bytes, plane.dtype, device=plane.device
+                )
             staging = self._staging
-        first_block = planes_of(list(self.cache.regions))[0].base_address
-        unit_offsets = source.local_grid[: source.local_units_per_block, 0].astype(np.int64) - first_block
-        return self.agent.prepare_local(staging.descriptor_rows(unit_offsets, source.unit_bytes))
+        first_plane = planes_of(list(self.cache.regions))[0].base_address
+        return self.agent.prepare_local(staging.source_rows(source, first_plane), staging.place)
 
     # ------------------------------------------------------------------ scratch reads
     def one_unit_read_latencies(self, host: str, port: int, samples: int) -> list[float]:

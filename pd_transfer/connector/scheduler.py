@@ -7,7 +7,9 @@ It mirrors the scheduler half of vLLM's KV connector API with typed arguments:
   they go to) -> ``build_step_metadata`` (a ``RecvSpec`` for the workers) -> ``update_connector_output``
   (``finished_recving``) -> ``request_finished``;
 * prefill engine: ``request_finished`` of a ``do_remote_decode`` request returns ``delay_free=True`` and the
-  parameters for the decode; the blocks are held by the workers until ``finished_sending``.
+  parameters for the decode; the blocks are held by the workers until ``finished_sending``. ``drain`` stops it
+  taking new work (``refuse_new`` raises ``Draining``), waits for every hold to end, then stops the side channel
+  (:mod:`.drain`).
 
 Malformed ``kv_transfer_params`` are logged (naming the request) and the request is computed locally; a
 remote prefill that will not be loaded (aborted, finished, computed locally, or params valid but for repeated
@@ -29,6 +31,7 @@ from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.metrics import default_metrics
 
 from .config import ConnectorConfig
+from .drain import Drain, DrainOutcome
 from .leases import hold_window
 from .metadata import RecvSpec, RemoteRef, StepMetadata
 from .params import (
@@ -46,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: Finish reasons after which a prefill-only request's KV is complete and worth holding for a decode.
 HOLD_REASONS = frozenset({"stop", "length"})
+#: A drain waits at most the lease and this much more (seconds): the step that collects the last expired lease.
+DRAIN_MARGIN_S = 1.0
 
 Phase = Literal["queued", "matched", "loading", "loaded", "released"]
 
@@ -100,6 +105,8 @@ class SchedulerSide:
         self.tp_size = tp_size
         self._clock = clock
         self._lock = threading.Lock()
+        self._holds_ended = threading.Condition(self._lock)  # notified when requests leave _holding
+        self.drain_state = Drain(f"engine {engine_id}", clock=clock)
         self._server: HandshakeServer | None = None
         self._remotes: dict[str, _Remote] = {}  # decode side, until request_finished
         self._rejected: set[str] = set()  # invalid params (logged once), until request_finished
@@ -143,6 +150,42 @@ class SchedulerSide:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+    # ------------------------------------------------------------------ drain
+    def refuse_new(self) -> None:
+        """Raise ``Draining`` (naming the engine and why) once :meth:`drain` began: call before taking a request."""
+        self.drain_state.refuse_new()
+
+    def drain(self, reason: str, timeout_s: float | None = None) -> DrainOutcome:
+        """Prefill side: drain this engine (``reason``: what asked for it). From now on :meth:`refuse_new` raises
+        ``Draining``. Waits until every request held for decode readers has ended (its workers reported it in
+        ``finished_sending``: read by each reader, released, expired or aborted), at most ``timeout_s`` (default:
+        the lease plus :data:`DRAIN_MARGIN_S`, by which any hold not extended by a waiting decode has expired), then
+        stops the side channel. The engine must go on stepping meanwhile (this call blocks: make it from another
+        thread): its steps collect the ends. Returns how it went."""
+        bound_s = self.config.lease_seconds + DRAIN_MARGIN_S if timeout_s is None else timeout_s
+        started = time.monotonic()
+        with self._holds_ended:
+            self.drain_state.start(reason)  # with what is held then
+            held = len(self._holding)
+            self._holds_ended.wait_for(lambda: not self._holding, timeout=bound_s)
+            left = len(self._holding)
+        outcome = DrainOutcome(held_at_start=held, left=left, seconds=time.monotonic() - started)
+        if outcome.complete:
+            logger.warning(
+                "engine %s drained: %d held request(s) ended in %.2f s", self.engine_id, held, outcome.seconds
+            )
+        else:
+            logger.error(
+                "engine %s: drain bound of %.1f s reached with %d of %d held request(s) still held; their readers"
+                " will fail over to their policy",
+                self.engine_id,
+                bound_s,
+                left,
+                held,
+            )
+        self.close()
+        return outcome
 
     # ------------------------------------------------------------------ decode side
     def _parse(
@@ -400,8 +443,10 @@ class SchedulerSide:
         """The workers' aggregated results of a step (``OutputAggregator``)."""
         try:
             with self._lock:
-                for request_id in finished_sending:
-                    self._holding.discard(request_id)
+                held = len(self._holding)
+                self._holding.difference_update(finished_sending)
+                if len(self._holding) < held:
+                    self._holds_ended.notify_all()
                 for request_id in finished_recving:
                     remote = self._remotes.get(request_id)
                     if remote is not None and remote.phase == "loading":

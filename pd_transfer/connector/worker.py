@@ -7,6 +7,11 @@ heartbeats go to a thread pool, so the engine step never waits on the network) a
 (``get_finished``, ``get_failed_requests``, ``get_block_ids_with_load_errors``, or all at once with
 ``step_output``). Lease expiry is swept in ``get_finished``.
 
+Ordering on a device: a GPU engine's kernels write blocks asynchronously, so the engine hands over, at the end of
+each computing step, an event recorded after them (``step_computed``); holds started later carry it, and the prefill
+rank offers their blocks to readers only once it completed (that event only, never the whole device). A CPU engine
+hands none: its blocks are written when the step returns.
+
 A pull counts as received only when every prefill rank read from confirmed that the blocks were still held
 when our ``ReadDone`` arrived, or when the read ended inside the hold window the prefill promised in its params
 (``DecodeRank.pull_confirmed``). Anything else (handshake timeout, wrong
@@ -26,10 +31,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import unpinning
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.errors import TransferError
 
@@ -38,7 +44,7 @@ from .config import ConnectorConfig
 from .decode import DecodeRank, PullStats
 from .errors import WrongEngine, failure_kind
 from .metadata import RecvSpec, RemoteRef, StepMetadata, TransferResults
-from .prefill import PrefillRank
+from .prefill import PrefillRank, ReadyEvent
 
 logger = logging.getLogger(__name__)
 
@@ -68,23 +74,35 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         metrics: TransferMetrics | None = None,
+        settings: Settings = DEFAULTS,
     ) -> None:
         """``packed_formats``: for caches with a ``packing``, the (block, head) packing of a block size
         (see :class:`DecodeRank`), so that engines of other block sizes can be read. ``metrics``: where the
-        decode side records (default: the process-wide ones)."""
+        decode side records (default: the process-wide ones). ``settings``: the process's (read at its edge), handed
+        to both ranks; the push mode both follow is ``config.push``, else ``settings.push``."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self._packed_formats = packed_formats
         self.cache = cache
         self.config = config
+        self.settings = settings
         self.rank = cache.layout.tp_rank
         self.prefill = PrefillRank(
-            engine_id, cache, lease_seconds=config.lease_seconds, clock=clock, accept_pushes=config.push != "off"
+            engine_id,
+            cache,
+            lease_seconds=config.lease_seconds,
+            clock=clock,
+            push=config.push,
+            settings=settings,
+            offer_ipc=config.transport != "nixl",
         )
+        self._computed: ReadyEvent | None = None  # the latest step's "KV written" event (GPU engines)
         self._decode: DecodeRank | None = None
         self._decode_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
-            config.load_threads, thread_name_prefix=f"pd-transfer-load-tp{self.rank}", initializer=unpin_current_thread
+            config.load_threads,
+            thread_name_prefix=f"pd-transfer-load-tp{self.rank}",
+            initializer=unpinning(settings.thread_cpu_set),
         )
         self._lock = threading.Lock()
         self._sending: set[str] = set()
@@ -116,15 +134,22 @@ class WorkerSide:
                     packed_formats=self._packed_formats,
                     metrics=self.metrics,
                     push=self.config.push,
+                    settings=self.settings,
+                    transport=self.config.transport,
                 )
             return self._decode
 
     # ------------------------------------------------------------------ each step
+    def step_computed(self, ready: ReadyEvent) -> None:
+        """The latest step's KV is written once ``ready`` completes: holds started from now on wait for it."""
+        self._computed = ready
+
     def start_load(self, metadata: StepMetadata) -> None:
-        """Act on a step's metadata without blocking: holds now, network work in the background."""
+        """Act on a step's metadata without blocking: holds now (after the latest step's KV is written, which it
+        is by then but for the kernels still running), network work in the background."""
         for request_id, block_ids in metadata.reqs_to_hold.items():
             try:
-                freed = self.prefill.hold(request_id, list(block_ids))
+                freed = self.prefill.hold(request_id, list(block_ids), ready=self._computed)
                 if freed is not None:
                     with self._lock:
                         self._sending.add(request_id)

@@ -2,14 +2,20 @@
 
 One handshake is two round trips on a fresh DEALER socket: ``Hello`` -> ``Challenge``, then
 ``GetMetadata`` -> ``Metadata``. Each attempt is bounded by ``timeout_s`` and watched through a ZMQ socket monitor,
-so a refused or dropped connection ends it at once. Retried: a refused connection (after a short pause) and an
-attempt that connected but got no answer in time; not retried: an attempt that never got a TCP connection within
-its timeout (ZMQ keeps re-sending SYNs inside an attempt already), nor any answer (refusals, auth, model).
+so a refused or dropped connection ends it at once. Retried: an attempt that connected but got no answer in time,
+and a refused connection unless a bare TCP connect right after it is refused too (nothing listens there: the fetch
+fails at once, a millisecond or two after it began; if the connect is accepted, a side channel came up meanwhile and
+the next attempt follows at once; if it neither connects nor is refused, after a short pause); not retried: an
+attempt that never got a TCP connection within its timeout (ZMQ keeps re-sending SYNs inside an attempt already),
+nor any answer (refusals, auth, model).
 
 Fail-fast: after a connection-level failure (``HandshakeTimeout``) of ``host:port``, fetches from that endpoint
 raise ``HandshakeBackoff`` at once (naming the endpoint, the failure, and when it will be tried again) for
 ``failure_backoff_s`` seconds, doubling with each failure in a row up to ``failure_backoff_max_s``. The first fetch
 after the window is the probe (others still fail fast while it runs); a success or ``forget()`` clears the record.
+
+Same-host IPC: a client made with ``prove_host`` answers a ``Challenge`` that names the prefill's host with a proof
+that it runs there (:mod:`.host_identity`), and so gets the ranks' IPC sections; others never do.
 
 Knocking: when the failure was that nobody accepted the connection (refused, or no TCP connection in time: the
 prefill is down or restarting), a fetch inside the window first knocks, at most once per ``knock_interval_s``
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Literal
 
 import msgspec
 import zmq
@@ -47,8 +54,9 @@ from .errors import (
     HandshakeTimeout,
     IncompatiblePeer,
 )
+from .host_identity import host_proof
 from .link import AttemptFailed, greet, open_link, receive, unexpected
-from .messages import EngineMetadata, GetMetadata, Metadata, encode_engine
+from .messages import Challenge, EngineMetadata, GetMetadata, Metadata, encode_engine
 from .versions import PROTOCOL_VERSION, SUPPORTED_VERSIONS
 
 logger = logging.getLogger(__name__)
@@ -56,8 +64,23 @@ logger = logging.getLogger(__name__)
 CacheKey = tuple[str, int, tuple[int, ...] | None]
 Endpoint = tuple[str, int]
 
-_REFUSED_PAUSE_S = 0.1  # before retrying a refused connection (doubling): a side channel restarting is caught
+_REFUSED_PAUSE_S = 0.1  # before retrying a refused connection a knock could not judge (doubling)
 _UNREACHABLE = ("connection refused", "no TCP connection", "connection closed by the peer")  # nobody listening
+
+Knock = Literal["listening", "refused", "silent"]
+
+
+def knock(endpoint: Endpoint, timeout_s: float) -> Knock:
+    """A bare TCP connect to ``endpoint``, bounded by ``timeout_s``: "listening" (it was accepted, and closed at
+    once), "refused" (nothing listens: the host answered with a reset) or "silent" (no answer in time, or another
+    error: unreachable, unresolvable)."""
+    try:
+        with socket.create_connection(endpoint, timeout=timeout_s):
+            return "listening"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "silent"
 
 
 @dataclass
@@ -83,15 +106,18 @@ class HandshakeClient:
     Results are cached per ``(host, port, tp_ranks)`` and are also reachable by engine id with
     ``cached()``. Thread-safe: concurrent fetches of different peers run in parallel, and concurrent
     fetches of the same key share one handshake. ``timeout_s`` bounds each attempt (seconds);
-    ``retries`` is the number of extra attempts after a refused connection or an unanswered one, so a
-    fetch takes at most ``(retries + 1) * timeout_s`` plus 0.3 s of pauses. ``failure_backoff_s`` (0: off)
-    and ``failure_backoff_max_s`` (default 3 x ``failure_backoff_s``) set the fail-fast window after a
-    connection-level failure; ``knock_interval_s`` (0: off) and ``knock_timeout_s`` (default the smaller of 0.25 s
-    and ``timeout_s``) the TCP knocks that end it early once a peer that was down listens again; ``clock``
+    ``retries`` is the number of extra attempts after a refused connection (unless a knock finds nothing listening)
+    or an unanswered one, so a fetch takes at most ``(retries + 1) * timeout_s`` plus ``retries`` knocks and 0.3 s
+    of pauses. ``failure_backoff_s`` (0: off) and ``failure_backoff_max_s`` (default 3 x ``failure_backoff_s``) set
+    the fail-fast window after a connection-level failure; ``knock_interval_s`` (0: off) and ``knock_timeout_s``
+    (default the smaller of 0.25 s and ``timeout_s``; it also bounds the knock after a refused attempt) the TCP
+    knocks that end it early once a peer that was down listens again; ``clock``
     (monotonic seconds) is for tests. ``protocol_version`` is the version asked for in ``Hello``;
     ``supported_versions`` the versions accepted in the server's ``Challenge`` (default: every version this
     package speaks, or only ``protocol_version`` when another is set): a server answering in another version is
     refused, naming both. ``metrics`` (default: the process's) counts handshakes by outcome and their seconds.
+    ``prove_host``: prove to servers that offer same-host IPC that we run on their host, when we do (we then get
+    their ranks' ``ipc`` sections); off, no server sends us any.
     """
 
     def __init__(
@@ -109,6 +135,7 @@ class HandshakeClient:
         clock: Callable[[], float] = time.monotonic,
         supported_versions: frozenset[int] | None = None,
         metrics: TransferMetrics | None = None,
+        prove_host: bool = False,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -121,6 +148,7 @@ class HandshakeClient:
         if failure_backoff_max_s < failure_backoff_s:
             raise ValueError(f"failure_backoff_max_s {failure_backoff_max_s} < failure_backoff_s {failure_backoff_s}")
         self.fingerprint = fingerprint
+        self.prove_host = prove_host
         self.timeout_s = timeout_s
         self.retries = retries
         self.protocol_version = protocol_version
@@ -234,10 +262,7 @@ class HandshakeClient:
             if now >= failures.retry_at or now < failures.next_knock_at:
                 return  # the window is over anyway (this fetch probes), or it was knocked at just now
             failures.next_knock_at = now + self.knock_interval_s
-        try:
-            with socket.create_connection(endpoint, timeout=self.knock_timeout_s):
-                pass
-        except OSError:
+        if knock(endpoint, self.knock_timeout_s) != "listening":
             return
         with self._lock:
             if self._failures.get(endpoint) is failures and not failures.probing:
@@ -320,11 +345,22 @@ class HandshakeClient:
             except AttemptFailed as exc:
                 reasons.append(exc.reason)
                 logger.info("handshake with %s: attempt %d/%d failed (%s)", peer, attempt, attempts, exc.reason)
-                if not exc.retry:
+                if not exc.retry or attempt == attempts:
                     break
-                if exc.reason == "connection refused" and attempt < attempts:
-                    time.sleep(_REFUSED_PAUSE_S * 2 ** (attempt - 1))  # a backoff between attempts, not a sync
+                if exc.reason == "connection refused" and not self._worth_retrying_refused(host, port, peer, attempt):
+                    break
         raise HandshakeTimeout(peer, len(reasons), self.timeout_s, reasons)
+
+    def _worth_retrying_refused(self, host: str, port: int, peer: str, attempt: int) -> bool:
+        """After attempt ``attempt`` was refused: knock once. Refused again: nothing listens, no retry (False).
+        Accepted: something listens now, retry at once. No verdict: retry after a pause (doubling per attempt)."""
+        verdict = knock((host, port), self.knock_timeout_s)
+        if verdict == "refused":
+            logger.info("handshake with %s: nothing listens there (a TCP connect was refused too): not retried", peer)
+            return False
+        if verdict == "silent":
+            time.sleep(_REFUSED_PAUSE_S * 2 ** (attempt - 1))  # a backoff between attempts, not a sync
+        return True
 
     def _attempt(self, host: str, port: int, peer: str, tp_ranks: list[int] | None) -> EngineMetadata:
         deadline = time.monotonic() + self.timeout_s
@@ -350,6 +386,7 @@ class HandshakeClient:
                 tp_ranks=None if tp_ranks is None else list(tp_ranks),
                 client_nonce=client_nonce,
                 server_nonce=challenge.server_nonce,
+                host_proof=self._host_proof(challenge, client_nonce, peer),
             )
             if self._secret is not None:
                 request = msgspec.structs.replace(request, mac=signed_request_mac(self._secret, request))
@@ -362,6 +399,15 @@ class HandshakeClient:
             raise HandshakeError(f"handshake with {peer} aborted: the client was closed") from exc
         finally:
             link.close()
+
+    def _host_proof(self, challenge: Challenge, client_nonce: bytes, peer: str) -> bytes:
+        """Our proof that we run on the host the challenge names (b"" when not asked for, not wanted, or not so)."""
+        if challenge.host is None or not self.prove_host:
+            return b""
+        proof, why_not = host_proof(challenge.host, challenge.server_nonce, client_nonce)
+        if not proof:
+            logger.info("handshake with %s: no same-host IPC: %s", peer, why_not)
+        return proof
 
     def _check(self, reply: Metadata, peer: str, client_nonce: bytes, tp_ranks: list[int] | None) -> EngineMetadata:
         engine = reply.engine

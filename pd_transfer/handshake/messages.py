@@ -17,6 +17,12 @@ its decode hop failed, so nobody will read those blocks)::
 
 Without a configured secret, ``mac`` fields are empty and ignored. The ``Challenge`` carries the version the
 server will speak with this client (the client's own when the server supports it).
+
+Since version 3, a prefill whose ranks offer their cache for same-host IPC (``RankMetadata.ipc``: CUDA IPC handles
+of GPU memory, or shared host memory) names its host in the ``Challenge`` (``host``: boot id and a token file only
+a process of the same user on the same host, sharing its ``/dev/shm``, can read). A client that reads the token
+proves it in ``GetMetadata.host_proof`` (HMAC of the nonces under the token, :mod:`.host_identity`); only then does
+the ``Metadata`` keep the ranks' ``ipc`` sections, so a remote peer is never sent a handle it cannot open.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-from pd_transfer.spec import Count, KVCacheLayout, KVRegion, ModelFingerprint, Name
+from pd_transfer.spec import Address, Count, KVCacheLayout, KVRegion, ModelFingerprint, Name, ShortName
 
 from .versions import PROTOCOL_VERSION
 
@@ -41,6 +47,8 @@ MAX_REGIONS = 16384
 
 Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
+#: An opaque handle of another process's memory (a CUDA IPC handle, torch's reference-counter file name).
+Handle = Annotated[bytes, msgspec.Meta(max_length=1024)]
 FieldName = Annotated[str, msgspec.Meta(max_length=64)]
 TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_RANKS)]
 
@@ -58,14 +66,60 @@ ErrorCode = Literal[
 ]
 
 
+class CudaSegment(msgspec.Struct, tag="cuda", frozen=True, forbid_unknown_fields=True):
+    """Version 3: one CUDA allocation (a torch storage) of a rank's cache, shared through a legacy CUDA IPC handle as
+    ``torch.multiprocessing`` shares a storage: ``handle`` of the allocation, the storage at ``offset_bytes`` in it,
+    torch's cross-process reference counter (``ref_counter`` file, slot ``ref_counter_offset``) and the event the
+    owner recorded when it made the handle. ``base_address`` is the storage's first byte in the owner's process."""
+
+    base_address: Address
+    nbytes: Count
+    device_uuid: ShortName  # the owner's GPU (what ``torch.cuda.get_device_properties(i).uuid`` prints)
+    handle: Handle
+    offset_bytes: Count
+    ref_counter: Handle
+    ref_counter_offset: Count
+    event_handle: Handle
+    event_sync_required: bool
+
+
+class HostSegment(msgspec.Struct, tag="memfd", frozen=True, forbid_unknown_fields=True):
+    """Version 3: one mapping of host memory backed by a memfd of process ``pid``, open there as descriptor ``fd``:
+    a same-host reader opens ``/proc/<pid>/fd/<fd>`` after checking that it is the memfd ``name``. ``base_address``
+    is the mapping's first byte in the owner's process."""
+
+    base_address: Address
+    nbytes: Count
+    pid: Count
+    fd: Count
+    name: ShortName
+
+
+class RankIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Version 3: a rank's cache memory, offered for same-host IPC: the owner's host (``boot_id``) and process
+    (``pid`` in the pid namespace ``pid_namespace``, the inode of its ``/proc/self/ns/pid``: a reader in the same
+    namespace notices it exited), and a segment per shared allocation, each covering whole regions."""
+
+    boot_id: ShortName
+    pid: Count
+    pid_namespace: Count
+    segments: Annotated[list[Union[CudaSegment, HostSegment]], msgspec.Meta(max_length=MAX_REGIONS)]
+
+
 class RankMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One TP rank of an engine: its NIXL agent and where its cache lives in its process."""
+    """One TP rank of an engine: its NIXL agent and where its cache lives in its process. ``ipc`` (version 3) is
+    present in a ``Metadata`` only for a client that proved it is on the same host (and the rank offers it)."""
 
     tp_rank: TpRank
     agent_name: Name
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=4 * 1024 * 1024)]  # nixl_agent.get_agent_metadata()
     layout: KVCacheLayout
     regions: Annotated[list[KVRegion], msgspec.Meta(max_length=MAX_REGIONS)]
+    ipc: RankIpc | None = None
+
+    def without_ipc(self) -> RankMetadata:
+        """This rank as a client that has not proved it is on the same host sees it."""
+        return self if self.ipc is None else msgspec.structs.replace(self, ipc=None)
 
 
 class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -82,10 +136,19 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     client_nonce: Nonce = b""
 
 
+class HostIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Version 3: the prefill's host, named in a ``Challenge`` when a rank offers IPC: its boot id and the path of a
+    token file only a process of the same user on the same host (sharing its ``/dev/shm``) can read."""
+
+    boot_id: ShortName
+    token_path: Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class Challenge(msgspec.Struct, tag="challenge", frozen=True, forbid_unknown_fields=True):
     protocol_version: int
     server_nonce: Nonce
     auth_required: bool
+    host: HostIdentity | None = None  # version 3: present when a rank offers same-host IPC
 
 
 class GetMetadata(msgspec.Struct, tag="get_metadata", frozen=True, forbid_unknown_fields=True):
@@ -95,6 +158,8 @@ class GetMetadata(msgspec.Struct, tag="get_metadata", frozen=True, forbid_unknow
     client_nonce: Nonce
     server_nonce: Nonce
     mac: Mac = b""
+    #: version 3: HMAC of the nonces under the host token the ``Challenge`` named (empty: no proof, or not wanted)
+    host_proof: Mac = b""
 
 
 class Metadata(msgspec.Struct, tag="metadata", frozen=True, forbid_unknown_fields=True):

@@ -3,7 +3,14 @@
 Each request is one frame from a DEALER client; the ROUTER sees ``[identity, payload]`` and answers
 ``[identity, reply]``. Nothing a peer sends can stop the serving loop: undecodable input gets
 ``ErrorReply("malformed")``, unexpected failures ``ErrorReply("internal")``, and frames larger than
-``MAX_REQUEST_BYTES`` are dropped by ZMQ itself (``ZMQ_MAXMSGSIZE``), which disconnects that peer.
+``MAX_REQUEST_BYTES`` are dropped by ZMQ itself (``ZMQ_MAXMSGSIZE``), which disconnects that peer. A peer that sends
+without reading its replies costs bounded memory: ZMQ queues at most ``PEER_REQUEST_QUEUE`` of its requests (then TCP
+holds it back) and ``PEER_REPLY_QUEUE`` replies to it (then drops them).
+
+Where a rank offers its cache for same-host IPC (``RankMetadata.ipc``), the server makes a host token
+(:mod:`.host_identity`) on the first ``Hello``, names it in every ``Challenge``, and keeps the ranks' ``ipc``
+sections in a ``Metadata`` only for a request whose ``host_proof`` verifies under a fresh nonce of its own (used up
+then, as a MAC's is); everyone else gets the ranks without them. The token file is removed by :meth:`stop`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pd_transfer.metrics import TransferMetrics, default_metrics
 from .auth import as_secret, new_nonce, reply_mac, signed_request_mac, verify
 from .compat import fingerprint_fields_differing, info_labels
 from .endpoints import is_ipv6, tcp_endpoint
+from .host_identity import HostToken
 from .messages import (
     MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
@@ -31,6 +39,7 @@ from .messages import (
     ErrorReply,
     GetMetadata,
     Hello,
+    HostIdentity,
     Metadata,
     Release,
     ReleaseOutcome,
@@ -67,6 +76,15 @@ _NONCE_REFUSALS: dict[str, str] = {
     "reused": "server nonce already used",
     "busy": "too many authenticated handshakes within the nonce lifetime: retry shortly",
 }
+#: Requests ZMQ queues per peer connection (ZMQ_RCVHWM; ZMQ's default is 1000). A client has one request outstanding
+#: at a time; a peer that sends more without reading replies is held back by TCP. With 1000, rounds of 50 peers each
+#: sending 400 junk frames without reading took a server from 33 MiB to 84-125 MiB in three rounds, and a vLLM engine
+#: core from 615 to 1,044 MiB in six (the queued frames, then the memory they had taken, kept by the allocator).
+PEER_REQUEST_QUEUE = 4
+#: Replies ZMQ queues per peer connection (ZMQ_SNDHWM): more for a peer that does not read are dropped, so it holds at
+#: most this many replies of the server's memory. Not 4: ZMQ learns what a peer has read asynchronously, and at 4 it
+#: dropped about one reply in 4,000 to a peer that read each reply before its next request (none in 60,000 at 64).
+PEER_REPLY_QUEUE = 64
 _MAX_REASON_CHARS = 200
 _MAX_BATCH = 64  # messages handled per poll wake-up before checking for stop() again
 
@@ -82,6 +100,8 @@ class HandshakeServer:
     versions). ``stats`` counts ``challenges``, ``served``, ``released``, ``refused``, ``malformed``,
     ``too_large``, ``internal`` and ``dropped`` (replies ZMQ could not queue); it is written by the serving thread
     only. ``metrics`` (default: the process's) counts refused frames by reason and refused nonces by why.
+    ``offer_host``: name this host in challenges so that same-host clients can prove it and get the ranks' IPC
+    sections (default: when ``engine`` is the metadata itself and a rank has one; a callable is not asked).
     """
 
     def __init__(
@@ -99,6 +119,7 @@ class HandshakeServer:
         protocol_version: int = PROTOCOL_VERSION,
         supported_versions: frozenset[int] = SUPPORTED_VERSIONS,
         metrics: TransferMetrics | None = None,
+        offer_host: bool | None = None,
     ) -> None:
         if not (0 <= port <= 65535):
             raise ValueError(f"port must be in 0..65535, got {port}")
@@ -120,6 +141,11 @@ class HandshakeServer:
         self._context: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        if offer_host is None:
+            offer_host = isinstance(engine, EngineMetadata) and any(rank.ipc is not None for rank in engine.ranks)
+        self._offer_host = offer_host
+        self._host_token: HostToken | None = None  # made on the first Hello, if offered
+        self.ipc_handles_sent = 0  # Metadata replies that kept the ranks' IPC sections (host proven)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,6 +173,8 @@ class HandshakeServer:
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        socket.setsockopt(zmq.RCVHWM, PEER_REQUEST_QUEUE)
+        socket.setsockopt(zmq.SNDHWM, PEER_REPLY_QUEUE)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if is_ipv6(self.host):
             socket.setsockopt(zmq.IPV6, 1)
@@ -181,6 +209,8 @@ class HandshakeServer:
         if self._context is not None:
             self._context.term()
             self._context = None
+        if self._host_token is not None:
+            self._host_token.close()
         logger.info("handshake server for engine %r on port %s stopped", self._engine_id, self._port)
 
     def __enter__(self) -> HandshakeServer:
@@ -276,17 +306,52 @@ class HandshakeServer:
         refusal = self._check_version(version, peer, asked=hello.protocol_version)
         if refusal is not None:
             return refusal
-        nonce = self._nonces.issue() if self._secret is not None else new_nonce()  # checked only with a secret
+        host = self._host_identity()
+        # checked with a secret, or with a host proof
+        nonce = self._nonces.issue() if self._secret is not None or host is not None else new_nonce()
         self.stats["challenges"] += 1
         logger.debug(
             "handshake server for engine %r: challenge (version %d) sent to %s", self._engine_id, version, peer
         )
-        return Challenge(protocol_version=version, server_nonce=nonce, auth_required=self._secret is not None)
+        return Challenge(
+            protocol_version=version, server_nonce=nonce, auth_required=self._secret is not None, host=host
+        )
+
+    def _host_identity(self) -> HostIdentity | None:
+        """The host token's identity when offered (the token is made the first time), else None."""
+        if self._host_token is None:
+            if not self._offer_host:
+                return None
+            try:
+                self._host_token = HostToken()
+            except OSError as error:
+                self._offer_host = False
+                logger.warning(
+                    "engine %r: no host token (%s): same-host IPC is not offered, decodes read with NIXL",
+                    self._engine_id,
+                    error,
+                )
+                return None
+        return self._host_token.identity
+
+    def _host_proven(self, request: GetMetadata, peer: str) -> bool:
+        """Whether ``request`` proves its sender reads our host token, under a fresh nonce of ours (used up here
+        when there is no secret: with one, authentication uses it up next)."""
+        token = self._host_token
+        if token is None or not request.host_proof:
+            return False
+        if self._nonces.check(request.server_nonce) != "ok":
+            return False
+        if not token.verify(request.host_proof, request.server_nonce, request.client_nonce):
+            logger.warning("handshake server for engine %r: host proof of %s does not verify", self._engine_id, peer)
+            return False
+        return self._secret is not None or self._nonces.consume(request.server_nonce) == "ok"
 
     def _on_get_metadata(self, request: GetMetadata, peer: str) -> Reply:
         refusal = self._check_version(request.protocol_version, peer)
         if refusal is not None:
             return refusal
+        same_host = self._host_proven(request, peer)
         if self._secret is not None:
             refusal = self._authenticate(request, self._secret, peer)
             if refusal is not None:
@@ -307,7 +372,13 @@ class HandshakeServer:
             message = f"engine {engine.engine_id!r} does not serve TP rank(s) {shown}; it serves {sorted(by_rank)}"
             return self._refuse(peer, "unknown_rank", message)
 
-        served = msgspec.structs.replace(engine, ranks=[by_rank[tp_rank] for tp_rank in wanted])
+        ranks = [by_rank[tp_rank] for tp_rank in wanted]
+        if not same_host:
+            ranks = [rank.without_ipc() for rank in ranks]
+        elif any(rank.ipc is not None for rank in ranks):
+            self.ipc_handles_sent += 1
+            logger.info("engine %r: IPC handles of ranks %s sent to %s (same host)", engine.engine_id, wanted, peer)
+        served = msgspec.structs.replace(engine, ranks=ranks)
         mac = reply_mac(self._secret, request.client_nonce, encode_engine(served)) if self._secret else b""
         self.stats["served"] += 1
         logger.debug("handshake server for engine %r: ranks %s sent to %s", engine.engine_id, wanted, peer)

@@ -5,10 +5,16 @@ server still answers and a client still accepts.
 
 * 1: ``Hello`` / ``Challenge`` / ``GetMetadata`` / ``Metadata`` / ``ErrorReply``.
 * 2: adds ``Release`` / ``ReleaseReply`` (the proxy ends a lease nobody will read); version 1 messages unchanged,
-  so a version 2 server answers version 1 clients as before.
+  so a version 2 server answered version 1 clients as before.
+* 3: a cache region says where its memory is (``KVRegion.memory``, ``device_index``: host, or a GPU); a rank may
+  offer its memory for same-host IPC (``RankMetadata.ipc``), sent only to a client that proved it runs on the
+  prefill's host (``Challenge.host``, ``GetMetadata.host_proof``). A version 2 peer cannot decode version 3
+  metadata (and would read GPU addresses as host ones), so versions 1 and 2 are refused, naming both versions.
 """
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS: frozenset[int] = frozenset({1, 2})
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS: frozenset[int] = frozenset({3})
 #: The first version that has ``Release``.
 RELEASE_VERSION = 2
+#: The first version whose regions carry their memory kind (and whose ranks may offer same-host IPC).
+MEMORY_KIND_VERSION = 3

@@ -9,7 +9,7 @@ for the disk tier, one unit of this manager's byte budget. A block is in one of 
   failure);
 * ``ready``: loadable; :meth:`prepare_load` pins it until the matching :meth:`complete_load`.
 
-Invariants (checked by tests/test_offload_manager.py after every operation):
+Invariants (checked by tests/unit/test_offload_manager.py after every operation):
 
 * ``blocks_held * block_bytes == bytes_held <= capacity_bytes``; each row belongs to at most one block;
 * a block that is ``storing`` or pinned by a load is never evicted: when no other block can make room,

@@ -42,8 +42,9 @@ class _Stat(ctypes.Structure):
     ]
 
 
-class _Calls:
-    """The C library's calls, typed; ``cachestat`` False once the kernel said it has none."""
+class LibraryCalls:
+    """The C library's calls, typed; ``cachestat`` False once the kernel said it has none (set it False to ask
+    with ``mincore`` only)."""
 
     def __init__(self, libc: ctypes.CDLL) -> None:
         self.libc = libc
@@ -59,9 +60,10 @@ class _Calls:
 
 
 @cache
-def _calls() -> _Calls | None:
+def library_calls() -> LibraryCalls | None:
+    """The process's one :class:`LibraryCalls`, or None where the C library or its ``mincore`` is missing."""
     try:
-        return _Calls(ctypes.CDLL(None, use_errno=True))
+        return LibraryCalls(ctypes.CDLL(None, use_errno=True))
     except (OSError, AttributeError):  # no C library to load, or one without mincore
         return None
 
@@ -69,7 +71,7 @@ def _calls() -> _Calls | None:
 def resident_fraction(path: str | os.PathLike[str]) -> float | None:
     """The fraction (0..1) of ``path``'s pages in the page cache; 1.0 for an empty file. None when it cannot be
     told: no such file, or neither ``cachestat`` nor ``mincore`` here."""
-    calls = _calls()
+    calls = library_calls()
     if calls is None:
         return None
     try:
@@ -89,7 +91,7 @@ def resident_fraction(path: str | os.PathLike[str]) -> float | None:
         os.close(fd)
 
 
-def _cachestat(calls: _Calls, fd: int) -> int | None:
+def _cachestat(calls: LibraryCalls, fd: int) -> int | None:
     """Pages of the whole file (``len`` 0) in the page cache, or None (no such syscall: remembered)."""
     stat = _Stat()
     if calls.libc.syscall(_CACHESTAT, fd, ctypes.byref(_Range(0, 0)), ctypes.byref(stat), 0) == 0:
@@ -99,7 +101,7 @@ def _cachestat(calls: _Calls, fd: int) -> int | None:
     return None
 
 
-def _mincore(calls: _Calls, fd: int, size: int) -> int | None:
+def _mincore(calls: LibraryCalls, fd: int, size: int) -> int | None:
     """Pages of the file's ``size`` bytes the page cache holds, by ``mincore`` on a mapping never read."""
     address = calls.libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if address is None or address == _MAP_FAILED:

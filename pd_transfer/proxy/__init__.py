@@ -28,8 +28,9 @@ prefill that fails (connection error or 5xx) is retried once on another prefill 
 reached the client is tried once more on another decode server, then 502 with ``hop: "decode"``: one that refuses the
 connection, answers a drain's 503, or answers 200 with no output and ``finish_reason: "abort"`` (its engine is
 stopping) is also taken out; one that answers a 5xx stays in for its health checks to judge (:mod:`.decode_hop`).
-A decode hop that timed out is not tried again. A backend's 4xx is handed back as it is. A client that goes away cancels its handler, which
-closes the upstream connection: the decode server sees the disconnect and aborts the request, freeing its blocks.
+A decode hop that timed out is not tried again. A backend's 4xx is handed back as it is. A client that goes away
+cancels its handler, which closes the upstream connection: the decode server sees the disconnect and aborts the
+request, freeing its blocks.
 
 ``GET /metrics`` (Prometheus, the proxy's own registry): ``pd_proxy_requests_total{endpoint,status}``,
 ``pd_proxy_routes_total{path}``, ``pd_proxy_errors_total{hop,kind}``, ``pd_proxy_retries_total{hop,reason}``,
@@ -38,7 +39,7 @@ closes the upstream connection: the decode server sees the disconnect and aborts
 ``pd_proxy_backend_healthy{role,backend}``.
 
 Modules: ``server`` (``Proxy``, ``ProxyConfig``, the prefill hop), ``decode_hop`` (the decode hop and its relay),
-``flow`` (validation and the bodies of both hops, no HTTP),
+``upstream`` (the hops' HTTP/1.1 client), ``flow`` (validation and the bodies of both hops, no HTTP),
 ``routing`` (backends, policies), ``metrics``, ``cli`` (``pd-transfer proxy`` / ``python -m pd_transfer.proxy``).
 Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy`.
 """

@@ -32,9 +32,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
-import yarl
 from aiohttp import web
 
 from pd_transfer.proxy import flow
@@ -43,6 +41,7 @@ from pd_transfer.proxy.metrics import HopMeter
 from pd_transfer.proxy.release import DecodeProgress
 from pd_transfer.proxy.responses import REQUEST_ID, ClientGone, HopError, describe_error, relayed_response, snippet
 from pd_transfer.proxy.routing import DRAINING, Backend, Pool
+from pd_transfer.proxy.upstream import Answer, ConnectFailed, Endpoint, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +73,20 @@ class DecodeCall:
 
 
 class DecodeHop:
-    """Runs decode hops over ``pool`` (the decode backends); ``urls`` maps ``(id(backend), endpoint)`` to the
-    parsed URL; ``meter`` counts the hops and their failed attempts."""
+    """Runs decode hops over ``pool`` (the decode backends); ``endpoints`` maps ``(id(backend), endpoint)`` to
+    where its POST goes; ``meter`` counts the hops and their failed attempts."""
 
-    def __init__(self, pool: Pool, meter: HopMeter, urls: Mapping[tuple[int, str], yarl.URL]) -> None:
+    def __init__(self, pool: Pool, meter: HopMeter, endpoints: Mapping[tuple[int, str], Endpoint]) -> None:
         self.pool = pool
         self.meter = meter
         self.metrics = meter.metrics
-        self._urls = urls
+        self._endpoints = endpoints
 
     def _connection_failed(self, backend: Backend, error: BaseException) -> None:
         """A backend that cannot be connected to is out until its health check passes."""
         self.pool.set_health(backend, False, f"connection error: {describe_error(error)}")
 
-    async def run(
-        self, session: aiohttp.ClientSession, call: DecodeCall, progress: DecodeProgress
-    ) -> web.StreamResponse:
+    async def run(self, upstream: Upstream, call: DecodeCall, progress: DecodeProgress) -> web.StreamResponse:
         """Sends ``call`` to a decode server and relays its answer; once more on another decode server when the
         first attempt never reached its engine (see the module). ``progress``: whether the request was sent and its
         answer read (for the release of the prefill's blocks)."""
@@ -105,7 +102,7 @@ class DecodeHop:
             tried.append(backend)
             since = self.meter.enter(backend)
             try:
-                return await self._attempt(session, call, backend, payload, progress)
+                return await self._attempt(upstream, call, backend, payload, progress)
             except _Retryable as retry:
                 failure = self.meter.failed_attempt(retry.failure)
                 if retry.saw_params:
@@ -118,7 +115,7 @@ class DecodeHop:
 
     async def _attempt(
         self,
-        session: aiohttp.ClientSession,
+        upstream: Upstream,
         call: DecodeCall,
         backend: Backend,
         payload: bytes,
@@ -128,23 +125,23 @@ class DecodeHop:
         request never reached that server's engine."""
         try:
             progress.sent = True
-            upstream = await session.post(self._urls[id(backend), call.endpoint], data=payload, headers=call.headers)
-        except aiohttp.ClientConnectorError as e:  # never connected: safe to send elsewhere
+            answer = await upstream.post(self._endpoints[id(backend), call.endpoint], call.headers, payload)
+        except ConnectFailed as e:  # never connected: safe to send elsewhere
             progress.sent = False
             self._connection_failed(backend, e)
             message = f"decode backend {backend.url} failed: {describe_error(e)}"
             raise _Retryable(HopError("decode", backend, "connect", message), saw_params=False) from None
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (UpstreamError, TimeoutError) as e:
             raise HopError(
                 "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
             ) from None
         try:
-            if self.pool.note_answer(backend, upstream.status, upstream.headers):  # refused before its engine
+            if self.pool.note_answer(backend, answer.status, answer.headers):  # refused before its engine
                 progress.sent = False
                 raise _Retryable(HopError("decode", backend, "draining", f"{backend.url} drains"), saw_params=False)
-            return await self._relay(call, upstream, backend, progress)
+            return await self._relay(call, answer, backend, progress)
         finally:
-            upstream.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
+            answer.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
 
     def _aborted(self, call: DecodeCall, backend: Backend, progress: DecodeProgress) -> _Retryable:
         """``backend`` answered 200 with no output and ``finish_reason: "abort"``: its engine is stopping. It is
@@ -172,15 +169,13 @@ class DecodeHop:
         return _Retryable(HopError("decode", backend, "status", message), saw_params=True)
 
     async def _relay(
-        self, call: DecodeCall, upstream: aiohttp.ClientResponse, backend: Backend, progress: DecodeProgress
+        self, call: DecodeCall, upstream: Answer, backend: Backend, progress: DecodeProgress
     ) -> web.StreamResponse:
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status != 200 or not content_type.startswith("text/event-stream"):
             try:
                 raw = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                if isinstance(e, aiohttp.ClientConnectorError):
-                    self._connection_failed(backend, e)
+            except (UpstreamError, TimeoutError) as e:
                 raise HopError(
                     "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
                 ) from None
@@ -189,13 +184,13 @@ class DecodeHop:
                 raise self._failed(call, backend, upstream.status, raw, progress)
             if upstream.status == 200 and is_empty_abort(raw):
                 raise self._aborted(call, backend, progress)
-            return relayed_response(upstream, raw, call.rid)
+            return relayed_response(upstream.status, upstream.headers, raw, call.rid)
         return await self._stream(call, upstream, backend, progress, content_type)
 
     async def _stream(
         self,
         call: DecodeCall,
-        upstream: aiohttp.ClientResponse,
+        upstream: Answer,
         backend: Backend,
         progress: DecodeProgress,
         content_type: str,
@@ -203,10 +198,10 @@ class DecodeHop:
         """Relays an SSE stream: its opening held until its first output (:class:`StreamOpening`), then chunk by
         chunk as it comes. A stream that ends with an abort and no output raises :class:`_Retryable`."""
         opening = StreamOpening()
-        chunks = upstream.content.iter_any()
+        chunks = upstream.chunks()
         try:
             verdict = await _judge(opening, chunks)
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (UpstreamError, TimeoutError) as e:
             message = f"decode backend {backend.url} failed before its first output: {describe_error(e)}"
             raise HopError("decode", backend, "stream", message) from None
         if verdict is Verdict.ABORTED:
@@ -224,7 +219,7 @@ class DecodeHop:
         except ConnectionResetError:
             self.metrics.errors.labels("client", "disconnect").inc()
             raise ClientGone(response) from None
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (UpstreamError, TimeoutError) as e:
             # The decode server failed mid-stream: the status is sent already; end the stream with an error event.
             self.metrics.errors.labels("decode", "stream").inc()
             event = flow.error_body(

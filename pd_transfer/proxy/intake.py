@@ -60,7 +60,8 @@ class IntakeLimits:
 
 def check_media_type(request: web.Request) -> None:
     """JSON bodies only: ``application/json`` or a ``+json`` type (a request without the header is read as JSON)."""
-    if "Content-Type" not in request.headers:
+    declared = request.headers.get("Content-Type")
+    if declared is None or declared == "application/json":  # the common cases, without parsing the header
         return
     mimetype = request.content_type.lower()
     if mimetype != "application/json" and not mimetype.endswith("+json"):
@@ -80,6 +81,8 @@ def reservation(request: web.Request, limits: IntakeLimits) -> int:
 async def read_body(request: web.Request, limits: IntakeLimits) -> bytes:
     """The whole body within ``body_timeout_s`` (408 otherwise) and ``max_body_bytes`` (413 otherwise)."""
     try:
+        if request.content.is_eof():  # all of it came with the headers (a small body): nothing to wait for
+            return await request.read()
         async with asyncio.timeout(limits.body_timeout_s):
             return await request.read()
     except TimeoutError:

@@ -10,8 +10,10 @@ the ``kv_transfer_params`` the prefill answered:
 * the client left while the decode hop ran: a decode may be reading, so ``read_possible`` True: the prefill keeps
   the blocks to the end of the hold window it promised decodes, or until the reader reports.
 
-A client leaving during the prefill hop closes the prefill's connection, and the prefill aborts the request (it holds
-nothing). Releases run off the event loop, each bounded by ``timeout_s``, and are counted in
+A client leaving during the prefill hop: the proxy reads the prefill's answer on for up to a second
+(``server.PREFILL_LEFTOVER_S``) and releases what it names (``read_possible`` False); a prefill that has not answered
+by then gets its connection closed and aborts the request (vLLM holds nothing for an aborted request). Releases run
+off the event loop, each bounded by ``timeout_s``, and are counted in
 ``pd_proxy_releases_total{outcome}``; a failed release costs nothing but the lease. The prefill's ``ReleaseReply``
 is not authenticated (the ``Release`` is): its outcome only labels that count and a log line, and nothing here acts on
 it (docs/faults.md, "What the side-channel secret protects").

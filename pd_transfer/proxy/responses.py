@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -71,11 +70,13 @@ def error_response(status: int, message: str, type_: str, rid: str, **extra: Any
     return json_response(flow.error_body(message, type_, code=status, **extra), status, rid)
 
 
-def relayed_response(upstream: aiohttp.ClientResponse, raw: bytes, rid: str) -> web.Response:
+def relayed_response(status: int, headers: Mapping[str, str], raw: bytes, rid: str) -> web.Response:
+    """A backend's answer (``status``, its ``headers``, body ``raw``) to the client: its body and content type, the
+    request id."""
     return web.Response(
         body=raw,
-        status=upstream.status,
-        headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"), REQUEST_ID: rid},
+        status=status,
+        headers={"Content-Type": headers.get("Content-Type", "application/json"), REQUEST_ID: rid},
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,13 +79,16 @@ class Pool:
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
-    def pick(self, exclude: Iterable[Backend] = ()) -> Backend | None:
+    def pick(self, exclude: Collection[Backend] = ()) -> Backend | None:
         """The next backend by the policy among the healthy ones not excluded; None if there is none.
 
         Ties under ``least_outstanding`` go round robin, so an idle pool still spreads requests.
         """
-        excluded = set(map(id, exclude))
-        candidates = [b for b in self.backends if b.healthy and id(b) not in excluded]
+        if exclude:
+            excluded = set(map(id, exclude))
+            candidates = [b for b in self.backends if b.healthy and id(b) not in excluded]
+        else:
+            candidates = [b for b in self.backends if b.healthy]
         if not candidates:
             return None
         start = self._next % len(candidates)

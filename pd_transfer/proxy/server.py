@@ -13,11 +13,11 @@ import asyncio
 import logging
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 import aiohttp
 import msgspec
-import yarl
 from aiohttp import web
 
 from pd_transfer.proxy import flow
@@ -41,12 +41,18 @@ from pd_transfer.proxy.responses import (
     snippet,
 )
 from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason, prefill_without_params
+from pd_transfer.proxy.upstream import ConnectFailed, Endpoint, Leftover, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
 # Headers a client sends that the backends need too (vLLM's --api-key); everything else stays at the proxy.
 FORWARDED_HEADERS = ("Authorization",)
 CLIENT_CLOSED = 499  # nginx's convention for "the client went away", used in metrics only
+#: Seconds the proxy goes on reading a prefill's answer after the client left during the prefill hop. vLLM aborts a
+#: request whose connection closes while its engine computes (our connector holds nothing for it), but one its engine
+#: had finished holds its blocks until the lease ends: an answer read within this time names them, released at once.
+#: Past it the connection closes (vLLM aborts the request if it still runs).
+PREFILL_LEFTOVER_S = 1.0
 
 
 class Proxy:
@@ -61,9 +67,9 @@ class Proxy:
         self._request_latency = {e: self.metrics.request_latency.labels(e) for e in flow.ENDPOINTS}
         self._routes = {path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated")}
         self._requests: dict[tuple[str, int], Any] = {}
-        # Parsed once: aiohttp would parse a string URL on every request.
-        self._urls = {(id(b), e): yarl.URL(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
-        self._decode_hop = DecodeHop(self.decode, self._meter, self._urls)
+        # Where each hop's POST goes, request line and Host header encoded once.
+        self._endpoints = {(id(b), e): Endpoint.of(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
+        self._decode_hop = DecodeHop(self.decode, self._meter, self._endpoints)
         for backend in self._backends():
             self.metrics.healthy.labels(backend.role, backend.url).set(1)
             # Read when scraped, not set twice per hop.
@@ -78,7 +84,8 @@ class Proxy:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/v1/models", self._models)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # health checks and /v1/models
+        self._upstream: Upstream | None = None  # the hops
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.host = ""
@@ -102,6 +109,7 @@ class Proxy:
                 total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
             ),
         )
+        self._upstream = Upstream(self.config.connect_timeout_s, self.config.request_timeout_s, keepalive_s=4.0)
         # handler_cancellation: a client that goes away cancels its handler at once, which closes the upstream
         # connection, so the decode server aborts the request and frees its blocks.
         # keepalive_timeout: aiohttp closes a connection whose next request's headers are not complete this long
@@ -130,6 +138,9 @@ class Proxy:
             await self._runner.cleanup()
             self._runner = None
         await self.releases.close()
+        if self._upstream is not None:
+            self._upstream.close()
+            self._upstream = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -211,7 +222,7 @@ class Proxy:
         try:
             async with self._session.get(backend.url + "/v1/models", headers=self._headers(request, rid)) as answer:
                 raw = await answer.read()
-                return relayed_response(answer, raw, rid)
+                return relayed_response(answer.status, answer.headers, raw, rid)
         except (aiohttp.ClientError, TimeoutError) as e:
             return error_response(
                 502,
@@ -273,7 +284,7 @@ class Proxy:
             self._request_latency[endpoint].observe(time.perf_counter() - started)
 
     def _headers(self, request: web.Request, rid: str) -> dict[str, str]:
-        headers = {REQUEST_ID: rid, "Content-Type": "application/json"}
+        headers = {REQUEST_ID: rid}  # the hops send Content-Type themselves (upstream.Endpoint)
         for name in FORWARDED_HEADERS:
             value = request.headers.get(name)
             if value is not None:
@@ -292,18 +303,20 @@ class Proxy:
             self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers)
         call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started)
-        session = self._session
-        assert session is not None
+        upstream = self._upstream
+        assert upstream is not None
         return await self.releases.decode_then(
-            params, rid, lambda progress: self._decode_hop.run(session, call, progress)
+            params, rid, lambda progress: self._decode_hop.run(upstream, call, progress)
         )
 
     # ---- hops ----
 
     async def _prefill_hop(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """Runs the prefill; on a connection error or a 5xx, once more on another prefill server."""
-        assert self._session is not None
+        upstream = self._upstream
+        assert upstream is not None
         payload = msgspec.json.encode(flow.prefill_body(endpoint, body))
+        leftover = Leftover(PREFILL_LEFTOVER_S, partial(self._prefill_left_over, headers[REQUEST_ID]))
         tried: list[Backend] = []
         failure: HopError | None = None
         while len(tried) < 2:
@@ -315,12 +328,12 @@ class Proxy:
             tried.append(backend)
             since = self._meter.enter(backend)
             try:
-                async with self._session.post(
-                    self._urls[id(backend), endpoint], data=payload, headers=headers
+                async with await upstream.post(
+                    self._endpoints[id(backend), endpoint], headers, payload, leftover
                 ) as answer:
                     raw = await answer.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                if isinstance(e, aiohttp.ClientConnectorError):
+            except (UpstreamError, TimeoutError) as e:
+                if isinstance(e, ConnectFailed):
                     self._connection_failed(backend, e)
                 failure = self._meter.failed_attempt(
                     HopError(
@@ -342,7 +355,7 @@ class Proxy:
                 )
                 continue
             if answer.status >= 400:
-                raise Passthrough(relayed_response(answer, raw, headers[REQUEST_ID]))
+                raise Passthrough(relayed_response(answer.status, answer.headers, raw, headers[REQUEST_ID]))
             try:
                 decoded = msgspec.json.decode(raw)
             except msgspec.DecodeError:
@@ -365,3 +378,16 @@ class Proxy:
                 f"{failure}; the retry on another prefill backend failed too: " + ", ".join(b.url for b in tried),
             )
         raise failure
+
+    def _prefill_left_over(self, rid: str, status: int | None, raw: bytes | None) -> None:
+        """The answer of a prefill hop whose client had left (see :data:`PREFILL_LEFTOVER_S`): the blocks it names
+        are released (no decode was sent them). ``status`` None: no answer in time; vLLM aborted the request."""
+        if status != 200 or raw is None:
+            log.info("request %s: the client left during the prefill hop; the prefill answered %s", rid, status)
+            return
+        try:
+            params = flow.kv_params_from_prefill(msgspec.json.decode(raw))
+        except msgspec.DecodeError:
+            params = None
+        if params is not None:
+            self.releases.release(params, rid, read_possible=False, why="the client left during the prefill hop")

@@ -5,7 +5,8 @@
 engine drives a connector (finish a prompt, then step), through the engine contract only
 (:mod:`pd_transfer.connector.contract`). Blocks are never reused, and the allocator scribbles
 over blocks when the connector hands them back, so a read of freed blocks gets garbage, as it would in a
-real engine that reused them. ``DecodeEngine`` does the same for a decode engine in the calling process.
+real engine that reused them. ``LocalPrefillEngines`` runs the same engines in the calling process (for fake agents);
+``DecodeEngine`` does the same for a decode engine in the calling process.
 
 Waiting is polling with a deadline: step, look, step again.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.contract import SchedulerContract, WorkerContract
 from pd_transfer.connector.leases import LeaseLedger
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 
@@ -44,13 +45,13 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 1
     side_channel_port: int = 0  # 0: any free port; a fixed one to restart an engine where it was
 
-    def caches(self) -> list[KVCache]:
+    def caches(self, settings: Settings = DEFAULTS) -> list[KVCache]:
         """The ranks' caches, filled as the child fills them (recomputed here to check what was read)."""
         from pd_transfer.sim.peer import fill_pattern
 
         caches = []
         for layout in self.layouts:
-            cache = KVCache.allocate(layout, self.num_blocks)
+            cache = KVCache.allocate(layout, self.num_blocks, huge_pages=settings.own_huge_pages)
             fill_pattern(cache, self.seed)
             caches.append(cache)
         return caches
@@ -66,19 +67,19 @@ def _scribble(caches: Sequence[KVCache], block_ids: Sequence[int]) -> None:
 
 
 class _PrefillEngine:
-    """One prefill engine as its scheduler and workers see it."""
+    """One prefill engine as its scheduler and workers see it, with the child process's ``settings``."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, settings: Settings) -> None:
         from pd_transfer.connector.scheduler import SchedulerSide
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 
         self.spec = spec
-        self.caches = spec.caches()
+        self.caches = spec.caches(settings)
         config = ConnectorConfig(
             side_channel_host="127.0.0.1", side_channel_port=spec.side_channel_port, lease_seconds=spec.lease_seconds
         )
         self.block_size = spec.layouts[0].block_size
-        sides = [WorkerSide(spec.engine_id, cache, config) for cache in self.caches]
+        sides = [WorkerSide(spec.engine_id, cache, config, settings=settings) for cache in self.caches]
         self.ledgers: list[LeaseLedger] = [side.prefill.ledger for side in sides]  # looked at, never driven
         self.workers: list[WorkerContract] = list(sides)
         self.scheduler: SchedulerContract = SchedulerSide(
@@ -149,8 +150,9 @@ class _PrefillEngine:
 
 
 def _child(conn: multiprocessing.connection.Connection, specs: bytes) -> None:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    engines = {spec.engine_id: _PrefillEngine(spec) for spec in msgspec.msgpack.decode(specs, type=list[EngineSpec])}
+    settings = apply_process_defaults(read_settings(), net_devices="lo")  # this child's edge: its environment
+    decoded = msgspec.msgpack.decode(specs, type=list[EngineSpec])
+    engines = {spec.engine_id: _PrefillEngine(spec, settings) for spec in decoded}
     conn.send(("ready", {engine_id: engine.port for engine_id, engine in engines.items()}))
     try:
         for command, engine_id, *args in commands(conn):
@@ -220,6 +222,63 @@ class PrefillEngines(ChildProcess):
         return self._request("abort", engine_id, request_id)
 
 
+class LocalPrefillEngines:
+    """The engines of :class:`PrefillEngines` in this process, behind the same methods: for tests whose agents are
+    in-process fakes (:mod:`pd_transfer.sim.fake_agent`), where a child's real agents could not reach them. Use as a
+    context manager. ``settings``: the engines' (default: the defaults, whatever this process's environment says)."""
+
+    def __init__(self, specs: Sequence[EngineSpec], settings: Settings = DEFAULTS) -> None:
+        self.specs = {spec.engine_id: spec for spec in specs}
+        self._engines: dict[str, _PrefillEngine] = {}
+        try:
+            for spec in specs:
+                self._engines[spec.engine_id] = _PrefillEngine(spec, settings)
+        except BaseException:
+            self.close()
+            raise
+        self.host = "127.0.0.1"
+        self.ports = {engine_id: engine.port for engine_id, engine in self._engines.items()}
+
+    def _engine(self, engine_id: str) -> _PrefillEngine:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            raise RuntimeError(f"prefill engines: KeyError: no engine {engine_id!r}")
+        return engine
+
+    def prefill(
+        self, engine_id: str, request_id: str, prompt_len: int, params: object = None, reason: str = "length"
+    ) -> dict:
+        """As :meth:`PrefillEngines.prefill`."""
+        params = {"do_remote_decode": True} if params is None else params
+        return self._engine(engine_id).prefill(request_id, prompt_len, params, reason)
+
+    def wait_sending(self, engine_id: str, request_ids: Sequence[str], timeout_s: float = 10.0) -> dict:
+        """As :meth:`PrefillEngines.wait_sending`."""
+        return self._engine(engine_id).wait_sending(list(request_ids), timeout_s)
+
+    def state(self, engine_id: str, request_ids: Sequence[str] = ()) -> dict:
+        engine = self._engine(engine_id)
+        engine.step()
+        return engine.state(list(request_ids))
+
+    def abort(self, engine_id: str, request_id: str) -> dict:
+        """As :meth:`PrefillEngines.abort`."""
+        engine = self._engine(engine_id)
+        engine.abort(request_id)
+        return engine.state([request_id])
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+
+    def __enter__(self) -> LocalPrefillEngines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @dataclass
 class Received:
     """How a request's load ended, as the decode engine saw it."""
@@ -246,6 +305,7 @@ class DecodeEngine:
         config: ConnectorConfig,
         *,
         metrics: TransferMetrics | None = None,
+        settings: Settings = DEFAULTS,
     ):
         from pd_transfer.connector.scheduler import SchedulerSide
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
@@ -253,9 +313,9 @@ class DecodeEngine:
         self.engine_id = engine_id
         self.block_size = layouts[0].block_size
         self.num_blocks = num_blocks
-        self._caches = [KVCache.allocate(layout, num_blocks) for layout in layouts]
+        self._caches = [KVCache.allocate(layout, num_blocks, huge_pages=settings.own_huge_pages) for layout in layouts]
         self.workers: list[WorkerContract] = [
-            WorkerSide(engine_id, cache, config, metrics=metrics) for cache in self._caches
+            WorkerSide(engine_id, cache, config, metrics=metrics, settings=settings) for cache in self._caches
         ]
         self.scheduler: SchedulerContract = SchedulerSide(
             config, engine_id=engine_id, block_size=self.block_size, tp_size=len(layouts)

@@ -23,6 +23,7 @@ import zmq
 from pd_transfer.handshake.endpoints import tcp_endpoint
 from pd_transfer.handshake.messages import EngineMetadata, Message, RankMetadata, decode
 from pd_transfer.handshake.server import HandshakeServer
+from pd_transfer.settings import child_environment
 from pd_transfer.spec import KVCacheLayout, KVRegion, ModelFingerprint
 
 
@@ -95,7 +96,7 @@ class ServerProcess:
         args += ["--head-size", str(head_size), "--port", str(port)]
         if secret is not None:
             args += ["--secret", secret]
-        env = dict(os.environ)
+        env = child_environment()
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self._stderr = tempfile.TemporaryFile()

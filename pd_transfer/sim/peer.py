@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing.connection
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import msgspec
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings, set_process_environment
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 
@@ -28,9 +28,6 @@ _CLONE_NEWNS = 0x00020000
 _MS_REC = 0x4000
 _MS_SLAVE = 1 << 19
 _MNT_DETACH = 2
-
-#: "1": the prefill process also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy.
-BUSY_ENGINE_ENV = "PD_TRANSFER_SIM_BUSY_ENGINE"
 
 
 def fill_pattern(cache: KVCache, seed: int) -> None:
@@ -58,20 +55,28 @@ class PrefillSpec:
     host: str = "127.0.0.1"  # the side channel's address (inside ``netns`` when that is set)
     netns: str = ""  # a named network namespace (``ip netns``) the child enters before anything opens a socket
     ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
+    device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
+    shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
+    # the child's settings (None: read from its environment, inherited from the parent, at its start); with
+    # ``sim_busy_engine`` it also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
+    settings: Settings | None = None
 
-    def caches(self) -> list[KVCache]:
-        """The caches the child holds, recomputed in this process."""
+    def caches(self, device: str | None = None, settings: Settings = DEFAULTS) -> list[KVCache]:
+        """The caches the child holds, recomputed in this process (on ``device``, default the spec's; host caches in
+        huge pages unless ``settings`` say not)."""
         out = []
         for layout in self.layouts:
-            cache = KVCache.allocate(layout, self.num_blocks, kv_split=self.kv_split)
+            cache = KVCache.allocate(
+                layout,
+                self.num_blocks,
+                kv_split=self.kv_split,
+                device=device or self.device,
+                shareable=self.shareable,
+                huge_pages=settings.own_huge_pages,
+            )
             fill_pattern(cache, self.seed)
             out.append(cache)
         return out
-
-
-def busy_engine_requested() -> bool:
-    """Whether prefill processes started now run :func:`_busy_engine` (:data:`BUSY_ENGINE_ENV` is "1")."""
-    return os.environ.get(BUSY_ENGINE_ENV, "").strip() == "1"
 
 
 def _busy_engine(stop: threading.Event) -> None:
@@ -105,16 +110,16 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     if spec.netns:
         _enter_netns(spec.netns)
     if spec.ucx_net_devices:
-        os.environ["UCX_NET_DEVICES"] = spec.ucx_net_devices
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        set_process_environment({"UCX_NET_DEVICES": spec.ucx_net_devices})
+    settings = apply_process_defaults(spec.settings or read_settings(), net_devices="lo")  # this child's edge
     from pd_transfer.connector.prefill import PrefillRank, serve_engine
 
-    ranks = [PrefillRank(spec.engine_id, cache) for cache in spec.caches()]
+    ranks = [PrefillRank(spec.engine_id, cache, settings=settings) for cache in spec.caches(settings=settings)]
     server = serve_engine(
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
     )
     stop_engine = threading.Event()
-    if busy_engine_requested():
+    if settings.sim_busy_engine:
         threading.Thread(target=_busy_engine, args=(stop_engine,), name="busy-engine", daemon=True).start()
     conn.send(("ready", server.port))
     try:

@@ -1,4 +1,5 @@
-"""Independent checks of what a decode rank received: both caches seen as logical (token, head) arrays.
+"""Independent checks of what a decode rank received: both caches seen as logical (token, head) arrays (on any
+device; compared on the CPU).
 
 This does not use the transfer plan: it reads each side's cache through its own block size, layout and
 head share, so a wrong plan cannot hide its own mistakes.
@@ -30,10 +31,10 @@ def plane_tensors(cache: KVCache) -> list[torch.Tensor]:
 def logical(cache: KVCache, block_ids: list[int], num_tokens: int) -> torch.Tensor:
     """The request's KV as (planes, tokens, local_heads, head_size), whatever the cache's layout."""
     layout = cache.layout
-    index = torch.tensor(block_ids, dtype=torch.long)
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.tensors[0].device)
     out = []
     for plane in plane_tensors(cache):
-        blocks = plane.index_select(0, index)  # (B, H, N, D) or (B, N, H, D)
+        blocks = plane.index_select(0, index.to(plane.device))  # (B, H, N, D) or (B, N, H, D)
         if layout.layout == "HND":
             blocks = blocks.permute(0, 2, 1, 3)
         out.append(blocks.reshape(-1, layout.num_local_heads, layout.fingerprint.head_size)[:num_tokens])
@@ -65,7 +66,7 @@ def received_correctly(
     for local in range(decode_cache.layout.num_local_heads):
         want = expected[first + local]
         have = got[:, :, local]
-        if not torch.equal(_bits(have), _bits(want)):
+        if not torch.equal(_bits(have).cpu(), _bits(want).cpu()):  # the two caches may be on different devices
             return False
     return True
 

@@ -86,6 +86,7 @@ class PackedRegroup:
         self.remote_blocks_per_group = self.group_tokens // remote.block_size
         self.local_blocks_per_group = self.group_tokens // local.block_size
         self._index = self._group_index()
+        self._index_on: dict[torch.device, torch.Tensor] = {self._index.device: self._index}
 
     def _group_index(self) -> torch.Tensor:
         """For each element of a group's local chunks (one head, local blocks back to back), the element of
@@ -103,6 +104,13 @@ class PackedRegroup:
             index[destination.reshape(-1)] = source.reshape(-1)
         return index
 
+    def _group_index_on(self, device: torch.device) -> torch.Tensor:
+        """The group index on ``device`` (copied there once)."""
+        index = self._index_on.get(device)
+        if index is None:
+            index = self._index_on[device] = self._index.to(device)
+        return index
+
     def groups(self, num_tokens: int) -> int:
         """Token groups a request of ``num_tokens`` tokens spans."""
         return -(-num_tokens // self.group_tokens)
@@ -118,9 +126,9 @@ class PackedRegroup:
 
         ``staged``: (slots, heads, remote chunk elements), remote block ``i`` of the request in row ``i``;
         rows past the request's remote blocks (up to a whole group) may hold anything. ``local_plane``:
-        (num_blocks, heads, local chunk elements). ``local_block_ids``: int64, ``ceil(num_tokens /
-        local.block_size)`` distinct ids. Slots of the last local block past ``num_tokens`` are overwritten
-        with whatever the staging held there.
+        (num_blocks, heads, local chunk elements), on ``staged``'s device. ``local_block_ids``: int64,
+        ``ceil(num_tokens / local.block_size)`` distinct ids, on that device too. Slots of the last local block past
+        ``num_tokens`` are overwritten with whatever the staging held there.
         """
         groups = self.groups(num_tokens)
         remote_rows = groups * self.remote_blocks_per_group
@@ -143,7 +151,7 @@ class PackedRegroup:
         source = staged[:remote_rows].view(bits)
         source = source.view(groups, self.remote_blocks_per_group, heads, -1).transpose(1, 2)
         source = source.reshape(groups, heads, -1)  # (group, head, remote chunks of the group back to back)
-        regrouped = torch.index_select(source, 2, self._index)
+        regrouped = torch.index_select(source, 2, self._group_index_on(staged.device))
         regrouped = regrouped.view(groups, heads, self.local_blocks_per_group, -1).transpose(1, 2)
         regrouped = regrouped.reshape(groups * self.local_blocks_per_group, heads, -1)[:local_count]
         local_plane.view(bits).index_copy_(0, local_block_ids, regrouped)

@@ -20,7 +20,7 @@ from pd_transfer.spec import KVCacheLayout, KVRegion, Plane, planes_of
 
 from .grids import BlockIds, block_ids_array, build_grid, check_num_tokens
 from .mapping import HeadSource, TopologyError, check_compatible, expected_readers, head_sources
-from .postprocess import Restage, StagedSource, restage_blocks
+from .postprocess import Restage, StagedSource, index_on, restage_blocks
 from .units import BlockGeometry, UnitShape, direct_unit, staged_offsets, staged_unit, unit_grid
 
 Strategy = Literal["direct", "staged"]
@@ -133,20 +133,40 @@ class Postprocess:
     ) -> None:
         """Restage the request's local blocks (only those) of every plane, in place. ``local_planes[i]`` is
         plane ``i``'s tensor (num_blocks, plane_block_elements) or (num_blocks, *block_shape), e.g. from
-        :func:`plane_views`; ``local_block_ids`` as given to :meth:`SourcePlan.indices`. Call once all reads of
-        the request (from every source of this plan) have completed, before the blocks are used. ``planes`` limits
-        the work to those plane indices (all by default), so plane groups can be fixed up as their reads land."""
-        check_num_tokens(num_tokens)
+        :func:`plane_views`; ``local_block_ids`` as given to :meth:`SourcePlan.indices` (host values: a CPU tensor
+        at most). Call once all reads of the request (from every source of this plan) have completed, before the
+        blocks are used. ``planes`` limits the work to those plane indices (all by default), so plane groups can be
+        fixed up as their reads land: then take the ids to the device once (:meth:`block_ids_on`) and call
+        :meth:`apply_on` per group."""
         if len(local_planes) != self.num_planes:
             raise ValueError(f"expected {self.num_planes} local planes, got {len(local_planes)}")
+        device = local_planes[0].device if local_planes else torch.device("cpu")
+        self.apply_on(local_planes, self.block_ids_on(local_block_ids, num_tokens, device), planes)
+
+    def block_ids_on(
+        self, local_block_ids: BlockIds | torch.Tensor, num_tokens: int, device: torch.device
+    ) -> torch.Tensor:
+        """The request's local block ids, validated (``ValueError``), as int64 on ``device``: one copy, queued
+        on the current stream of an accelerator (:func:`~.postprocess.index_on`). Host values only: ids already on
+        an accelerator would need a copy back to be validated."""
+        check_num_tokens(num_tokens)
         if isinstance(local_block_ids, torch.Tensor):
-            local_block_ids = local_block_ids.cpu().numpy()
+            if local_block_ids.device.type != "cpu":
+                raise ValueError(f"local_block_ids must be host values, got a tensor on {local_block_ids.device}")
+            local_block_ids = local_block_ids.numpy()
         ids = block_ids_array(
             "local_block_ids", local_block_ids, num_tokens, self.restage.block_size, self.num_blocks, True
         )
-        if not ids.size:
+        return index_on(ids, device)
+
+    def apply_on(
+        self, local_planes: Sequence[torch.Tensor], block_ids: torch.Tensor, planes: range | None = None
+    ) -> None:
+        """:meth:`apply` with ``block_ids`` from :meth:`block_ids_on` (on the planes' device)."""
+        if len(local_planes) != self.num_planes:
+            raise ValueError(f"expected {self.num_planes} local planes, got {len(local_planes)}")
+        if not block_ids.numel():
             return
-        on_device: dict[torch.device, torch.Tensor] = {}
         elements = self.restage.block_elements
         for index in planes if planes is not None else range(len(local_planes)):
             plane = local_planes[index]
@@ -161,10 +181,7 @@ class Postprocess:
                 raise ValueError(f"local plane {index}: blocks are not contiguous (strides {plane.stride()})") from None
             if flat.shape[1] != elements:
                 raise ValueError(f"local plane {index}: expected {elements} elements per block, got {flat.shape[1]}")
-            device_ids = on_device.get(flat.device)
-            if device_ids is None:
-                device_ids = on_device[flat.device] = torch.tensor(ids, dtype=torch.int64, device=flat.device)
-            restage_blocks(flat, device_ids, self.restage, self.chunk_bytes)
+            restage_blocks(flat, block_ids, self.restage, self.chunk_bytes)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,9 +1,11 @@
-"""One NIXL agent (UCX backend) with its registered KV cache, its peers and its descriptor lists.
+"""One NIXL agent (UCX backend) that reads and writes KV blocks: its registered cache, its peers, its descriptor lists.
 
-It reaches NIXL through :mod:`.native`, the one module of our path that imports ``nixl`` (:mod:`.baseline` imports
-it too, only to measure a bare READ). NIXL is not guaranteed thread-safe, so every call into it holds
-``self._lock``; the progress poller takes the same lock for each poll, and reads hold it only while posting or
-checking a transfer.
+The agent calls NIXL only through its :class:`~.session.NixlSession` (``self.session``; :mod:`.native` is the one
+module that imports ``nixl``). Memory is host memory ("DRAM") or a GPU's ("VRAM", rows carrying its device index),
+as its :class:`~pd_transfer.spec.MemoryPlace` says; huge-page advice and read lanes (with their warm-up reads) apply
+to host memory only. Every NIXL call holds the session's lock; the agent holds the same lock around a call
+and its own records of it (registrations, peers, descriptor lists, their mirrors on read lanes). The progress poller
+takes the lock for each poll, and reads hold it only while posting or checking a transfer.
 """
 
 from __future__ import annotations
@@ -11,27 +13,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import numpy as np
 
-from pd_transfer.spec import KVRegion
+from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 
 from .dlists import DescriptorList, merged_spans
 from .errors import TransferError, TransferTimeout, UnknownPeer
-from .huge_pages import HugePageCollapser, huge_pages_for_registrations
-from .lanes import DEFAULT_SPLIT_MIN_BYTES, ReadLanes
-from .native import NixlRegDList, make_nixl_agent
+from .huge_pages import HugePageCollapser
+from .lanes import DEFAULT_SPLIT_MIN_BYTES, LaneRead, ReadLanes
 from .probe import transfer_error, wrapped_error
-from .progress import AdaptivePoller, busy_poll_seconds, native_progress_wait_ms, read_wait_seconds
+from .progress import AdaptivePoller
 from .read_stats import ReadStats
-from .tcp import apply_tcp_defaults
+from .session import LOCAL, NixlSession, nixl_memory_type
 
 logger = logging.getLogger(__name__)
 
 NotificationHandler = Callable[[str, bytes], None]
-_LOCAL = "NIXL_INIT_AGENT"
+T = TypeVar("T")
 
 
 class TransferAgent:
@@ -42,6 +45,8 @@ class TransferAgent:
     over TCP as they arrive. ``on_notification(peer_name, payload)`` is called on the poller thread for every
     notification that arrives (keep it short: hand work to another thread). ``read_lanes`` > 1 splits reads of at least
     ``split_min_bytes`` over that many agents and threads (see :mod:`.lanes`), once the extra agents are up.
+    ``settings`` (kept as ``self.settings``, handed to the lanes): the native thread's wait, the poller's and the
+    reads' timings, huge pages for registrations, the CPUs of every thread the agent starts, NIXL's log level.
     """
 
     def __init__(
@@ -53,14 +58,15 @@ class TransferAgent:
         read_lanes: int = 1,
         split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
         serves_reads: bool = False,
+        settings: Settings = DEFAULTS,
     ) -> None:
         self.name = name
-        self._lock = threading.RLock()
+        self.settings = settings
         self._on_notification = on_notification
-        apply_tcp_defaults()  # UCX reads them when the agent's context is made
-        self.native_progress_ms = native_progress_wait_ms() if serves_reads else 0
+        self.native_progress_ms = settings.native_progress_ms if serves_reads else 0
         started = time.perf_counter()
-        self._nixl = make_nixl_agent(name, progress_thread_wait_ms=self.native_progress_ms)
+        self.session = NixlSession(name, progress_thread_wait_ms=self.native_progress_ms, settings=settings)
+        self._lock = self.session.lock  # held around a NIXL call and this agent's records of it
         waits = f"{self.native_progress_ms} ms" if self.native_progress_ms else "off"
         logger.info(
             "NIXL agent %s ready in %.0f ms (native progress: %s)", name, (time.perf_counter() - started) * 1e3, waits
@@ -68,12 +74,13 @@ class TransferAgent:
         self._registrations: list[object] = []
         self._peers: set[str] = set()
         self._dlists: list[DescriptorList] = []
-        self._unreleased_xfers: list[object] = []  # handles NIXL could not cancel yet; retried by the poller
         self._closed = False
         self.notifications_received = 0
-        self._busy_poll_s = busy_poll_seconds()
-        self._read_wait_s = read_wait_seconds()
-        self._poller = AdaptivePoller(name, self._poll_once, idle_interval_s=idle_poll_interval_s)
+        self._busy_poll_s = settings.busy_poll_s
+        self._read_wait_s = settings.read_wait_s
+        self._poller = AdaptivePoller(
+            name, self._poll_once, idle_interval_s=idle_poll_interval_s, thread_cpus=settings.thread_cpu_set
+        )
         self._poller.start()
         self._spans: list[tuple[object, list[tuple[int, int]]]] = []  # registrations, to mirror on lanes
         self.huge_pages = HugePageCollapser(f"agent {name}")
@@ -90,12 +97,18 @@ class TransferAgent:
     def _start_lanes(self, count: int, split_min_bytes: int) -> None:
         """Make ``count`` lane agents (slow: outside the lock), then mirror everything onto them."""
         try:
-            lanes = ReadLanes.make(self.name, count, split_min_bytes, lambda lane: TransferAgent(lane))
+            lanes = ReadLanes.make(
+                self.name,
+                count,
+                split_min_bytes,
+                lambda lane: TransferAgent(lane, settings=self.settings),
+                thread_cpus=self.settings.thread_cpu_set,
+            )
             with self._lock:
                 if self._closed:
                     lanes.close()
                     return
-                lanes.replay(self._spans, self._peer_metadata.values(), self._dlists)
+                lanes.replay(self._spans, self._peer_metadata.values(), [d for d in self._dlists if d.place.is_host])
                 self.lanes = lanes
             logger.info("agent %s: %d read lane(s) up", self.name, count)
         except Exception as error:
@@ -105,32 +118,42 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ memory
     def register_regions(self, regions: Sequence[KVRegion]) -> object:
-        """Register the memory behind ``regions`` (host DRAM), once per cache; returns the registration."""
-        registration = self.register_spans(merged_spans(regions))
-        logger.info("agent %s registered %d regions", self.name, len(regions))
+        """Register the memory behind ``regions`` (all in one memory: host DRAM, or one GPU's VRAM), once per cache;
+        returns the registration."""
+        place = memory_of(list(regions))
+        registration = self.register_spans(merged_spans(regions), place=place)
+        logger.info("agent %s registered %d regions in %s memory", self.name, len(regions), place)
         return registration
 
-    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None) -> object:
-        """Register host memory given as (start, end) byte addresses; returns the registration. With
-        ``huge_pages`` (default: ``PD_TRANSFER_HUGE_PAGES=all``) the memory is advised to use huge pages and
-        collapsed into them in the background (``self.huge_pages``, :mod:`.huge_pages`)."""
+    def register_spans(
+        self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None, place: MemoryPlace = HOST
+    ) -> object:
+        """Register memory at ``place`` given as (start, end) byte addresses; returns the registration. Host memory
+        with ``huge_pages`` (default: the settings' ``PD_TRANSFER_HUGE_PAGES=all``) is advised to use huge pages
+        and collapsed into them in the background (``self.huge_pages``, :mod:`.huge_pages`), and mirrored on the
+        read lanes."""
         if huge_pages is None:
-            huge_pages = huge_pages_for_registrations()
-        rows = [(start, end - start, 0, "") for start, end in spans if end > start]
-        if not rows:
+            huge_pages = self.settings.registered_huge_pages
+        filled = [(start, end) for start, end in spans if end > start]
+        if not filled:
             raise ValueError("no memory to register: every span is empty")
-        if huge_pages:
-            self.huge_pages.submit([(start, end) for start, end in spans if end > start])
+        if huge_pages and place.is_host:
+            self.huge_pages.submit(filled)
         with self._lock:
             try:
-                registration = self._nixl.register_memory(rows, "DRAM")
+                registration = self.session.register_memory(filled, place)
             except Exception as error:
-                raise TransferError(f"agent {self.name}: registering {len(rows)} spans failed: {error}") from error
+                raise TransferError(
+                    f"agent {self.name}: registering {len(filled)} spans of {place} memory failed: {error}"
+                ) from error
             self._registrations.append(registration)
-            self._spans.append((registration, [(start, end) for start, end in spans if end > start]))
-            if self.lanes is not None:
-                self.lanes.register(registration, self._spans[-1][1])
-        logger.debug("agent %s registered %.1f MiB", self.name, sum(r[1] for r in rows) / 2**20)
+            if place.is_host:  # GPU memory is not read on lanes
+                self._spans.append((registration, filled))
+                if self.lanes is not None:
+                    self.lanes.register(registration, filled)
+        logger.debug(
+            "agent %s registered %.1f MiB of %s memory", self.name, sum(e - s for s, e in filled) / 2**20, place
+        )
         return registration
 
     def deregister(self, registration: object) -> None:
@@ -141,37 +164,33 @@ class TransferAgent:
                 if self.lanes is not None:
                     self.lanes.deregister(registration)
                 try:
-                    self._nixl.deregister_memory(registration)
+                    self.session.deregister_memory(registration)
                 except Exception as error:
                     logger.warning("agent %s: deregistering memory failed: %s", self.name, error)
 
     @property
     def metadata(self) -> bytes:
         """This agent's NIXL metadata, for the side channel."""
-        with self._lock:
-            return bytes(self._nixl.get_agent_metadata())
+        return self.session.metadata()
 
     @property
     def connection_metadata(self) -> bytes:
         """This agent's NIXL metadata without any memory (about 300 bytes): enough for a peer that loads it
         with ``add_peer`` to send us notifications, not to read our memory. Falls back to ``metadata``."""
-        with self._lock:
-            try:
-                no_memory = NixlRegDList(self._nixl.nixl_mems["DRAM"], [])
-                return bytes(self._nixl.get_partial_agent_metadata(no_memory, True, ["UCX"]))
-            except Exception as error:
-                logger.info("agent %s: no connection-only metadata (%s); using the full metadata", self.name, error)
-                return bytes(self._nixl.get_agent_metadata())
+        try:
+            return self.session.connection_metadata()
+        except Exception as error:
+            logger.info("agent %s: no connection-only metadata (%s); using the full metadata", self.name, error)
+            return self.session.metadata()
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, agent_metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its name. Re-adding a known peer refreshes it."""
         with self._lock:
             try:
-                name = self._nixl.add_remote_agent(agent_metadata)
+                peer = self.session.add_remote_agent(agent_metadata)
             except Exception as error:
                 raise TransferError(f"agent {self.name}: adding a remote agent failed: {error}") from error
-            peer = name.decode() if isinstance(name, bytes) else str(name)
             self._peers.add(peer)
             self._peer_metadata[peer] = agent_metadata
             if self.lanes is not None:
@@ -183,14 +202,14 @@ class TransferAgent:
         """Forget a remote agent and release every descriptor list prepared for it."""
         with self._lock:
             for dlist in [d for d in self._dlists if d.peer == peer]:
-                self._release_dlist(dlist)
+                self.release_dlist(dlist)
             self._peer_metadata.pop(peer, None)
             if self.lanes is not None:
                 self.lanes.remove_peer(peer)
             if peer in self._peers:
                 self._peers.discard(peer)
                 try:
-                    self._nixl.remove_remote_agent(peer)
+                    self.session.remove_remote_agent(peer)
                 except Exception as error:
                     logger.warning("agent %s: removing peer %s failed: %s", self.name, peer, error)
 
@@ -198,33 +217,38 @@ class TransferAgent:
         return peer in self._peers
 
     # ------------------------------------------------------------------ descriptor lists
-    def prepare_local(self, rows: np.ndarray) -> DescriptorList:
-        """Prepare local rows (N x 3 uint64: address, length, 0) inside registered memory."""
-        return self._prepare(_LOCAL, rows)
+    def prepare_local(self, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
+        """Prepare local rows (N x 3 uint64: address, length, 0) inside registered memory at ``place`` (a GPU's
+        rows get its device index)."""
+        return self._prepare(LOCAL, rows, place)
 
-    def prepare_remote(self, peer: str, rows: np.ndarray) -> DescriptorList:
-        """Prepare rows of a remote peer's registered memory."""
+    def prepare_remote(self, peer: str, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
+        """Prepare rows of a remote peer's registered memory at ``place`` (the device index as the peer numbers its
+        GPUs)."""
         if peer not in self._peers:
             raise UnknownPeer(f"agent {self.name}: no peer {peer!r}; add it first")
-        return self._prepare(peer, rows)
+        return self._prepare(peer, rows, place)
 
-    def _prepare(self, peer: str, rows: np.ndarray) -> DescriptorList:
+    def _prepare(self, peer: str, rows: np.ndarray, place: MemoryPlace) -> DescriptorList:
         rows = np.ascontiguousarray(rows, dtype=np.uint64)
         if rows.ndim != 2 or rows.shape[1] != 3 or rows.shape[0] == 0:
             raise ValueError(f"descriptor rows must be a non-empty N x 3 array, got shape {rows.shape}")
+        if not place.is_host:
+            rows = rows.copy()
+            rows[:, 2] = place.device_index
         started = time.perf_counter()
         with self._lock:
             try:
-                handle = self._nixl.prep_xfer_dlist(peer, rows, "DRAM")
+                handle = self.session.prepare_dlist(peer, rows, nixl_memory_type(place))
             except Exception as error:
-                where = "local memory" if peer == _LOCAL else f"peer {peer}"
+                where = "local memory" if peer == LOCAL else f"peer {peer}"
                 raise TransferError(
                     f"agent {self.name}: preparing {rows.shape[0]} descriptors of {where} failed"
                     f" (outside registered memory?): {error}"
                 ) from error
-            dlist = DescriptorList(self, handle, "" if peer == _LOCAL else peer, rows)
+            dlist = DescriptorList(self, handle, "" if peer == LOCAL else peer, rows, place)
             self._dlists.append(dlist)
-            if self.lanes is not None:
+            if self.lanes is not None and place.is_host:
                 self.lanes.mirror(dlist, rows)
         logger.debug(
             "agent %s prepared %d rows for %s in %.2f ms",
@@ -235,7 +259,9 @@ class TransferAgent:
         )
         return dlist
 
-    def _release_dlist(self, dlist: DescriptorList) -> None:
+    def release_dlist(self, dlist: DescriptorList) -> None:
+        """Release a descriptor list this agent prepared (and its copies on the read lanes); idempotent. What
+        :meth:`DescriptorList.release` calls."""
         with self._lock:
             if dlist.released:
                 return
@@ -245,7 +271,7 @@ class TransferAgent:
             for mirrored in dlist.lane_lists:
                 mirrored.release()
             try:
-                self._nixl.release_dlist_handle(dlist.handle)
+                self.session.release_dlist(dlist.handle)
             except Exception as error:
                 logger.warning("agent %s: releasing a descriptor list failed: %s", self.name, error)
 
@@ -286,6 +312,62 @@ class TransferAgent:
         """:meth:`read` as one READ, never split."""
         return self._transfer("READ", local, local_indices, remote, remote_indices, notification, timeout_s)
 
+    @property
+    def lane_count(self) -> int:
+        """How many threads a read can run on now: the read lanes that are up, and this agent."""
+        lanes = self.lanes
+        return 1 if lanes is None else len(lanes.lanes) + 1
+
+    @property
+    def max_lane_jobs(self) -> int:
+        """The most jobs :meth:`run_on_lanes` takes now: one without read lanes, ``MAX_JOBS_PER_LANE`` per lane and
+        for this agent with them."""
+        lanes = self.lanes
+        return 1 if lanes is None else lanes.max_jobs
+
+    def lanes_for(self, lists: Iterable[DescriptorList]) -> int:
+        """How many lanes can read ``lists`` now (``lanes`` of :meth:`run_on_lanes`): :attr:`lane_count` when every
+        list is mirrored on the read lanes, else 1, this agent alone (GPU memory is not read on lanes)."""
+        lanes = self.lanes
+        if lanes is None:
+            return 1
+        count = len(lanes.lanes)
+        return count + 1 if all(len(dlist.lane_lists) == count for dlist in lists) else 1
+
+    def run_on_lanes(
+        self, jobs: Sequence[Callable[[LaneRead], T]], timeout_s: float, *, lanes: int | None = None
+    ) -> list[T]:
+        """Run each of ``jobs`` on a thread of its own (``jobs[0]`` on this one), job ``k`` given the READ of lane
+        ``k % lanes`` (:data:`~.lanes.LaneRead`, of this agent's lists; lane 0 reads as this agent; ``lanes``
+        defaults to :attr:`lane_count`, and 1 keeps every read on this agent: :meth:`lanes_for`): reads, and
+        whatever must follow them on the same thread. Jobs that share a lane read in turn (its agent serialises
+        them) and do their other work meanwhile. At most :attr:`max_lane_jobs` jobs (lanes that came up meanwhile
+        are not used before the next call).
+        Returns their results once every job returned, else raises the first failure (a disconnect before others);
+        a job not done within ``timeout_s`` (plus a grace) raises ``TransferTimeout``. The peers get no
+        notification: send it with :meth:`notify` once the reads are done."""
+        read_lanes = self.lanes
+        if read_lanes is None:
+            if len(jobs) != 1:
+                raise ValueError(f"{len(jobs)} jobs, but agent {self.name} has no read lanes up")
+            return [jobs[0](self._whole_read)]
+        count = len(read_lanes.lanes) + 1 if lanes is None else max(1, min(lanes, len(read_lanes.lanes) + 1))
+
+        def on_lane(job: Callable[[LaneRead], T]) -> Callable[[int], T]:
+            return lambda k: job(read_lanes.lane_read(self, k % count))
+
+        return read_lanes.run([on_lane(job) for job in jobs], timeout_s)
+
+    def _whole_read(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        timeout_s: float,
+    ) -> ReadStats:
+        return self.read_whole(local, local_indices, remote, remote_indices, b"", timeout_s)
+
     def write(
         self,
         local: DescriptorList,
@@ -324,23 +406,16 @@ class TransferAgent:
         started = time.perf_counter()
         deadline = started + timeout_s
         probe = (int(local_indices[0]), int(remote_indices[0]))  # rows for a liveness probe after an error
-        with self._lock:
-            try:
-                handle = self._nixl.make_prepped_xfer(
-                    operation, local.handle, local_indices, remote.handle, remote_indices, notif_msg=notification
-                )
-            except Exception as error:
-                raise wrapped_error(
-                    self.name, error, f"preparing a {verb} of {len(local_indices)} rows with {peer}"
-                ) from error
-        released = False
+        session = self.session
+        try:  # made and posted under one hold of the lock
+            handle, state, failure = session.start_transfer(
+                operation, local.handle, local_indices, remote.handle, remote_indices, notification
+            )
+        except Exception as error:
+            raise wrapped_error(
+                self.name, error, f"preparing a {verb} of {len(local_indices)} rows with {peer}"
+            ) from error
         try:
-            failure: Exception | None = None
-            with self._lock:
-                try:
-                    state = self._nixl.transfer(handle)
-                except Exception as error:
-                    failure = error
             if failure is not None:  # probed outside the lock: the poller and other reads go on meanwhile
                 what = f"posting a {verb} with {peer}"
                 raise self._failure(operation, failure, what, local, remote, probe) from failure
@@ -353,11 +428,10 @@ class TransferAgent:
                 spins += 1
                 if spins > 64:  # tcp-emulated reads progress slowly: stop spinning, keep latency bounded
                     time.sleep(min(self._read_wait_s, deadline - now))
-                with self._lock:
-                    try:
-                        state = self._nixl.check_xfer_state(handle)
-                    except Exception as error:
-                        failure = error
+                try:
+                    state = session.state(handle)
+                except Exception as error:
+                    failure = error
                 if failure is not None:
                     raise self._failure(operation, failure, f"a {verb} with {peer}", local, remote, probe) from failure
             if state != "DONE":
@@ -371,23 +445,13 @@ class TransferAgent:
                 seconds=finished - started,
             )
         finally:
-            released = self._release_xfer(handle)
-            if not released:
+            if not session.release_transfer(handle):
                 logger.warning("agent %s: %s with %s still owned by NIXL; releasing it later", self.name, verb, peer)
-
-    def _release_xfer(self, handle: object) -> bool:
-        with self._lock:
-            try:
-                self._nixl.release_xfer_handle(handle)
-                return True
-            except Exception:
-                self._unreleased_xfers.append(handle)
-                return False
 
     @property
     def unreleased_transfers(self) -> int:
         """Transfers that timed out and that NIXL has not let go of yet (their local buffers may still change)."""
-        return len(self._unreleased_xfers)
+        return self.session.unreleased_transfers
 
     def _failure(
         self,
@@ -405,11 +469,10 @@ class TransferAgent:
     # ------------------------------------------------------------------ notifications
     def notify(self, peer: str, payload: bytes) -> None:
         """Send a notification to a peer (not bound to a transfer)."""
-        with self._lock:
-            try:
-                self._nixl.send_notif(peer, payload)
-            except Exception as error:
-                raise wrapped_error(self.name, error, f"notifying {peer}") from error
+        try:
+            self.session.send_notification(peer, payload)
+        except Exception as error:
+            raise wrapped_error(self.name, error, f"notifying {peer}") from error
 
     def wake(self) -> None:
         """Poll fast for a while (traffic is expected)."""
@@ -427,20 +490,18 @@ class TransferAgent:
         """Progress the agent and deliver its notifications now, on this thread; True if anything came."""
         return self._poll_once()
 
+    def stop_polling(self) -> None:
+        """Stop the poller thread for good (``close`` does too): only :meth:`poll` and NIXL's own progress thread,
+        if the agent runs one, progress the agent then."""
+        self._poller.stop()
+
     def _poll_once(self) -> bool:
         with self._lock:
             if self._closed:
                 return False
-            if self._unreleased_xfers:
-                still = []
-                for handle in self._unreleased_xfers:
-                    try:
-                        self._nixl.release_xfer_handle(handle)
-                    except Exception:
-                        still.append(handle)
-                self._unreleased_xfers = still
+            self.session.retry_releases()
             started = time.perf_counter()
-            notifications = self._nixl.get_new_notifs()  # progresses UCX till idle, unless NIXL's thread does
+            notifications = self.session.notifications()  # progresses UCX till idle, unless NIXL's thread does
             # a long poll moved data; only counted while reads are expected (idle, it is a preempted thread), and
             # never with NIXL's thread, which moves the data itself (a long poll is then always a preempted thread)
             busy = (
@@ -450,17 +511,15 @@ class TransferAgent:
             )
         if not notifications:
             return busy
-        for peer, payloads in notifications.items():
-            peer_name = peer.decode() if isinstance(peer, bytes) else str(peer)
-            for payload in payloads:
-                self.notifications_received += 1
-                if self._on_notification is None:
-                    logger.debug("agent %s: notification from %s dropped (no handler)", self.name, peer_name)
-                    continue
-                try:
-                    self._on_notification(peer_name, bytes(payload))
-                except Exception:
-                    logger.exception("agent %s: notification handler failed for %s", self.name, peer_name)
+        for peer, payload in notifications:
+            self.notifications_received += 1
+            if self._on_notification is None:
+                logger.debug("agent %s: notification from %s dropped (no handler)", self.name, peer)
+                continue
+            try:
+                self._on_notification(peer, payload)
+            except Exception:
+                logger.exception("agent %s: notification handler failed for %s", self.name, peer)
         return True
 
     # ------------------------------------------------------------------ lifecycle
@@ -479,16 +538,16 @@ class TransferAgent:
                 self.lanes.close()
                 self.lanes = None
             for dlist in list(self._dlists):
-                self._release_dlist(dlist)
+                self.release_dlist(dlist)
             for peer in list(self._peers):
                 try:
-                    self._nixl.remove_remote_agent(peer)
+                    self.session.remove_remote_agent(peer)
                 except Exception:
                     pass
             self._peers.clear()
             for registration in self._registrations:
                 try:
-                    self._nixl.deregister_memory(registration)
+                    self.session.deregister_memory(registration)
                 except Exception as error:
                     logger.warning("agent %s: deregistering memory failed: %s", self.name, error)
             self._registrations.clear()

@@ -6,16 +6,21 @@ import time
 import uuid
 
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config
 
-from .native import quiet_native_logs
-from .tcp import apply_tcp_defaults
+from pd_transfer.spec import HOST, MemoryPlace
+
+from .native import make_nixl_agent
+from .session import LOCAL, nixl_memory_type
 
 
 class RawNixlReader:
-    """A bare NIXL agent (no progress thread) reading prepared rows from one peer.
+    """A bare NIXL agent (no progress thread, no lock, no :class:`~.session.NixlSession`) reading prepared rows from
+    one peer.
 
-    The memory behind ``local_spans`` ((start, end) addresses) is registered again under this agent.
+    The memory behind ``local_spans`` ((start, end) addresses, at ``local``) is registered again under this agent;
+    the peer's rows are in its memory at ``remote`` (a GPU's: "VRAM", rows carrying the device index). UCX is
+    configured as for our agents (the same process environment, :func:`pd_transfer.settings.apply_process_defaults`):
+    the comparison is of the read path alone.
     """
 
     def __init__(
@@ -24,19 +29,18 @@ class RawNixlReader:
         peer_metadata: bytes,
         local_rows: np.ndarray,
         remote_rows: np.ndarray,
+        *,
+        local: MemoryPlace = HOST,
+        remote: MemoryPlace = HOST,
     ) -> None:
-        quiet_native_logs()
-        apply_tcp_defaults()  # UCX configured as for our agents: the comparison is of the read path alone
-        self._agent = nixl_agent(f"raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
+        self._agent = make_nixl_agent(f"raw-{uuid.uuid4().hex[:8]}")  # no progress thread, native logs quiet
         self._registration = self._agent.register_memory(
-            [(start, end - start, 0, "") for start, end in local_spans], "DRAM"
+            [(start, end - start, local.device_index, "") for start, end in local_spans], nixl_memory_type(local)
         )
         peer = self._agent.add_remote_agent(peer_metadata)
         self._peer = peer.decode() if isinstance(peer, bytes) else peer
-        self._local = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", np.ascontiguousarray(local_rows, np.uint64), "DRAM"
-        )
-        self._remote = self._agent.prep_xfer_dlist(self._peer, np.ascontiguousarray(remote_rows, np.uint64), "DRAM")
+        self._local = self._agent.prep_xfer_dlist(LOCAL, _rows(local_rows, local), nixl_memory_type(local))
+        self._remote = self._agent.prep_xfer_dlist(self._peer, _rows(remote_rows, remote), nixl_memory_type(remote))
 
     def read_seconds(self, local_indices: np.ndarray, remote_indices: np.ndarray, *, operation: str = "READ") -> float:
         """One READ of the given rows (or, with ``operation="WRITE"``, the local rows written into the remote ones:
@@ -59,3 +63,10 @@ class RawNixlReader:
         self._agent.release_dlist_handle(self._remote)
         self._agent.remove_remote_agent(self._peer)
         self._agent.deregister_memory(self._registration)
+
+
+def _rows(rows: np.ndarray, place: MemoryPlace) -> np.ndarray:
+    """Descriptor rows (address, length, device) with the device column of ``place``."""
+    rows = np.array(rows, dtype=np.uint64, copy=True)
+    rows[:, 2] = place.device_index
+    return rows

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from pd_transfer.spec import KVRegion
-
-if TYPE_CHECKING:
-    from .agent import TransferAgent
+from pd_transfer.spec import HOST, KVRegion, MemoryPlace
 
 
 def merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
@@ -25,13 +22,24 @@ def merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
     return merged
 
 
-class DescriptorList:
-    """A prepared NIXL descriptor list (one side of reads): rows of (address, length, device)."""
+class DescriptorListOwner(Protocol):
+    """What prepared a descriptor list (:class:`~.agent.TransferAgent`), and releases it."""
 
-    def __init__(self, agent: TransferAgent, handle: object, peer: str, rows: np.ndarray) -> None:
-        self._agent = agent
+    def release_dlist(self, dlist: DescriptorList) -> None:
+        """Release ``dlist`` (and its copies on read lanes); idempotent."""
+
+
+class DescriptorList:
+    """A prepared NIXL descriptor list (one side of reads): rows of (address, length, device) as ``owner`` prepared
+    them for ``peer`` (``""``: its own memory), in memory at ``place``; ``handle`` is NIXL's."""
+
+    def __init__(
+        self, owner: DescriptorListOwner, handle: object, peer: str, rows: np.ndarray, place: MemoryPlace = HOST
+    ) -> None:
+        self._owner = owner
         self.handle = handle
         self.peer = peer  # "" for the local side
+        self.place = place
         self.num_rows = int(rows.shape[0])
         self.row_lengths = rows[:, 1].astype(np.int64, copy=True)
         self.rows = rows  # kept to mirror the list on read lanes made later
@@ -39,4 +47,5 @@ class DescriptorList:
         self.released = False
 
     def release(self) -> None:
-        self._agent._release_dlist(self)
+        """Release this list (:meth:`DescriptorListOwner.release_dlist`); idempotent."""
+        self._owner.release_dlist(self)

@@ -9,8 +9,9 @@ with ``MADV_COLLAPSE`` (Linux 6.1+; about 2.5 s per GiB already written, on a ba
 the content never changes, a failure leaves the memory as it was, and only whole 2 MiB-aligned runs inside a span
 can change.
 
-``PD_TRANSFER_HUGE_PAGES``: ``own`` (default) advises only pd-transfer's own allocations; ``all`` also engine
-memory at registration; ``0`` nothing. Engine memory is not advised by default: with vLLM's 2 GiB CPU caches
+``PD_TRANSFER_HUGE_PAGES`` (``Settings.huge_pages``; whoever allocates or registers decides from it, these functions
+always advise): ``own`` (default) advises only pd-transfer's own allocations; ``all`` also engine memory at
+registration; ``0`` nothing. Engine memory is not advised by default: with vLLM's 2 GiB CPU caches
 advised and collapsed, 1 GiB pulls took 0.57-1.33 s where they took 0.30-0.44 s without (one run of three requests
 each, cause not found), while pd-transfer's own caches read at 0.88-0.99 of a copy with it and 0.49-0.62 without.
 """
@@ -33,7 +34,6 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 * 2**20  # the PMD size with 4 KiB base pages (x86-64, arm64)
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
-_SWITCH_ENV = "PD_TRANSFER_HUGE_PAGES"
 _COLLAPSE_PIECE = 32 * 2**20
 _COLLAPSE_ERRORS = {
     errno.EINVAL: "MADV_COLLAPSE: EINVAL (memory not written yet: it faults in huge; or a kernel before 6.1)",
@@ -66,27 +66,6 @@ def thp_mode() -> str:
     return text[start + 1 : end] if 0 <= start < end else "unknown"
 
 
-def huge_pages_mode() -> str:
-    """``PD_TRANSFER_HUGE_PAGES``: "own" (default), "all", or "0" ("off", "no", "false" too). Raises ``ValueError``
-    naming the variable for anything else."""
-    value = os.environ.get(_SWITCH_ENV, "own").strip().lower() or "own"
-    if value in {"0", "off", "no", "false"}:
-        return "0"
-    if value not in {"own", "all"}:
-        raise ValueError(f"{_SWITCH_ENV} must be own, all or 0, not {value[:40]!r}")
-    return value
-
-
-def huge_pages_enabled() -> bool:
-    """Whether memory pd-transfer allocates itself is advised (``PD_TRANSFER_HUGE_PAGES`` not "0")."""
-    return huge_pages_mode() != "0"
-
-
-def huge_pages_for_registrations() -> bool:
-    """Whether memory is advised and collapsed when it is registered (``PD_TRANSFER_HUGE_PAGES=all``)."""
-    return huge_pages_mode() == "all"
-
-
 @cache
 def _madvise() -> Callable[[int, int, int], int] | None:
     try:
@@ -113,7 +92,7 @@ def advise_huge_pages(spans: Sequence[Span]) -> int:
     """Advise ``MADV_HUGEPAGE`` on the aligned runs of ``spans`` (microseconds; pages faulted from now on come as
     huge pages where the kernel has them). Returns the bytes advised; never raises (a refusal is logged)."""
     madvise = _madvise()
-    if madvise is None or not huge_pages_enabled():
+    if madvise is None:
         return 0
     advised = 0
     for start, end in aligned_runs(spans):
@@ -134,8 +113,8 @@ def collapse_huge_pages(spans: Sequence[Span]) -> Collapse:
     runs = aligned_runs(spans)
     eligible = sum(end - start for start, end in runs)
     madvise = _madvise()
-    if madvise is None or not huge_pages_enabled() or not runs:
-        why = "off" if not huge_pages_enabled() else "no madvise" if madvise is None else "no aligned 2 MiB run"
+    if madvise is None or not runs:
+        why = "no madvise" if madvise is None else "no aligned 2 MiB run"
         return Collapse(eligible, 0, time.perf_counter() - started, why)
     pieces = [(at, min(at + _COLLAPSE_PIECE, end)) for start, end in runs for at in range(start, end, _COLLAPSE_PIECE)]
     reasons: set[str] = set()

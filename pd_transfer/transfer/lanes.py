@@ -4,10 +4,13 @@ On one host UCX reads with CMA: ``process_vm_readv`` inside ``transfer()``, one 
 thread, the kernel pinning the source pages as it copies. One thread copies that way at well under an in-process
 ``memcpy`` on hosts with fast memory, and the other core stays idle. A NIXL agent serialises its calls (and
 pd-transfer's agent holds a lock around them), so concurrency needs more agents: each lane is a
-:class:`~.agent.TransferAgent` of its own (its own UCX context and worker) that mirrors the owner's registered
-memory, peers and descriptor lists. A read of at least ``split_min_bytes`` is cut into byte-balanced runs of rows:
-the first is read by the owner on the calling thread, one per lane on the lane's thread; the owner sends the read's
-notification once every part is done, so the peer hears of the read only after all of its bytes landed.
+:class:`~.agent.TransferAgent` of its own (its own UCX context and worker; what it offers: :class:`LaneAgent`) that
+mirrors the owner's registered memory, peers and descriptor lists. A read of at least ``split_min_bytes`` is cut into
+byte-balanced runs of rows: the first is read by the owner on the calling thread, one per lane on the lane's thread;
+the owner sends the read's notification once every part is done, so the peer hears of the read only after all of
+its bytes landed. Work that must follow a part on its own thread (a fix-up of what it read, while it is still in
+that core's cache) runs as lane jobs instead (:meth:`ReadLanes.run`): job ``k`` on lane ``k``'s thread, reading
+through lane ``k``'s agent.
 
 Lanes are made in the background (a NIXL agent takes about 0.4 s to start): until they are up, and whenever a
 read is small, reads go as one READ. Idle lanes cost no CPU (their threads block, each agent's poller backs off
@@ -18,38 +21,83 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Protocol, TypeVar
 
 import numpy as np
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import CpuSet, unpinning
 
-from .errors import PeerDisconnected
-from .progress import env_number
+from .dlists import DescriptorList
+from .errors import PeerDisconnected, TransferError, TransferTimeout
 from .read_stats import ReadStats
-
-if TYPE_CHECKING:
-    from .agent import DescriptorList, TransferAgent
 
 logger = logging.getLogger(__name__)
 
 #: Reads smaller than this (bytes) are not split: one READ's fixed cost is a few microseconds.
 DEFAULT_SPLIT_MIN_BYTES = 4 * 2**20
+#: The most jobs :meth:`ReadLanes.run` runs at once, per lane and for the owner: a lane can serve several threads
+#: that read in turn (its agent serialises the reads) and do other work in between.
+MAX_JOBS_PER_LANE = 4
 _WARM_UP_TIMEOUT_S = 5.0
 _JOIN_GRACE_S = 5.0  # past a read's own timeout, how long to wait for a lane's part to return
 
 
-def default_read_lanes() -> int:
-    """Agents a decode rank reads with: ``PD_TRANSFER_READ_LANES``, else one per core up to 2."""
-    return max(1, int(env_number("PD_TRANSFER_READ_LANES", min(2, os.cpu_count() or 1))))
-
-
 #: One part of a split read: (lane index, 0 for the owner; rows of the read) -> what it moved.
 ReadPart = Callable[[int, slice], "ReadStats"]
+#: One READ on one lane, of the owner's lists: (local list, local rows, remote list, remote rows, timeout_s) -> what
+#: it moved; a lane reads through its mirrors of the lists, the owner (lane 0) as one READ without a notification.
+LaneRead = Callable[[DescriptorList, np.ndarray, DescriptorList, np.ndarray, float], "ReadStats"]
+T = TypeVar("T")
+
+
+class LaneAgent(Protocol):
+    """What the lanes need of an agent (each lane, and their owner, is a :class:`~.agent.TransferAgent`): a lane
+    mirrors the owner and reads a part; the owner reads the first part itself, as one READ (``read_whole``), and
+    notifies the peer once every part is done."""
+
+    @property
+    def name(self) -> str: ...
+
+    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None) -> object: ...
+
+    def deregister(self, registration: object) -> None: ...
+
+    def add_peer(self, agent_metadata: bytes) -> str: ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def prepare_local(self, rows: np.ndarray) -> DescriptorList: ...
+
+    def prepare_remote(self, peer: str, rows: np.ndarray) -> DescriptorList: ...
+
+    def read(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        *,
+        notification: bytes = b"",
+        timeout_s: float = 30.0,
+    ) -> ReadStats: ...
+
+    def read_whole(
+        self,
+        local: DescriptorList,
+        local_indices: np.ndarray,
+        remote: DescriptorList,
+        remote_indices: np.ndarray,
+        notification: bytes,
+        timeout_s: float,
+    ) -> ReadStats: ...
+
+    def notify(self, peer: str, payload: bytes) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:
@@ -67,26 +115,36 @@ def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:
 
 
 class ReadLanes:
-    """The lanes (extra agents) of the agent named ``owner``, and the threads that read on them. Every method but
-    ``read`` is called under the owner's lock."""
+    """The lanes (extra agents) of the agent named ``owner``, and the threads that read on them (on ``thread_cpus``;
+    None: the creator's). Every method but ``read`` is called under the owner's lock."""
 
-    def __init__(self, owner: str, lanes: Sequence[TransferAgent], *, split_min_bytes: int) -> None:
+    def __init__(
+        self, owner: str, lanes: Sequence[LaneAgent], *, split_min_bytes: int, thread_cpus: CpuSet = None
+    ) -> None:
         self.owner = owner
         self.lanes = list(lanes)
         self.split_min_bytes = split_min_bytes
         self._registrations: dict[int, list[object]] = {}  # id(owner's registration) -> the lanes'
         self._warm: set[str] = set()  # peers every lane has read from
-        self._pool = ThreadPoolExecutor(
-            max_workers=len(self.lanes),
+        self.max_jobs = MAX_JOBS_PER_LANE * (len(self.lanes) + 1)
+        self._pool = ThreadPoolExecutor(  # threads are made as jobs need them
+            max_workers=self.max_jobs - 1,
             thread_name_prefix=f"pd-transfer-lane-{owner}",
-            initializer=unpin_current_thread,
+            initializer=unpinning(thread_cpus),
         )
         self.split_reads = 0
 
     @classmethod
-    def make(cls, owner: str, count: int, split_min_bytes: int, new_agent: Callable[[str], TransferAgent]) -> ReadLanes:
+    def make(
+        cls,
+        owner: str,
+        count: int,
+        split_min_bytes: int,
+        new_agent: Callable[[str], LaneAgent],
+        thread_cpus: CpuSet = None,
+    ) -> ReadLanes:
         """``count`` lanes made with ``new_agent(name)`` (closed again if one fails to start)."""
-        made: list[TransferAgent] = []
+        made: list[LaneAgent] = []
         try:
             for k in range(count):
                 made.append(new_agent(f"{owner}-lane{k + 1}"))
@@ -94,7 +152,7 @@ class ReadLanes:
             for lane in made:
                 lane.close()
             raise
-        return cls(owner, made, split_min_bytes=split_min_bytes)
+        return cls(owner, made, split_min_bytes=split_min_bytes, thread_cpus=thread_cpus)
 
     # ------------------------------------------------------------------ mirroring the owner
     def replay(
@@ -149,7 +207,7 @@ class ReadLanes:
 
     def split_read(
         self,
-        owner: TransferAgent,
+        owner: LaneAgent,
         local: DescriptorList,
         local_indices: np.ndarray,
         remote: DescriptorList,
@@ -165,10 +223,8 @@ class ReadLanes:
         started = time.perf_counter()
 
         def part(lane: int, rows: slice) -> ReadStats:
-            if lane == 0:
-                return owner.read_whole(local, local_indices[rows], remote, remote_indices[rows], b"", timeout_s)
-            agent, mine, theirs = self.lanes[lane - 1], local.lane_lists[lane - 1], remote.lane_lists[lane - 1]
-            return agent.read(mine, local_indices[rows], theirs, remote_indices[rows], timeout_s=timeout_s)
+            read = self.lane_read(owner, lane)
+            return read(local, local_indices[rows], remote, remote_indices[rows], timeout_s)
 
         parts = self.read(part, local.row_lengths[local_indices], timeout_s)
         if notification:
@@ -185,23 +241,51 @@ class ReadLanes:
         owner, on this thread); returns their stats once every part returned, else raises the first failure (a
         disconnect before others). Each part is bounded by ``timeout_s`` itself."""
         parts = split_rows(lengths, len(self.lanes) + 1)
-        futures: list[Future[ReadStats]] = [
-            self._pool.submit(read_part, lane, rows) for lane, rows in enumerate(parts[1:], start=1)
-        ]
+        results = self.run([_reading(read_part, rows) for rows in parts], timeout_s)
+        self.split_reads += 1
+        return results
+
+    def lane_read(self, owner: LaneAgent, lane: int) -> LaneRead:
+        """Lane ``lane``'s READ of the owner's lists (lane 0: ``owner`` itself, one READ)."""
+        if lane == 0:
+            return lambda local, mine, remote, theirs, timeout_s: owner.read_whole(
+                local, mine, remote, theirs, b"", timeout_s
+            )
+        agent = self.lanes[lane - 1]
+
+        def read(
+            local: DescriptorList, mine: np.ndarray, remote: DescriptorList, theirs: np.ndarray, timeout_s: float
+        ) -> ReadStats:
+            if len(local.lane_lists) != len(self.lanes) or len(remote.lane_lists) != len(self.lanes):
+                raise TransferError(f"agent {self.owner}: a descriptor list is not mirrored on lane {lane}")
+            local_list, remote_list = local.lane_lists[lane - 1], remote.lane_lists[lane - 1]
+            return agent.read(local_list, mine, remote_list, theirs, timeout_s=timeout_s)
+
+        return read
+
+    def run(self, jobs: Sequence[Callable[[int], T]], timeout_s: float) -> list[T]:
+        """Run ``jobs[k](k)`` each on a thread of its own (``jobs[0]`` on this thread), at most :attr:`max_jobs`;
+        returns their results (in order) once every job returned, else raises the first failure (a disconnect
+        before others). Every job must end within ``timeout_s``: a job that has not by then (plus a grace) is
+        reported as timed out, its thread left to finish."""
+        if not 1 <= len(jobs) <= self.max_jobs:
+            raise ValueError(f"{len(jobs)} jobs, at most {self.max_jobs} for {len(self.lanes)} lanes and their owner")
+        futures: list[Future[T]] = [self._pool.submit(job, lane) for lane, job in enumerate(jobs[1:], start=1)]
         errors: list[Exception] = []
-        results: list[ReadStats] = []
+        results: list[T] = []
         try:
-            results.append(read_part(0, parts[0]))
+            results.append(jobs[0](0))
         except Exception as error:
             errors.append(error)
-        for future in futures:  # every part ends (done, failed or timed out) before its memory can be reused
+        for lane, future in enumerate(futures, start=1):  # every job ends before its memory can be reused
             try:
                 results.append(future.result(timeout=timeout_s + _JOIN_GRACE_S))
+            except FutureTimeout:
+                errors.append(TransferTimeout(f"agent {self.owner}: lane {lane} not done after {timeout_s:.3f} s"))
             except Exception as error:
                 errors.append(error)
         if errors:
             raise next((e for e in errors if isinstance(e, PeerDisconnected)), errors[0])
-        self.split_reads += 1
         return results
 
     def close(self) -> None:
@@ -214,7 +298,12 @@ class ReadLanes:
                 logger.warning("agent %s: closing a read lane failed: %s", self.owner, error)
 
 
-def _warm_up(lane: TransferAgent, peer: str, address: int, nbytes: int) -> None:
+def _reading(read_part: ReadPart, rows: slice) -> Callable[[int], ReadStats]:
+    """A lane job that reads ``rows`` with ``read_part``."""
+    return lambda lane: read_part(lane, rows)
+
+
+def _warm_up(lane: LaneAgent, peer: str, address: int, nbytes: int) -> None:
     """Read ``nbytes`` at ``address`` of ``peer`` into scratch memory of ``lane`` (best effort: a failure shows
     again on the first real read)."""
     scratch = np.zeros(max(nbytes, 1), dtype=np.uint8)

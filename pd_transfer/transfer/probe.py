@@ -7,20 +7,33 @@ a progress call *after* the failed copy itself; :func:`peer_gone` makes that cal
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from .dlists import DescriptorList
 from .errors import PeerDisconnected, TransferError
 from .native import NixlBackendError, NixlNotFoundError, NixlRemoteDisconnectError
+from .session import NixlSession
 
-if TYPE_CHECKING:
-    from .agent import DescriptorList, TransferAgent
+
+class ProbedAgent(Protocol):
+    """The agent whose read failed (:class:`~.agent.TransferAgent`): its name, its NIXL session, its peers, and how
+    it is progressed (its notifications handed out)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def session(self) -> NixlSession: ...
+
+    def poll(self) -> bool: ...
+
+    def has_peer(self, peer: str) -> bool: ...
 
 
 def peer_gone(
-    agent: TransferAgent,
+    agent: ProbedAgent,
     local: DescriptorList,
     remote: DescriptorList,
     local_row: int,
@@ -32,7 +45,7 @@ def peer_gone(
     probe read worked or failed otherwise (the original error stands). Bounded by ``budget_s``."""
     deadline = time.perf_counter() + budget_s
     while True:
-        agent._poll_once()  # runs UCX's pending endpoint error handlers (and hands out notifications)
+        agent.poll()  # runs UCX's pending endpoint error handlers (and hands out notifications)
         outcome = _probe_read(agent, local, remote, local_row, remote_row, deadline)
         if outcome != "retry" or time.perf_counter() >= deadline:
             return outcome if outcome not in ("alive", "retry", "other") else None
@@ -40,7 +53,7 @@ def peer_gone(
 
 
 def _probe_read(
-    agent: TransferAgent,
+    agent: ProbedAgent,
     local: DescriptorList,
     remote: DescriptorList,
     local_row: int,
@@ -49,34 +62,33 @@ def _probe_read(
 ) -> str:
     """One one-row read: "alive", "retry" (another backend error), "other", or a disconnect's message."""
     rows = (np.array([local_row], np.int32), np.array([remote_row], np.int32))
-    with agent._lock:
-        try:
-            handle = agent._nixl.make_prepped_xfer("READ", local.handle, rows[0], remote.handle, rows[1])
-        except Exception as error:
-            if isinstance(error, NixlRemoteDisconnectError):
-                return f"{type(error).__name__}: {error}"
-            if isinstance(error, NixlNotFoundError) and remote.peer in agent._peers:
-                return f"NIXL dropped the peer after a disconnect ({error})"  # we did not remove it
-            return "other"
+    session = agent.session
     try:
-        step: Callable[[object], str] = agent._nixl.transfer
+        handle, state, failure = session.start_transfer("READ", local.handle, rows[0], remote.handle, rows[1])
+    except Exception as error:
+        if isinstance(error, NixlRemoteDisconnectError):
+            return f"{type(error).__name__}: {error}"
+        if isinstance(error, NixlNotFoundError) and agent.has_peer(remote.peer):
+            return f"NIXL dropped the peer after a disconnect ({error})"  # we did not remove it
+        return "other"
+    try:
         while True:
-            with agent._lock:
-                try:
-                    state = step(handle)
-                except Exception as error:
-                    if isinstance(error, NixlRemoteDisconnectError):
-                        return f"{type(error).__name__}: {error}"
-                    return "retry" if isinstance(error, NixlBackendError) else "other"
-            step = agent._nixl.check_xfer_state
+            if failure is not None:
+                if isinstance(failure, NixlRemoteDisconnectError):
+                    return f"{type(failure).__name__}: {failure}"
+                return "retry" if isinstance(failure, NixlBackendError) else "other"
             if state == "DONE":
                 return "alive"
             if state != "PROC":
                 return "retry"
             if time.perf_counter() >= deadline:
                 return "other"
+            try:
+                state = session.state(handle)
+            except Exception as error:
+                failure = error
     finally:
-        agent._release_xfer(handle)
+        session.release_transfer(handle)
 
 
 def wrapped_error(agent_name: str, error: Exception, what: str) -> TransferError:
@@ -89,7 +101,7 @@ def wrapped_error(agent_name: str, error: Exception, what: str) -> TransferError
 
 
 def transfer_error(
-    agent: TransferAgent,
+    agent: ProbedAgent,
     error: Exception | None,
     what: str,
     local: DescriptorList,

@@ -4,7 +4,7 @@ NIXL's progress thread, as NIXL's Python wrapper starts it, spins at 100% of a c
 ways replace it:
 
 - An agent that serves reads (a prefill rank's) runs NIXL's progress thread with a wait of its own
-  (:func:`native_progress_wait_ms`, :func:`pd_transfer.transfer.native.make_nixl_agent`): the thread sleeps in
+  (``PD_TRANSFER_NATIVE_PROGRESS_MS``, :func:`pd_transfer.transfer.native.make_nixl_agent`): the thread sleeps in
   ``poll()`` on UCX's event descriptor and wakes when a request or data arrives. Over TCP the target's progress
   is what sends the bytes of a read (UCX emulates the READ with active messages, ``rma_am``), and this thread does
   it in native code, without Python's GIL and without waiting for a poll: a one-block read over TCP took 52-90 us
@@ -20,69 +20,32 @@ While the owner expects reads, a poll that found work (a notification, or a poll
 ``PD_TRANSFER_BUSY_POLL_US``) is followed by the next one at once: without the native thread, that keeps the
 socket of a read over TCP fed, and the poller returns to waiting as soon as a poll finds nothing. Idle, a slow poll
 is more likely a preempted thread than data: it does not count (counting it kept idle CPU at 5-9 % under load).
+
+A read that stopped spinning checks its state every ``PD_TRANSFER_READ_WAIT_US`` (default 50). Over TCP each check
+also receives what arrived, and a one-block read takes a few hundred microseconds: at 500 us a one-block read's p50
+was 745-757 us, at 50 us 326 us (one round, load 18-22). A CMA read is done inside the post, so it never waits there.
+The owner (:class:`~.agent.TransferAgent`) takes these values from its ``Settings``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from pd_transfer.affinity import unpin_current_thread
+from pd_transfer.affinity import CpuSet, unpin_current_thread
 
 logger = logging.getLogger(__name__)
-
-
-def env_number(name: str, default: float) -> float:
-    """The number in environment variable ``name``, or ``default`` when it is unset or blank. Raises ``ValueError``
-    naming the variable (and at most 40 characters of its value) when it is not a number."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, not {value[:40]!r}") from None
-
-
-def busy_poll_seconds() -> float:
-    """A poll longer than this (seconds) moved data (an idle one takes a few microseconds): the poller then polls
-    again at once. ``PD_TRANSFER_BUSY_POLL_US`` (default 30; 0 counts every poll as idle but for notifications)."""
-    micros = env_number("PD_TRANSFER_BUSY_POLL_US", 30.0)
-    return micros * 1e-6 if micros > 0 else float("inf")
-
-
-_MAX_NATIVE_PROGRESS_WAIT_MS = 60_000
-
-
-def native_progress_wait_ms() -> int:
-    """How long (ms) the native progress thread of an agent that serves reads waits for UCX's next event before it
-    progresses anyway: ``PD_TRANSFER_NATIVE_PROGRESS_MS`` (default 20; 0: no native thread, this module's poller
-    progresses the agent as it does for readers; at most 60,000). Raises ``ValueError`` naming the variable for any
-    other value."""
-    value = env_number("PD_TRANSFER_NATIVE_PROGRESS_MS", 20.0)
-    if not 0 <= value <= _MAX_NATIVE_PROGRESS_WAIT_MS:  # NaN too
-        raise ValueError(f"PD_TRANSFER_NATIVE_PROGRESS_MS must be 0 (off) to 60000, not {value:g}")
-    return math.ceil(value)
-
-
-def read_wait_seconds() -> float:
-    """How long a read waits between state checks once it stopped spinning (seconds): ``PD_TRANSFER_READ_WAIT_US``
-    (default 50). Over TCP each check also receives what arrived, and a one-block read takes a few hundred
-    microseconds: at 500 us a one-block read's p50 was 745-757 us, at 50 us 326 us (one round, load 18-22).
-    A CMA read is done inside the post, so it never waits here."""
-    return max(0.0, env_number("PD_TRANSFER_READ_WAIT_US", 50.0)) * 1e-6
 
 
 class AdaptivePoller:
     """Calls ``poll()`` on a daemon thread; ``poll`` returns True when it found work (then, while expecting, it
     is called again at once).
 
-    ``wake()`` asks for fast polling now (a read or handshake is about to start).
+    ``wake()`` asks for fast polling now (a read or handshake is about to start). The thread runs on
+    ``thread_cpus`` (None: the creator's).
     """
 
     def __init__(
@@ -93,8 +56,10 @@ class AdaptivePoller:
         active_interval_s: float = 0.0002,
         idle_interval_s: float = 0.02,
         active_window_s: float = 0.05,
+        thread_cpus: CpuSet = None,
     ) -> None:
         self._poll = poll
+        self._thread_cpus = thread_cpus
         self._active_interval_s = active_interval_s
         self._idle_interval_s = idle_interval_s
         self._active_window_s = active_window_s
@@ -144,7 +109,7 @@ class AdaptivePoller:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        unpin_current_thread()  # not starved by an engine pinned to this process's core
+        unpin_current_thread(self._thread_cpus)  # not starved by an engine pinned to this process's core
         interval = self._idle_interval_s
         while not self._stop.is_set():
             try:

@@ -10,48 +10,38 @@ A sender's TX segment must fit the receiver's RX segment: a peer left at UCX's d
 larger message would corrupt its heap (seen with TX 256 KiB). TX therefore stays at 64 KiB, which every peer at
 UCX's defaults accepts, and RX is raised, which costs nothing to a peer that sends less.
 
-UCX reads its configuration from the environment when a context is made: :func:`apply_tcp_defaults` puts these
-values into this process's environment before an agent is made, leaving any ``UCX_*`` variable the user set as it
-is; ``PD_TRANSFER_TCP_SEGMENTS=0`` leaves UCX's own sizes. They only concern UCX's tcp transport: reads over CMA on
-one host do not change.
+UCX reads its configuration from the environment when a context is made: the process's edge puts these values
+into its environment once, before the first agent (:func:`pd_transfer.settings.apply_process_defaults`), leaving any
+``UCX_*`` variable the user set as it is; ``PD_TRANSFER_TCP_SEGMENTS=0`` leaves UCX's own sizes. They only concern
+UCX's tcp transport: reads over CMA on one host do not change.
+
+Push (:mod:`pd_transfer.connector.pushes`) is decided here too: :func:`push_mode` (one source, the same for a prefill
+and a decode) and, in mode "auto", :func:`push_to`.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 from pathlib import Path
+from typing import cast
 
-#: Switch of :func:`apply_tcp_defaults` ("0": off; anything else or unset: on).
-SWITCH_ENV = "PD_TRANSFER_TCP_SEGMENTS"
-
-#: Segment sizes for UCX's tcp transport (UCX memory units).
-TCP_SEGMENT_ENV: dict[str, str] = {"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+from pd_transfer.settings import TCP_SEGMENT_ENV, PushMode, Settings
 
 #: UCX over TCP only (``self`` for an agent's reads of its own memory), with pd-transfer's segment sizes.
 TCP_UCX_ENV: dict[str, str] = {"UCX_TLS": "tcp,self", **TCP_SEGMENT_ENV}
 
 
-def tcp_ucx_env() -> dict[str, str]:
-    """:data:`TCP_UCX_ENV` with any ``UCX_*`` variable already set in this process's environment left as it is."""
-    return {key: os.environ.get(key, value) for key, value in TCP_UCX_ENV.items()}
+def tcp_ucx_env(settings: Settings) -> dict[str, str]:
+    """:data:`TCP_UCX_ENV` with any of its variables ``settings`` holds (the user set them) as they are there."""
+    own = {
+        "UCX_TLS": settings.ucx_tls,
+        "UCX_TCP_TX_SEG_SIZE": settings.ucx_tcp_tx_seg_size,
+        "UCX_TCP_RX_SEG_SIZE": settings.ucx_tcp_rx_seg_size,
+    }
+    return {key: own[key] or value for key, value in TCP_UCX_ENV.items()}
 
 
-def apply_tcp_defaults() -> dict[str, str]:
-    """Unless ``PD_TRANSFER_TCP_SEGMENTS=0``, set :data:`TCP_SEGMENT_ENV` in ``os.environ`` where unset (children
-    inherit it); returns what is in force (nothing when switched off)."""
-    if os.environ.get(SWITCH_ENV, "").strip() == "0":
-        return {}
-    for key, value in TCP_SEGMENT_ENV.items():
-        if not os.environ.get(key, "").strip():
-            os.environ[key] = value
-    return {key: os.environ[key] for key in TCP_SEGMENT_ENV}
-
-
-#: Whether decode ranks ask prefill ranks to push (write) instead of reading: "auto" (default; where reads would go
-#: over TCP, :func:`push_to`), "on" or "off".
-PUSH_ENV = "PD_TRANSFER_PUSH"
 PUSH_MODES = ("auto", "on", "off")
 #: UCX transport names that cannot read one-sidedly: with ``UCX_TLS`` naming nothing else, reads go over TCP.
 _NOT_ONE_SIDED = {"tcp", "self", "sockcm", "tcp_sockcm", "rdmacm"}
@@ -67,23 +57,27 @@ def reads_over_tcp(ucx_tls: str) -> bool:
     return names <= _NOT_ONE_SIDED and "tcp" in names
 
 
-def push_mode(mode: str | None = None) -> str:
-    """``mode``, or ``PD_TRANSFER_PUSH``, else "auto"; raises ``ValueError`` naming the variable for another value."""
-    chosen = (os.environ.get(PUSH_ENV, "") if mode is None else mode).strip().lower() or "auto"
+def push_mode(configured: str | None, settings: Settings) -> PushMode:
+    """Whether decode ranks ask prefill ranks to write instead of reading ("auto": where reads would go over TCP,
+    :func:`push_to`; "on"; "off") and prefill ranks accept (unless "off"): ``configured`` (a connector's ``push``, a
+    rank's argument) if given, else ``settings.push`` (``PD_TRANSFER_PUSH``). The one rule both sides follow.
+    Raises ``ValueError`` for another value."""
+    if configured is None:
+        return settings.push
+    chosen = configured.strip().lower()
     if chosen not in PUSH_MODES:
-        raise ValueError(f"{PUSH_ENV} must be one of {', '.join(PUSH_MODES)}, not {chosen[:40]!r}")
-    return chosen
+        raise ValueError(f"push must be one of {', '.join(PUSH_MODES)}, not {configured[:40]!r}")
+    return cast(PushMode, chosen)
 
 
-def push_to(host: str, mode: str) -> bool:
+def push_to(host: str, mode: str, ucx_tls: str | None) -> bool:
     """Whether a decode rank asks the prefill whose side channel is at ``host`` to push, in ``mode``: "auto" pushes
-    where reads would go over TCP: ``UCX_TLS`` names only TCP, or, unset, this host has no RDMA device and ``host``
-    is not one of its own addresses (on one host UCX reads with CMA)."""
+    where reads would go over TCP: ``ucx_tls`` (``UCX_TLS``) names only TCP, or, unset, this host has no RDMA device
+    and ``host`` is not one of its own addresses (on one host UCX reads with CMA)."""
     if mode != "auto":
         return mode == "on"
-    transports = os.environ.get("UCX_TLS", "").strip()
-    if transports:
-        return reads_over_tcp(transports)
+    if ucx_tls:
+        return reads_over_tcp(ucx_tls)
     return not rdma_devices() and not is_local_address(host)
 
 
@@ -113,8 +107,3 @@ def is_local_address(host: str) -> bool:
             except OSError:
                 continue
     return False
-
-
-def push_accepted() -> bool:
-    """Whether a prefill rank writes for decode ranks that ask: unless ``PD_TRANSFER_PUSH=off``."""
-    return os.environ.get(PUSH_ENV, "").strip().lower() != "off"

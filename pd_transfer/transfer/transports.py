@@ -9,11 +9,12 @@ environment, reads once from one to the other, and returns what the reader's pee
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from collections.abc import Mapping
+
+from pd_transfer.settings import apply_process_defaults, child_environment, read_settings
 
 _TIMEOUT_S = 120.0
 _CONFIG_LINE = re.compile(r"\breader (?:intra|inter)-node cfg#\d+ (.*)$")
@@ -22,7 +23,7 @@ _CONFIG_LINE = re.compile(r"\breader (?:intra|inter)-node cfg#\d+ (.*)$")
 def ucx_transports(env: Mapping[str, str] | None = None) -> str:
     """The lanes of the reader's endpoint to a peer (e.g. ``"rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo)
     ka(tcp/lo)"``), or ``"unknown"`` when UCX logged none; ``env`` overrides this process's environment."""
-    child_env = {**os.environ, **(env or {}), "UCX_LOG_LEVEL": "info"}
+    child_env = child_environment({**(env or {}), "UCX_LOG_LEVEL": "info"})
     try:
         done = subprocess.run(
             [sys.executable, "-m", "pd_transfer.transfer.transports"],
@@ -42,14 +43,19 @@ def ucx_transports(env: Mapping[str, str] | None = None) -> str:
 
 
 def _read_once() -> None:
-    """Two agents in this process; "reader" reads 64 KiB from "target" (the target polling fast meanwhile)."""
+    """Two agents in this process, with this process's settings (its edge); "reader" reads 64 KiB from "target"
+    (the target polling fast meanwhile)."""
     import numpy as np
 
     from .agent import TransferAgent
 
+    settings = apply_process_defaults(read_settings())
     nbytes = 1 << 16
     source, target_buffer = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
-    with TransferAgent("reader") as reader, TransferAgent("target", serves_reads=True) as target:
+    with (
+        TransferAgent("reader", settings=settings) as reader,
+        TransferAgent("target", serves_reads=True, settings=settings) as target,
+    ):
         target.register_spans([(source.ctypes.data, source.ctypes.data + nbytes)])
         reader.register_spans([(target_buffer.ctypes.data, target_buffer.ctypes.data + nbytes)])
         peer = reader.add_peer(target.metadata)

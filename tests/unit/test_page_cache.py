@@ -28,7 +28,7 @@ def _cold(path: Path) -> None:
 def test_a_file_is_resident_after_writing_cold_after_dropping_and_warm_again_after_reading(
     tmp_path: Path, cachestat: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = page_cache._calls()
+    calls = page_cache.library_calls()
     if calls is None:
         pytest.skip("no C library with mincore here")
     monkeypatch.setattr(calls, "cachestat", cachestat and calls.cachestat)

@@ -1,4 +1,4 @@
-"""pd-transfer as a vLLM (0.32, CPU) KV connector: the only package that imports vLLM.
+"""pd-transfer as a vLLM (0.31 and 0.32, CPU) KV connector: the only package that imports vLLM.
 
 Load it with::
 
@@ -12,8 +12,12 @@ vLLM imports this package and takes ``PdTransferConnector`` from it. ``kv_connec
 :class:`~pd_transfer.connector.config.ConnectorConfig` (unknown keys are refused; ``VLLM_NIXL_SIDE_CHANNEL_HOST``
 / ``_PORT`` are the fallbacks of the side channel's address).
 
+Any other vLLM version is refused when vLLM imports this package: :mod:`.compat` is imported first and raises
+:class:`~pd_transfer.integrations.vllm_versions.UnsupportedVllmVersion`, naming the supported range.
+
 Modules:
 
+* :mod:`.compat`: the version check on load, and what differs between the supported versions.
 * :mod:`.connector`: ``PdTransferConnector`` and the messages it passes through vLLM (step metadata, handshake
   metadata).
 * :mod:`.cpu_cache`: vLLM's CPU KV cache tensors described as a layout and a cache.
@@ -22,6 +26,7 @@ Modules:
 * :mod:`.stats`: stats through vLLM's connector stats hooks and the ``vllm:pd_transfer_*`` metrics.
 """
 
+from .compat import SUPPORTED_RANGE, VLLM_VERSION, UnsupportedVllmVersion  # first: refuses another vLLM
 from .connector import PdTransferConnector, PdTransferHandshakeMetadata, PdTransferMetadata
 from .cpu_cache import describe_cpu_cache
 from .cpu_packing import attention_isa, measure_packing
@@ -31,11 +36,14 @@ from .stats import PdTransferPromMetrics, PdTransferStats
 
 __all__ = [
     "BUSY_POLL_MS",
+    "SUPPORTED_RANGE",
+    "VLLM_VERSION",
     "PdTransferConnector",
     "PdTransferHandshakeMetadata",
     "PdTransferMetadata",
     "PdTransferPromMetrics",
     "PdTransferStats",
+    "UnsupportedVllmVersion",
     "attention_isa",
     "describe_cpu_cache",
     "limit_engine_spin",

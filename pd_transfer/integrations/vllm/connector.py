@@ -1,4 +1,4 @@
-"""``PdTransferConnector``: pd-transfer as a vLLM (0.32, CPU) KV connector.
+"""``PdTransferConnector``: pd-transfer as a vLLM (0.31, 0.32) KV connector.
 
 vLLM makes one connector per role: ``SCHEDULER`` (in the engine core process) wraps a
 :class:`~pd_transfer.connector.scheduler.SchedulerSide`, ``WORKER`` (one per TP rank) a
@@ -10,8 +10,11 @@ Workers publish their rank (NIXL agent, cache regions, layout) to the scheduler 
 metadata hook (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``); the scheduler then serves the
 engine on the side channel. ``kv_transfer_params`` use the keys of vLLM's NixlConnector.
 
-The worker side describes vLLM's CPU cache with :func:`.cpu_cache.describe_cpu_cache` and, across block sizes,
-regroups blocks with the packing :mod:`.cpu_packing` measures.
+The worker side describes vLLM's cache by its device: a CPU cache with :func:`.cpu_cache.describe_cpu_cache` (and,
+across block sizes, regroups blocks with the packing :mod:`.cpu_packing` measures), a GPU cache with
+:func:`.gpu_cache.describe_gpu_cache`. On a GPU the step's kernels run asynchronously: ``wait_for_save``, at the end
+of each step, records an event on the current stream after them and hands it to the worker side
+(``step_computed``): blocks held after it are offered to readers only once it completed.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from pd_transfer.connector.config import ConnectorConfig, FailurePolicy
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.settings import Settings, apply_process_defaults, environment
 
+from .compat import CacheHitSource
 from .cpu_cache import describe_cpu_cache
 from .cpu_packing import packed_format_source
 from .engine_spin import limit_engine_spin
@@ -94,10 +98,13 @@ class PdTransferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        log_to_stderr()
+        environ = environment()  # this vLLM process is our edge: its environment is read here, once
+        self.settings = apply_process_defaults(Settings.from_environ(environ))  # before a worker makes its agents
+        log_to_stderr(self.settings.log_level)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
-        self.config = ConnectorConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self.config = ConnectorConfig.from_dict(extra, settings=self.settings, env=environ)
         self.engine_id = str(transfer.engine_id)
         _align_failure_policy(transfer, self.config.failure_policy, role)
         if self.config.engine_spin_s is not None:
@@ -106,6 +113,7 @@ class PdTransferConnector(KVConnectorBase_V1):
         self.tp_size = _supported_tp_size(vllm_config, kv_cache_config)
         self._scheduler: SchedulerContract | None = None  # the engine-agnostic halves, driven per step
         self._worker: WorkerContract | None = None
+        self._cuda_device: torch.device | None = None  # where the registered cache lives, if on a CUDA device
         self._local_hits: dict[str, int] = {}  # request id -> locally cached tokens at the last match
         self._stats = WorkerStatsCollector()
         self._scheduler_stats = SchedulerStatsCollector()
@@ -137,23 +145,40 @@ class PdTransferConnector(KVConnectorBase_V1):
         from pd_transfer.connector.worker import WorkerSide
 
         cache_dtype = self._vllm_config.cache_config.cache_dtype
-        layout, cache = describe_cpu_cache(
-            kv_caches,
-            self._vllm_config.model_config,
-            block_size=self.block_size,
-            tp_size=self.tp_size,
-            tp_rank=get_tp_group().rank_in_group,
-            cache_dtype=cache_dtype,
+        tp_rank = get_tp_group().rank_in_group
+        device = next(iter(kv_caches.values())).device if kv_caches else None
+        if device is not None and device.type not in ("cpu", "cuda"):
+            raise ValueError(f"PdTransferConnector takes a KV cache on the CPU or a CUDA device, not on {device}")
+        if device is not None and device.type == "cuda":
+            from .gpu_cache import describe_gpu_cache
+
+            layout, cache = describe_gpu_cache(
+                kv_caches, self._vllm_config, block_size=self.block_size, tp_size=self.tp_size, tp_rank=tp_rank
+            )
+            packed_formats = None  # vLLM's GPU backends keep K and V plain in a (token, head)'s content
+            self._cuda_device = device
+        else:
+            layout, cache = describe_cpu_cache(
+                kv_caches,
+                self._vllm_config.model_config,
+                block_size=self.block_size,
+                tp_size=self.tp_size,
+                tp_rank=tp_rank,
+                cache_dtype=cache_dtype,
+            )
+            packed_formats = packed_format_source(layout, cache.tensors[0].dtype, cache_dtype)
+        self._worker = WorkerSide(
+            self.engine_id, cache, self.config, packed_formats=packed_formats, settings=self.settings
         )
-        packed_formats = packed_format_source(layout, cache.tensors[0].dtype, cache_dtype)
-        self._worker = WorkerSide(self.engine_id, cache, self.config, packed_formats=packed_formats)
         logger.info(
-            "pd-transfer worker tp%d/%d: %d layer(s) x %d blocks registered (%.0f MiB), fingerprint %s",
+            "pd-transfer worker tp%d/%d: %d region(s) x %d blocks registered on %s (%.0f MiB, %s), fingerprint %s",
             layout.tp_rank,
             layout.tp_size,
             len(cache.regions),
             cache.num_blocks,
+            device,
             cache.nbytes / 2**20,
+            layout.layout,
             layout.fingerprint,
         )
 
@@ -185,7 +210,16 @@ class PdTransferConnector(KVConnectorBase_V1):
         return None  # pull: decodes read the prefill's blocks where they are
 
     def wait_for_save(self) -> None:
-        return None
+        """The step's forward is launched: on a CUDA cache, record an event after its kernels on the current stream
+        for the worker side, which holds blocks for readers only once it completed (nothing to record on a CPU)."""
+        if self._worker is None:
+            return
+        try:
+            event = _step_event(self._cuda_device)
+            if event is not None:
+                self._worker.step_computed(event)
+        except Exception:  # never into the engine
+            logger.exception("pd-transfer worker: recording the step's event failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -361,7 +395,14 @@ class PdTransferConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # the CPU backend has one layout; we describe what it gives us
+        return None  # we describe whichever layout the backends chose (NHD or HND, read from the tensors)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No: the workers registered vLLM's KV cache memory with NIXL and peers read it there; a sleep's remap
+        would leave them reading freed memory. (vLLM 0.33 asks, and refuses ``--enable-sleep-mode`` with this
+        connector; 0.31 and 0.32 never ask.)"""
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -407,6 +448,18 @@ def _supported_tp_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     if len(groups) > 1:
         raise ValueError(f"PdTransferConnector supports one KV cache group, the model has {len(groups)}")
     return tp_size
+
+
+def _step_event(device: torch.device | None) -> torch.cuda.Event | None:
+    """An event recorded on ``device``'s current stream (after the kernels launched on it so far), or None for no
+    device (a CPU cache: its blocks are written when the step returns)."""
+    if device is None:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _finish_reason(request: Request) -> str:

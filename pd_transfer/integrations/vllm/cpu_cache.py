@@ -10,12 +10,12 @@ pack differently are refused at the handshake.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.integrations.vllm_cache_layouts import dtype_name, layer_indices
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 from .cpu_packing import PACKING_PREFIX, attention_isa
@@ -44,7 +44,7 @@ def describe_cpu_cache(
     if not kv_caches:
         raise ValueError("no KV cache tensors to register")
     names = list(kv_caches)
-    layers = _layer_indices(names)
+    layers = layer_indices(names)
     tensors = [kv_caches[name] for name in names]
     _check_tensors(names, tensors, block_size, int(model.get_head_size()))
     layout = _layout(model, tensors[0], len(tensors), block_size, tp_size, tp_rank, cache_dtype)
@@ -69,7 +69,7 @@ def _layout(
     isa = attention_isa(first.dtype, block_size, head_size, cache_dtype)
     fingerprint = ModelFingerprint(
         model=str(model.model),
-        dtype=_dtype_name(first.dtype),
+        dtype=dtype_name(first.dtype),
         num_layers=num_layers,
         total_num_kv_heads=int(model.get_total_num_kv_heads()),
         head_size=2 * head_size,  # K half + V half of a (block, head), moved as one
@@ -102,20 +102,3 @@ def _check_tensors(names: list[str], tensors: list[torch.Tensor], block_size: in
     for name, tensor in zip(names, tensors, strict=True):
         if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device.type != "cpu":
             raise ValueError(f"KV cache of layer {name} differs from {names[0]}: {tensor.shape} {tensor.dtype}")
-
-
-def _layer_indices(names: list[str]) -> list[int]:
-    """The layer index of each name, or ``0..len(names)-1`` if the names do not give distinct indices."""
-    layers = [_layer_index(name, index) for index, name in enumerate(names)]
-    return layers if len(set(layers)) == len(layers) else list(range(len(names)))
-
-
-def _layer_index(name: str, fallback: int) -> int:
-    """The first dot-delimited number in ``name`` (``model.layers.3.self_attn.attn`` -> 3), else ``fallback``."""
-    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
-    return int(numbers[0]) if numbers else fallback
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")

@@ -18,6 +18,10 @@ on the event loop: both still run) and from then on answers
 
 Requests already in the server when the signal came run to their end. Everything else (``/metrics``, ``GET
 /v1/models``) passes through. This module imports neither vLLM nor a web framework.
+
+The switch and the refusal's wording are the engine-agnostic drain's (:class:`pd_transfer.connector.drain.Drain`,
+which the KV stand-in's prefill drains with too); what a prefill then waits for (every lease read, released or
+expired) is vLLM's ``--shutdown-timeout`` here, the connector's ``SchedulerSide.drain`` elsewhere.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from types import FrameType
 from typing import Any
+
+from pd_transfer.connector.drain import Drain
+from pd_transfer.settings import read_settings
 
 from .logs import log_to_stderr
 
@@ -47,23 +53,12 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class DrainState:
-    """Whether this process is draining, and since when (``time.monotonic()`` seconds). Thread-safe: set once."""
+class DrainState(Drain):
+    """Whether this API server drains, why and since when (:class:`~pd_transfer.connector.drain.Drain`, started from
+    a signal handler); set once."""
 
     def __init__(self) -> None:
-        self._since: float | None = None  # one assignment, atomic: no lock (a signal handler sets it)
-
-    @property
-    def draining(self) -> bool:
-        return self._since is not None
-
-    def start(self, reason: str) -> bool:
-        """Enter the drain (``reason``: what started it, for the log); False if it had started already."""
-        if self._since is not None:
-            return False
-        self._since = time.monotonic()
-        logger.warning("draining (%s): /health answers 503 and new requests are refused with 503", reason)
-        return True
+        super().__init__("this vLLM server")
 
     def install_signal_handlers(self) -> None:
         """Start the drain on SIGTERM or SIGINT, then run whatever handled the signal before (vLLM's, via the
@@ -99,14 +94,15 @@ class DrainMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan" and not self._installed:
             self._install()
-        if scope["type"] == "http" and self.state.draining and _refused(scope):
-            await _answer_draining(scope, send)
+        refusal = self.state.refusal() if scope["type"] == "http" else None
+        if refusal is not None and _refused(scope):
+            await _answer_draining(scope, send, refusal)
             return
         await self.app(scope, receive, send)
 
     def _install(self) -> None:
         self._installed = True
-        log_to_stderr()
+        log_to_stderr(read_settings().log_level)  # this vLLM process is our edge
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not in the main thread: the drain will not start on SIGTERM")
             return
@@ -120,12 +116,13 @@ def _refused(scope: Scope) -> bool:
     return method == "POST" or (method in ("GET", "HEAD") and scope.get("path") == "/health")
 
 
-async def _answer_draining(scope: Scope, send: Send) -> None:
-    """503: ``draining`` for ``/health``, else an OpenAI-style error naming the drain, with ``DRAINING_HEADER``."""
+async def _answer_draining(scope: Scope, send: Send, refusal: str) -> None:
+    """503: ``draining`` for ``/health``, else an OpenAI-style error naming the drain (``refusal``), with
+    ``DRAINING_HEADER``."""
     if scope.get("path") == "/health":
         body, content_type = b"draining", b"text/plain; charset=utf-8"
     else:
-        error = {"message": "the server is draining (shutting down); send the request elsewhere", "type": "draining"}
+        error = {"message": refusal, "type": "draining"}
         body, content_type = json.dumps({"error": error, "code": 503}).encode(), b"application/json"
     headers = [
         (b"content-type", content_type),

@@ -59,11 +59,11 @@ def _limited_wait(original: WaitFunction, spin_s: float) -> WaitFunction:
         window = self.__dict__.get("_pd_transfer_window_s")
         if window is None:  # first wait of this reader: keep vLLM's window, spin only for our limit
             window = self._pd_transfer_window_s = getattr(self, "busy_loop_s", 0.0)
-        self.busy_loop_s = min(window, wait._pd_transfer_spin_s)  # type: ignore[attr-defined]  # set below
+        self.busy_loop_s = min(window, spin_s)
         if time.monotonic() - getattr(self, "last_read", 0.0) < window:
             timeout_ms = BUSY_POLL_MS if timeout_ms is None else min(timeout_ms, BUSY_POLL_MS)
         original(self, timeout_ms)
 
-    wait._pd_transfer_original = original  # type: ignore[attr-defined]  # marks the wrapper for later calls
-    wait._pd_transfer_spin_s = spin_s  # type: ignore[attr-defined]  # the limit, on the wrapper
+    # marks the wrapper for later calls; the underscore keeps the name out of vLLM's own on its class
+    wait._pd_transfer_original = original  # type: ignore[attr-defined]  # noqa: SLF001
     return wait

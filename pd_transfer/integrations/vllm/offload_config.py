@@ -1,4 +1,4 @@
-"""``PdOffloadConnector``'s configuration and how it names vLLM's CPU KV cache for the offload tiers.
+"""``PdOffloadConnector``'s configuration and how it names vLLM's KV cache for the offload tiers.
 
 ``kv_connector_extra_config`` keys (unknown keys are refused, at least one tier must be given):
 
@@ -120,7 +120,8 @@ def tp_size(vllm_config: VllmConfig) -> int:
 def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_rank: int = 0) -> PageFormat:
     """The page format of TP rank ``tp_rank``'s share of this engine's blocks: one page of ``page_size_bytes``
     (one rank's cache) per layer, the model's fingerprint (as the P/D connector names it), the TP size and
-    rank (ranks hold different heads: their blocks never mix) and the CPU attention packing in ``layout``."""
+    rank (ranks hold different heads: their blocks never mix) and in ``layout`` the CPU attention packing, or on
+    another device the device type and vLLM's KV cache layout (its blocks' bytes differ from a CPU engine's)."""
     spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     model = vllm_config.model_config
     names = layer_names(kv_cache_config)
@@ -133,12 +134,20 @@ def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_rank
         total_num_kv_heads=int(model.get_total_num_kv_heads()),
         head_size=2 * head_size,
     )
-    isa = attention_isa(spec.dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
     return PageFormat(
         fingerprint=fingerprint,
         page_bytes=(int(spec.page_size_bytes),) * len(names),
         block_size=block_size,
         tp_size=tp_size(vllm_config),
         tp_rank=tp_rank,
-        layout=f"{PACKING_PREFIX}{isa}",
+        layout=_bytes_layout(vllm_config, spec.dtype, block_size, head_size),
     )
+
+
+def _bytes_layout(vllm_config: VllmConfig, dtype: Any, block_size: int, head_size: int) -> str:
+    """What fixes the bytes of a block besides the model and the rank: the CPU attention backend's packing, or a
+    device's type and vLLM's ``kv_cache_layout`` (``vllm-cuda:LBNHC``)."""
+    device = str(getattr(vllm_config.device_config, "device_type", "cpu") or "cpu")
+    if device == "cpu":
+        return f"{PACKING_PREFIX}{attention_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)}"
+    return f"vllm-{device}:{getattr(vllm_config.cache_config, 'kv_cache_layout', None) or 'auto'}"

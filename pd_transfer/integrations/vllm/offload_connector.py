@@ -1,4 +1,4 @@
-"""``PdOffloadConnector``: KV offloading (``pd_transfer.offload``) as a vLLM (0.32, CPU) KV connector.
+"""``PdOffloadConnector``: KV offloading (``pd_transfer.offload``) as a vLLM (0.31, 0.32) KV connector.
 
 Enable it with::
 
@@ -10,18 +10,20 @@ Enable it with::
                                                          "offload_dir_bytes": 10737418240}}'
 
 Scheduler side (:mod:`.offload_scheduler`): a request's full prompt blocks are looked up by chained key (host tier,
-then the directory tier) and the hits reported as external tokens, loaded either in the step that computes the rest of
-the prompt (before its forward: ``offload_load`` ``auto`` does this for hits all in memory, the host tier's or in
+then the directory tier) and the hits reported as external tokens, loaded either in the step that computes the rest
+of the prompt (before its forward: ``offload_load`` ``auto`` does this for hits all in memory, the host tier's or in
 directory files the page cache holds whole) or asynchronously (vLLM's ``load_kv_async`` path: the request waits in
 WAITING_FOR_REMOTE_KVS; ``auto`` for hits read from storage); the prompt blocks each step completes are stored into
 every tier after that step's forward, and a finished request's blocks stay allocated until its stores are done. Worker
 side (:mod:`.offload_worker`): one :class:`~pd_transfer.offload.TransferWorker` per tier over canonical ``(num_blocks,
-page_bytes)`` uint8 views of vLLM's CPU cache tensors. A failed or damaged load is reported as invalid blocks (vLLM
-recomputes them; ``kv_load_failure_policy`` is set to ``recompute``) and the keys invalidated. Worker results reach the
-scheduler through vLLM's worker metadata hook. With TP, every rank stores and loads its own share of each block (its
-own host pool of ``offload_host_bytes / TP`` bytes, its own files, named by a page format that includes the rank), and
-the scheduler completes a job once all ranks reported it. PP 1 and one KV cache group only (refused at startup
-otherwise).
+page_bytes)`` uint8 views of vLLM's cache tensors (each layer's blocks in memory order). A GPU engine's cache offloads
+to host memory only: its host pool is pinned and its blocks move on a stream of their own, after the kernels that
+wrote them (:mod:`pd_transfer.offload.device_copy`); the directory tier is refused at startup with such a cache. A
+failed or damaged load is reported as invalid blocks (vLLM recomputes them; ``kv_load_failure_policy`` is set to
+``recompute``) and the keys invalidated. Worker results reach the scheduler through vLLM's worker metadata hook. With
+TP, every rank stores and loads its own share of each block (its own host pool of ``offload_host_bytes / TP`` bytes,
+its own files, named by a page format that includes the rank), and the scheduler completes a job once all ranks
+reported it. PP 1 and one KV cache group only (refused at startup otherwise).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pd_transfer.integrations.vllm_cache_layouts import block_rows
 from pd_transfer.offload import (
     DirectoryTier,
     HostPool,
@@ -49,7 +51,9 @@ from pd_transfer.offload import (
     TransferWorker,
     chain_block_keys,
 )
+from pd_transfer.settings import read_settings
 
+from .compat import CacheHitSource
 from .connector import register_by_name
 from .logs import log_to_stderr
 from .offload_config import OffloadConfig, check_supported, layer_names, page_format, tp_size
@@ -60,7 +64,7 @@ from .offload_worker import OffloadWorkerSide, StepResults
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
@@ -104,7 +108,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        log_to_stderr()
+        log_to_stderr(read_settings().log_level)  # this vLLM process is our edge
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         self.config = OffloadConfig.from_dict(dict(transfer.kv_connector_extra_config or {}))
@@ -180,11 +184,18 @@ class PdOffloadConnector(KVConnectorBase_V1):
 
         rank = get_tp_group().rank_in_group if self.tp_size > 1 else 0
         fmt = self.page_formats[rank]
-        caches = [_canonical(kv_caches[name]) for name in self._layers]
+        caches = [block_rows(kv_caches[name]) for name in self._layers]
+        device = caches[0].device
+        if device.type != "cpu" and self.config.dir:
+            raise ValueError(
+                f"PdOffloadConnector: the directory tier takes blocks from host memory, and this engine's KV cache is"
+                f" on {device}: offload it to host memory (offload_host_bytes) without offload_dir"
+            )
         workers: dict[str, TransferWorker] = {}
         queued = self.config.max_queued_jobs
         if self.config.host_bytes:
-            pool = HostPool.create(fmt, self.config.host_bytes // self.tp_size, metrics=self._metrics)
+            pinned = device.type == "cuda"  # a GPU engine's copies to and from it run asynchronously
+            pool = HostPool.create(fmt, self.config.host_bytes // self.tp_size, metrics=self._metrics, pinned=pinned)
             workers["host"] = TransferWorker(caches, pool, max_queued_jobs=queued, metrics=self._metrics)
         if self.config.dir:
             tier = DirectoryTier(
@@ -198,11 +209,12 @@ class PdOffloadConnector(KVConnectorBase_V1):
             workers["disk"] = TransferWorker(caches, tier, max_queued_jobs=queued, metrics=self._metrics)
         self._worker = OffloadWorkerSide(workers)
         logger.info(
-            "pd-transfer offload worker tp%d/%d: %d layer(s) x %d blocks, %.2f MiB a block, tiers %s",
+            "pd-transfer offload worker tp%d/%d: %d layer(s) x %d blocks on %s, %.2f MiB a block, tiers %s",
             rank,
             self.tp_size,
             len(caches),
             caches[0].shape[0],
+            device,
             fmt.block_bytes / 2**20,
             ",".join(workers),
         )
@@ -361,6 +373,12 @@ class PdOffloadConnector(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No: the workers copy blocks through views of vLLM's KV cache tensors taken at registration, which a
+        sleep's remap would leave pointing at freed memory. (vLLM 0.33 asks; 0.31 and 0.32 never ask.)"""
+        return False
+
     # ------------------------------------------------------------------ helpers
     def _step(self) -> StepJobs | None:
         if not self.has_connector_metadata():
@@ -377,15 +395,6 @@ class PdOffloadConnector(KVConnectorBase_V1):
             action()
         except Exception:
             logger.exception("pd-transfer offload: %s failed", what)
-
-
-def _canonical(tensor: torch.Tensor) -> torch.Tensor:
-    """A layer's cache tensor as ``(num_blocks, page_bytes)`` uint8 (a view: the same memory)."""
-    import torch
-
-    if not tensor.is_contiguous():
-        raise ValueError(f"PdOffloadConnector needs contiguous KV cache tensors, got strides {tensor.stride()}")
-    return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
 
 
 register_by_name(PdOffloadConnector.__name__)  # for vLLM's MultiConnector (see register_by_name)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from pd_transfer.connector.ipc_choice import TRANSPORTS
 from pd_transfer.metrics import default_metrics
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ class PdTransferStats(KVConnectorStats):
     """What the workers did since their last report (plain data: it crosses processes).
 
     ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read, read seconds,
-    connect seconds, confirmation seconds, pushed bytes]`` per loaded request; ``data["failed_loads"]``;
+    connect seconds, confirmation seconds, pushed bytes]`` per loaded request, and ``data["pulls_<transport>"]``
+    counting them by transport (``nixl``, ``cuda_ipc``, ``host_ipc``); ``data["failed_loads"]``;
     the increments of the counters in :data:`COUNTED` (workers) and :data:`SCHEDULER_COUNTED` (scheduler), under
     their keys; ``data["waiting_for_kv"]``: the scheduler's requests
     waiting for remote KV, once per change (a list: the last one counts); ``data["info"]``: ``[[protocol version,
@@ -144,6 +146,8 @@ class WorkerStatsCollector:
                         pulled.pushed_bytes,
                     ]
                 )
+                by_transport = f"pulls_{pulled.transport}"
+                stats.data[by_transport] = stats.data.get(by_transport, 0) + 1
         self._add_counter_increments(stats)
         self._add_info(stats)
         return None if stats.is_empty() else stats
@@ -219,7 +223,8 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
     ``read_seconds`` (first post to last completion), ``connect_seconds`` (reaching the prefill: handshake, NIXL
     peers and warm-up on first contact), ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read
     inside the prefill's hold window). Counters (``_total``): ``pulled_bytes`` (and of them ``pushed_bytes``),
-    ``failed_loads``, ``unconfirmed_reads``, ``leases_ended{reason=read|expired|aborted|released}``,
+    ``pulls{transport=nixl|cuda_ipc|host_ipc}`` (what moved them), ``failed_loads``, ``unconfirmed_reads``,
+    ``leases_ended{reason=read|expired|aborted|released}``,
     ``handshakes{outcome}`` and ``handshake_seconds`` (their sum), ``side_channel_rejected{reason}``,
     ``side_channel_nonces_refused{reason}``. Gauges: ``requests_waiting_for_kv``, ``info{protocol_version,
     fingerprint, model, dtype}`` (1).
@@ -268,6 +273,12 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         )
         #: stats key -> per-engine counter child
         self.counted: dict[str, dict[int, Any]] = {}
+        self._labelled(
+            "vllm:pd_transfer_pulls",
+            "KV loads from prefill engines, by what moved them: nixl, cuda_ipc, host_ipc (same-host IPC)",
+            "transport",
+            {transport: f"pulls_{transport}" for transport in TRANSPORTS},
+        )
         self._labelled(
             "vllm:pd_transfer_leases_ended",
             "Blocks held for decode readers, by how the hold ended: read, expired, aborted, released (by the proxy)",

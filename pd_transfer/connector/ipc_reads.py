@@ -1,0 +1,156 @@
+"""The one-node fast path: a decode rank copies a request's rows straight out of a prefill's memory opened through
+same-host IPC (:class:`~.ipc_engine.IpcEngine`, once per engine), instead of reading them with NIXL.
+
+**Per request** (:meth:`IpcReader.read`): the plan's rows (:meth:`~pd_transfer.topology.SourcePlan.indices`),
+copied one group at a time (a copy per pair of segments they touch, :func:`~.ipc_engine.run_copies`), then the plan's
+fix-up (block-size regroup, layout permute), if any, in place. On a GPU all of it is queued on the decode rank's own
+CUDA stream and an event recorded after it is waited for before anything else happens: the prefill hears
+``ReadDone`` (the lease protocol is unchanged) and the engine is told the blocks are loaded only once the copy is
+complete. Host caches (in shareable memory) take the same path, synchronously: that is what CI runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pd_transfer.spec import MemoryPlace
+from pd_transfer.transfer.errors import PeerDisconnected
+
+from .cache import KVCache
+from .ipc_engine import IpcSource, run_copies
+from .ipc_handles import IpcUnavailable
+from .pull_request import PullRequest
+from .reads import ReadTotals
+
+if TYPE_CHECKING:
+    from pd_transfer.transfer.agent import TransferAgent
+
+    from .remote_engines import RemoteEngine, SourceRank
+
+
+class CopyStream:
+    """Where a rank's IPC copies run, one block of work at a time: for a GPU cache, a CUDA stream of its own (work
+    queued on it, then an event recorded after it and waited for; indices go up through a pinned buffer); for host
+    memory, the calling thread (everything is done when queued)."""
+
+    def __init__(self, place: MemoryPlace) -> None:
+        self.device = torch.device("cpu") if place.is_host else torch.device("cuda", place.device_index)
+        self._stream: torch.cuda.Stream | None = None if place.is_host else torch.cuda.Stream(device=self.device)
+        self._lock = threading.Lock()
+        self._pinned = torch.empty(0, dtype=torch.int64)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Queue the block's work on the stream; on leaving (also by an exception), wait until it completed."""
+        with self._lock:
+            stream = self._stream
+            if stream is None:
+                yield
+                return
+            with torch.cuda.stream(stream):
+                try:
+                    yield
+                finally:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    done.synchronize()
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` (int64) on the stream's device; inside :meth:`running` (the pinned buffer is reused once the
+        block's work completed)."""
+        host = torch.from_numpy(values)
+        if self._stream is None:
+            return host
+        if self._pinned.numel() < len(values):
+            self._pinned = torch.empty(max(len(values), 2 * self._pinned.numel()), dtype=torch.int64).pin_memory()
+        staged = self._pinned[: len(values)]
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
+
+
+class IpcReader:
+    """Reads requests of engines connected through IPC into ``cache`` (``planes``: its plane views), then sends each
+    source rank its ``ReadDone`` (``done_message(request_id, source)``) with ``agent``."""
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        cache: KVCache,
+        planes: list[torch.Tensor],
+        *,
+        done_message: Callable[[str, SourceRank], bytes],
+    ) -> None:
+        self.agent = agent
+        self.cache = cache
+        self.planes = planes
+        self._done_message = done_message
+        self.stream = CopyStream(cache.place)
+
+    def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
+        """Copy ``request`` from ``remote`` (connected through IPC), fix it up, wait for it, tell the prefill ranks.
+        Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
+        ``IpcUnavailable``; an engine one of whose processes exited ``PeerDisconnected`` (as a NIXL read of it
+        would: the decode then looks for a new incarnation at its address)."""
+        rows = [
+            plan.indices(request.remote_block_ids, request.local_block_ids, request.num_tokens)
+            for plan in remote.plan.sources
+        ]
+        sources = self._sources(remote)
+        stream = self.stream
+        started = time.perf_counter()
+        with stream.running():
+            copies = [
+                copy
+                for source, (mine, theirs) in zip(sources, rows, strict=True)
+                for copy in source.copies(mine, theirs)
+            ]
+            run_copies(copies, stream.upload)
+            copied = time.perf_counter()
+            postprocess = remote.plan.postprocess
+            if postprocess is not None:
+                postprocess.apply(self.planes, request.local_block_ids, request.num_tokens)
+        done = time.perf_counter()
+        for source in remote.sources:
+            self.agent.notify(source.peer, self._done_message(request.request_id, source))
+        fixup = done - copied if stream.device.type == "cpu" else 0.0  # on a GPU both are queued, then waited for
+        return ReadTotals(
+            bytes=sum(copy.nbytes for copy in copies),
+            descriptors=sum(len(local) for local, _ in rows),
+            read_seconds=done - started - fixup,
+            postprocess_seconds=fixup,
+            postprocess_exposed_seconds=fixup,
+        )
+
+    def unit_copy_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
+        """Seconds of ``samples`` copies of the first source's remote row 0 (one unit: a plane block when the plan
+        moves whole blocks) into scratch memory, each queued and waited for: the cache is not touched."""
+        source = self._sources(remote)[0]
+        first = int(source.remote_rows.chunk[0])
+        segment = source.remote_segments[int(source.remote_rows.segment[0])]
+        row = segment[first : first + source.chunks_per_row]
+        scratch = torch.empty_like(row)
+        seconds = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            with self.stream.running():
+                scratch.copy_(row)
+            seconds.append(time.perf_counter() - started)
+        return seconds
+
+    @staticmethod
+    def _sources(remote: RemoteEngine) -> list[IpcSource]:
+        """``remote``'s opened sources (held by the caller: a forget meanwhile drops only the engine's list)."""
+        ipc = remote.ipc
+        sources = [] if ipc is None else ipc.sources
+        if ipc is None or not sources:
+            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not connected through IPC (any more)")
+        if ipc.owner_exited():
+            raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process whose memory is open exited")
+        return sources

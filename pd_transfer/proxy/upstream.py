@@ -1,0 +1,689 @@
+"""The hops' HTTP/1.1 client: POSTs to the backends over keep-alive connections, one request at a time on each.
+
+The proxy's two hops used aiohttp's client, which per request builds a request object (URL, header multidicts,
+automatic headers, a payload wrapper, request info), a new response parser, a response object with its stream
+reader and a timer context: about half of the proxy's CPU per request. The hops need much less: write a request from
+bytes built once per backend and endpoint, and read a status, headers and a body framed by ``Content-Length``, by
+chunks (a decode's SSE stream) or by the server's close. That is this module; health checks and ``/v1/models`` keep
+aiohttp's client (not on the request path).
+
+Contract:
+
+- :meth:`Upstream.post` returns an :class:`Answer` once the status line and headers arrived; its body is read with
+  :meth:`Answer.read` (all of it) or :meth:`Answer.chunks` (bytes as they arrive), and :meth:`Answer.close` ends it.
+- Errors: :class:`ConnectFailed` when no connection could be made (nothing was sent: the request may go elsewhere),
+  :class:`UpstreamError` when the connection broke or the answer is not HTTP/1.x (a backend's fault), ``TimeoutError``
+  after ``connect_timeout_s`` to connect or ``request_timeout_s`` (None: no bound) for the whole exchange, connect to
+  the end of the body.
+- A connection goes back to its backend's idle list once its answer was received to the end and the server keeps it
+  alive; an idle one is closed rather than reused after ``keepalive_s`` (uvicorn, vLLM's server, closes idle ones
+  after 5 s: never send on one it is closing). An answer closed or abandoned (the caller cancelled) before its end
+  closes its connection, so the backend sees its client leave (vLLM aborts the request and frees its blocks).
+- A caller cancelled while it waits for an answer closes its connection, unless it gave the post a
+  :class:`Leftover`: then the connection goes on reading the answer unattended for at most ``within_s`` seconds and
+  hands it to ``done`` (the proxy releases the prefill's blocks a cancelled prefill hop was answered with), or closes.
+- Memory: headers at most ``MAX_HEAD_BYTES``; an answer holds at most about ``HIGH_WATER`` bytes its reader has not
+  taken (reading from the socket pauses beyond that), a left-over one at most ``Leftover.max_bytes``;
+  :meth:`Answer.read` holds the whole body, as aiohttp's did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import NamedTuple, cast
+
+import yarl
+from multidict import CIMultiDict
+
+__all__ = ["Answer", "ConnectFailed", "Endpoint", "Leftover", "Upstream", "UpstreamError"]
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one answer
+MAX_CHUNK_LINE_BYTES = 1024  # a chunk's size line (hex size and extensions)
+HIGH_WATER = 256 * 1024  # an answer's unread bytes beyond which the socket is not read
+LOW_WATER = 64 * 1024  # ... and below which it is read again
+_NO_BODY_STATUSES = frozenset((204, 304))
+
+
+class UpstreamError(Exception):
+    """The exchange with a backend failed after connecting: the connection broke, or its answer is not HTTP/1.x."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection to the backend could be made: nothing was sent."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a hop's POST goes: ``host``, ``port``, ``tls`` and the request's first lines (request line, ``Host``,
+    ``Content-Type: application/json``) as bytes, built once per backend and path."""
+
+    host: str
+    port: int
+    tls: bool
+    head: bytes
+
+    @classmethod
+    def of(cls, url: str) -> Endpoint:
+        """The endpoint of an ``http://`` or ``https://`` URL with a path (``http://10.0.0.5:8100/v1/completions``).
+        Raises ``ValueError`` for any other scheme or a URL without a host."""
+        parsed = yarl.URL(url)
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"a backend URL must be http:// or https:// with a host, not {url!r}")
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        target = parsed.raw_path_qs or "/"
+        authority = parsed.raw_authority
+        head = f"POST {target} HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n".encode("ascii")
+        return cls(parsed.host, port, parsed.scheme == "https", head)
+
+
+class Leftover(NamedTuple):
+    """What becomes of an answer whose caller was cancelled before it had read it: read on for at most
+    ``within_s`` seconds, then ``done(status, body)``, once; ``done(None, None)`` when it did not end in time, broke,
+    or grew past ``max_bytes`` (its connection is then closed: the backend sees its client leave)."""
+
+    within_s: float
+    done: Callable[[int | None, bytes | None], None]
+    max_bytes: int = 1 << 20
+
+
+def _header_lines(headers: dict[str, str]) -> bytes:
+    """``Name: value\\r\\n`` lines; ``ValueError`` for a name or value with a line break (never sent)."""
+    out = []
+    for name, value in headers.items():
+        line = f"{name}: {value}\r\n"
+        if line.count("\n") != 1 or line.count("\r") != 1:
+            raise ValueError(f"header {name[:40]!r} has a line break")
+        out.append(line)
+    return "".join(out).encode("utf-8", "surrogateescape")
+
+
+class Upstream:
+    """Keep-alive connections to every backend this proxy has posted to, idle ones per ``(host, port, tls)``."""
+
+    def __init__(
+        self, connect_timeout_s: float, request_timeout_s: float | None = None, keepalive_s: float = 4.0
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.keepalive_s = keepalive_s
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._unattended: set[_Connection] = set()  # reading a Leftover's answer
+        self._tls: ssl.SSLContext | None = None
+        self._closed = False
+
+    async def post(
+        self, endpoint: Endpoint, headers: dict[str, str], body: bytes, leftover: Leftover | None = None
+    ) -> Answer:
+        """Sends ``body`` (JSON) with ``headers`` (besides ``Host``, ``Content-Type`` and ``Content-Length``) to
+        ``endpoint``; the answer once its headers arrived. See the module for the errors and ``leftover``."""
+        if self._closed:
+            raise UpstreamError("the proxy's client is closed")
+        loop = asyncio.get_running_loop()
+        deadline = None if self.request_timeout_s is None else loop.time() + self.request_timeout_s
+        request = (
+            endpoint.head + _header_lines(headers) + b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n\r\n"
+        )
+        connection = self._take_idle(endpoint) or await self._connect(endpoint, deadline)
+        try:
+            head = connection.send(request, body, deadline, leftover)
+            if deadline is None:
+                return await head
+            async with asyncio.timeout_at(deadline):
+                return await head
+        except asyncio.CancelledError:
+            arrived = head.done() and not head.cancelled() and head.exception() is None
+            connection.abandoned(head.result() if arrived else None)
+            raise
+        except BaseException:
+            connection.close()
+            raise
+
+    def close(self) -> None:
+        """Closes the idle connections; later posts fail. (Answers being read close their own.)"""
+        self._closed = True
+        for connections in self._idle.values():
+            for connection in connections:
+                connection.close()
+        self._idle.clear()
+        for connection in list(self._unattended):
+            connection.close()
+
+    def _take_idle(self, endpoint: Endpoint) -> _Connection | None:
+        """The most recently idle live connection to ``endpoint``; older ones past ``keepalive_s`` are closed."""
+        idle = self._idle.get((endpoint.host, endpoint.port, endpoint.tls))
+        if not idle:
+            return None
+        expired_before = time.monotonic() - self.keepalive_s
+        while idle:
+            connection = idle.pop()
+            if connection.idle_since >= expired_before and connection.reusable():
+                return connection
+            connection.close()
+        return None
+
+    def _keep(self, connection: _Connection) -> None:
+        """``connection`` finished an answer and stays open: it may carry the next request to its backend."""
+        if self._closed:
+            connection.close()
+            return
+        connection.idle_since = time.monotonic()
+        self._idle.setdefault(connection.key, []).append(connection)
+
+    def _forget(self, connection: _Connection) -> None:
+        """``connection`` closed: out of the idle list if it was there."""
+        idle = self._idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    async def _connect(self, endpoint: Endpoint, deadline: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        key = (endpoint.host, endpoint.port, endpoint.tls)
+        timeout = self.connect_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, deadline - loop.time())
+        try:
+            async with asyncio.timeout(timeout):
+                _transport, connection = await loop.create_connection(
+                    lambda: _Connection(key, self._keep, self._forget, self._unattended),
+                    endpoint.host,
+                    endpoint.port,
+                    ssl=self._tls_context() if endpoint.tls else None,
+                    server_hostname=endpoint.host if endpoint.tls else None,
+                )
+        except TimeoutError:
+            raise TimeoutError(f"connecting to {endpoint.host}:{endpoint.port} took over {timeout:.3g} s") from None
+        except OSError as e:
+            raise ConnectFailed(f"cannot connect to {endpoint.host}:{endpoint.port}: {e.strerror or e}") from None
+        return connection
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+
+class Answer:
+    """A backend's answer: ``status``, ``headers`` (case-insensitive) and a body read with :meth:`read` or
+    :meth:`chunks` (once). An async context manager that closes it on exit."""
+
+    def __init__(
+        self,
+        connection: _Connection,
+        status: int,
+        headers: CIMultiDict[str],
+        deadline: float | None,
+        leftover: Leftover | None = None,
+        left: bool = False,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.leftover = leftover  # its request's
+        self.buffered = 0  # bytes received that its reader has not taken
+        self._connection: _Connection | None = connection
+        self._deadline = deadline
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._left = left  # handed to its Leftover: close() leaves it alone
+
+    async def read(self) -> bytes:
+        """The whole body; the errors of :meth:`chunks`."""
+        parts: list[bytes] = []
+        while True:
+            if self._chunks:
+                parts += self._chunks
+                self._chunks.clear()
+                self.buffered = 0
+                if self._connection is not None:
+                    self._connection.resume()
+            elif self._error is not None:
+                raise self._error
+            elif self._done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            else:
+                try:
+                    await self._wait()
+                except asyncio.CancelledError:  # what was read goes back: a Leftover gets the whole body
+                    self._chunks.extendleft(reversed(parts))
+                    self.buffered += sum(map(len, parts))
+                    raise
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (a chunked body without its framing); raises :class:`UpstreamError` when
+        the connection breaks before its end, ``TimeoutError`` past the request's deadline."""
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self.buffered -= len(chunk)
+                if self.buffered < LOW_WATER and self._connection is not None:
+                    self._connection.resume()
+                yield chunk
+            elif self._error is not None:
+                raise self._error
+            elif self._done:
+                return
+            else:
+                await self._wait()
+
+    def close(self) -> None:
+        """Ends the answer: a no-op once its body was received to the end; else its connection is closed (the
+        backend sees its client leave)."""
+        if self._left:
+            return
+        connection, self._connection = self._connection, None
+        if connection is not None and not self._done:
+            connection.close()
+            self.fail(UpstreamError("the answer was closed before its end"))
+
+    async def __aenter__(self) -> Answer:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            if self._deadline is None:
+                await waiter
+            else:
+                async with asyncio.timeout_at(self._deadline):
+                    await waiter
+        except asyncio.CancelledError:
+            if self._connection is None:
+                self.close()
+            else:
+                self._connection.abandoned(self)
+            raise
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # ---- its connection's side ----
+
+    @property
+    def reader_waiting(self) -> bool:
+        """Whether a reader waits for the body's next bytes."""
+        return self._waiter is not None
+
+    @property
+    def ended(self) -> bool:
+        """Whether the body was received to its end, or failed."""
+        return self._done
+
+    def received(self) -> bytes | None:
+        """The body not yet taken by a reader, once received to its end without an error; else None."""
+        return b"".join(self._chunks) if self._done and self._error is None else None
+
+    def leave(self) -> None:
+        """Handed to its :class:`Leftover`: :meth:`close` leaves its connection alone from now on."""
+        self._left = True
+
+    def feed(self, data: bytes) -> bool:
+        """Body bytes arrived; whether the reader holds more than ``HIGH_WATER`` (pause the socket)."""
+        self._chunks.append(data)
+        self.buffered += len(data)
+        self._wake()
+        return self.buffered > HIGH_WATER
+
+    def finish(self) -> None:
+        """The body was received to its end."""
+        self._done = True
+        self._connection = None
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """The body will not end: its reader gets ``error`` once it has taken what arrived."""
+        if not self._done:
+            self._error = error
+            self._done = True
+        self._connection = None
+        self._wake()
+
+
+# What a connection's next bytes are: an answer's head, its body (by length, in chunks, until the close), or
+# nothing (idle: any byte is an error).
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _IDLE = range(8)
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to a backend: sends a request, parses its answer's head and body framing, and hands the body
+    to the :class:`Answer`. One request at a time; handed to ``keep`` after a complete answer (its upstream's idle
+    list) and to ``forget`` once closed; in ``unattended`` while it reads an answer for a :class:`Leftover`."""
+
+    def __init__(
+        self,
+        key: tuple[str, int, bool],
+        keep: Callable[[_Connection], None],
+        forget: Callable[[_Connection], None],
+        unattended: set[_Connection],
+    ) -> None:
+        self.key = key
+        self._keep = keep
+        self._forget = forget
+        self._unattended_set = unattended
+        self.idle_since = 0.0
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._state = _IDLE
+        self._remaining = 0  # body bytes left (Content-Length) or left in the current chunk
+        self._head: asyncio.Future[Answer] | None = None
+        self._answer: Answer | None = None
+        self._deadline: float | None = None
+        self._keep_alive = True
+        self._paused = False
+        self._leftover: Leftover | None = None  # the current request's, if its caller gave one
+        self._unattended: asyncio.TimerHandle | None = None  # set while reading an answer nobody waits for
+
+    # ---- used by Upstream and Answer ----
+
+    def send(
+        self, request: bytes, body: bytes, deadline: float | None, leftover: Leftover | None
+    ) -> asyncio.Future[Answer]:
+        """Writes a request (``request``: its head, ``body``); the future of its answer (set once the headers
+        arrived), whose body must arrive by ``deadline`` (the loop's time; None: no bound)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise UpstreamError("the connection closed before the request was sent")
+        self._head = asyncio.get_running_loop().create_future()
+        self._deadline, self._leftover = deadline, leftover
+        self._state, self._keep_alive = _HEAD, True
+        transport.writelines((request, body))
+        return self._head
+
+    def abandoned(self, answer: Answer | None) -> None:
+        """The caller was cancelled while waiting for ``answer`` (None: for its head). Without a
+        :class:`Leftover` the connection closes (unless the answer had ended); with one it reads on unattended."""
+        leftover = self._leftover if answer is None else answer.leftover
+        if answer is not None and answer.ended:  # ended before the caller could read it
+            body = answer.received()
+            if leftover is not None and body is not None:
+                asyncio.get_running_loop().call_soon(_hand_over, leftover, answer.status, body)
+            return
+        if self._transport is None or self._transport.is_closing():
+            return  # broken already: nothing more will come
+        if leftover is None:
+            if answer is not None:
+                answer.close()
+            else:
+                self.close()
+            return
+        if answer is not None:
+            answer.leave()
+        self._unattended = asyncio.get_running_loop().call_later(leftover.within_s, self._unattended_expired)
+        self._unattended_set.add(self)
+        self.resume()
+
+    def reusable(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing() and self._answer is None
+
+    def resume(self) -> None:
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # ---- asyncio.Protocol ----
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parse(data)
+        except UpstreamError as error:
+            self._broken(error)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._forget(self)
+        if self._state == _UNTIL_CLOSE and self._answer is not None:
+            self._complete()
+            return
+        reason = f": {exc}" if exc else ""
+        self._broken(UpstreamError(f"the backend closed the connection before the end of its answer{reason}"))
+
+    # ---- parsing ----
+
+    def _parse(self, data: bytes) -> None:
+        if not self._buffer:  # the common cases, nothing left over from the last read
+            if self._state == _LENGTH:  # body bytes
+                self._body(data)
+                return
+            if self._state == _CHUNK_SIZE:  # whole chunks (an SSE event each), without copies
+                data = self._whole_chunks(data)
+                if not data:
+                    return
+        self._buffer += data
+        while self._buffer and self._transport is not None:
+            state = self._state
+            if state == _HEAD:
+                if not self._parse_head():
+                    return
+            elif state in (_LENGTH, _CHUNK_DATA, _UNTIL_CLOSE):
+                data, self._buffer = bytes(self._buffer), bytearray()
+                self._body(data)
+            elif state == _CHUNK_SIZE:
+                if not self._parse_chunk_size():
+                    return
+            elif state == _CHUNK_END:
+                if len(self._buffer) < 2:
+                    return
+                if self._buffer[:2] != b"\r\n":
+                    raise UpstreamError("a chunk of the answer does not end with CRLF")
+                del self._buffer[:2]
+                self._state = _CHUNK_SIZE
+            elif state == _TRAILER:
+                if not self._parse_trailer():
+                    return
+            else:  # _IDLE: nothing was asked for these bytes
+                raise UpstreamError("the backend sent bytes it was not asked for")
+
+    def _parse_head(self) -> bool:
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buffer) > MAX_HEAD_BYTES:
+                raise UpstreamError(f"the answer's headers exceed {MAX_HEAD_BYTES} bytes")
+            return False
+        lines = self._buffer[:end].decode("latin-1").split("\r\n")
+        del self._buffer[: end + 4]
+        status_line = lines[0].split(" ", 2)
+        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
+            raise UpstreamError(f"the answer is not HTTP/1.x: {lines[0][:80]!r}")
+        status = int(status_line[1])
+        if 100 <= status < 200:
+            return True  # an interim answer (103 Early Hints): the real one follows
+        pairs = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon or not name or name[-1] in " \t":
+                raise UpstreamError(f"a header line of the answer is malformed: {line[:80]!r}")
+            pairs.append((name, value.strip(" \t")))
+        self._start_body(status, status_line[0], CIMultiDict(pairs))
+        return True
+
+    def _start_body(self, status: int, version: str, headers: CIMultiDict[str]) -> None:
+        connection = headers.get("Connection", "").lower()
+        self._keep_alive = version != "HTTP/1.0" and "close" not in connection
+        answer = Answer(self, status, headers, self._deadline, self._leftover, left=self._unattended is not None)
+        self._answer = answer
+        if self._head is not None and not self._head.done():
+            self._head.set_result(answer)
+        if status in _NO_BODY_STATUSES:
+            self._complete()
+        elif "chunked" in headers.get("Transfer-Encoding", "").lower():
+            self._state = _CHUNK_SIZE
+        elif "Content-Length" in headers:
+            length = headers["Content-Length"]
+            if not length.isdigit():
+                raise UpstreamError(f"the answer's Content-Length is not a number: {length[:40]!r}")
+            self._remaining = int(length)
+            self._state = _LENGTH
+            if self._remaining == 0:
+                self._complete()
+        else:
+            self._keep_alive = False
+            self._state = _UNTIL_CLOSE
+
+    def _body(self, data: bytes) -> None:
+        """Body bytes in ``_LENGTH``, ``_CHUNK_DATA`` or ``_UNTIL_CLOSE``; what follows the part goes to the buffer."""
+        answer = self._answer
+        assert answer is not None
+        if self._state != _UNTIL_CLOSE:
+            if len(data) > self._remaining:
+                self._buffer = bytearray(data[self._remaining :])
+                data = data[: self._remaining]
+            self._remaining -= len(data)
+        if data:
+            self._deliver(answer, data)
+        if self._remaining == 0 and self._state == _LENGTH:
+            self._complete()
+        elif self._remaining == 0 and self._state == _CHUNK_DATA:
+            self._state = _CHUNK_END
+
+    def _deliver(self, answer: Answer, data: bytes) -> None:
+        """Body bytes to ``answer``; the socket paused when its reader falls ``HIGH_WATER`` behind (an unattended
+        answer: an error past its Leftover's ``max_bytes``)."""
+        if answer.feed(data) and not self._paused and self._transport is not None:
+            if self._unattended is None:
+                self._paused = True
+                self._transport.pause_reading()
+            elif self._leftover is not None and answer.buffered > self._leftover.max_bytes:
+                raise UpstreamError(f"an unattended answer exceeds {self._leftover.max_bytes} bytes")
+
+    def _whole_chunks(self, data: bytes) -> bytes:
+        """Delivers the complete chunks at the start of ``data`` (size line, data, CRLF; not the last, empty one);
+        returns the rest, for the general parse."""
+        answer = self._answer
+        assert answer is not None
+        pos, line_end = 0, data.find(b"\r\n")
+        while 0 <= line_end - pos <= MAX_CHUNK_LINE_BYTES:
+            size = _chunk_size(data[pos:line_end])
+            start = line_end + 2
+            stop = start + size
+            if size == 0 or len(data) < stop + 2:
+                break
+            if data[stop : stop + 2] != b"\r\n":
+                raise UpstreamError("a chunk of the answer does not end with CRLF")
+            self._deliver(answer, data[start:stop])
+            pos = stop + 2
+            line_end = data.find(b"\r\n", pos)
+        return data[pos:] if pos else data
+
+    def _line_end(self, limit: int, what: str) -> int:
+        """Where the buffer's first line ends (-1: not there yet); :class:`UpstreamError` past ``limit`` bytes."""
+        end = self._buffer.find(b"\r\n")
+        if end < 0 and len(self._buffer) > limit:
+            raise UpstreamError(f"{what} of the answer is too long")
+        return end
+
+    def _parse_chunk_size(self) -> bool:
+        end = self._line_end(MAX_CHUNK_LINE_BYTES, "a chunk size line")
+        if end < 0:
+            return False
+        self._remaining = _chunk_size(bytes(self._buffer[:end]))
+        del self._buffer[: end + 2]
+        self._state = _CHUNK_DATA if self._remaining > 0 else _TRAILER
+        return True
+
+    def _parse_trailer(self) -> bool:
+        end = self._line_end(MAX_HEAD_BYTES, "the trailer")
+        if end < 0:
+            return False
+        del self._buffer[: end + 2]
+        if end == 0:  # the empty line ending the trailer
+            self._complete()
+        return True
+
+    def _complete(self) -> None:
+        """The answer was received to its end: the connection serves the next request, or closes."""
+        answer, self._answer = self._answer, None
+        self._state = _IDLE
+        self._head = None
+        if answer is not None:
+            answer.finish()
+            if self._unattended is not None:
+                body = answer.received()
+                self._end_unattended(None if body is None else answer.status, body)
+        if self._keep_alive and self._transport is not None and not self._buffer:
+            self.resume()
+            self._keep(self)
+        else:
+            self.close()
+
+    def _broken(self, error: UpstreamError) -> None:
+        """The connection cannot go on: its answer (or the wait for one) fails with ``error``; it closes."""
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
+        self._head = None
+        answer, self._answer = self._answer, None
+        if answer is not None:
+            answer.fail(error)
+        self._state = _IDLE
+        if self._unattended is not None:
+            self._end_unattended(None, None)
+        self.close()
+
+    def _unattended_expired(self) -> None:
+        """The answer read unattended did not end within its Leftover's time: give up on it."""
+        self._broken(UpstreamError("the unattended answer did not end in time"))
+
+    def _end_unattended(self, status: int | None, body: bytes | None) -> None:
+        timer, self._unattended = self._unattended, None
+        if timer is not None:
+            timer.cancel()
+        self._unattended_set.discard(self)
+        leftover, self._leftover = self._leftover, None
+        if leftover is not None:
+            _hand_over(leftover, status, body)
+
+
+_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size of a chunk from its size line (hex digits, then maybe ``;`` extensions); :class:`UpstreamError` for
+    anything else (a sign, an empty size, more than 15 digits)."""
+    size = line.split(b";", 1)[0].strip(b" \t")
+    if not size or len(size) > 15 or not _HEX_DIGITS.issuperset(size):
+        raise UpstreamError(f"a chunk size of the answer is not hexadecimal: {size[:20]!r}")
+    return int(size, 16)
+
+
+def _hand_over(leftover: Leftover, status: int | None, body: bytes | None) -> None:
+    """Calls ``leftover.done``; an error there is logged, never raised into the connection."""
+    try:
+        leftover.done(status, body)
+    except Exception:
+        logger.exception("handling an unattended answer failed")

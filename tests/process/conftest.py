@@ -1,0 +1,32 @@
+"""Shared engines for the connector lifecycle tests: prefill engines in one child process (spawned once per
+session: a spawn costs seconds here), decode engines in the test process; real NIXL agents on both sides."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from engine_specs import FINGERPRINT, decode_config, layouts, prefill_specs
+
+from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
+
+
+@pytest.fixture(scope="session")
+def prefills() -> Iterator[PrefillEngines]:
+    """The engines of :func:`engine_specs.prefill_specs`, in a child process."""
+    with PrefillEngines(prefill_specs()) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="session")
+def decode() -> Iterator[DecodeEngine]:
+    """A TP 1 decode engine, failure policy ``recompute``."""
+    with DecodeEngine("d-recompute", layouts(FINGERPRINT, 1), 512, decode_config(failure_policy="recompute")) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def decode_fail() -> Iterator[DecodeEngine]:
+    """A TP 1 decode engine, failure policy ``fail``."""
+    with DecodeEngine("d-fail", layouts(FINGERPRINT, 1), 256, decode_config(failure_policy="fail")) as engine:
+        yield engine

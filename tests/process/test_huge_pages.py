@@ -1,0 +1,92 @@
+"""Registered memory in huge pages: registration collapses in the background, reads from another process stay exact
+while the collapse runs, and an engine's memory is left alone by default (real NIXL, real kernel). The advice on
+memory alone: tests/unit/test_huge_page_advice.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+from agent_peer import large_pattern, serve_large
+from test_huge_page_advice import MIB, needs_thp, span_of
+
+from pd_transfer.connector.cache import zeroed_host_tensor
+from pd_transfer.settings import Settings
+from pd_transfer.transfer import TransferAgent
+from pd_transfer.transfer.huge_pages import (
+    resident_huge_page_bytes,
+    thp_mode,
+)
+
+
+@needs_thp
+def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> None:
+    """The peer registers 256 MiB written on small pages; its agent collapses them in the background while this
+    process reads all of it again and again; every read is checked word for word, then the peer's memory and
+    ours are in huge pages."""
+    words = 256 * MIB // 4
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    process = context.Process(target=serve_large, args=(child, words), daemon=True)
+    process.start()
+    agent = TransferAgent("huge-pages-reader")
+    try:
+        assert conn.poll(60), "the peer did not start in 60 s"
+        metadata, remote_base = conn.recv()
+        target = torch.zeros(words, dtype=torch.int32)
+        agent.register_spans([span_of(target)], huge_pages=True)
+        peer = agent.add_peer(metadata)
+        chunk = 4 * MIB
+        count = words * 4 // chunk
+        offsets = np.arange(count, dtype=np.uint64) * chunk
+        local = agent.prepare_local(np.stack([target.data_ptr() + offsets, np.full(count, chunk), 0 * offsets], 1))
+        remote = agent.prepare_remote(peer, np.stack([remote_base + offsets, np.full(count, chunk), 0 * offsets], 1))
+        rows = np.arange(count, dtype=np.int32)
+        expected = large_pattern(words)
+        conn.send("collapse")  # answered once the peer's collapse ended
+        reads = 0
+        while not conn.poll(0) or reads < 3:
+            target.zero_()
+            agent.read(local, rows, remote, rows, timeout_s=30.0)
+            assert torch.equal(target, expected), f"read {reads} differs"
+            reads += 1
+            assert reads < 2000, "the peer's collapse did not end"
+        ended, results, peer_huge = conn.recv()
+        assert ended
+        if results and "EINVAL" in results[0].reason:
+            pytest.skip(f"this kernel has no MADV_COLLAPSE ({results[0].reason})")
+        assert peer_huge >= 240 * MIB, (results, peer_huge)
+        assert agent.huge_pages.wait(60.0)
+        assert resident_huge_page_bytes([span_of(target)]) >= 240 * MIB
+        local.release()
+        remote.release()
+    finally:
+        conn.send("stop")
+        process.join(30)
+        agent.close()
+
+
+def test_an_agent_with_the_switch_off_advises_and_collapses_nothing() -> None:
+    off = Settings.from_environ({"PD_TRANSFER_HUGE_PAGES": "0"})
+    tensor = zeroed_host_tensor((32 * MIB,), torch.uint8, huge_pages=off.own_huge_pages)
+    agent = TransferAgent("huge-pages-off", settings=off)
+    try:
+        agent.register_spans([span_of(tensor)])  # nothing advised, nothing collapsed
+        assert agent.huge_pages.wait(10.0) and agent.huge_pages.results == []
+    finally:
+        agent.close()
+
+
+@needs_thp
+def test_engine_memory_is_left_alone_by_default() -> None:
+    """Memory pd-transfer did not allocate (an engine's) is registered as it is unless the mode is "all"."""
+    memory = large_pattern(32 * MIB // 4)
+    agent = TransferAgent("huge-pages-default")
+    try:
+        agent.register_spans([span_of(memory)])
+        assert agent.huge_pages.wait(10.0) and agent.huge_pages.results == []
+        assert resident_huge_page_bytes([span_of(memory)]) == 0 or thp_mode() == "always"
+    finally:
+        agent.close()

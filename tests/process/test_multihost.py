@@ -1,0 +1,420 @@
+"""The P/D path across hosts: the proxy on this host, KV-moving stand-in prefill and decode servers
+(``pd_transfer.sim.kv_standin``: real KV caches, real NIXL reads, real ZMQ side channel) in two network
+namespaces, each with its own address on a bridge, as separate machines on one network would be.
+
+UCX is forced onto TCP over each namespace's veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``): the namespaces
+share the PID namespace, so CMA would otherwise read the prefill's memory straight across, and the test checks the
+veth byte counters to prove the KV crossed the wire. Skipped where network namespaces cannot be created (not root,
+no ``ip``, no permission). A loopback variant (no namespaces) runs anywhere.
+
+Every wait is bounded; processes are killed and namespaces, veths and the bridge deleted in ``finally`` blocks (the
+children also die with the test process: ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
+
+from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
+from pd_transfer.sim.child import die_with_parent, stop_process  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+START_TIMEOUT_S = 120.0  # a stand-in imports torch and NIXL and creates an agent: 5-20 s on 2 busy cores
+REQUEST_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+BLOCK_BYTES = 4 * 2 * 4 * 16 * 64 * 2  # kv_standin's default model: layers x K,V x heads x tokens x dim x bf16
+BLOCK_SIZE = 16
+HTTP_PORT = {"prefill": 8100, "decode": 8200}  # inside the namespaces: each has its own ports
+SIDE_CHANNEL_PORT = 5600
+HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight to the servers, whatever *_proxy says
+HOST_NUMBER = {"host": 1, "p": 2, "d": 3}  # last octet of each address on the bridge's /24
+
+
+def words(count: int, tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(count))
+
+
+def kv_bytes(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE) * BLOCK_BYTES
+
+
+# ---- processes ----
+
+
+@dataclass
+class Server:
+    role: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+
+    def fail(self, message: str) -> None:
+        pytest.fail(f"{self.role} stand-in: {message}\n--- its log ---\n{self.log.read_text(errors='replace')[-4000:]}")
+
+
+def start_standin(role: str, log: Path, env: dict[str, str], args: list[str], netns: str | None = None) -> Server:
+    command = [sys.executable, "-m", "pd_transfer.sim.kv_standin", "--role", role, "--engine-id", f"{role}-0", *args]
+    if netns is not None:
+        command = ["ip", "netns", "exec", netns, *command]
+    with log.open("wb") as err:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=err, env=env, preexec_fn=die_with_parent, cwd=Path.cwd()
+        )
+    return Server(role, process, log)
+
+
+def wait_ready(server: Server, deadline: float) -> None:
+    """Read the ``kv-standin ROLE URL`` line, then poll ``GET /health`` until 200, both before ``deadline``."""
+    assert server.process.stdout is not None
+    line = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(server.process.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                server.fail(f"no ready line within {START_TIMEOUT_S:.0f} s")
+            if selector.select(timeout=min(remaining, 1.0)):
+                chunk = os.read(server.process.stdout.fileno(), 4096)
+                if not chunk:
+                    server.fail(f"exited with {server.process.wait(timeout=STOP_TIMEOUT_S)} before it was ready")
+                line += chunk
+    kind, role, url = line.decode().split()
+    assert (kind, role) == ("kv-standin", server.role), line
+    server.url = url
+    while True:
+        try:
+            with HTTP.open(url + "/health", timeout=2.0) as answer:
+                if answer.status == 200:
+                    return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                server.fail(f"GET /health failed until the deadline: {error}")
+        if time.monotonic() >= deadline:
+            server.fail("not healthy before the deadline")
+        time.sleep(0.05)  # polling pace
+
+
+@contextlib.contextmanager
+def standins(
+    tmp_path: Path, specs: dict[str, tuple[dict[str, str], list[str], str | None]]
+) -> Iterator[dict[str, Server]]:
+    """Starts every ``key: (env, args, netns)`` at once, waits until all serve, stops them all on the way out. A key is
+    the server's role, or ``role-name`` for more than one of a role (its log is ``key.log``)."""
+    servers: dict[str, Server] = {}
+    try:
+        for key, (env, args, netns) in specs.items():
+            servers[key] = start_standin(key.split("-")[0], tmp_path / f"{key}.log", env, args, netns)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in servers.values():
+            wait_ready(server, deadline)
+        yield servers
+    finally:
+        for server in servers.values():
+            stop_process(server.process, STOP_TIMEOUT_S)
+
+
+def get_json(url: str) -> Any:
+    with HTTP.open(url, timeout=5.0) as answer:
+        return json.load(answer)
+
+
+def wait_released(prefill: Server, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The prefill's KV state once it holds no blocks: every decode read was reported (the lease ledger is empty)
+    and the engine took the blocks back (``finished_sending``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = get_json(prefill.url + "/control/kv")
+        if state["blocks_held"] == state["requests_held"] == 0 or time.monotonic() >= deadline:
+            return state
+        time.sleep(0.02)  # polling pace
+
+
+# ---- requests through the proxy ----
+
+
+@dataclass
+class Result:
+    kind: str
+    prompt_tokens: int
+    report: dict[str, Any]
+    text: str
+
+
+def report_of(text: str) -> dict[str, Any]:
+    """The decode stand-in's transfer report: the completion's first word, as JSON."""
+    return json.loads(text.split(" ", 2)[1])
+
+
+async def through_proxy(prefill_url: str, decode_url: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Result]:
+    """Starts a proxy on 127.0.0.1 in front of the stand-ins and sends ``requests`` (kind, body) one by one."""
+    proxy = Proxy(
+        ProxyConfig(
+            prefill=[prefill_url],
+            decode=[decode_url],
+            health_interval_s=30.0,
+            health_timeout_s=2.0,
+            connect_timeout_s=5.0,
+            request_timeout_s=REQUEST_TIMEOUT_S,
+        )
+    )
+    await proxy.start()
+    results = []
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as client:
+            for kind, body in requests:
+                chat = "messages" in body
+                path = "/v1/chat/completions" if chat else "/v1/completions"
+                async with client.post(proxy.url + path, json=body) as answer:
+                    raw = await answer.read()
+                    assert answer.status == 200, (kind, answer.status, raw[:2000])
+                if body.get("stream"):
+                    events = [e[len(b"data: ") :] for e in raw.split(b"\n\n") if e]
+                    assert events[-1] == b"[DONE]", events[-3:]
+                    chunks = [json.loads(e) for e in events[:-1]]
+                    key = "delta" if chat else None
+                    parts = [c["choices"][0][key]["content"] if key else c["choices"][0]["text"] for c in chunks]
+                    text = "".join(parts)
+                    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+                else:
+                    answer_body = json.loads(raw)
+                    choice = answer_body["choices"][0]
+                    text = choice["message"]["content"] if chat else choice["text"]
+                    assert answer_body["kv_transfer"] == report_of(text)
+                prompt = body["messages"][0]["content"] if chat else body["prompt"]
+                # the decode's words: the report, then the prompt's words (max_tokens in all)
+                assert text.split()[1:] == prompt.split()[: body["max_tokens"] - 1], text[-200:]
+                results.append(Result(kind, len(prompt.split()), report_of(text), text))
+    finally:
+        await proxy.close()
+    return results
+
+
+def request_mix(tag: str) -> list[tuple[str, dict[str, Any]]]:
+    """A cold and a warm non-streamed completion (8 MiB of KV each), a streamed one, a streamed chat."""
+    return [
+        ("completion, first (handshake)", {"model": "m", "prompt": words(2048, tag + "a"), "max_tokens": 4}),
+        ("completion", {"model": "m", "prompt": words(2048, tag + "b"), "max_tokens": 4}),
+        ("streamed completion", {"model": "m", "prompt": words(1000, tag + "c"), "max_tokens": 5, "stream": True}),
+        (
+            "streamed chat",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": words(333, tag + "d")}],
+                "max_tokens": 3,
+                "stream": True,
+            },
+        ),
+    ]
+
+
+def check_results(results: list[Result], remote: str | None) -> None:
+    for result in results:
+        report = result.report
+        assert report["verified"] is True, result
+        assert report["tokens"] == result.prompt_tokens
+        assert report["bytes"] == kv_bytes(result.prompt_tokens) > 0, result
+        if remote is not None:
+            assert report["remote"] == remote, report
+
+
+def summary(results: list[Result]) -> str:
+    lines = []
+    for r in results:
+        mib_s = r.report["bytes"] / 2**20 / (r.report["read_ms"] / 1e3)
+        lines.append(
+            f"  {r.kind}: {r.report['bytes'] / 2**20:.2f} MiB, {r.report['ms']:.1f} ms (pull {r.report['pull_ms']:.1f},"
+            f" reads {r.report['read_ms']:.1f} ms = {mib_s:.0f} MiB/s)"
+        )
+    return "\n".join(lines)
+
+
+# ---- loopback ----
+
+
+def test_kv_standins_through_the_proxy_on_loopback(tmp_path: Path) -> None:
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    env.pop("UCX_TLS", None)
+    args = ["--host", "127.0.0.1", "--port", "0", "--side-channel-host", "127.0.0.1", "--side-channel-port", "0"]
+    with standins(tmp_path, {"prefill": (env, args, None), "decode": (env, args, None)}) as servers:
+        prefill, decode = servers["prefill"], servers["decode"]
+        results = asyncio.run(through_proxy(prefill.url, decode.url, request_mix("L")))
+        check_results(results, remote=None)
+        assert wait_released(prefill)["requests_held"] == 0
+
+        # the check can fail: a decode given the prefill's params for another prompt of the same length refuses it
+        prompt = words(100, "x")
+        body = {"model": "m", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        request = urllib.request.Request(
+            prefill.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with HTTP.open(request, timeout=REQUEST_TIMEOUT_S) as answer:
+            params = json.load(answer)["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_block_size"] == BLOCK_SIZE
+        body = {"model": "m", "prompt": words(100, "y"), "max_tokens": 2, "kv_transfer_params": params}
+        request = urllib.request.Request(
+            decode.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            HTTP.open(request, timeout=REQUEST_TIMEOUT_S)
+        assert refused.value.code == 500
+        assert "verification failed" in refused.value.read().decode()
+        assert wait_released(prefill)["requests_held"] == 0  # read, then released, even though it was the wrong KV
+    print("\nloopback (UCX default transports, CMA):\n" + summary(results))
+
+
+# ---- two network namespaces ----
+
+
+@dataclass
+class Network:
+    """Namespaces ``p`` and ``d`` with one veth each into a bridge on this host that also has an address."""
+
+    suffix: str
+    subnet: str  # "10.231.N"
+    made: list[tuple[str, str]]  # ("netns" | "link", name), in creation order
+
+    @property
+    def bridge(self) -> str:
+        return f"pdtbr-{self.suffix}"
+
+    def ns(self, side: str) -> str:
+        return f"pdt-{side}-{self.suffix}"
+
+    def veth(self, side: str) -> str:
+        """The interface inside namespace ``side``."""
+        return f"pdt{side}-{self.suffix}"
+
+    def host_end(self, side: str) -> str:
+        return f"pdth{side}-{self.suffix}"
+
+    def address(self, side: str) -> str:
+        return f"{self.subnet}.{HOST_NUMBER[side]}"
+
+    def counters(self, side: str) -> dict[str, int]:
+        """rx/tx bytes of namespace ``side``'s veth (/sys/class/net as that namespace sees it)."""
+        path = f"/sys/class/net/{self.veth(side)}/statistics"
+        out = run(["ip", "netns", "exec", self.ns(side), "cat", f"{path}/rx_bytes", f"{path}/tx_bytes"]).split()
+        return {"rx": int(out[0]), "tx": int(out[1])}
+
+
+def run(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: exit {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def delete_network(net: Network) -> list[str]:
+    """Deletes what was made, newest first (a veth's host end takes its peer along); returns what failed."""
+    problems = []
+    for kind, name in reversed(net.made):
+        command = ["ip", "netns", "delete", name] if kind == "netns" else ["ip", "link", "delete", name]
+        try:
+            run(command)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            problems.append(str(error))
+    return problems
+
+
+def free_subnet() -> str:
+    used = run(["ip", "-4", "-o", "addr", "show"])
+    for _ in range(50):
+        subnet = f"10.231.{secrets.randbelow(200) + 50}"
+        if f" {subnet}." not in used:
+            return subnet
+    raise RuntimeError("no free 10.231.N.0/24 subnet")
+
+
+def create_network() -> Network:
+    """Builds the namespaces, veths and bridge; on any failure deletes what was made and raises RuntimeError."""
+    net = Network(secrets.token_hex(3), free_subnet(), [])
+    try:
+        for side in ("p", "d"):
+            run(["ip", "netns", "add", net.ns(side)])
+            net.made.append(("netns", net.ns(side)))
+        run(["ip", "link", "add", net.bridge, "type", "bridge"])
+        net.made.append(("link", net.bridge))
+        run(["ip", "addr", "add", f"{net.address('host')}/24", "dev", net.bridge])
+        run(["ip", "link", "set", net.bridge, "up"])
+        for side in ("p", "d"):
+            run(["ip", "link", "add", net.host_end(side), "type", "veth", "peer", "name", net.veth(side)])
+            net.made.append(("link", net.host_end(side)))
+            run(["ip", "link", "set", net.veth(side), "netns", net.ns(side)])
+            run(["ip", "link", "set", net.host_end(side), "master", net.bridge, "up"])
+            run(["ip", "-n", net.ns(side), "addr", "add", f"{net.address(side)}/24", "dev", net.veth(side)])
+            run(["ip", "-n", net.ns(side), "link", "set", net.veth(side), "up"])
+            run(["ip", "-n", net.ns(side), "link", "set", "lo", "up"])
+    except (RuntimeError, subprocess.TimeoutExpired):
+        delete_network(net)
+        raise
+    return net
+
+
+@pytest.fixture
+def network() -> Iterator[Network]:
+    if shutil.which("ip") is None:
+        pytest.skip("network namespaces: the 'ip' command (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces: creating them needs root")
+    try:
+        net = create_network()
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        pytest.skip(f"network namespaces cannot be created here: {error}")
+    try:
+        yield net
+    finally:
+        problems = delete_network(net)
+        left = [name for name in run(["ip", "netns", "list"]).split() if name.endswith(net.suffix)]
+        assert not problems and not left, (problems, left)
+
+
+def test_kv_moves_between_network_namespaces_through_the_proxy(network: Network, tmp_path: Path) -> None:
+    specs: dict[str, tuple[dict[str, str], list[str], str | None]] = {}
+    for role, side in (("prefill", "p"), ("decode", "d")):
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": network.veth(side)}
+        address = network.address(side)
+        args = ["--host", address, "--port", str(HTTP_PORT[role])]
+        args += ["--side-channel-host", address, "--side-channel-port", str(SIDE_CHANNEL_PORT)]
+        specs[role] = (env, args, network.ns(side))
+    with standins(tmp_path, specs) as servers:
+        prefill, decode = servers["prefill"], servers["decode"]
+        assert prefill.url == f"http://{network.address('p')}:{HTTP_PORT['prefill']}"
+        before = {side: network.counters(side) for side in ("p", "d")}
+        results = asyncio.run(through_proxy(prefill.url, decode.url, request_mix("N")))
+        after = {side: network.counters(side) for side in ("p", "d")}
+        check_results(results, remote=f"{network.address('p')}:{SIDE_CHANNEL_PORT}")
+        state = wait_released(prefill)
+        assert state["requests_held"] == 0 and state["released"] == len(results), state
+
+    moved = sum(r.report["bytes"] for r in results)
+    into_decode = after["d"]["rx"] - before["d"]["rx"]
+    out_of_prefill = after["p"]["tx"] - before["p"]["tx"]
+    # the decode's veth saw the KV arrive, the prefill's saw it leave (plus HTTP, ZMQ and TCP overhead)
+    assert into_decode >= moved, (into_decode, moved)
+    assert out_of_prefill >= moved, (out_of_prefill, moved)
+    print(
+        f"\nacross namespaces ({network.address('p')} -> {network.address('d')}, UCX tcp over veth):\n"
+        + summary(results)
+        + f"\n  KV moved {moved} B; veth bytes into the decode {into_decode} B, out of the prefill {out_of_prefill} B"
+        f" ({into_decode / moved:.3f} x the KV)"
+    )

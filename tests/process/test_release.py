@@ -1,0 +1,249 @@
+"""Finding 6 of issue 11: blocks a prefill holds for a decode that will never read them are released by the proxy.
+
+Real processes: a KV-moving stand-in prefill and decode (``pd_transfer.sim.kv_standin``: real KV cache, real NIXL
+reads, real ZMQ side channel with a shared secret, real leases), the real proxy in this process in front of them,
+and for one case a decode that takes the request and never answers (an aiohttp server in this process). Each case
+reads the prefill's held blocks (``GET /control/kv``: its lease ledger, which ``pd_transfer_prefill_blocks_held``
+mirrors) with a bounded poll. Before the release path, every one of these blocks stayed held for the whole lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
+
+from aiohttp import web  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from test_multihost import HTTP, Server, get_json, standins  # noqa: E402
+
+from pd_transfer.handshake.errors import AuthenticationError  # noqa: E402
+from pd_transfer.handshake.release import Releaser  # noqa: E402
+from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+SECRET = "release-test-secret"
+LEASE_S = 9.0  # the hold window the prefill promises decodes is a third of it: 3 s
+FREED_WITHIN_S = 1.0
+SECRET_ENV = "PD_TEST_RELEASE_SECRET"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    env.pop("UCX_TLS", None)
+    args = ["--side-channel-host", "127.0.0.1", "--secret", SECRET, "--lease-seconds", str(LEASE_S)]
+    with standins(tmp_path_factory.mktemp("release"), {"prefill": (env, args, None), "decode": (env, args, None)}) as s:
+        yield s
+
+
+def kv_state(prefill: Server) -> dict[str, Any]:
+    return get_json(prefill.url + "/control/kv")
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until ``predicate`` held (polled every 20 ms); fails after ``timeout_s``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"not within {timeout_s} s")
+        time.sleep(0.02)  # polling pace
+    return time.monotonic() - started
+
+
+def proxy_config(decode_url: str, prefill: Server, secret: str | None = SECRET) -> ProxyConfig:
+    return ProxyConfig(prefill=[prefill.url], decode=[decode_url], health_interval_s=30.0, handshake_secret=secret)
+
+
+def releases(proxy: Proxy) -> dict[str, float]:
+    """``pd_proxy_releases_total`` by outcome, scraped."""
+    text = proxy.metrics.render().decode()
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pd_proxy_releases_total"
+    }
+
+
+def released(proxy: Proxy, outcome: str) -> float:
+    return releases(proxy).get(outcome, 0.0)
+
+
+def body(tag: str) -> dict[str, Any]:
+    return {"model": "m", "prompt": " ".join(f"{tag}{i}" for i in range(200)), "max_tokens": 2}
+
+
+def control(server: Server, path: str, payload: dict[str, Any]) -> None:
+    request = urllib.request.Request(
+        server.url + path, json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    with HTTP.open(request, timeout=5.0) as answer:
+        assert answer.status == 200
+
+
+def test_a_decode_refusing_the_request_frees_the_prefill_blocks_at_once(pair: dict[str, Server]) -> None:
+    """A decode that answers 503 at once (overloaded) never read: the prefill frees the blocks now."""
+    prefill = pair["prefill"]
+    before = kv_state(prefill)
+
+    async def scenario() -> float:
+        runner, url, _arrived = await fake_decode(stall=False)
+        try:
+            async with Proxy(proxy_config(url, prefill)) as proxy:
+                await proxy.start()
+                async with aiohttp.ClientSession() as client:
+                    async with client.post(proxy.url + "/v1/completions", json=body("e")) as answer:
+                        assert answer.status == 502, await answer.text()
+                answered = time.monotonic()
+                assert kv_state(prefill)["requests"] == before["requests"] + 1  # it computed the prompt, held it
+                await asyncio.to_thread(wait_for, lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
+                freed = time.monotonic() - answered
+                await asyncio.to_thread(wait_for, lambda: sum(releases(proxy).values()) == 1, FREED_WITHIN_S)
+                assert {outcome: n for outcome, n in releases(proxy).items() if n} == {"releasing": 1}
+                return freed
+        finally:
+            await runner.cleanup()
+
+    seconds = asyncio.run(scenario())
+    print(f"\nfreed {seconds * 1e3:.0f} ms after the 502 (lease {LEASE_S:g} s)")
+
+
+def test_no_reachable_decode_frees_the_prefill_blocks_at_once(pair: dict[str, Server]) -> None:
+    prefill = pair["prefill"]
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the decode hop is never sent
+
+    async def scenario() -> None:
+        async with Proxy(proxy_config(dead, prefill)) as proxy:
+            await proxy.start()
+            async with aiohttp.ClientSession() as client:
+                async with client.post(proxy.url + "/v1/completions", json=body("n")) as answer:
+                    assert answer.status in (502, 503), await answer.text()
+            await asyncio.to_thread(wait_for, lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
+            assert released(proxy, "releasing") == 1
+
+    asyncio.run(scenario())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def fake_decode(stall: bool) -> tuple[web.AppRunner, str, asyncio.Event]:
+    """A healthy decode that answers every request 503 at once (``stall`` False), or takes requests and never
+    answers them (a queue that never moves); the event is set when a request arrived."""
+    arrived = asyncio.Event()
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def never(request: web.Request) -> web.Response:
+        await request.read()
+        arrived.set()
+        if not stall:
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", never)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}", arrived
+
+
+def test_a_client_leaving_while_the_decode_hop_runs_frees_the_blocks_after_the_hold_window(
+    pair: dict[str, Server],
+) -> None:
+    """The decode got the params and might be reading, so the prefill keeps the blocks to the end of the hold window
+    it promised (a third of the lease) and no longer: before the release path, to the end of the lease."""
+    prefill = pair["prefill"]
+
+    async def scenario() -> float:
+        runner, url, arrived = await fake_decode(stall=True)
+        try:
+            async with Proxy(proxy_config(url, prefill)) as proxy:
+                await proxy.start()
+                async with aiohttp.ClientSession() as client:
+                    request = asyncio.create_task(client.post(proxy.url + "/v1/completions", json=body("s")))
+                    await asyncio.wait_for(arrived.wait(), 30.0)
+                    assert kv_state(prefill)["blocks_held"] > 0
+                    left = time.monotonic()
+                    request.cancel()  # the client leaves: its connection closes
+                    await asyncio.gather(request, return_exceptions=True)
+                await asyncio.to_thread(wait_for, lambda: released(proxy, "releasing") == 1, FREED_WITHIN_S)
+                await asyncio.to_thread(wait_for, lambda: kv_state(prefill)["blocks_held"] == 0, LEASE_S / 3 + 1.0)
+                return time.monotonic() - left
+        finally:
+            await runner.cleanup()
+
+    seconds = asyncio.run(scenario())
+    assert seconds < LEASE_S - 1.0
+    print(f"\nfreed {seconds:.2f} s after the client left (hold window {LEASE_S / 3:g} s, lease {LEASE_S:g} s)")
+
+
+def prefill_directly(prefill: Server, tag: str) -> dict[str, Any]:
+    """A prefill-only request straight to the prefill: its blocks are held under a lease; its params."""
+    payload = {**body(tag), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    request = urllib.request.Request(
+        prefill.url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    with HTTP.open(request, timeout=30.0) as answer:
+        params: dict[str, Any] = json.load(answer)["kv_transfer_params"]
+    return params
+
+
+def test_only_the_secret_releases_and_releasing_is_idempotent(pair: dict[str, Server]) -> None:
+    prefill = pair["prefill"]
+    params = prefill_directly(prefill, "i")
+    where = (params["remote_host"], params["remote_port"], params["remote_engine_id"], params["remote_request_id"])
+    assert kv_state(prefill)["blocks_held"] > 0
+    for secret in (None, "not-the-secret"):
+        releaser = Releaser(secret, timeout_s=2.0)
+        try:
+            with pytest.raises(AuthenticationError):
+                releaser.release(*where, read_possible=False)
+        finally:
+            releaser.close()
+    assert kv_state(prefill)["blocks_held"] > 0  # refused: still held
+    releaser = Releaser(SECRET, timeout_s=2.0)
+    try:
+        assert releaser.release(*where, read_possible=False) == "releasing"
+        wait_for(lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
+        assert releaser.release(*where, read_possible=False) == "not_held"
+    finally:
+        releaser.close()
+
+
+def test_a_lease_a_decode_read_ends_as_read_and_a_release_after_it_changes_nothing(pair: dict[str, Server]) -> None:
+    prefill, decode = pair["prefill"], pair["decode"]
+    params = prefill_directly(prefill, "r")
+    payload = {**body("r"), "kv_transfer_params": params}
+    request = urllib.request.Request(
+        decode.url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    with HTTP.open(request, timeout=30.0) as answer:
+        assert json.load(answer)["kv_transfer"]["verified"] is True
+    wait_for(lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
+    releaser = Releaser(SECRET, timeout_s=2.0)
+    try:
+        where = (params["remote_host"], params["remote_port"], params["remote_engine_id"])
+        assert releaser.release(*where, params["remote_request_id"], read_possible=False) == "not_held"
+    finally:
+        releaser.close()

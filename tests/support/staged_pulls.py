@@ -1,0 +1,166 @@
+"""Test helpers: staged reads (connector/staged_reads.py) of encoded caches with reads done by ``memmove`` over the
+descriptor rows, on the CPU or with the planes and the staging area on another device, and the fix-up kernels'
+specs and random blocks.
+
+Used by tests/unit/test_staged_reads.py and tests/unit/test_device_kernels.py (CPU) and their CUDA twins in
+tests/gpu/test_gpu_staged_reads.py. Caches are ``topology_sim``'s, so every received element is checked against
+what the prefill held, and every byte outside the request against its sentinel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from topology_sim import LOCAL_SENTINEL, REMOTE_SENTINEL, RankCache, build_cache, fill_request
+
+from pd_transfer.connector.remote_engines import SourceRank
+from pd_transfer.connector.staged_reads import LaneTotals, StagedChunks, StagedLaneWork
+from pd_transfer.connector.staging import StagingArea
+from pd_transfer.spec import HOST, KVCacheLayout, MemoryPlace, ModelFingerprint, planes_of
+from pd_transfer.topology import PeerPlan, Restage, StagedSource
+from pd_transfer.transfer.agent import DescriptorList, ReadStats
+from pd_transfer.transfer.lanes import LaneRead
+
+MODEL = ModelFingerprint(model="staged-llama", dtype="float32", num_layers=2, total_num_kv_heads=4, head_size=8)
+
+#: Fix-up specs of the kernels' tests: a regroup, a TP 2 -> 1 permute, and both with a layout change.
+SPECS = {
+    "block_16_to_64": Restage("HND", "HND", 8, 64, 16, 128, (StagedSource(0, 8),)),
+    "tp_2_to_1_nhd_to_hnd": Restage("NHD", "HND", 4, 16, 16, 64, (StagedSource(0, 2), StagedSource(2, 2))),
+    "block_8_to_32_hnd_to_nhd": Restage("HND", "NHD", 2, 32, 8, 32, (StagedSource(0, 2),)),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A staged pull's two sides: the prefill's TP, block size and layout, the decode's (TP 1) block and layout."""
+
+    remote_tp: int
+    remote_block: int
+    remote_layout: str
+    local_block: int
+    local_layout: str
+
+
+CASES = {
+    "block_16_to_64": Case(1, 16, "HND", 64, "HND"),
+    "tp_2_to_1_nhd_to_hnd": Case(2, 16, "NHD", 16, "HND"),
+    "tp_2_to_1_block_8_to_32": Case(2, 8, "HND", 32, "NHD"),
+}
+
+
+class Registrations:
+    """What a staging area needs of an agent here: registering is nothing without NIXL but the memory's place,
+    recorded in :attr:`places`."""
+
+    def __init__(self) -> None:
+        self.places: list[MemoryPlace] = []
+
+    def register_spans(self, spans: list[tuple[int, int]], *, place: MemoryPlace = HOST) -> None:
+        assert spans and all(end > start for start, end in spans)
+        self.places.append(place)
+
+    def release_dlist(self, dlist: DescriptorList) -> None:
+        dlist.released = True
+
+
+def random_blocks(count: int, spec: Restage, seed: int) -> torch.Tensor:
+    """``count`` blocks of ``spec``'s elements (int16), drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**15), 2**15, (count, spec.block_elements), dtype=torch.int16, generator=generator)
+
+
+def memmove_read(
+    local: DescriptorList, local_rows: np.ndarray, remote: DescriptorList, remote_rows: np.ndarray, timeout_s: float
+) -> ReadStats:
+    """A READ as NIXL makes it on one host: each remote row's bytes into the local row of the same index."""
+    assert timeout_s > 0 and len(local_rows) == len(remote_rows)
+    for mine, theirs in zip(local_rows.tolist(), remote_rows.tolist(), strict=True):
+        length = int(local.rows[mine, 1])
+        assert length == int(remote.rows[theirs, 1])
+        ctypes.memmove(int(local.rows[mine, 0]), int(remote.rows[theirs, 0]), length)
+    return ReadStats(
+        bytes=int(local.row_lengths[local_rows].sum()), descriptors=len(local_rows), post_seconds=0.0, seconds=0.0
+    )
+
+
+@dataclass
+class Pull:
+    """One request, planned and staged: what a lane needs, and the caches to check (``local`` on the host; with
+    another ``device``, the planes the lanes write are copies there: :meth:`received` brings them back)."""
+
+    local: RankCache
+    local_ids: list[int]
+    tokens: int
+    chunks: StagedChunks
+    work: StagedLaneWork
+    planes: list[torch.Tensor]  # what the lanes write: ``local``'s planes, or their copies on another device
+
+    def received(self) -> None:
+        """Copy the planes the lanes wrote back into ``local`` (nothing to do on the CPU)."""
+        for mine, written in zip(self.local.planes(), self.planes, strict=True):
+            if written.data_ptr() != mine.data_ptr():
+                mine.copy_(written.cpu())
+
+
+def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5, device: str = "cpu") -> Pull:
+    """The request of ``tokens`` tokens, its slot groups ``group_blocks`` plane blocks each, read into planes on
+    ``device``."""
+    rng = np.random.default_rng(seed)
+    remote_blocks, local_blocks = 24, 12
+    remote_ids = rng.permutation(remote_blocks)[: -(-tokens // case.remote_block)].tolist()
+    local_ids = rng.permutation(local_blocks)[: -(-tokens // case.local_block)].tolist()
+    remotes = {}
+    for rank in range(case.remote_tp):
+        layout = KVCacheLayout(MODEL, case.remote_tp, rank, case.remote_block, case.remote_layout)  # type: ignore[arg-type]
+        remotes[rank] = build_cache(layout, remote_blocks, False, 0, REMOTE_SENTINEL[4])
+        fill_request(remotes[rank], remote_ids, tokens)
+    layout = KVCacheLayout(MODEL, 1, 0, case.local_block, case.local_layout)  # type: ignore[arg-type]
+    local = build_cache(layout, local_blocks, False, 0, LOCAL_SENTINEL[4])
+    plan = PeerPlan.build(
+        layout,
+        local.regions,
+        {r: c.layout for r, c in remotes.items()},
+        {r: c.regions for r, c in remotes.items()},
+        strategy="staged",
+    )
+    assert plan.postprocess is not None and len(plan.sources) == case.remote_tp
+    planes = [plane if device == "cpu" else plane.to(device) for plane in local.planes()]
+    block_bytes = local.regions[0].plane_block_len
+    staging = StagingArea(
+        Registrations(),  # type: ignore[arg-type]
+        block_bytes,
+        group_blocks * block_bytes,
+        planes[0].dtype,
+        device=device,
+    )
+    first_plane = planes_of(local.regions)[0].base_address
+    owner = Registrations()
+    sources = [
+        SourceRank(
+            source.remote_rank,
+            f"prefill-{source.remote_rank}",
+            DescriptorList(owner, None, "", source.local_grid),
+            DescriptorList(owner, None, f"prefill-{source.remote_rank}", source.remote_grid),
+            1,
+            DescriptorList(owner, None, "", staging.source_rows(source, first_plane)),
+        )
+        for source in plan.sources
+    ]
+    rows = [source.indices(remote_ids, local_ids, tokens) for source in plan.sources]
+    chunks = StagedChunks.plan(plan, rows, staging.slots, local_blocks, staging.fences)
+    deadline = time.perf_counter() + 60
+    work = StagedLaneWork(chunks, sources, staging, staging.scatter_for(plan.postprocess.restage, planes), deadline)
+    return Pull(local, local_ids, tokens, chunks, work, planes)
+
+
+def run_lanes(work: StagedLaneWork, lanes: int, read: LaneRead = memmove_read) -> list[LaneTotals]:
+    """Every lane on a thread of its own, as the read lanes run them; the first failure is raised."""
+    with ThreadPoolExecutor(max_workers=lanes) as pool:
+        futures = [pool.submit(work.run, lane, read) for lane in range(lanes)]
+        return [future.result(timeout=60) for future in futures]

@@ -1,0 +1,153 @@
+"""A request's life through the connector with prefill and decode engines in this process and fake agents
+(tests/unit/conftest.py): the connector's own logic (plans across TP and block sizes, read indices, leases, the hold
+window, confirmations, releases, push) end to end, each case in about a second.
+
+The scenarios of tests/process/test_connector_lifecycle.py and test_hold_window.py run here as they are, against
+this folder's fixtures (``prefills``, ``decode``, ``decode_fail``: the same engines, in this process); those modules
+run them again over real NIXL with the prefill engines in a child process. Added here: a TP 2 decode, decodes of
+larger blocks, push, and a prefill agent that is gone. Every received request is checked element by element against
+the prefill's cache through each side's own layout (:func:`pd_transfer.sim.verify.received_correctly`), never
+through the plan."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from engine_specs import FINGERPRINT, decode_config, layouts
+from test_connector_lifecycle import (  # noqa: F401 (collected here, run with this folder's fixtures)
+    test_decode_abort_before_reading_releases_the_prefill,
+    test_full_request_lifecycle,
+    test_heartbeats_keep_a_queued_request_alive,
+    test_heterogeneous_tp_prefill_2_to_decode_1,
+    test_malformed_params_never_crash_and_the_next_request_succeeds,
+    test_replicated_heads_the_unread_rank_is_released_too,
+    test_stale_read_after_the_lease_is_refused_and_never_used,
+)
+from test_hold_window import (  # noqa: F401 (collected here, run with this folder's fixtures)
+    test_a_read_ending_after_the_window_is_not_used,
+    test_abort_after_the_window_frees_now_and_the_read_is_refused,
+    test_abort_inside_the_window_waits_for_the_reader,
+    test_params_state_the_window,
+    test_read_inside_the_window_needs_no_confirmation,
+    test_windowless_or_foreign_params_fall_back_to_confirming,
+)
+
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.prefill import PrefillRank, serve_engine
+from pd_transfer.handshake import HandshakeServer
+from pd_transfer.settings import Settings
+from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
+from pd_transfer.sim.fake_agent import FakeFabric
+from pd_transfer.sim.peer import fill_pattern
+from pd_transfer.sim.verify import received_correctly
+from pd_transfer.spec import KVCacheLayout
+from pd_transfer.transfer import PeerDisconnected
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _freed(prefills: LocalPrefillEngines, engine_id: str, request_ids: list[str], ranks: int, status: str) -> None:
+    """The prefill finished sending ``request_ids``, ended their leases as ``status`` and holds nothing."""
+    sent = prefills.wait_sending(engine_id, request_ids, timeout_s=10)
+    assert sent["finished_sending"] == sorted(request_ids), sent
+    assert all(sent["status"][request_id] == [status] * ranks for request_id in request_ids), sent
+    assert sent["held_blocks"] == [0] * ranks and sent["lent_blocks"] == 0, sent
+
+
+def test_two_decode_ranks_read_one_prefill_rank_and_both_report(
+    fake_agents: FakeFabric, prefills: LocalPrefillEngines
+) -> None:
+    with DecodeEngine("d-tp2", layouts(FINGERPRINT, 2), 32, decode_config()) as decode:
+        out = prefills.prefill("p1", "tp1-to-2", prompt_len=45)
+        got = decode.receive("dec-tp1-to-2", 45, out["params"])
+        assert got.ok, got
+        expected = prefills.specs["p1"].caches()
+        for cache in decode.caches:  # each rank its own two heads of the prefill's four
+            assert received_correctly(cache, got.local_block_ids, expected, out["block_ids"], 45)
+        _freed(prefills, "p1", ["tp1-to-2"], 1, "read")  # freed once both readers reported
+
+
+@pytest.mark.parametrize("decode_block", [32, 64])
+def test_a_decode_of_larger_blocks_reads_every_token(
+    fake_agents: FakeFabric, prefills: LocalPrefillEngines, decode_block: int
+) -> None:
+    with DecodeEngine(f"d-block-{decode_block}", layouts(FINGERPRINT, 1, decode_block), 16, decode_config()) as decode:
+        out = prefills.prefill("p1", f"blocks-{decode_block}", prompt_len=100)
+        got = decode.receive(f"dec-blocks-{decode_block}", 100, out["params"])
+        assert got.ok, got
+        expected = prefills.specs["p1"].caches()
+        assert received_correctly(decode.caches[0], got.local_block_ids, expected, out["block_ids"], 100)
+        _freed(prefills, "p1", [f"blocks-{decode_block}"], 1, "read")
+
+
+# ---------------------------------------------------------------------------------------------- one rank each
+LAYOUT = KVCacheLayout(fingerprint=FINGERPRINT, tp_size=1, tp_rank=0, block_size=16)
+
+
+class Prefill:
+    """One prefill rank in this process and its side channel, its cache filled with ``fill_pattern``."""
+
+    def __init__(self, engine_id: str) -> None:
+        cache = KVCache.allocate(LAYOUT, 32)
+        fill_pattern(cache, 5)
+        self.rank = PrefillRank(engine_id, cache)
+        self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
+        self.host, self.port = "127.0.0.1", self.server.port
+
+    def expected(self) -> list[KVCache]:
+        cache = KVCache.allocate(LAYOUT, 32)
+        fill_pattern(cache, 5)
+        return [cache]
+
+    def close(self) -> None:
+        self.server.stop()
+        self.rank.close()
+
+
+@pytest.fixture
+def prefill(fake_agents: FakeFabric) -> Iterator[Prefill]:
+    made = Prefill(f"one-rank-{time.monotonic_ns()}")
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill) -> None:
+    small_pushed = Settings(push_min_bytes=0)  # these requests are small: push them all the same
+    decode = DecodeRank(
+        f"push-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), push="on", settings=small_pushed
+    )
+    try:
+        assert decode.push_ready(prefill.host, prefill.port, timeout_s=10)
+        remote_ids, local_ids, tokens = [17, 3, 29, 8, 30], [5, 31, 0, 21, 22], 16 * 4 + 7
+        prefill.rank.hold("pushed", remote_ids)
+        stats = decode.pull_confirmed("pushed", prefill.host, prefill.port, remote_ids, local_ids, tokens)
+        assert stats.pushed_peers == (prefill.rank.agent.name,) and stats.pushed_bytes == stats.bytes > 0
+        assert received_correctly(decode.cache, local_ids, prefill.expected(), remote_ids, tokens)
+        assert decode.confirmations.received == 0  # the write proved the lease: no LeaseConfirm
+        # an unheld request is refused for push, read instead, and its confirmation tells the truth
+        stats = decode.pull("never-held", prefill.host, prefill.port, [1, 2], [3, 4], 20)
+        assert stats.pushed_peers == () and decode.pushes is not None and decode.pushes.read_instead == 1
+        with pytest.raises(LeaseNotConfirmed):
+            decode.pull_confirmed(
+                "never-held-2", prefill.host, prefill.port, [5], [6], 16, confirm_timeout_s=0.5
+            )  # never held: no answer comes
+    finally:
+        decode.close()
+
+
+def test_a_prefill_agent_gone_is_a_disconnected_peer(prefill: Prefill) -> None:
+    decode = DecodeRank(f"gone-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), push="off")
+    try:
+        stats = decode.pull("before", prefill.host, prefill.port, [1, 2], [3, 4], 20)
+        assert received_correctly(decode.cache, [3, 4], prefill.expected(), [1, 2], 20) and stats.bytes > 0
+        prefill.rank.agent.close()  # the side channel still answers, with the same (now dead) agent
+        with pytest.raises(PeerDisconnected):
+            decode.pull("after", prefill.host, prefill.port, [5], [6], 16)
+    finally:
+        decode.close()

@@ -1,0 +1,271 @@
+"""pd_transfer.settings: every environment variable declared once, parsed and bounded with errors naming it, the UCX
+defaults applied once at an edge, push decided by one rule; and the check that nothing else in the package touches
+the process environment (ruff's TID251, shown failing on a read planted in a copy of the package)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+
+from pd_transfer.settings import (
+    DEFAULTS,
+    TCP_SEGMENT_ENV,
+    SettingError,
+    Settings,
+    apply_process_defaults,
+    child_environment,
+    cpu_set,
+    process_environment,
+)
+from pd_transfer.transfer.tcp import push_mode, push_to, tcp_ucx_env
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "pd_transfer"
+
+
+def declared() -> dict[str, str]:
+    """Environment variable -> the field of Settings it fills."""
+    return {f.metadata["variable"].name: f.name for f in fields(Settings)}
+
+
+def test_an_empty_environment_gives_the_declared_defaults() -> None:
+    assert Settings.from_environ({}) == Settings() == DEFAULTS
+    assert (DEFAULTS.push, DEFAULTS.push_min_bytes, DEFAULTS.native_progress_ms) == ("auto", 4 * 2**20, 20)
+    assert (DEFAULTS.huge_pages, DEFAULTS.tcp_segments, DEFAULTS.thread_cpus, DEFAULTS.log_level) == (
+        "own",
+        True,
+        "all",
+        "INFO",
+    )
+
+
+def test_every_kind_of_value_is_parsed() -> None:
+    settings = Settings.from_environ(
+        {
+            "PD_TRANSFER_PUSH": " ON ",
+            "PD_TRANSFER_PUSH_MIN_BYTES": "0",
+            "PD_TRANSFER_READ_LANES": "3",
+            "PD_TRANSFER_HUGE_PAGES": "off",
+            "PD_TRANSFER_NATIVE_PROGRESS_MS": "2.5",
+            "PD_TRANSFER_BUSY_POLL_US": "0",
+            "PD_TRANSFER_READ_WAIT_US": "500",
+            "PD_TRANSFER_TCP_SEGMENTS": "0",
+            "PD_TRANSFER_THREAD_CPUS": "0-2,5",
+            "PD_TRANSFER_LOG_LEVEL": "debug",
+            "PD_TRANSFER_SIM_BUSY_ENGINE": "1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+            "UCX_TLS": "tcp,self",
+            "NOT_OURS": "ignored",
+        }
+    )
+    assert (settings.push, settings.push_min_bytes, settings.read_lanes, settings.huge_pages) == ("on", 0, 3, "0")
+    assert settings.native_progress_ms == 3  # rounded up: NIXL waits whole milliseconds
+    assert (settings.busy_poll_s, settings.read_wait_s) == (math.inf, 500e-6)
+    assert (settings.tcp_segments, settings.sim_busy_engine, settings.log_level) == (False, True, "DEBUG")
+    assert settings.thread_cpu_set == {0, 1, 2, 5}
+    assert (settings.side_channel_port, settings.ucx_tls) == (5601, "tcp,self")
+    assert not settings.own_huge_pages and not settings.registered_huge_pages
+
+
+def test_a_blank_variable_counts_as_unset() -> None:
+    assert Settings.from_environ({"PD_TRANSFER_NATIVE_PROGRESS_MS": " ", "UCX_TLS": ""}) == DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("PD_TRANSFER_PUSH", "sometimes"),
+        ("PD_TRANSFER_PUSH_MIN_BYTES", "-1"),
+        ("PD_TRANSFER_PUSH_MIN_BYTES", "1.5"),
+        ("PD_TRANSFER_READ_LANES", "0"),
+        ("PD_TRANSFER_HUGE_PAGES", "sometimes"),
+        ("PD_TRANSFER_NATIVE_PROGRESS_MS", "-1"),
+        ("PD_TRANSFER_NATIVE_PROGRESS_MS", "soon"),
+        ("PD_TRANSFER_NATIVE_PROGRESS_MS", "nan"),
+        ("PD_TRANSFER_NATIVE_PROGRESS_MS", "1e12"),
+        ("PD_TRANSFER_BUSY_POLL_US", "inf"),
+        ("PD_TRANSFER_TCP_SEGMENTS", "maybe"),
+        ("PD_TRANSFER_THREAD_CPUS", "most"),
+        ("PD_TRANSFER_THREAD_CPUS", "3-1"),
+        ("PD_TRANSFER_LOG_LEVEL", "loud"),
+        ("VLLM_NIXL_SIDE_CHANNEL_PORT", "port"),
+        ("VLLM_NIXL_SIDE_CHANNEL_PORT", "70000"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_variable(name: str, bad: str) -> None:
+    with pytest.raises(SettingError, match=rf"^{name} must .*, not {re.escape(repr(bad))}$"):
+        Settings.from_environ({name: bad})
+
+
+def test_an_error_shows_at_most_40_characters_of_the_value_and_names_every_bad_variable() -> None:
+    with pytest.raises(SettingError) as caught:
+        Settings.from_environ({"PD_TRANSFER_HUGE_PAGES": "x" * 1000, "PD_TRANSFER_READ_LANES": "many"})
+    message = str(caught.value)
+    assert "PD_TRANSFER_HUGE_PAGES" in message and "PD_TRANSFER_READ_LANES" in message
+    assert "x" * 40 in message and "x" * 41 not in message
+
+
+def test_values_given_in_code_are_checked_too() -> None:
+    with pytest.raises(SettingError, match="PD_TRANSFER_READ_LANES"):
+        Settings(read_lanes=0)
+    with pytest.raises(SettingError, match="PD_TRANSFER_PUSH"):
+        replace(DEFAULTS, push="sometimes")  # type: ignore[arg-type]
+    assert replace(DEFAULTS, thread_cpus="inherit").thread_cpu_set is None
+
+
+def test_cpu_sets() -> None:
+    assert cpu_set("inherit") is None
+    assert cpu_set("all") == set(range(os.cpu_count() or 1))
+    assert cpu_set("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(ValueError, match="CPU list"):
+        cpu_set("most")
+
+
+def test_the_default_read_lanes_are_one_per_cpu_up_to_two() -> None:
+    assert DEFAULTS.read_lane_count == min(2, os.cpu_count() or 1)
+    assert Settings(read_lanes=5).read_lane_count == 5
+
+
+def test_push_is_decided_by_one_rule_the_configured_mode_else_the_settings() -> None:
+    off = Settings(push="off")
+    assert push_mode(None, off) == "off" and push_mode(None, DEFAULTS) == "auto"
+    assert push_mode(" ON ", off) == "on"  # a connector's push wins, on the prefill and on the decode alike
+    with pytest.raises(ValueError, match="push must be one of auto, on, off"):
+        push_mode("sometimes", DEFAULTS)
+
+
+def test_push_in_auto_mode_follows_the_settings_ucx_transports() -> None:
+    assert push_to("127.0.0.1", "auto", "tcp,self") and not push_to("127.0.0.1", "auto", "tcp,cma,self")
+    assert push_to("127.0.0.1", "on", None) and not push_to("10.1.2.3", "off", "tcp")
+
+
+def test_tcp_ucx_env_keeps_what_the_user_set() -> None:
+    assert tcp_ucx_env(DEFAULTS) == {"UCX_TLS": "tcp,self", **TCP_SEGMENT_ENV}
+    theirs = Settings(ucx_tls="tcp", ucx_tcp_rx_seg_size="128k")
+    assert tcp_ucx_env(theirs) == {"UCX_TLS": "tcp", **TCP_SEGMENT_ENV, "UCX_TCP_RX_SEG_SIZE": "128k"}
+
+
+def test_process_defaults_are_set_where_unset_and_leave_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "")  # blank counts as unset (monkeypatch restores all of these)
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "128k")
+    monkeypatch.setenv("UCX_LOG_LEVEL", "warn")
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    in_force = apply_process_defaults(DEFAULTS, net_devices="lo")
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == TCP_SEGMENT_ENV["UCX_TCP_TX_SEG_SIZE"]
+    assert (os.environ["UCX_TCP_RX_SEG_SIZE"], os.environ["UCX_LOG_LEVEL"], os.environ["UCX_NET_DEVICES"]) == (
+        "128k",
+        "warn",
+        "lo",
+    )
+    assert (in_force.ucx_tcp_tx_seg_size, in_force.ucx_tcp_rx_seg_size, in_force.ucx_net_devices) == (
+        TCP_SEGMENT_ENV["UCX_TCP_TX_SEG_SIZE"],
+        "128k",
+        "lo",
+    )
+
+
+def test_segment_sizes_are_left_alone_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    monkeypatch.delenv("UCX_LOG_LEVEL", raising=False)
+    in_force = apply_process_defaults(Settings(tcp_segments=False))
+    assert "UCX_TCP_TX_SEG_SIZE" not in os.environ and in_force.ucx_tcp_tx_seg_size is None
+    assert os.environ["UCX_LOG_LEVEL"] == "error"
+
+
+def test_a_process_environment_is_put_back_after_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "rc")
+    monkeypatch.delenv("PD_TRANSFER_TEST_UNSET", raising=False)
+    with process_environment({"UCX_TLS": "tcp,self", "PD_TRANSFER_TEST_UNSET": "1"}):
+        assert child_environment({"EXTRA": "x"})["UCX_TLS"] == "tcp,self"
+        assert child_environment({"EXTRA": "x"})["EXTRA"] == "x"
+    assert os.environ["UCX_TLS"] == "rc" and "PD_TRANSFER_TEST_UNSET" not in os.environ
+
+
+def test_every_variable_the_package_names_is_declared() -> None:
+    """A ``PD_TRANSFER_*`` name anywhere in the package (a doc, a message, a child's environment) is one of ours."""
+    named = {
+        name
+        for source in PACKAGE.rglob("*.py")
+        for name in re.findall(r"PD_TRANSFER_[A-Z0-9_]*[A-Z0-9]", source.read_text())
+    }
+    assert len(declared()) == len(fields(Settings))
+    assert sorted(named - set(declared())) == []
+
+
+# ---------------------------------------------------------------------- the contract: no other module touches it
+def _ruff() -> str:
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).is_file():
+        pytest.skip("ruff is not installed beside this interpreter")
+    return ruff
+
+
+def _ruff_check(tree: Path) -> subprocess.CompletedProcess[str]:
+    """ruff over ``tree``'s package with ``tree``'s copy of the project's configuration (no cache)."""
+    return subprocess.run(
+        [_ruff(), "check", "--no-cache", "--output-format", "concise", "pd_transfer"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def package_copy(tmp_path: Path) -> Path:
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(PACKAGE, tmp_path / "pd_transfer", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+PLANTED = {  # a function added at the end of a module, so that the read is the copy's only problem
+    "def planted() -> object:\n    import os\n\n    return os.environ.get('X')\n": "os.environ",
+    "def planted() -> object:\n    from os import getenv\n\n    return getenv('X')\n": "os.getenv",
+    "def planted() -> None:\n    import os\n\n    os.putenv('X', '1')\n": "os.putenv",
+}
+
+
+def test_the_package_as_it_is_passes_the_check(package_copy: Path) -> None:
+    done = _ruff_check(package_copy)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("planted", list(PLANTED), ids=list(PLANTED.values()))
+def test_a_read_planted_outside_settings_fails_the_check(package_copy: Path, planted: str) -> None:
+    target = package_copy / "pd_transfer" / "connector" / "leases.py"
+    target.write_text(target.read_text() + "\n\n" + planted)
+    done = _ruff_check(package_copy)
+    print(done.stdout)  # the failure, as ruff reports it (pytest -s shows it)
+    assert done.returncode == 1
+    hits = [line for line in done.stdout.splitlines() if "TID251" in line]
+    assert hits == done.stdout.splitlines()[:1], done.stdout  # the read, and nothing else
+    assert "pd_transfer/connector/leases.py" in hits[0], hits
+    assert f"`{PLANTED[planted]}` is banned" in hits[0], hits
+
+
+# ---------------------------------------------------------------------- pd-transfer settings
+def test_the_settings_command_prints_them_resolved_and_refuses_a_bad_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pd_transfer.cli import main
+
+    monkeypatch.setenv("PD_TRANSFER_PUSH", "ON")
+    monkeypatch.delenv("PD_TRANSFER_READ_LANES", raising=False)
+    assert main(["settings"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "PD_TRANSFER_PUSH=on" in lines and "PD_TRANSFER_READ_LANES=" in lines
+    assert len(lines) == len(fields(Settings))
+    assert main(["settings", "--table"]) == 0
+    assert capsys.readouterr().out == Settings.markdown_table()
+    monkeypatch.setenv("PD_TRANSFER_READ_LANES", "many")
+    assert main(["settings"]) == 2
+    assert "PD_TRANSFER_READ_LANES must be a number, not 'many'" in capsys.readouterr().err

@@ -1,0 +1,159 @@
+"""vLLM's own router (PyPI ``vllm-router``, a Rust binary) in P/D mode in front of a ``pd-transfer up`` cluster,
+unchanged: ``vllm-router --vllm-pd-disaggregation --kv-connector nixl --prefill URL --decode URL``.
+
+Real processes: ``pd-transfer up`` (a vLLM prefill and a vLLM decode with PdTransferConnector, and our proxy, which
+this test does not use), a plain vLLM server (no connector) as the reference, and the router. Completions and chats,
+streamed and not, go through the router; each greedy answer must equal the plain server's, the decode must have
+loaded every prompt token from outside (``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``) by
+our pulls (``vllm:pd_transfer_pull_seconds_count``), and the prefill must have seen its lease read
+(``vllm:pd_transfer_leases_ended_total{reason="read"}``). Skips, with the reason, without vLLM, the test model or
+the router (``scripts/setup-deploy`` installs it).
+
+``pd-transfer bench proxy`` measures the router beside our proxy over the same stand-ins: a short run here checks
+that both fronts answer and that the router's figures sit beside ours.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from deploy_tools import deploy_tool, missing_tool
+from up_cluster import UP_TIMEOUT_S, UpCluster, up_cluster
+from vllm_servers import DEFAULT_MODEL, free_port, metric_value, reference_server
+
+from pd_transfer.bench.proxy_router import router_command
+from pd_transfer.cluster.http_client import answer_tokens, post_json, post_stream, prompt_tokens, wait_metric
+from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
+
+EXTERNAL = {"source": "external_kv_transfer"}
+PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
+PULLS = "vllm:pd_transfer_pull_seconds_count"
+LEASES_READ = ("vllm:pd_transfer_leases_ended_total", {"reason": "read"})
+MAX_TOKENS = 12
+ROUTER_START_TIMEOUT_S = 60.0
+RUN_SALT = time.time_ns() % 10**9
+E2E_TIMEOUT = pytest.mark.timeout(UP_TIMEOUT_S + 900)  # the first test also waits for the servers' startup
+
+
+def _token_ids(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 10**9 + RUN_SALT)
+    return [rng.randrange(3, 2048) for _ in range(length)]  # 0..2 are <s>, </s>, <pad>
+
+
+def _words(count: int, seed: int) -> str:
+    from pd_transfer.tiny_model import synthetic_corpus
+
+    return " ".join(" ".join(synthetic_corpus(count * 8, corpus_seed=seed + RUN_SALT)).split()[:count])
+
+
+@pytest.fixture(scope="module")
+def setup(
+    tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[UpCluster, ManagedProcess, ManagedProcess]]:
+    """The cluster, the plain reference server and the router in front of the cluster's prefill and decode."""
+    if (reason := missing_tool("vllm-router")) is not None:
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("router")
+    reference = reference_server(DEFAULT_MODEL, work)
+    reference.start()
+    started = time.monotonic()
+    router: ManagedProcess | None = None
+    try:
+        with up_cluster(work) as cluster:
+            command = router_command(
+                str(deploy_tool("vllm-router")),
+                cluster.urls("prefill"),
+                cluster.urls("decode"),
+                free_port(),
+                free_port(),
+            )
+            router = ManagedProcess("vllm-router", command, dict(os.environ), work / "router.log", _url(command))
+            router.start()
+            wait_ready([router], ROUTER_START_TIMEOUT_S)
+            wait_ready([reference], UP_TIMEOUT_S)
+            print(f"\ncluster, reference and router ready after {time.monotonic() - started:.0f} s: {command}")
+            yield cluster, reference, router
+    finally:
+        stop_all([s for s in (router, reference) if s is not None])
+
+
+def _url(command: list[str]) -> str:
+    return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+
+
+CASES = [
+    ("completion, 50 token ids", "/v1/completions", False, {"prompt": _token_ids(50, 1)}),
+    ("completion, 677 token ids, streamed", "/v1/completions", True, {"prompt": _token_ids(5 * 128 + 37, 2)}),
+    ("chat, short", "/v1/chat/completions", False, {"messages": [{"role": "user", "content": _words(12, 3)}]}),
+    (
+        "chat, multi-block, streamed",
+        "/v1/chat/completions",
+        True,
+        {"messages": [{"role": "user", "content": _words(400, 4)}]},
+    ),
+]
+
+
+def _ask(url: str, body: dict[str, Any], streamed: bool) -> dict[str, Any] | list[dict[str, Any]]:
+    if streamed:
+        return post_stream(url, body | {"stream_options": {"include_usage": True}})
+    return post_json(url, body)
+
+
+@E2E_TIMEOUT
+@pytest.mark.parametrize(("name", "endpoint", "streamed", "body"), CASES, ids=[c[0] for c in CASES])
+def test_router_answers_equal_a_plain_server_and_the_decode_loads_the_kv(
+    setup: tuple[UpCluster, ManagedProcess, ManagedProcess], name: str, endpoint: str, streamed: bool, body: dict
+) -> None:
+    cluster, reference, router = setup
+    chat = endpoint.endswith("chat/completions")
+    (prefill,), (decode,) = cluster.urls("prefill"), cluster.urls("decode")
+    common = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": True if chat else 1}
+    expected = answer_tokens(post_json(reference.url + endpoint, {**body, **common, "model": DEFAULT_MODEL}), chat=chat)
+    loaded_before, pulls_before = metric_value(decode, PROMPT_METRIC, **EXTERNAL), metric_value(decode, PULLS)
+    leases_before = metric_value(prefill, LEASES_READ[0], **LEASES_READ[1])
+    started = time.perf_counter()
+    answer = _ask(router.url + endpoint, {**body, **common, "model": cluster.model}, streamed)
+    seconds = time.perf_counter() - started
+    got, prompted = answer_tokens(answer, chat=chat), prompt_tokens(answer)
+    loaded = metric_value(decode, PROMPT_METRIC, **EXTERNAL) - loaded_before
+    pulls = wait_metric(decode, PULLS, lambda v: v > pulls_before, 30.0).value - pulls_before
+    leases = wait_metric(prefill, LEASES_READ[0], lambda v: v > leases_before, 30.0, labels=LEASES_READ[1])
+    print(f"\n{name}: {prompted} prompt tokens, {seconds:.2f} s through vllm-router, external +{loaded:.0f},")
+    print(f"  pulls +{pulls:.0f}, prefill leases read +{leases.value - leases_before:.0f}")
+    assert len(expected) == MAX_TOKENS
+    assert got == expected, f"{name}: the router's answer differs from a plain vLLM server's\n{got}\n{expected}"
+    assert loaded == prompted > 0, f"{name}: the decode loaded {loaded} of {prompted} prompt tokens"
+    assert pulls >= 1, f"{name}: no pull counted on the decode"
+    assert leases.reached, f"{name}: the prefill's lease was not ended by a read"
+
+
+def test_bench_proxy_measures_the_router_beside_ours() -> None:
+    reason = missing_tool("vllm-router")
+    if reason is not None:
+        pytest.skip(reason)
+    from pd_transfer.bench.proxy import run_bench
+
+    result = run_bench(
+        requests=40,
+        concurrencies=(1, 8),
+        rounds=2,
+        warmup=4,
+        requests_at_1=10,
+        token_delay_s=0.001,
+        saturation=False,
+        router=deploy_tool("vllm-router"),
+    )
+    assert result["vllm_router"]["binary"] == "vllm-router"  # by name: no path of this machine in a result
+    for key in ("concurrency_1", "concurrency_8"):
+        ours, router = result[key], result[key]["vllm_router"]
+        print(f"\n{key}: ours +{ours['added_ms_p50']} ms p50, vllm-router +{router['added_ms_p50']} ms p50")
+        assert ours["failed"] == {"direct": 0, "proxy": 0} and router["failed"] == 0
+        assert router["ms_p50"] > 8  # 20 ms prefill + 8 x 1 ms in the backends
+        assert router["cpu_ms_per_request"] >= 0  # /proc counts 10 ms ticks: a short run's ~12 ms can read as 0
+        assert router["added_ms_p50"] == pytest.approx(router["ms_p50"] - ours["direct_ms_p50"], abs=1e-3)
