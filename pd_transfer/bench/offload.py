@@ -9,9 +9,12 @@
   the tier: empty (its files deleted before each store, so every block file is created; the headline) and
   full (``full_tier``: at its bound, every store evicts the oldest job's files and rewrites them). The rate
   of the payload checksum the tier computes on every store and load, and the cost of creating one file in
-  that filesystem, are measured beside them, and the empty tier's store once more with every checksum computed
-  on the store's own thread (``checksum_serial``; the tier's default computes them on a helper thread while it
-  writes when the process may use two or more CPUs: ``checksum_thread``).
+  that filesystem, are measured beside them, and the empty tier's jobs once more with no helper thread
+  (``one_thread``: every checksum computed on the store's own thread, every file read by the load's own thread;
+  the tier's defaults where the process may use two or more CPUs hash a store's files on a helper thread while it
+  writes them, ``checksum_thread``, and read a load's files on its thread and a helper at once, ``read_thread``).
+  The disk tier's loads, and their yardstick's reads, are timed twice each round: with the page cache warm and
+  cold (``page_cache`` says how and what was resident).
 
 Ratios are baseline / ours (1.0: as fast as the baseline), by the wall clock and by this process's CPU
 seconds (``*_cpu_ratio_*``: on a machine shared with other jobs, the CPU time is the steadier of the two).
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +54,8 @@ from pd_transfer.offload import (
     file_keys,
 )
 from pd_transfer.offload.checksum import payload_checksum
-from pd_transfer.offload.hash_ahead import helper_useful
+from pd_transfer.offload.helpers import helper_useful
+from pd_transfer.offload.page_cache import DROP_METHOD, drop_from_cache, resident_fraction
 from pd_transfer.spec import ModelFingerprint
 
 GOAL_RATIO = 0.7
@@ -124,25 +129,29 @@ def _run_job(worker: TransferWorker, job: TransferJob) -> None:
 class Baseline:
     """The machine's way of moving the same bytes: ``store`` and ``load`` are timed alternately with the
     tier's jobs (so both see the same load on the machine); ``reset`` runs untimed before each store;
-    ``fresh_keys``: the tier stores another prompt's blocks every round."""
+    ``fresh_keys``: the tier stores another prompt's blocks every round; ``path``: the file ``load`` reads
+    (a disk yardstick: its loads are then timed with the page cache warm and cold, as the tier's)."""
 
     store: Callable[[], object]
     load: Callable[[], object]
     reset: Callable[[], object]
     fresh_keys: bool = False
+    path: Path | None = None
 
 
 def _tier_case(tier: HostPool | DirectoryTier, cache: list[torch.Tensor], shape: Shape, repeats: int,
                scattered: bool, baseline: Baseline, *, warm_up: int = 0) -> dict:  # fmt: skip
     """Median seconds of store and load jobs of ``shape.blocks`` blocks through the worker and of the
     baseline, alternately; whether the loaded blocks equal the stored ones. ``baseline.fresh_keys``: every
-    round stores another prefix (after ``warm_up`` untimed rounds), else the same one again."""
+    round stores another prefix (after ``warm_up`` untimed rounds), else the same one again. A disk yardstick
+    (``baseline.path``): every load round times both sides warm, then cold (:func:`_load_states`)."""
     rng = np.random.default_rng(3)
     sources = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
     targets = rng.permutation(shape.engine_blocks)[: shape.blocks] if scattered else np.arange(shape.blocks)
     expected = [t[torch.from_numpy(sources)].clone() for t in cache]
     times: dict[str, list[tuple[float, float]]] = {"store": [], "load": [], "base_store": [], "base_load": []}
     worker = TransferWorker(cache, tier)
+    states: dict[str, Any] = {}
     try:
         for round_ in range(warm_up + repeats):
             blocks = _job_blocks(tier, shape, round_ if baseline.fresh_keys else 0)
@@ -154,16 +163,67 @@ def _tier_case(tier: HostPool | DirectoryTier, cache: list[torch.Tensor], shape:
                 times["store"].append(ours)
         for t in cache:
             t.zero_()
-        for _ in range(repeats):
-            times["base_load"].append(_timed(baseline.load))
-            times["load"].append(_job_timed(worker, TransferJob(2, "load", _ids(targets), blocks)))
+        load = TransferJob(2, "load", _ids(targets), blocks)
+        if isinstance(tier, DirectoryTier) and baseline.path is not None:
+            states = _load_states(worker, load, tier, baseline, repeats, times)
+        else:
+            for _ in range(repeats):
+                times["base_load"].append(_timed(baseline.load))
+                times["load"].append(_job_timed(worker, load))
     finally:
         worker.close()
     verified = all(torch.equal(t[torch.from_numpy(targets)], e) for t, e in zip(cache, expected, strict=True))
     _fill(cache)
     medians = {name: statistics.median(wall for wall, _ in values) for name, values in times.items()}
     cpu = {f"{name}_cpu": statistics.median(cpu for _, cpu in values) for name, values in times.items()}
-    return medians | cpu | {"verified": verified}
+    return medians | cpu | {"verified": verified} | ({"page_cache": states} if states else {})
+
+
+def _load_states(worker: TransferWorker, load: TransferJob, tier: DirectoryTier, baseline: Baseline, repeats: int,
+                 times: dict[str, list[tuple[float, float]]]) -> dict:  # fmt: skip
+    """``repeats`` rounds of the tier's load job and the yardstick's read, each timed with the page cache warm (every
+    file read wholly resident: read once, untimed, if not) and then cold (every file dropped from the cache right
+    before its read: :func:`~pd_transfer.offload.page_cache.drop_from_cache`), into ``times`` (warm: ``load`` and
+    ``base_load``; cold: ``cold_load`` and ``base_cold_load``). Returns, per state, the fraction of the read files'
+    pages in the cache right before the timed reads (lowest warm, highest cold) and whether the state was made."""
+    assert baseline.path is not None
+    ours = tier.files_holding(load.tier_blocks.keys, load.tier_blocks.files)
+    if ours is None:
+        raise RuntimeError("the tier lost a file of the job it stored")
+    sides: dict[str, tuple[list[Path], Callable[[], object]]] = {
+        "base_": ([baseline.path], baseline.load),
+        "": (ours, lambda: _run_job(worker, load)),
+    }
+    times.update(cold_load=[], base_cold_load=[])
+    resident: dict[str, list[float]] = {"warm": [], "cold": []}
+    for _ in range(repeats):
+        for prefix, (paths, read) in sides.items():
+            if _resident(paths) < 1.0:
+                read()  # untimed: brings every page into the cache
+            resident["warm"].append(_resident(paths))
+            times[f"{prefix}load"].append(_timed(read))
+        for prefix, (paths, read) in sides.items():
+            for path in paths:
+                drop_from_cache(path)
+            resident["cold"].append(_resident(paths))
+            times[f"{prefix}cold_load"].append(_timed(read))
+    warm, cold = min(resident["warm"]), max(resident["cold"])
+    states = {
+        "warm": {"resident_fraction_min": round(warm, 4), "achieved": warm == 1.0},
+        "cold": {"resident_fraction_max": round(cold, 4), "achieved": cold <= _COLD_RESIDENT, "method": DROP_METHOD},
+    }
+    return states
+
+
+#: a read counts as cold when at most this share of its files' pages was in the page cache right before it
+_COLD_RESIDENT = 0.01
+
+
+def _resident(paths: list[Path]) -> float:
+    """The share of the pages of ``paths`` in the page cache (weighted by size); 0.0 when it cannot be told."""
+    sizes = [path.stat().st_size for path in paths]
+    fractions = [resident_fraction(path) or 0.0 for path in paths]
+    return sum(f * s for f, s in zip(fractions, sizes, strict=True)) / max(1, sum(sizes))
 
 
 def _job_timed(worker: TransferWorker, job: TransferJob) -> tuple[float, float]:
@@ -223,11 +283,11 @@ def _file_baseline(root: Path, tier: DirectoryTier, cache: list[torch.Tensor], s
         for block_file in [] if full else tier.directory.glob("*/*.kv*"):
             block_file.unlink()
 
-    return Baseline(store=write, load=read, reset=reset, fresh_keys=full)
+    return Baseline(store=write, load=read, reset=reset, fresh_keys=full, path=path)
 
 
 def _rates(shape: Shape, case: dict, store_name: str, load_name: str) -> dict:
-    return {
+    rates = {
         f"baseline_store_gb_s ({store_name})": _rate(shape.job_bytes, case["base_store"]),
         f"baseline_load_gb_s ({load_name})": _rate(shape.job_bytes, case["base_load"]),
         "store_gb_s": _rate(shape.job_bytes, case["store"]),
@@ -237,6 +297,19 @@ def _rates(shape: Shape, case: dict, store_name: str, load_name: str) -> dict:
         f"store_cpu_ratio_vs_{store_name}": _ratio(case["base_store_cpu"], case["store_cpu"]),
         f"load_cpu_ratio_vs_{load_name}": _ratio(case["base_load_cpu"], case["load_cpu"]),
         "verified": case["verified"],
+    }
+    if "page_cache" not in case:
+        return rates
+    cold = case["page_cache"]["cold"]["achieved"]
+    return rates | {
+        "load_state": "page cache warm (load_*); cold: cold_load_*",
+        f"baseline_cold_load_gb_s ({load_name})": _rate(shape.job_bytes, case["base_cold_load"]),
+        "cold_load_gb_s": _rate(shape.job_bytes, case["cold_load"]),
+        f"cold_load_ratio_vs_{load_name}": round(case["base_cold_load"] / case["cold_load"], 3) if cold else None,
+        f"cold_load_cpu_ratio_vs_{load_name}": _ratio(case["base_cold_load_cpu"], case["cold_load_cpu"])
+        if cold
+        else None,
+        "page_cache": case["page_cache"],
     }
 
 
@@ -271,7 +344,7 @@ def run(
             _disk_cases(root, cache, shape, repeats, 1, cases=(("scattered", True),)) if group_blocks > 1 else {}
         )
         serial = _disk_cases(root, cache, shape, repeats, group_blocks, cases=(("scattered", True),),
-                             checksum_thread=False, full_tier=False)  # fmt: skip
+                             helpers=False, full_tier=False)  # fmt: skip
         create_us = file_create_us(root)
         filesystem = filesystem_of(root)
         blocks = [[t[b].numpy() for t in cache] for b in range(shape.blocks)]
@@ -287,12 +360,13 @@ def run(
         "checksum_gb_s": _rate(shape.job_bytes, crc_s),
         "file_create_us": create_us,
         "group_blocks": group_blocks,
-        "checksum_thread": helper_useful(),  # the tier's default here: a helper thread with 2+ CPUs
+        "checksum_thread": helper_useful(),  # the tier's defaults here: helper threads with 2+ CPUs
+        "read_thread": helper_useful(),
     }
     disk_result |= {label: _rates(shape, case, "file_write", "file_read") for label, case in disk.items()}
-    # the empty tier's scattered case again, every checksum computed on the store's own thread (the code before
-    # the helper thread), in this run
-    disk_result["checksum_serial"] = {
+    # the empty tier's scattered case again, every checksum and read on the job's own thread (the code before the
+    # helper threads), in this run
+    disk_result["one_thread"] = {
         label: _rates(shape, case, "file_write", "file_read") for label, case in serial.items()
     }
     if per_block:  # the same cases with a file per block (group_blocks 1), measured in this run
@@ -313,15 +387,15 @@ def _disk_cases(
     group_blocks: int,
     cases: tuple[tuple[str, bool], ...] = _CASES,
     *,
-    checksum_thread: bool | None = None,
+    helpers: bool | None = None,
     full_tier: bool = True,
 ) -> dict[str, dict]:
     """The disk tier's cases: an empty tier (``cases``: contiguous and scattered engine blocks), and a full one
     (its bound two jobs, two untimed rounds to fill it, then every store evicts the oldest job's files).
-    ``checksum_thread``: the tier's (None: its default)."""
+    ``helpers``: the tier's ``checksum_thread`` and ``read_thread`` (None: its defaults)."""
     fmt = shape.page_format()
     tier = DirectoryTier(root / f"tier{group_blocks}", fmt, max_bytes=4 * shape.job_bytes, group_blocks=group_blocks,
-                         checksum_thread=checksum_thread)  # fmt: skip
+                         checksum_thread=helpers, read_thread=helpers)  # fmt: skip
     files = _file_baseline(root, tier, cache, shape, full=False)
     result = {label: _tier_case(tier, cache, shape, repeats, scattered, files) for label, scattered in cases}
     shutil.rmtree(tier.directory, ignore_errors=True)
@@ -351,19 +425,24 @@ def file_create_us(directory: Path, count: int = 64) -> float:
 
 def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
     """The result, with the headline ratios (scattered engine blocks: what an engine hands over) on top."""
-    for part, names in ((host, ("memcpy", "memcpy")), (disk, ("file_write", "file_read"))):
-        for key in (f"store_ratio_vs_{names[0]}", f"load_ratio_vs_{names[1]}"):
-            part[key] = part["scattered"][key]
+    for key in ("store_ratio_vs_memcpy", "load_ratio_vs_memcpy"):
+        host[key] = host["scattered"][key]
     copies = [host[c][f"baseline_{d}_gb_s (memcpy)"] for c in ("contiguous", "scattered") for d in ("store", "load")]
     host["memcpy_gb_s"] = round(statistics.median(copies), 3)
+    loads = ("load_ratio_vs_file_read", "load_cpu_ratio_vs_file_read", "cold_load_ratio_vs_file_read",
+             "cold_load_cpu_ratio_vs_file_read")  # fmt: skip
     for case, prefix in (("scattered", ""), ("full_tier", "full_tier_")):
-        for key in ("store_ratio_vs_file_write", "load_ratio_vs_file_read", "store_cpu_ratio_vs_file_write",
-                    "load_cpu_ratio_vs_file_read"):  # fmt: skip
+        for key in ("store_ratio_vs_file_write", "store_cpu_ratio_vs_file_write", *loads):
             disk[prefix + key] = disk[case][key]
+    disk["page_cache"] = disk["scattered"]["page_cache"]
     disk["file_write_gb_s"] = disk["scattered"]["baseline_store_gb_s (file_write)"]
     disk["file_read_gb_s"] = disk["scattered"]["baseline_load_gb_s (file_read)"]
-    ratios = [host["store_ratio_vs_memcpy"], host["load_ratio_vs_memcpy"]]
-    ratios += [disk["store_ratio_vs_file_write"], disk["load_ratio_vs_file_read"]]
+    disk["cold_file_read_gb_s"] = disk["scattered"]["baseline_cold_load_gb_s (file_read)"]
+    goals = {"host_store": host["store_ratio_vs_memcpy"], "host_load": host["load_ratio_vs_memcpy"],
+             "disk_store": disk["store_ratio_vs_file_write"]}  # fmt: skip
+    for state, prefix in (("warm", ""), ("cold", "cold_")):
+        goals[f"disk_load_{state}"] = disk[f"{prefix}load_ratio_vs_file_read"]
+        goals[f"disk_full_tier_load_{state}"] = disk[f"full_tier_{prefix}load_ratio_vs_file_read"]
     return {
         "shape": asdict(shape),
         "job_bytes": shape.job_bytes,
@@ -372,15 +451,18 @@ def _summary(shape: Shape, repeats: int, host: dict, disk: dict) -> dict:
         "torch_threads": 1,
         "machine": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)},
         "units": "GB/s = 1e9 bytes per second; ratios are baseline seconds / our seconds (wall clock; *_cpu_ratio_*:"
-        " CPU seconds of this process, user + system, which other jobs on the machine disturb less)",
+        " CPU seconds of this process, user + system, which other jobs on the machine disturb less); disk loads:"
+        " load_* with the files in the page cache (warm), cold_load_* with them dropped from it right before each"
+        " read (page_cache says how and what was resident; a cold ratio is null where the cache kept the files)",
         "host_copy_gb_s": host["memcpy_gb_s"],
         "host": host,
         "disk": disk,
         "goal_ratio": GOAL_RATIO,
-        "goals_met": all(ratio >= GOAL_RATIO for ratio in ratios),
+        "goals": {name: None if ratio is None else ratio >= GOAL_RATIO for name, ratio in goals.items()},
+        "goals_met": all(ratio is not None and ratio >= GOAL_RATIO for ratio in goals.values()),
         "verified": all(part[c]["verified"] for part in (host, disk) for c in ("contiguous", "scattered"))
         and disk["full_tier"]["verified"]
-        and all(case["verified"] for key in ("per_block", "checksum_serial") for case in disk.get(key, {}).values()),
+        and all(case["verified"] for key in ("per_block", "one_thread") for case in disk.get(key, {}).values()),
         "end_to_end": None,
         "end_to_end_note": "measured by `bench offload --end-to-end` (real vLLM servers), not by this run",
     }
@@ -422,19 +504,23 @@ def cli_run(args: argparse.Namespace) -> int:
         print(
             f"  disk ({disk['filesystem']})  store {disk['store_ratio_vs_file_write']:.3f} x plain write"
             f" ({disk['file_write_gb_s']} GB/s), load {disk['load_ratio_vs_file_read']:.3f} x plain read"
-            f" ({disk['file_read_gb_s']} GB/s)"
+            f" ({disk['file_read_gb_s']} GB/s), cold {disk['cold_load_ratio_vs_file_read']} x plain read"
+            f" ({disk['cold_file_read_gb_s']} GB/s)"
         )
         print(
             f"  disk, full tier  store {disk['full_tier_store_ratio_vs_file_write']:.3f} x plain write,"
-            f" load {disk['full_tier_load_ratio_vs_file_read']:.3f} x plain read;"
-            f" creating a file {disk['file_create_us']} us"
+            f" load {disk['full_tier_load_ratio_vs_file_read']:.3f} x plain read,"
+            f" cold {disk['full_tier_cold_load_ratio_vs_file_read']}; creating a file {disk['file_create_us']} us"
         )
-        serial = disk["checksum_serial"]["scattered"]
-        print(f"  disk, checksum on the store's thread  store {serial['store_ratio_vs_file_write']:.3f} x plain write")
+        serial = disk["one_thread"]["scattered"]
+        print(
+            f"  disk, no helper thread  store {serial['store_ratio_vs_file_write']:.3f} x plain write,"
+            f" load {serial['load_ratio_vs_file_read']:.3f} x plain read, cold {serial['cold_load_ratio_vs_file_read']}"
+        )
         for label, case in disk.get("per_block", {}).items():
             print(
                 f"  disk, a file per block ({label})  store {case['store_ratio_vs_file_write']:.3f} x plain write,"
-                f" load {case['load_ratio_vs_file_read']:.3f} x plain read"
+                f" load {case['load_ratio_vs_file_read']:.3f} x plain read, cold {case['cold_load_ratio_vs_file_read']}"
             )
         print(f"  verified {result['verified']}, goals met {result['goals_met']}")
     return 0 if result["verified"] else 1

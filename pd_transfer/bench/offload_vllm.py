@@ -8,9 +8,15 @@ One vLLM server per setup, one at a time, all with the same model, flags and a s
 * ``recompute``: no connector; the prefix is computed again (the baseline, and the reference tokens);
 * ``pd_host``: ``PdOffloadConnector`` with a host tier (and a directory behind it): B's prefix from host memory;
 * ``pd_host_only``: the host tier alone (no directory behind it);
-* ``pd_disk``: ``PdOffloadConnector`` with a directory tier only: B's prefix read from block files;
+* ``pd_disk``: ``PdOffloadConnector`` with a directory tier only: B's prefix read from its files, which the page
+  cache holds (A wrote them);
+* ``pd_disk_cold``: the same, with every file of the directory dropped from the page cache right before B;
 * ``vllm_offloading``: vLLM's ``OffloadingConnector`` (its CPU spec, ``cpu_bytes_to_use``);
-* ``vllm_example``: vLLM's ``ExampleConnector`` (safetensors files under ``shared_storage_path``).
+* ``vllm_example``: vLLM's ``ExampleConnector`` (safetensors files under ``shared_storage_path``);
+  ``vllm_example_cold``: the same, its files dropped from the page cache right before B.
+
+The setups with files record, round by round, the share of their files' pages in the page cache right before B
+(``page_cache``), so each figure says which state it measured.
 
 A round: request A (a fresh ``PREFIX``-token prefix and a tail), then vLLM's own prefix cache is flushed
 (``POST /reset_prefix_cache``, served with ``VLLM_SERVER_DEV_MODE=1``; retried while stores still hold blocks;
@@ -58,6 +64,7 @@ from pd_transfer.cluster.launch import (
     server_process,
 )
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, wait_ready
+from pd_transfer.offload.page_cache import DROP_METHOD, drop_from_cache, resident_fraction
 from pd_transfer.settings import child_environment, read_settings
 
 from .offload_vllm_sizing import BLOCK, MAX_TOKENS, PREFIX, TAIL, Sizing, save_result, sizing_for
@@ -65,6 +72,8 @@ from .offload_vllm_sizing import BLOCK, MAX_TOKENS, PREFIX, TAIL, Sizing, save_r
 __all__ = ["SETUPS", "Settings", "add_arguments", "cli_run", "run_end_to_end", "vllm_absent"]
 
 GOAL_HOST_VS_BEST_VLLM = 0.8
+#: the directory tier's hit (page cache warm) at most this many times vLLM's own prefix-cache hit's TTFT
+GOAL_DISK_VS_LOCAL_HIT = 1.2
 PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 REQUEST_TIMEOUT_S = 120.0
@@ -120,11 +129,17 @@ SETUPS: dict[str, tuple[str, ConfigOf]] = {
     "pd_host": ("PdOffloadConnector, host tier hit", _pd_host),
     "pd_host_only": ("PdOffloadConnector, host tier alone (no directory behind it)", _pd_host_only),
     "pd_host_async": ("PdOffloadConnector, host tier alone, loads asynchronous (offload_load: async)", _pd_host_async),
-    "pd_disk": ("PdOffloadConnector, directory tier only", _pd_disk),
+    "pd_disk": ("PdOffloadConnector, directory tier only (its files in the page cache)", _pd_disk),
+    "pd_disk_cold": ("PdOffloadConnector, directory tier only, its files dropped from the page cache", _pd_disk),
     "vllm_offloading": ("vLLM OffloadingConnector (CPU spec)", _vllm_offloading),
     "vllm_example": ("vLLM ExampleConnector (safetensors files)", _vllm_example),
+    "vllm_example_cold": ("vLLM ExampleConnector, its files dropped from the page cache", _vllm_example),
 }
 VLLM_SETUPS = ("vllm_offloading", "vllm_example")
+#: setups whose B reads files from the scratch directory: their page cache state is recorded before each B
+FILE_SETUPS = ("pd_host", "pd_disk", "pd_disk_cold", "vllm_example", "vllm_example_cold")
+#: setups whose scratch directory's files are dropped from the page cache right before each B
+COLD_SETUPS = ("pd_disk_cold", "vllm_example_cold")
 #: setups whose B finds its prefix in vLLM's own prefix cache (no flush): the floor every connector aims at
 LOCAL_HIT = "local_hit"
 SETUPS[LOCAL_HIT] = (
@@ -255,9 +270,11 @@ def _sources_after(url: str, before: Mapping[str, float], prompt_len: int) -> di
         time.sleep(0.05)
 
 
-def _round(url: str, settings: Settings, index: int, flush: bool = True) -> dict[str, Any]:
+def _round(url: str, settings: Settings, index: int, flush: bool = True,
+           before_b: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """One A / flush / B round on prompts ``index`` of the run: B's TTFT, tokens and prompt sources
-    (``flush`` False: B finds the prefix in vLLM's own cache)."""
+    (``flush`` False: B finds the prefix in vLLM's own cache); ``before_b`` runs right before B, untimed, and
+    what it returns is kept as the round's ``page_cache``."""
     prefix = _tokens(PREFIX, 2 * index, settings.salt)
     prompt_a = prefix + _tokens(TAIL, 2 * index + 1, settings.salt)
     prompt_b = prefix + _tokens(TAIL, 10**6 + index, settings.salt)
@@ -265,10 +282,27 @@ def _round(url: str, settings: Settings, index: int, flush: bool = True) -> dict
     if flush:
         _flush(url)
     before = _sources(url)
+    state = before_b() if before_b is not None else None
     ttft, tokens = _first_token(url, settings.model, prompt_b)
     sources = _sources_after(url, before, len(prompt_b))
     floor, _ = _first_token(url, settings.model, prompt_b)  # B again: its prefix now in vLLM's own cache
-    return {"ttft_s": ttft, "tokens": tokens, "sources": sources, "local_hit_s": floor}
+    result = {"ttft_s": ttft, "tokens": tokens, "sources": sources, "local_hit_s": floor}
+    return result | ({"page_cache": state} if state is not None else {})
+
+
+def _page_cache(scratch: Path, *, drop: bool) -> Callable[[], dict[str, Any]]:
+    """Before B: the files under ``scratch`` (``drop``: first dropped from the page cache, every one) and the share
+    of their pages the page cache then holds (weighted by size)."""
+
+    def state() -> dict[str, Any]:
+        files = [path for path in scratch.rglob("*") if path.is_file() and not path.name.startswith(".")]
+        for path in files if drop else ():
+            drop_from_cache(path)
+        sizes = {path: path.stat().st_size for path in files}
+        held = sum((resident_fraction(path) or 0.0) * size for path, size in sizes.items())
+        return {"files": len(files), "resident_fraction": round(held / max(1, sum(sizes.values())), 4)}
+
+    return state
 
 
 def _error_line(log_path: Path) -> str:
@@ -288,9 +322,10 @@ def _scrub(text: str) -> str:
     return text
 
 
-def _measure(server: ManagedProcess, settings: Settings, flush: bool) -> list[dict[str, Any]]:
-    _round(server.url, settings, 0, flush)  # warm-up: first compiles and first loads
-    return [_round(server.url, settings, index, flush) for index in range(1, settings.repeats + 1)]
+def _measure(server: ManagedProcess, settings: Settings, flush: bool,
+             before_b: Callable[[], dict[str, Any]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    _round(server.url, settings, 0, flush, before_b)  # warm-up: first compiles and first loads
+    return [_round(server.url, settings, index, flush, before_b) for index in range(1, settings.repeats + 1)]
 
 
 def _run_setup(name: str, settings: Settings) -> dict[str, Any]:
@@ -299,11 +334,14 @@ def _run_setup(name: str, settings: Settings) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix=f"pd-e2e-{name}-"))
     server = _server(name, config_of(scratch, _size(settings)), settings)
     result: dict[str, Any] = {"what": describe, "log": f"{name}.log"}
+    before_b = _page_cache(scratch, drop=name in COLD_SETUPS) if name in FILE_SETUPS else None
+    if name in COLD_SETUPS:
+        result["page_cache_dropped_by"] = DROP_METHOD
     try:
         server.start()
         wait_ready([server], settings.startup_timeout_s)
         result["startup_s"] = round(server.ready_after_s or 0.0, 1)
-        result["rounds"] = _measure(server, settings, flush=name != LOCAL_HIT)
+        result["rounds"] = _measure(server, settings, name != LOCAL_HIT, before_b)
     except StartupFailed:
         result["error"] = "refused to start: " + _error_line(server.log_path)
         result["refused_to_start"] = True
@@ -330,7 +368,12 @@ def _summarize(result: dict[str, Any], reference: list[list[str]] | None) -> dic
                          "all": [round(1e3 * t, 1) for t in ttfts]}  # fmt: skip
     result["prompt_tokens_by_source"] = {s: int(statistics.median(r["sources"][s] for r in rounds)) for s in SOURCES}
     result["over_local_hit_ms"] = round(1e3 * statistics.median(r["ttft_s"] - r["local_hit_s"] for r in rounds), 1)
+    result["x_local_hit"] = round(statistics.median(r["ttft_s"] / r["local_hit_s"] for r in rounds), 3)
     result["tokens"] = [r["tokens"] for r in rounds]
+    states = [r["page_cache"]["resident_fraction"] for r in rounds if "page_cache" in r]
+    if states:
+        result["page_cache"] = {"resident_fraction_before_b": {"min": min(states), "max": max(states)},
+                                "files": max(r["page_cache"]["files"] for r in rounds)}  # fmt: skip
     if reference is not None:
         equal = sum(a == b for a, b in zip(result["tokens"], reference, strict=False))
         result["tokens_equal_recompute"] = f"{equal}/{len(rounds)}"
@@ -361,6 +404,39 @@ def _verdict(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "disk_faster_than_recompute": disk_faster,
         "verified": verified,
         "goals_met": goal and host_faster and disk_faster and verified,
+    } | _disk_verdict(rows)
+
+
+def _disk_verdict(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The directory tier's hit against vLLM's own prefix-cache hit (the ``local_hit`` setup's median), page cache
+    warm (the goal, judged only where every round found the files wholly cached) and cold (no goal: what the
+    storage gives); beside them, the median of each round's B over B asked again on the same server (``x_local_hit``:
+    vLLM's own hit seconds later, which other jobs on the machine disturb less)."""
+    local = _median(rows, LOCAL_HIT)
+
+    def ratio(name: str) -> float | None:
+        median = _median(rows, name)
+        return round(median / local, 3) if median is not None and local else None
+
+    def resident(name: str, end: str) -> float | None:
+        state = (rows.get(name) or {}).get("page_cache", {}).get("resident_fraction_before_b")
+        return state[end] if state else None
+
+    def paired(name: str) -> float | None:
+        return (rows.get(name) or {}).get("x_local_hit")
+
+    warm = ratio("pd_disk")
+    return {
+        "disk_hit_ratio_vs_local_hit": warm,
+        "disk_hit_x_own_local_hit": paired("pd_disk"),
+        "disk_cold_hit_x_own_local_hit": paired("pd_disk_cold"),
+        "disk_cold_hit_ratio_vs_local_hit": ratio("pd_disk_cold"),
+        "goal_disk_vs_local_hit": GOAL_DISK_VS_LOCAL_HIT,
+        "disk_goal_met": warm is not None and warm <= GOAL_DISK_VS_LOCAL_HIT and resident("pd_disk", "min") == 1.0,
+        "disk_page_cache": {
+            "pd_disk_resident_min": resident("pd_disk", "min"),
+            "pd_disk_cold_resident_max": resident("pd_disk_cold", "max"),
+        },
     }
 
 
@@ -392,7 +468,8 @@ def _result(settings: Settings, rows: dict[str, dict[str, Any]]) -> dict[str, An
             f"(sizing); "
             f"request A ({PREFIX}-token prefix + {TAIL}-token tail), POST /reset_prefix_cache (vLLM's own cache "
             f"only), then B (same prefix, another tail) streamed, timed to its first token, then B again (a hit "
-            f"in vLLM's own cache: over_local_hit_ms is the median of the differences); 1 warm-up round, "
+            f"in vLLM's own cache: over_local_hit_ms is the median of the differences, x_local_hit of the ratios); "
+            f"1 warm-up round, "
             f"{settings.repeats} measured rounds with fresh prefixes; greedy, {MAX_TOKENS} tokens"
         ),
         "model": Path(settings.model).name,
@@ -447,8 +524,17 @@ def _table(result: dict[str, Any]) -> str:
                      f"{row.get('over_local_hit_ms', '-')!s:>10} "
                      f"{sources.get('external_kv_transfer', '-')!s:>9} {row.get('tokens_equal_recompute', '-'):>6}  "
                      f"{row.get('error', '')}")  # fmt: skip
-    keys = ("host_hit_ratio_vs_best_vllm", "host_faster_than_recompute", "disk_faster_than_recompute", "verified")
-    lines.append(", ".join(f"{k} {result[k]}" for k in (*keys, "goals_met")))
+    host = ("host_hit_ratio_vs_best_vllm", "host_faster_than_recompute", "disk_faster_than_recompute", "verified")
+    lines.append(", ".join(f"{k} {result[k]}" for k in (*host, "goals_met")))
+    disk = (
+        "disk_hit_ratio_vs_local_hit",
+        "disk_goal_met",
+        "disk_cold_hit_ratio_vs_local_hit",
+        "disk_hit_x_own_local_hit",
+        "disk_cold_hit_x_own_local_hit",
+        "disk_page_cache",
+    )
+    lines.append(", ".join(f"{k} {result[k]}" for k in disk))
     return "\n".join(lines)
 
 

@@ -21,7 +21,9 @@ format (version 2) written before groups existed are block files: still read, an
 A file's payload is written first and its header, which holds the payload checksums, last, at offset 0, before
 the rename. With two or more CPUs a file's checksums are computed on a helper thread while its payload is written
 (:mod:`.hash_ahead`: the checksum off the write's critical path); else each block's right before its write. A
-load checks each block right after its read, while its bytes are in the CPU's caches.
+load checks each block right after its read, while its bytes are in the CPU's caches; with two or more CPUs a
+load job's files are read by two threads at once (:mod:`.two_readers`). :meth:`DirectoryTier.cached` tells whether
+the page cache holds the files a load would read (:mod:`.page_cache`).
 
 The size bound covers every block and group file under ``root``. Before a batch of new files is written, a
 sweep scans them when this process's estimate plus the batch passes ``max_bytes`` and after every 10% of
@@ -63,10 +65,13 @@ from .file_format import (
 )
 from .file_io import TEMP_SUFFIX, publish, temp_name, touch, walk, write_all, writing
 from .groups import GroupReader
-from .hash_ahead import MIN_AHEAD_BYTES, ChecksumsAhead, helper_useful
+from .hash_ahead import MIN_AHEAD_BYTES, ChecksumsAhead
+from .helpers import helper_useful
 from .keys import BlockKey, check_key, short
 from .metrics import OffloadMetrics
+from .page_cache import resident_fraction
 from .specs import PageFormat, TierBlocks
+from .two_readers import by_file, read_groups
 
 __all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "DirectoryTier", "ReadOutcome", "check_header", "encode_header"]
 
@@ -111,12 +116,14 @@ class DirectoryTier:
         clock: Callable[[], float] = time.time,
         group_blocks: int = DEFAULT_GROUP_BLOCKS,
         checksum_thread: bool | None = None,
+        read_thread: bool | None = None,
     ) -> None:
         """``fsync``: flush each file before its rename (survives power loss, costs a disk flush per file;
         without it a process crash still never leaves a torn file). ``clock`` is wall time, compared with
         file mtimes to find stale temporary files. ``group_blocks``: blocks per group file (1: none).
         ``checksum_thread``: compute a store job's checksums on a helper thread while it writes
-        (:mod:`.hash_ahead`); None: when this process may use more than one CPU."""
+        (:mod:`.hash_ahead`); ``read_thread``: a load job's files are read by its thread and a helper thread at
+        once (:mod:`.two_readers`); None for either: when this process may use more than one CPU."""
         if max_bytes < page_format.block_bytes + HEADER_BYTES:
             raise OffloadInputError(f"max_bytes {max_bytes} holds no block of {page_format.block_bytes} bytes")
         self.root = Path(root)
@@ -126,6 +133,7 @@ class DirectoryTier:
         self.stale_temp_seconds = stale_temp_seconds
         self.group_blocks = check_group_blocks(group_blocks)
         self.checksum_thread = helper_useful() if checksum_thread is None else bool(checksum_thread)
+        self.read_thread = helper_useful() if read_thread is None else bool(read_thread)
         self._metrics = metrics
         self._clock = clock
         self._tag = page_format.tag
@@ -161,6 +169,27 @@ class DirectoryTier:
         if file is not None and self.group_blocks > 1 and self.group_path_of(file).is_file():
             return True
         return self.path_of(key).is_file()
+
+    def files_holding(self, keys: Sequence[BlockKey], files: Sequence[BlockKey] = ()) -> list[Path] | None:
+        """The files a load of ``keys`` would read (``files``: each key's file key, as for :meth:`exists`: its group
+        file if there, else its block file), each once, in order; None when some block has neither."""
+        found: dict[Path, None] = {}
+        for key, file in zip(keys, files or keys, strict=True):
+            group = self.group_path_of(file) if self.group_blocks > 1 else None
+            if group is not None and (group in found or group.is_file()):
+                found[group] = None
+            elif self.path_of(key).is_file():
+                found[self.path_of(key)] = None
+            else:
+                return None
+        return list(found)
+
+    def cached(self, keys: Sequence[BlockKey], files: Sequence[BlockKey] = ()) -> bool:
+        """Whether every file a load of ``keys`` would read (:meth:`files_holding`) is wholly in the page cache, so
+        the load reads no storage (:mod:`.page_cache`; a page evicted after this answer is read from storage by the
+        load). False when a block has no file or it cannot be told."""
+        paths = self.files_holding(keys, files)
+        return paths is not None and all(resident_fraction(path) == 1.0 for path in paths)
 
     # ------------------------------------------------------------------ writing files
     def write_temp(self, key: BlockKey, pages: Pages, *, reuse: Path | None = None) -> Path:
@@ -370,19 +399,24 @@ class DirectoryTier:
     ) -> tuple[int, list[BlockKey]]:
         """Load ``blocks.keys[i]`` into engine block ``block_ids[i]``, from its group file ``blocks.files[i]``
         if that exists, else from its block file; returns (bytes loaded, keys that missed). Each block is
-        checksummed right after it is read, while its bytes are still in the CPU's caches."""
+        checksummed right after it is read, while its bytes are still in the CPU's caches. With ``read_thread``
+        (and a job of 1 MiB or more) the job's files are read by this thread and a helper at once."""
         files = self._files_of(blocks)
-        missed = []
+        grouped = self.group_blocks > 1  # a group's last block has file == key: try its group first
         with GroupReader(
             self.page_format, self.group_blocks, self.group_path_of, self._reject, self._count_rejected
         ) as groups:
-            for key, file, block in zip(blocks.keys, files, block_ids, strict=True):
-                pages = [cache[block] for cache in caches]
+
+            def read(index: int) -> bool:
+                key, file = blocks.keys[index], files[index]
+                pages = [cache[block_ids[index]] for cache in caches]
                 self._check_pages(pages)
-                grouped = self.group_blocks > 1  # a group's last block has file == key: try its group first
-                if (groups.load(file, key, pages) if grouped else "missing") != "ok" and self.load(key, pages) != "ok":
-                    missed.append(key)
-        return (len(blocks.keys) - len(missed)) * self.page_format.block_bytes, missed
+                return (grouped and groups.load(file, key, pages) == "ok") or self.load(key, pages) == "ok"
+
+            two = self.read_thread and len(blocks.keys) * self.page_format.block_bytes >= MIN_AHEAD_BYTES
+            missed = read_groups(by_file(files), read, two=two)
+        failed = [key for index, key in enumerate(blocks.keys) if index in missed]
+        return (len(blocks.keys) - len(failed)) * self.page_format.block_bytes, failed
 
     def _files_of(self, blocks: TierBlocks) -> tuple[BlockKey, ...]:
         if not blocks.files:

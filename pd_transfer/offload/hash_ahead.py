@@ -13,25 +13,24 @@ helper falls behind when the other CPUs are busy): a store never waits for a hel
 ``ahead`` (one CPU, or a job too small to gain) the store hashes each block on its own thread right before
 writing it, while the bytes are in the CPU's caches.
 
-The helper is one thread per process, started on first use and blocked on its queue while idle (it never
-spins); a forked child starts its own. Contract: the pages stay unchanged until the context exits; on exit
+The helper is one thread per process (:mod:`.helpers`), started on first use and blocked on its queue while idle
+(it never spins); a forked child starts its own. Contract: the pages stay unchanged until the context exits; on exit
 every file not started is cancelled and a running one is waited for, so nothing reads them after the store
 returns (the engine may then reuse its blocks).
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from types import TracebackType
 
 import numpy as np
 
-from pd_transfer.affinity import allowed_cpus
-
 from .checksum import payload_checksum
+from .helpers import helper, helper_useful
+
+__all__ = ["MIN_AHEAD_BYTES", "WAIT_SECONDS", "ChecksumsAhead", "file_checksums", "helper_useful"]
 
 #: a job of fewer payload bytes hashes on the caller's thread (a hand-off costs tens of microseconds)
 MIN_AHEAD_BYTES = 1 << 20
@@ -40,32 +39,10 @@ WAIT_SECONDS = 300.0
 
 Pages = Sequence[np.ndarray]
 
-_lock = threading.Lock()
-_helper: ThreadPoolExecutor | None = None
-
-
-def _forget_helper() -> None:
-    """In a forked child: the parent's helper thread does not exist there, and the lock may have been held."""
-    global _lock, _helper
-    _lock, _helper = threading.Lock(), None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_helper)
-
-
-def helper_useful() -> bool:
-    """Whether this process may run on more than one CPU (else a helper thread only adds hand-offs)."""
-    return len(allowed_cpus()) > 1
-
 
 def _pool() -> ThreadPoolExecutor:
-    """The process's helper thread, started on first use."""
-    global _helper
-    with _lock:
-        if _helper is None:
-            _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-offload-checksum")
-        return _helper
+    """The process's checksum helper thread, started on first use."""
+    return helper("checksum")
 
 
 def file_checksums(blocks: Sequence[Pages]) -> list[int]:

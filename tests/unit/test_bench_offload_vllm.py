@@ -92,3 +92,27 @@ def test_a_yardstick_refusing_to_start_is_recorded_not_failed() -> None:
     assert offload_vllm.exit_code({"setups": {**setups, "pd_host": refused}, "verified": True}) == 1  # ours: a failure
     broke = {"error": "failed while serving: timed out"}
     assert offload_vllm.exit_code({"setups": {**setups, "vllm_example": broke}, "verified": True}) == 1
+
+
+def test_the_page_cache_state_before_b_is_recorded_and_a_cold_setup_drops_its_files(tmp_path: Path) -> None:
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "k.kvgroup").write_bytes(b"x" * 65536)
+    (tmp_path / "ab" / ".k.kvgroup.1.tmp").write_bytes(b"x" * 4096)  # a temporary file: not counted
+    assert offload_vllm._page_cache(tmp_path, drop=False)() == {"files": 1, "resident_fraction": 1.0}
+    cold = offload_vllm._page_cache(tmp_path, drop=True)()
+    assert cold["files"] == 1 and cold["resident_fraction"] in (0.0, 1.0)  # 1.0 only where the cache keeps files
+
+
+def test_the_directory_goal_is_judged_against_vllms_own_hit_and_only_warm() -> None:
+    def row(median: float, resident: float | None = None) -> dict:
+        cached = {"page_cache": {"resident_fraction_before_b": {"min": resident, "max": resident}}}
+        return {"ttft_ms": {"median": median}, "x_local_hit": median / 30} | (cached if resident is not None else {})
+
+    rows = {"local_hit": row(30.0), "pd_disk": row(35.0, 1.0), "pd_disk_cold": row(60.0, 0.0)}
+    verdict = offload_vllm._disk_verdict(rows)
+    assert verdict["disk_hit_ratio_vs_local_hit"] == 1.167 and verdict["disk_goal_met"] is True
+    assert verdict["disk_cold_hit_ratio_vs_local_hit"] == 2.0 and verdict["disk_cold_hit_x_own_local_hit"] == 2.0
+    assert verdict["disk_page_cache"] == {"pd_disk_resident_min": 1.0, "pd_disk_cold_resident_max": 0.0}
+    assert offload_vllm._disk_verdict({**rows, "pd_disk": row(35.0, 0.5)})["disk_goal_met"] is False  # not warm
+    assert offload_vllm._disk_verdict({**rows, "pd_disk": row(37.0, 1.0)})["disk_goal_met"] is False  # 1.233
+    assert offload_vllm._disk_verdict({"pd_disk": row(35.0, 1.0)})["disk_hit_ratio_vs_local_hit"] is None

@@ -451,3 +451,51 @@ def test_the_scheduler_names_whole_groups_and_another_engine_finds_them(tmp_path
     finally:
         first_side.close()
         second_side.close()
+
+
+def test_a_directory_hit_loads_in_the_step_while_the_page_cache_holds_its_files(tmp_path: Path) -> None:
+    """Under ``auto`` a directory hit whose files the page cache holds whole loads in the step (the bytes are in
+    place when load_in_step returns, the request is never waiting); once one of its files is dropped from the page
+    cache, the same hit loads asynchronously (the request waits for finished_recving)."""
+    import torch
+
+    from pd_transfer.offload import DirectoryTier, OffloadManager, PageFormat, TransferWorker, chain_block_keys
+    from pd_transfer.offload.page_cache import drop_from_cache, resident_fraction
+    from pd_transfer.spec import ModelFingerprint
+
+    fingerprint = ModelFingerprint(model="m", dtype="float32", num_layers=2, total_num_kv_heads=1, head_size=8)
+    fmt = PageFormat(fingerprint=fingerprint, page_bytes=(4096, 4096), block_size=4)
+    caches = [torch.randint(0, 256, (20, 4096), dtype=torch.uint8) for _ in range(2)]
+    prompt = list(range(3, 3 + 4 * 6 + 2))  # 6 full blocks: a group file of blocks 0-3, block files 4 and 5
+    tier = DirectoryTier(tmp_path, fmt, max_bytes=1 << 24, group_blocks=GROUP)
+    manager = OffloadManager("disk", 1 << 24, fmt.block_bytes, probe=tier.exists)
+    keys_of = lambda tokens: chain_block_keys(fingerprint, tokens, 4)  # noqa: E731
+    scheduler = OffloadScheduler({"disk": manager}, 4, keys_of, group_blocks=GROUP, disk_cached=tier.cached)
+    side = OffloadWorkerSide({"disk": TransferWorker(caches, tier)})
+    try:
+        scheduler.match("a", prompt, 0)
+        scheduler.computed("a", len(prompt), list(range(6)))
+        side.start_stores(scheduler.take_step())
+        scheduler.on_results(_collect_until(side, lambda r: bool(r.results), set()).results)
+        assert scheduler.match("b", prompt, 0) == 4 * 6 and scheduler.loads_in_step("b")
+        scheduler.after_alloc("b", list(range(8, 14)), 4 * 6)
+        step = scheduler.take_step()
+        assert step.sync_loads and not step.loads
+        side.load_in_step(step)
+        assert all(torch.equal(c[8:14], c[0:6]) for c in caches)  # before any collect
+        loaded = side.collect(set())
+        assert loaded.finished_recving == set() and loaded.invalid_block_ids == set()
+        scheduler.on_results(loaded.results)
+
+        group = tier.group_path_of(keys_of(prompt)[3])
+        drop_from_cache(group)
+        if resident_fraction(group) != 0.0:
+            pytest.skip(f"the filesystem of {tmp_path} keeps dropped pages in memory")
+        assert scheduler.match("c", prompt, 0) == 4 * 6 and not scheduler.loads_in_step("c")
+        scheduler.after_alloc("c", list(range(14, 20)), 4 * 6)
+        side.start_loads(scheduler.take_step())
+        loaded = _collect_until(side, lambda r: bool(r.finished_recving), set())
+        assert loaded.finished_recving == {"c"} and loaded.invalid_block_ids == set()
+        assert all(torch.equal(c[14:20], c[0:6]) for c in caches)
+    finally:
+        side.close()

@@ -9,7 +9,8 @@
   1: a file per block);
 * ``offload_max_queued_jobs``: jobs a tier's worker thread may have waiting (default 64);
 * ``offload_load``: when hits are loaded: ``auto`` (default: in the step that computes the rest of the prompt
-  when every hit block is in host memory, asynchronously when any comes from the directory), ``sync``, ``async``.
+  when every hit block is in host memory or in directory files the page cache holds whole, asynchronously when any
+  must be read from storage), ``sync``, ``async``.
 
 Both the scheduler and the worker build the same :class:`PageFormat` from vLLM's ``KVCacheConfig`` (one page
 per layer, ``page_size_bytes`` each, in the order of the KV cache group's layer names), so the scheduler can

@@ -11,19 +11,19 @@ Enable it with::
 
 Scheduler side (:mod:`.offload_scheduler`): a request's full prompt blocks are looked up by chained key (host tier,
 then the directory tier) and the hits reported as external tokens, loaded either in the step that computes the rest
-of the prompt (before its forward: ``offload_load`` ``auto`` does this for hits all in host memory) or
-asynchronously (vLLM's ``load_kv_async`` path: the request waits in WAITING_FOR_REMOTE_KVS); the prompt blocks each
-step completes are stored into every tier after that step's forward, and a finished request's blocks stay allocated
-until its stores are done. Worker side (:mod:`.offload_worker`): one :class:`~pd_transfer.offload.TransferWorker`
-per tier over canonical ``(num_blocks, page_bytes)`` uint8 views of vLLM's cache tensors (each layer's blocks in
-memory order). A GPU engine's cache offloads to host memory only: its host pool is pinned and its blocks move on a
-stream of their own, after the kernels that wrote them (:mod:`pd_transfer.offload.device_copy`); the directory tier
-is refused at startup with such a cache. A failed or damaged
-load is reported as invalid blocks (vLLM recomputes them; ``kv_load_failure_policy`` is set to ``recompute``) and
-the keys invalidated. Worker results reach the scheduler through vLLM's worker metadata hook. With TP, every rank
-stores and loads its own share of each block (its own host pool of ``offload_host_bytes / TP`` bytes, its own files,
-named by a page format that includes the rank), and the scheduler completes a job once all ranks reported it. PP 1
-and one KV cache group only (refused at startup otherwise).
+of the prompt (before its forward: ``offload_load`` ``auto`` does this for hits all in memory, the host tier's or in
+directory files the page cache holds whole) or asynchronously (vLLM's ``load_kv_async`` path: the request waits in
+WAITING_FOR_REMOTE_KVS; ``auto`` for hits read from storage); the prompt blocks each step completes are stored into
+every tier after that step's forward, and a finished request's blocks stay allocated until its stores are done. Worker
+side (:mod:`.offload_worker`): one :class:`~pd_transfer.offload.TransferWorker` per tier over canonical ``(num_blocks,
+page_bytes)`` uint8 views of vLLM's cache tensors (each layer's blocks in memory order). A GPU engine's cache offloads
+to host memory only: its host pool is pinned and its blocks move on a stream of their own, after the kernels that
+wrote them (:mod:`pd_transfer.offload.device_copy`); the directory tier is refused at startup with such a cache. A
+failed or damaged load is reported as invalid blocks (vLLM recomputes them; ``kv_load_failure_policy`` is set to
+``recompute``) and the keys invalidated. Worker results reach the scheduler through vLLM's worker metadata hook. With
+TP, every rank stores and loads its own share of each block (its own host pool of ``offload_host_bytes / TP`` bytes,
+its own files, named by a page format that includes the rank), and the scheduler completes a job once all ranks
+reported it. PP 1 and one KV cache group only (refused at startup otherwise).
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
         fmt = self.page_formats[0]
         block_bytes = fmt.block_bytes * self.tp_size
         managers: dict[str, OffloadManager] = {}
+        probes: list[DirectoryTier] = []  # one per rank's format: a block is there when every rank's share is
         if self.config.host_bytes:
             managers["host"] = OffloadManager("host", self.config.host_bytes, block_bytes, metrics=self._metrics)
         if self.config.dir:
@@ -174,6 +175,7 @@ class PdOffloadConnector(KVConnectorBase_V1):
             load_mode=self.config.load_mode,
             ranks=self.tp_size,
             group_blocks=self.config.group_blocks,
+            disk_cached=lambda keys, files: all(tier.cached(keys, files) for tier in probes),
         )
 
     # ------------------------------------------------------------------ worker side

@@ -39,9 +39,13 @@ logger = logging.getLogger(__name__)
 TIER_ORDER = ("host", "disk")
 
 #: ``offload_load`` modes: ``auto`` loads in the step when every planned block is in host memory (a copy of
-#: well under a millisecond per thousand tokens here) and asynchronously when any comes from the directory
-#: (a cold read would hold up every request in the step); ``sync`` and ``async`` force one way.
+#: well under a millisecond per thousand tokens here) or in directory files the page cache holds whole (a copy
+#: and a checksum), and asynchronously when any must come from storage (a cold read would hold up every request
+#: in the step); ``sync`` and ``async`` force one way.
 LOAD_MODES = ("auto", "sync", "async")
+
+#: ``disk_cached(keys, files)``: whether the directory tier's files holding these blocks are in the page cache
+DiskCached = Callable[[Sequence[BlockKey], Sequence[BlockKey]], bool]
 
 
 @dataclass
@@ -87,15 +91,19 @@ class OffloadScheduler:
         load_mode: str = "auto",
         ranks: int = 1,
         group_blocks: int = DEFAULT_GROUP_BLOCKS,
+        disk_cached: DiskCached | None = None,
     ) -> None:
         """``ranks``: the TP ranks whose workers each report every job (a job is done when all have);
-        ``group_blocks``: the directory tier's blocks per group file (its workers' setting)."""
+        ``group_blocks``: the directory tier's blocks per group file (its workers' setting); ``disk_cached``:
+        whether a directory hit's files are in the page cache (every rank's; None: never, so ``auto`` loads
+        directory hits asynchronously)."""
         if load_mode not in LOAD_MODES:
             raise ValueError(f"load mode must be one of {LOAD_MODES}, got {load_mode!r}")
         self.load_mode = load_mode
         self.managers = {tier: managers[tier] for tier in TIER_ORDER if tier in managers}
         self.block_size = block_size
         self.group_blocks = group_blocks
+        self._disk_cached = disk_cached
         self._keys_of = keys_of
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, tuple[str, TierBlocks]] = {}  # job id -> (direction, blocks)
@@ -124,10 +132,20 @@ class OffloadScheduler:
             if hits:
                 request.plan.append((tier, hits))
                 at += hits
-        request.sync = self.load_mode == "sync" or (
-            self.load_mode == "auto" and all(tier == "host" for tier, _ in request.plan)
-        )
+        request.sync = self.load_mode == "sync" or (self.load_mode == "auto" and self._in_memory(request))
         return (at - request.skip) * self.block_size
+
+    def _in_memory(self, request: _Request) -> bool:
+        """Whether every block of the planned load is in memory: the host tier's, or in directory files the page
+        cache holds whole."""
+        at = request.skip
+        for tier, count in request.plan:
+            if tier == "disk":
+                cached = self._disk_cached
+                if cached is None or not cached(request.keys[at : at + count], request.files[at : at + count]):
+                    return False
+            at += count
+        return True
 
     def loads_in_step(self, req_id: str) -> bool:
         """Whether the load :meth:`match` planned for the request runs in the step (vLLM's ``load_kv_async``
