@@ -30,6 +30,7 @@ import numpy as np
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 from pd_transfer.transfer import PeerDisconnected, ReadStats, TransferError, UnknownPeer
+from pd_transfer.transfer.dlists import nothing_to_move
 
 logger = logging.getLogger(__name__)
 
@@ -335,11 +336,7 @@ class FakeAgent:
         notification: bytes,
     ) -> ReadStats:
         started = time.perf_counter()
-        if local.released or remote.released:
-            raise TransferError(f"agent {self.name}: descriptor list for {remote.peer} was released")
-        if len(local_indices) != len(remote_indices):
-            raise ValueError(f"{len(local_indices)} local rows but {len(remote_indices)} remote rows")
-        if len(local_indices) == 0:
+        if nothing_to_move(self.name, local, local_indices, remote, remote_indices):
             return ReadStats(bytes=0, descriptors=0, post_seconds=0.0, seconds=0.0)
         ours = local.rows[np.asarray(local_indices, dtype=np.int64)]
         theirs = remote.rows[np.asarray(remote_indices, dtype=np.int64)]

@@ -22,7 +22,7 @@ import numpy as np
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 
-from .dlists import DescriptorList, merged_spans
+from .dlists import DescriptorList, merged_spans, nothing_to_move
 from .errors import TransferError, TransferTimeout, UnknownPeer
 from .huge_pages import HugePageCollapser
 from .lanes import DEFAULT_SPLIT_MIN_BYTES, LaneRead, ReadLanes
@@ -394,11 +394,7 @@ class TransferAgent:
     ) -> ReadStats:
         """One READ or WRITE between ``local`` and ``remote`` rows, posted and waited for."""
         verb = operation.lower()
-        if remote.released or local.released:
-            raise TransferError(f"agent {self.name}: descriptor list for {remote.peer} was released")
-        if len(local_indices) != len(remote_indices):
-            raise ValueError(f"{len(local_indices)} local rows but {len(remote_indices)} remote rows")
-        if len(local_indices) == 0:
+        if nothing_to_move(self.name, local, local_indices, remote, remote_indices):
             return ReadStats(bytes=0, descriptors=0, post_seconds=0.0, seconds=0.0)
         local_indices = np.asarray(local_indices, dtype=np.int32)
         remote_indices = np.asarray(remote_indices, dtype=np.int32)

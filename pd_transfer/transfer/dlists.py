@@ -9,6 +9,8 @@ import numpy as np
 
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace
 
+from .errors import TransferError
+
 
 def merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
     """(start, end) byte ranges covering every region, overlapping or touching ranges merged."""
@@ -20,6 +22,28 @@ def merged_spans(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
         else:
             merged.append((start, end))
     return merged
+
+
+class ReleasableList(Protocol):
+    """A descriptor list as a transfer checks it: whose rows it names, and whether it was released."""
+
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def released(self) -> bool: ...
+
+
+def nothing_to_move(
+    agent: str, local: ReleasableList, local_indices: np.ndarray, remote: ReleasableList, remote_indices: np.ndarray
+) -> bool:
+    """Check a transfer's arguments before anything is posted: a released list raises ``TransferError`` (naming
+    ``agent`` and the peer), rows of unequal count ``ValueError``. Returns True when no rows are asked for."""
+    if remote.released or local.released:
+        raise TransferError(f"agent {agent}: descriptor list for {remote.peer} was released")
+    if len(local_indices) != len(remote_indices):
+        raise ValueError(f"{len(local_indices)} local rows but {len(remote_indices)} remote rows")
+    return len(local_indices) == 0
 
 
 class DescriptorListOwner(Protocol):
