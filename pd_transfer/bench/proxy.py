@@ -66,6 +66,7 @@ BACKEND_DELAY = {"prefill_s": 0.020, "decode_token_s": 0.010}
 # latency (p50 and p99) at most the router's.
 GOAL_CPU_X = 1.5
 GOAL_LATENCY_X = 1.0
+MIN_CPU_TICKS = 10  # fewer and a CPU ratio is mostly rounding
 
 
 def run_bench(
@@ -122,7 +123,7 @@ def run_bench(
                 proc.wait()
     result.update(
         {
-            "goal": _goal(result[f"concurrency_{max(concurrencies)}"]),
+            "goal": goal_verdict(result[f"concurrency_{max(concurrencies)}"]),
             "started_utc": started.isoformat(timespec="seconds"),
             "stream": stream,
             "requests_per_setting": counts,
@@ -149,11 +150,13 @@ def run_bench(
     return result
 
 
-def _goal(summary: dict[str, Any]) -> dict[str, Any]:
+def goal_verdict(summary: dict[str, Any]) -> dict[str, Any]:
     """Whether ``summary`` (one concurrency's) meets the goal beside vLLM's router (see the module)."""
     if "vs_vllm_router" not in summary:
         return {"met": None, "why": "no vllm-router in this run"}
     x = summary["vs_vllm_router"]
+    if x["cpu_per_request"] is None:
+        return {"met": None, "why": "too few CPU clock ticks to compare CPU per request; run more requests", **x}
     met = x["cpu_per_request"] <= GOAL_CPU_X and max(x["p50"], x["p99"]) <= GOAL_LATENCY_X
     return {
         "concurrency": summary["concurrency"],
@@ -378,6 +381,7 @@ def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
     }
     if "vllm_router" in runs.times:
         r = _percentiles(runs.times["vllm_router"])
+        r_n = len(runs.times["vllm_router"])
         out["vllm_router"] = {
             "added_ms_p50": round(r["p50"] - d["p50"], 3),
             "added_ms_p99": round(r["p99"] - d["p99"], 3),
@@ -388,9 +392,10 @@ def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
             "cpu_s": round(runs.cpu["vllm_router"], 2),
             "failed": len(runs.failures["vllm_router"]),
         }
-        router_cpu = out["vllm_router"]["cpu_ms_per_request"]
         out["vs_vllm_router"] = {
-            "cpu_per_request": round(out["proxy_cpu_ms_per_request"] / router_cpu, 2) if router_cpu else None,
+            "cpu_per_request": cpu_per_request_ratio(
+                runs.cpu["proxy"], len(runs.times["proxy"]), runs.cpu["vllm_router"], r_n
+            ),
             "p50": round(p["p50"] / r["p50"], 3),
             "p99": round(p["p99"] / r["p99"], 3),
         }
@@ -398,6 +403,15 @@ def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
     if first:
         out["first_failures"] = first
     return out
+
+
+def cpu_per_request_ratio(ours_s: float, ours_n: int, theirs_s: float, theirs_n: int) -> float | None:
+    """Our CPU per request over theirs, or None when either total is under ``MIN_CPU_TICKS`` clock ticks (``/proc``
+    counts CPU in ticks, 10 ms on Linux; a fast router may spend less than one over a short run)."""
+    least = MIN_CPU_TICKS / os.sysconf("SC_CLK_TCK")
+    if ours_s < least or theirs_s < least or not ours_n or not theirs_n:
+        return None
+    return round((ours_s / ours_n) / (theirs_s / theirs_n), 2)
 
 
 def _cpu_seconds(pid: int) -> float:
