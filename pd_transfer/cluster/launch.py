@@ -76,6 +76,9 @@ class ServerSpec:
     #: SIGTERM drains for at most this many seconds (vLLM's ``--shutdown-timeout``, whole seconds, rounded up;
     #: ``DRAIN_MIDDLEWARE`` answers 503 meanwhile); None: vLLM's default, SIGTERM aborts what runs and exits
     drain_seconds: float | None = None
+    #: vLLM's ``--enforce-eager``: no torch.compile at startup (on a CPU server of the tiny model that compile is
+    #: most of its start: 11-65 s of "init engine" here, against 0.2 s without it)
+    eager: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -180,6 +183,8 @@ def vllm_command(spec: ServerSpec, python: str = sys.executable, *, connector: b
             command += [flag, str(value)]
     if spec.tp_size != 1:
         command += ["--tensor-parallel-size", str(spec.tp_size)]
+    if spec.eager:
+        command.append("--enforce-eager")
     if _whole_gib(spec) is None:  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
         command += ["--kv-cache-memory-bytes", str(int(spec.kvcache_gib * GIB))]
     if connector:

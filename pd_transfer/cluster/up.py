@@ -81,6 +81,7 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
             seed=0,
             extra_args=("--served-model-name", served_name),
             drain_seconds=DRAIN_S if connector else None,
+            eager=args.eager,
             **(_offload(args) if connector else {}),
         )
         planned.append(PlannedServer(name, spec, connector))

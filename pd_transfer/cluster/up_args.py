@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--startup-timeout", type=float, default=900.0, metavar="S", help="bound on the servers' startup (900)"
     )
     parser.add_argument("--dtype", default="float32", help="vLLM --dtype of every server (default float32)")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="vLLM --enforce-eager on every server: no torch.compile, so a CPU server starts in seconds less (its"
+        " compile is most of a tiny model's start)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048, metavar="N", help="vLLM --max-model-len (2048)")
     parser.add_argument("--kvcache-gib", type=float, default=1.0, metavar="GIB", help="KV cache per server (1)")
     parser.add_argument(

@@ -91,6 +91,7 @@ def test_minimal_command_leaves_vllm_defaults_alone() -> None:
     command = vllm_command(_spec(), python="python")
     for flag in ("--block-size", "--tensor-parallel-size", "--dtype", "--seed", "--kv-cache-memory-bytes"):
         assert flag not in command
+    assert "--enforce-eager" not in command  # compiled, vLLM's default
     extra = json.loads(flag_value(command, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": 8200}
     assert ConnectorConfig.from_dict(extra, env={}).failure_policy == "recompute"
@@ -179,6 +180,22 @@ def test_cpu_binds_spread_ranks_over_cores() -> None:
     assert cpu_binds([2, 1], [0, 1]) == ["0|1", "0"]
     assert cpu_binds([2, 1], [0, 1, 2, 3, 4, 5]) == ["0-1|2-3", "4-5"]
     assert cpu_binds([1], [0, 2, 4]) == ["0,2,4"]
+
+
+def test_up_eager_runs_every_server_eager_and_only_when_asked() -> None:
+    import argparse
+
+    from pd_transfer.cluster.up import add_arguments, plan_servers, validate
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, eager in ((["--demo", "--eager"], True), (["--demo"], False)):
+        args = parser.parse_args(flags)
+        assert validate(args) == []
+        planned = plan_servers(args, MODEL_DIR, "tiny")
+        assert [p.name for p in planned] == ["prefill-0", "decode-0", "reference"]  # the plain one too
+        for server in planned:
+            assert ("--enforce-eager" in vllm_command(server.spec, connector=server.connector)) is eager
 
 
 def test_up_offload_dir_wires_every_connector_server(tmp_path: Path) -> None:

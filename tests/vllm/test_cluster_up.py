@@ -143,7 +143,7 @@ class Cluster:
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, ManagedProcess]]:
     work = tmp_path_factory.mktemp("up")
     base = free_base_port()
-    reference = reference_server(DEFAULT_MODEL, work)
+    reference = reference_server(DEFAULT_MODEL, work, eager=False)  # compiled, as `up` below: what users run
     output = work / "up.out"
     # the test brings its own reference and checks every answer itself; the cluster stays up for it
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--demo", "--no-check", "--keep"]

@@ -23,7 +23,7 @@ if _MISSING is not None:
 pytestmark = [pytest.mark.timeout(1200)]
 
 from test_vllm_offload import BLOCK, BLOCK_BYTES, CACHE_BLOCKS, PREFIX, PROMPT_METRIC, TAIL, _tokens  # noqa: E402
-from vllm_servers import DEFAULT_MODEL, Serve, completion, logs_dir, metric_value, tokens_of  # noqa: E402
+from vllm_servers import DEFAULT_MODEL, EAGER, Serve, completion, logs_dir, metric_value, tokens_of  # noqa: E402
 
 from pd_transfer.affinity import allowed_cpus  # noqa: E402
 from pd_transfer.cluster.http_client import free_port, wait_metric  # noqa: E402
@@ -65,6 +65,7 @@ def server(tiny_model: str, serve: Serve, tmp_path_factory: pytest.TempPathFacto
         dtype="float32",
         max_model_len=8 * BLOCK,
         seed=0,
+        eager=EAGER,
         extra_args=("--num-gpu-blocks-override", str(CACHE_BLOCKS), "--kv-transfer-config", json.dumps(config)),
     )
     logs = logs_dir("pd-transfer-vllm-offload-tp")

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_servers import KV_CACHE_BYTES, free_base_port, live_in_group
+from vllm_servers import EAGER, KV_CACHE_BYTES, free_base_port, live_in_group
 
 UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
 DEMO_TIMEOUT_S = 600.0  # four requests, each at most a 30 s read timeout plus a recompute
@@ -35,7 +35,7 @@ def test_up_demo_across_tp_sizes(tiny_model: str, tmp_path: Path, prefill_tp: in
     logs = tmp_path / "logs"
     base = free_base_port()  # servers at base + 0..2 (side channels + 100), the proxy at base - 1
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--demo", "--model", tiny_model]
-    command += ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
+    command += ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), *(["--eager"] if EAGER else [])]
     command += ["--kvcache-gib", str(KV_CACHE_BYTES / 2**30), "--proxy-port", str(base - 1)]
     command += ["--base-port", str(base), "--log-dir", str(logs), "--startup-timeout", str(UP_TIMEOUT_S)]
     started = time.monotonic()

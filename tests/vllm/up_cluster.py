@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_servers import DEFAULT_MODEL, KV_CACHE_BYTES, free_base_port
+from vllm_servers import DEFAULT_MODEL, EAGER, KV_CACHE_BYTES, free_base_port
 
 REPO = Path(__file__).resolve().parents[2]
 UP_TIMEOUT_S = float(os.environ.get("PD_TRANSFER_VLLM_STARTUP_S", "900"))
@@ -92,6 +92,7 @@ def up_cluster(work: Path, *flags: str, timeout_s: float = UP_TIMEOUT_S) -> Iter
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--model", DEFAULT_MODEL]
     command += ["--kvcache-gib", str(KV_CACHE_BYTES / 2**30), "--base-port", str(base)]
     command += ["--proxy-port", str(base - 1), "--log-dir", str(work / "logs"), "--startup-timeout", str(timeout_s)]
+    command += ["--eager"] if EAGER else []
     command += list(flags)
     previous = signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
     output = work / "up.out"

@@ -39,6 +39,7 @@ from pd_transfer.cluster.processes import ManagedProcess, group_members, stop_al
 
 __all__ = [
     "DEFAULT_MODEL",
+    "EAGER",
     "KV_CACHE_BYTES",
     "PREFILL_LEASE_S",
     "SMALL_BLOCK",
@@ -77,6 +78,10 @@ PREFILL_LEASE_S = 15.0
 SMALL_BLOCK = 32
 SMALL_LEASE_S = 20.0
 SMALL_CACHE_BLOCKS = 256  # so that freed blocks are soon reused
+#: The test servers run eager (vLLM's ``--enforce-eager``, ``up --eager``): torch.compile's warm-up is most of a CPU
+#: server's start (11-65 s of "init engine" against 0.2 s), and the tests start dozens. What a user runs by default,
+#: compiled, is checked by tests/vllm/test_cluster_up.py (``up --demo`` as the README runs it).
+EAGER = True
 
 #: What the ``serve`` fixture (tests/vllm/conftest.py) is: start these servers, stop them when the module ends.
 Serve = Callable[[Sequence[ManagedProcess]], list[ManagedProcess]]
@@ -122,8 +127,8 @@ def vllm_server(
     extra_args: Sequence[str] = (),
     **spec_changes: Any,
 ) -> ManagedProcess:
-    """A test server (not started): float32, 2048 tokens, seed 0, ``KV_CACHE_BYTES`` of cache, on the
-    ``cpu_index``-th allowed CPU, fresh free ports, its log ``logs/NAME.log``; ``connector=False``: plain.
+    """A test server (not started): float32, 2048 tokens, seed 0, ``KV_CACHE_BYTES`` of cache, eager (``EAGER``), on
+    the ``cpu_index``-th allowed CPU, fresh free ports, its log ``logs/NAME.log``; ``connector=False``: plain.
     ``spec_changes``: other :class:`ServerSpec` fields (``max_model_len``, ``kvcache_gib``, ``offload_dir``...)."""
     role: Role = name if name in ("prefill", "decode") else "both"  # type: ignore[assignment]
     spec = ServerSpec(
@@ -140,14 +145,15 @@ def vllm_server(
         dtype="float32",
         max_model_len=2048,
         seed=0,
+        eager=EAGER,
     )
     spec = dataclasses.replace(spec, **spec_changes)
     return server_process(name, spec, logs / f"{name}.log", python=VLLM_PYTHON, connector=connector)
 
 
-def reference_server(model: str, logs: Path, block_size: int | None = None) -> ManagedProcess:
-    """A plain server (no connector) whose greedy tokens the P/D answers must equal."""
-    return vllm_server("reference", model, logs, cpu_index=0, connector=False, block_size=block_size)
+def reference_server(model: str, logs: Path, block_size: int | None = None, *, eager: bool = EAGER) -> ManagedProcess:
+    """A plain server (no connector) whose greedy tokens the P/D answers must equal (``eager`` as theirs)."""
+    return vllm_server("reference", model, logs, cpu_index=0, connector=False, block_size=block_size, eager=eager)
 
 
 def make_servers(model: str, logs: Path, block_size: int | None = None) -> list[ManagedProcess]:
