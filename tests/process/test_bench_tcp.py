@@ -122,4 +122,6 @@ def test_a_busy_prefill_engine_is_measured_as_asked() -> None:
     tcp = json.loads(done.stdout.strip().splitlines()[-1])["tcp"]
     assert tcp["settings"]["busy_prefill_engine"] is True
     assert all(tcp[case]["verified"] is True for case in ("contiguous", "scattered"))
-    assert tcp["idle_cpu_percent_prefill"] > 20
+    # the loop ran: here a prefill idles at 1.3 % without it and 100 % with it on a quiet machine; the bound leaves
+    # the loop its fair share of 2 cores up to a load of about 20 (a busy CI machine), where 20 % was too much
+    assert tcp["idle_cpu_percent_prefill"] > 5
