@@ -381,7 +381,7 @@ def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
     }
     if "vllm_router" in runs.times:
         r = _percentiles(runs.times["vllm_router"])
-        r_n = len(runs.times["vllm_router"])
+        router_requests = len(runs.times["vllm_router"])
         out["vllm_router"] = {
             "added_ms_p50": round(r["p50"] - d["p50"], 3),
             "added_ms_p99": round(r["p99"] - d["p99"], 3),
@@ -394,7 +394,7 @@ def _summary(runs: _Runs, concurrency: int) -> dict[str, Any]:
         }
         out["vs_vllm_router"] = {
             "cpu_per_request": cpu_per_request_ratio(
-                runs.cpu["proxy"], len(runs.times["proxy"]), runs.cpu["vllm_router"], r_n
+                runs.cpu["proxy"], len(runs.times["proxy"]), runs.cpu["vllm_router"], router_requests
             ),
             "p50": round(p["p50"] / r["p50"], 3),
             "p99": round(p["p99"] / r["p99"], 3),

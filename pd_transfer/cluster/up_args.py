@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eager",
         action="store_true",
-        help="vLLM --enforce-eager on every server: no torch.compile, so a CPU server starts in seconds less (its"
-        " compile is most of a tiny model's start)",
+        help="vLLM --enforce-eager on every server: no torch.compile at startup, which on CPU is most of a small"
+        " model's start",
     )
     parser.add_argument("--max-model-len", type=int, default=2048, metavar="N", help="vLLM --max-model-len (2048)")
     parser.add_argument("--kvcache-gib", type=float, default=1.0, metavar="GIB", help="KV cache per server (1)")
