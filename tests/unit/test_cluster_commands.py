@@ -136,6 +136,8 @@ def test_vllm_env(tmp_path: Path) -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert env["UCX_NET_DEVICES"] == "lo"  # loopback side channel
     assert env["HF_HUB_OFFLINE"] == "1"  # a local model folder
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"  # vLLM-CPU 0.32 never loads what it saves
+    assert vllm_env(_spec(), {"VLLM_USE_AOT_COMPILE": "1"})["VLLM_USE_AOT_COMPILE"] == "1"  # the caller's choice
     assert env["PATH"] == "/bin" and env["PD_SECRET"] == "s3cret"
     assert base["VLLM_CPU_KVCACHE_SPACE"] == "7", "the base environment must not change"
     # A UCX choice of the caller stays; a non-local side channel does not force loopback; a hub id stays online.
