@@ -204,8 +204,8 @@ AOT_COMPILE_OFF = ("VLLM_USE_AOT_COMPILE", "0")
 def vllm_env(spec: ServerSpec, base_env: Mapping[str, str], *, require_secret: bool = True) -> dict[str, str]:
     """``base_env`` plus what the server needs: KV cache size, CPU binding, UCX on loopback unless told
     otherwise, offline model hub for a local model folder, vLLM's AOT compile cache off unless told otherwise
-    (``AOT_COMPILE_OFF``), unbuffered output. Raises ``ValueError`` when
-    ``secret_env`` names a variable that ``base_env`` lacks (unless ``require_secret`` is false)."""
+    (``AOT_COMPILE_OFF``), unbuffered output. Raises ``ValueError`` when ``secret_env`` names a variable that
+    ``base_env`` lacks (unless ``require_secret`` is false)."""
     env = dict(base_env)
     gib = _whole_gib(spec)
     if gib is None:
