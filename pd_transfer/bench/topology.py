@@ -6,7 +6,9 @@ Cases on the default model shape (32 layers, K and V apart, 8 KV heads x 128, bf
 of 16 tokens -> decode blocks of 64, regrouped after receive), each against prefill TP 1 / block 16 ->
 decode TP 1 / block 16 moving the same 512 MiB. Beside the figures: the host's own copy rate (512 MiB contiguous,
 one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, the time it finished
-(UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane).
+(UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane). With the caches in host memory,
+``cma_ceiling``: the same rows read by batched ``process_vm_readv`` on as many threads as the decode had read lanes
+(:mod:`.cma_ceiling`, the machine's own ceiling for same-host reads), and each pull over it.
 
 ``--device cuda[:N]`` keeps both sides' caches on that device and adds ``gpu``: each case against the in-process
 device copy of the same rows (:mod:`.device`); ``--device cpu`` does the same on CPU tensors.
@@ -30,6 +32,7 @@ from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 
+from . import cma_ceiling
 from .device import parse_device, topology_section
 from .transfer import QUICK_SHAPE, Shape, host_copy_gbps
 
@@ -73,6 +76,18 @@ def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
         "postprocess_ratio": round(exposed_seconds / read_seconds, 3) if read_seconds > 0 else 0.0,
         "postprocess_cpu_ratio": round(post_seconds / read_seconds, 3) if read_seconds > 0 else 0.0,
     }
+
+
+def _ceiling(
+    result: dict, shape: Shape, ids: tuple[list[int], list[int], list[int]], threads: int, repeats: int, huge: bool
+) -> dict:
+    """:mod:`.cma_ceiling` for the same rows, on as many threads as the decode had read lanes, with each case's pull
+    over it (``ours_vs_ceiling``)."""
+    ceiling = cma_ceiling.measure(shape, ids, threads=threads, repeats=repeats, huge_pages=huge)
+    for case in ("homogeneous", "tp_2_to_1", "block_16_to_64"):
+        if case in ceiling:
+            ceiling[case]["ours_vs_ceiling"] = round(result[case]["gbps"] / ceiling[case]["gbps"], 3)
+    return ceiling
 
 
 def run(
@@ -153,6 +168,10 @@ def run(
         "tp_2_to_1": _summary(tp_2_to_1, homogeneous),
         "block_16_to_64": _summary(block_16_to_64, homogeneous),
     }
+    if target is None or target.type == "cpu":
+        result["cma_ceiling"] = _ceiling(
+            result, shape, (remote_ids, local_ids, big_local_ids), read_lanes, repeats, own
+        )
     if target is not None:
         cases = {"homogeneous": (tp1_caches, homogeneous), "tp_2_to_1": (tp2_caches, tp_2_to_1),
                  "block_16_to_64": (tp1_caches, block_16_to_64)}  # fmt: skip

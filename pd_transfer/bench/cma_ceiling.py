@@ -1,0 +1,324 @@
+"""The machine's own ceiling for ``bench topology``'s same-host reads: ``process_vm_readv`` with many rows per call,
+on as many threads as the decode has read lanes, from child processes holding the prefill's rows.
+
+UCX's CMA transport, which NIXL reads with on one host, makes one ``process_vm_readv`` per row. The kernel takes up
+to :data:`MAX_IOV` entries a call on each side, and a call may scatter one remote row into several local pieces.
+This measures the bench's three cases read that way, the same rows of the same request: the homogeneous read (whole
+rows into whole rows), TP 2 -> 1 (half rows from two processes into the halves of whole rows) and block 16 -> 64
+(whole remote rows scattered a piece per KV head into blocks four times as long: the regroup done by the kernel's
+copy, with no staging and no restage). It uses neither NIXL, UCX nor pd-transfer's read path: a yardstick beside
+the pulls, not a transport.
+
+A child (``python -m pd_transfer.bench.cma_ceiling BYTES MARKER [--huge-pages]``) maps ``BYTES`` of private
+memory, writes into every 8-byte word its own byte offset plus ``MARKER``, prints ``"<pid> <address>"`` and holds
+the memory until its stdin closes. Each case is verified once, by the first and the last word of every piece it
+wrote, against the offsets it read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pd_transfer.settings import child_environment
+
+from .transfer import Shape
+
+#: The most iovec entries ``process_vm_readv`` takes on each side (Linux's ``UIO_MAXIOV``).
+MAX_IOV = 1024
+_IOVEC = np.dtype([("base", np.uint64), ("length", np.uint64)])
+_CHILD_READY_S = 60.0
+_CHILD_EXIT_S = 10.0
+_READ_S = 120.0  # one case's reads (a 512 MiB request takes well under a second)
+_FILL_WORDS = 1 << 23  # words written per step when a child fills its memory (64 MiB)
+
+
+class CeilingUnavailable(RuntimeError):
+    """This host cannot read another process's memory with ``process_vm_readv`` (not Linux, or not permitted)."""
+
+
+@dataclass(frozen=True)
+class SourceRead:
+    """What one call sequence reads from one process (``pid``): ``remote`` row addresses of ``row_bytes`` each, in
+    order, written to ``local`` piece addresses of ``piece_bytes`` each (``row_bytes // piece_bytes`` per row, in
+    the order the row's bytes come)."""
+
+    pid: int
+    remote: np.ndarray  # uint64
+    row_bytes: int
+    local: np.ndarray  # uint64
+    piece_bytes: int
+
+    @property
+    def pieces_per_row(self) -> int:
+        return self.row_bytes // self.piece_bytes
+
+    def calls(self) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+        """(pid, local iovecs, remote iovecs, bytes) of each call: as many rows as both sides' entries allow."""
+        per_row = self.pieces_per_row
+        rows_per_call = max(1, MAX_IOV // per_row)
+        local, remote = _iovecs(self.local, self.piece_bytes), _iovecs(self.remote, self.row_bytes)
+        calls = []
+        for first in range(0, len(remote), rows_per_call):
+            end = min(len(remote), first + rows_per_call)
+            calls.append(
+                (self.pid, local[first * per_row : end * per_row], remote[first:end], (end - first) * self.row_bytes)
+            )
+        return calls
+
+
+def _iovecs(addresses: np.ndarray, length: int) -> np.ndarray:
+    vectors = np.empty(len(addresses), dtype=_IOVEC)
+    vectors["base"] = addresses
+    vectors["length"] = length
+    return vectors
+
+
+def _process_vm_readv() -> Callable[..., int]:
+    """libc's ``process_vm_readv`` (ctypes releases the GIL around it); ``CeilingUnavailable`` where there is none."""
+    if not sys.platform.startswith("linux"):
+        raise CeilingUnavailable(f"process_vm_readv is Linux's; this is {sys.platform}")
+    function = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    function.restype = ctypes.c_ssize_t
+    return function
+
+
+class Reader:
+    """Runs :class:`SourceRead` sequences on ``threads`` threads, the calls cut into ``threads`` consecutive runs."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self.threads = threads
+        self._readv = _process_vm_readv()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pd-transfer-cma-ceiling")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def seconds(self, reads: Sequence[SourceRead]) -> float:
+        """Wall seconds to run every call of ``reads``; ``CeilingUnavailable`` when one failed (naming errno),
+        ``TimeoutError`` past two minutes."""
+        calls = [call for read in reads for call in read.calls()]
+        bounds = np.linspace(0, len(calls), self.threads + 1).astype(int)
+        runs = [calls[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+        started = time.perf_counter()
+        for future in [self._pool.submit(self._run, run) for run in runs]:
+            future.result(timeout=_READ_S)
+        return time.perf_counter() - started
+
+    def _run(self, calls: list[tuple[int, np.ndarray, np.ndarray, int]]) -> None:
+        for pid, local, remote, expected in calls:
+            got = self._readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+            if got != expected:
+                errno = ctypes.get_errno()
+                raise CeilingUnavailable(
+                    f"process_vm_readv of pid {pid} read {got} of {expected} bytes: {os.strerror(errno)}"
+                )
+
+
+@dataclass(frozen=True)
+class HeldMemory:
+    """A child's memory: where it lies in the child (``pid``, ``address``) and the ``marker`` its words carry."""
+
+    pid: int
+    address: int
+    marker: int
+
+
+@contextmanager
+def held_memory(nbytes: int, marker: int, *, huge_pages: bool) -> Iterator[HeldMemory]:
+    """A child holding ``nbytes`` filled as the module says, for the duration of the block; it exits when the block
+    does (killed past a bound). ``CeilingUnavailable`` when it did not say where its memory is within a minute."""
+    command = [sys.executable, "-m", __name__, str(nbytes), str(marker), *(["--huge-pages"] if huge_pages else [])]
+    child = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_environment({}), text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], _CHILD_READY_S)
+        line = child.stdout.readline() if ready else ""
+        fields = line.split()
+        if len(fields) != 2:
+            raise CeilingUnavailable(f"the memory-holding child said {line[:80]!r} (exit code {child.poll()})")
+        yield HeldMemory(int(fields[0]), int(fields[1]), marker)
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(_CHILD_EXIT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(_CHILD_EXIT_S)
+
+
+def private_memory(nbytes: int, huge_pages: bool) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory, advised into huge pages before its first write where asked."""
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
+
+
+def _hold(nbytes: int, marker: int, huge_pages: bool) -> None:
+    """The child's side: map, fill, say where, hold until stdin closes."""
+    words = np.frombuffer(private_memory(nbytes, huge_pages), dtype=np.uint64)
+    for first in range(0, len(words), _FILL_WORDS):
+        end = min(len(words), first + _FILL_WORDS)
+        words[first:end] = np.arange(first, end, dtype=np.uint64) * np.uint64(8) + np.uint64(marker)
+    print(os.getpid(), words.ctypes.data, flush=True)
+    sys.stdin.read()
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """``bench topology``'s rows: ``planes`` (layers x K and V) of ``cache_blocks`` blocks on each side, a block of a
+    plane ``row_bytes`` (every head, HND), ``heads`` pieces of it per block."""
+
+    planes: int
+    cache_blocks: int
+    row_bytes: int
+    heads: int
+
+    @classmethod
+    def of(cls, shape: Shape) -> Geometry:
+        element = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
+        row = shape.num_kv_heads * shape.block_size * shape.head_size * element
+        return cls(2 * shape.num_layers, shape.cache_blocks, row, shape.num_kv_heads)
+
+    @property
+    def nbytes(self) -> int:
+        """One side's cache (the decode's, with either block size; the prefill's at TP 1)."""
+        return self.planes * self.cache_blocks * self.row_bytes
+
+    def slots(self, block_ids: Sequence[int] | np.ndarray, blocks_per_plane: int) -> np.ndarray:
+        """Plane-major (plane, block) slot numbers of ``block_ids`` in every plane: ``plane * blocks_per_plane +
+        block``."""
+        ids = np.asarray(block_ids, dtype=np.uint64)
+        planes = np.arange(self.planes, dtype=np.uint64)[:, None]
+        return (planes * np.uint64(blocks_per_plane) + ids[None, :]).reshape(-1)
+
+
+def cases(
+    geometry: Geometry,
+    sources: tuple[HeldMemory, HeldMemory],
+    local_base: int,
+    ids: tuple[Sequence[int], Sequence[int], Sequence[int]],
+) -> dict[str, list[SourceRead]]:
+    """The three cases' reads: ``sources`` (the TP 1 prefill, also TP 2's rank 0; TP 2's rank 1), into the memory at
+    ``local_base``; ``ids``: (remote block ids, local ids at block 16, local ids at block 64) as the pulls use them."""
+    remote_ids, local_ids, big_ids = ids
+    row, half, cb = geometry.row_bytes, geometry.row_bytes // 2, geometry.cache_blocks
+    remote_slots = geometry.slots(remote_ids, cb)
+    local_rows = np.uint64(local_base) + geometry.slots(local_ids, cb) * np.uint64(row)
+    first = sources[0]
+    homogeneous = SourceRead(first.pid, np.uint64(first.address) + remote_slots * np.uint64(row), row, local_rows, row)
+    tp_2_to_1 = [
+        SourceRead(
+            rank.pid,
+            np.uint64(rank.address) + remote_slots * np.uint64(half),
+            half,
+            local_rows + np.uint64(r * half),
+            half,
+        )
+        for r, rank in enumerate(sources)
+    ]
+    piece = row // geometry.heads
+    blocks = np.arange(len(remote_ids))
+    big_of = np.asarray(big_ids, dtype=np.uint64)[blocks // 4]
+    big_rows = np.uint64(local_base) + geometry.slots(big_of, cb // 4) * np.uint64(4 * row)
+    in_block = np.tile((blocks % 4).astype(np.uint64) * np.uint64(piece), geometry.planes)
+    heads = np.arange(geometry.heads, dtype=np.uint64) * np.uint64(4 * piece)
+    pieces = ((big_rows + in_block)[:, None] + heads[None, :]).reshape(-1)
+    block_16_to_64 = SourceRead(first.pid, homogeneous.remote, row, pieces, piece)
+    return {"homogeneous": [homogeneous], "tp_2_to_1": tp_2_to_1, "block_16_to_64": [block_16_to_64]}
+
+
+def verified(reads: Sequence[SourceRead], sources: Sequence[HeldMemory], local: np.ndarray, local_base: int) -> bool:
+    """Whether the first and last word of every piece ``reads`` wrote into ``local`` (uint64 words from
+    ``local_base``) hold the offsets, and the marker, of the bytes they were read from."""
+    marker_of = {held.pid: (held.address, held.marker) for held in sources}
+    for read in reads:
+        address, marker = marker_of[read.pid]
+        per_row, piece = read.pieces_per_row, read.piece_bytes
+        offsets = np.repeat(read.remote - np.uint64(address), per_row) + np.tile(
+            np.arange(per_row, dtype=np.uint64) * np.uint64(piece), len(read.remote)
+        )
+        words = (read.local - np.uint64(local_base)) // np.uint64(8)
+        last = np.uint64(piece // 8 - 1)
+        if not np.array_equal(local[words], offsets + np.uint64(marker)):
+            return False
+        if not np.array_equal(local[words + last], offsets + np.uint64(piece - 8) + np.uint64(marker)):
+            return False
+    return True
+
+
+def measure(
+    shape: Shape,
+    ids: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    *,
+    threads: int,
+    repeats: int = 5,
+    huge_pages: bool = True,
+) -> dict:
+    """Each case's GiB/s (median of ``repeats``, cases interleaved) and its ratio to the homogeneous read, read on
+    ``threads`` threads; ``ids`` as for :func:`cases`. ``{"unavailable": why}`` where the host cannot read that
+    way."""
+    geometry = Geometry.of(shape)
+    try:
+        with ExitStack() as stack:
+            reader = Reader(threads)
+            stack.callback(reader.close)
+            sources = (
+                stack.enter_context(held_memory(geometry.nbytes, 1 << 48, huge_pages=huge_pages)),
+                stack.enter_context(held_memory(geometry.nbytes // 2, 2 << 48, huge_pages=huge_pages)),
+            )
+            memory = private_memory(geometry.nbytes, huge_pages)
+            local = np.frombuffer(memory, dtype=np.uint64)
+            local_base = local.ctypes.data
+            reads = cases(geometry, sources, local_base, ids)
+            checks: dict[str, bool] = {}
+            seconds: dict[str, list[float]] = {case: [] for case in reads}
+            for case, case_reads in reads.items():  # faults the pages in, then checks what landed
+                local.fill(0)
+                reader.seconds(case_reads)
+                checks[case] = verified(case_reads, sources, local, local_base)
+            for _ in range(repeats):
+                for case, case_reads in reads.items():
+                    seconds[case].append(reader.seconds(case_reads))
+            del local
+            memory.close()
+    except CeilingUnavailable as error:
+        return {"unavailable": str(error)}
+    nbytes = len(ids[0]) * geometry.planes * geometry.row_bytes
+    gbps = {case: nbytes / statistics.median(values) / 2**30 for case, values in seconds.items()}
+    return {
+        "method": f"process_vm_readv, up to {MAX_IOV} rows a call, {threads} threads, no NIXL",
+        "threads": threads,
+        "huge_pages": huge_pages,
+        "bytes": nbytes,
+        "verified": all(checks.values()),
+        "verified_cases": checks,
+        **{
+            case: {"gbps": round(rate, 3), "ratio_vs_homogeneous": round(rate / gbps["homogeneous"], 3)}
+            for case, rate in gbps.items()
+        },
+    }
+
+
+if __name__ == "__main__":
+    _hold(int(sys.argv[1]), int(sys.argv[2]), "--huge-pages" in sys.argv[3:])

@@ -1,0 +1,95 @@
+"""``bench topology``'s CMA ceiling (:mod:`pd_transfer.bench.cma_ceiling`) with real child processes: every case's
+rows land where the case puts them, the check fails for any other placement, the children are gone after the block,
+and a process that cannot be read ends the measure with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+
+import numpy as np
+import pytest
+
+from pd_transfer.bench.cma_ceiling import (
+    CeilingUnavailable,
+    Geometry,
+    Reader,
+    SourceRead,
+    cases,
+    held_memory,
+    measure,
+    private_memory,
+    verified,
+)
+from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")
+
+
+def request_ids(shape: Shape, seed: int = 3) -> tuple[list[int], list[int], list[int]]:
+    """(remote ids, local ids at the shape's block size, local ids at four times it), as bench topology draws them."""
+    rng = np.random.default_rng(seed)
+    blocks = shape.request_blocks
+    remote = rng.choice(shape.cache_blocks, blocks, replace=False).tolist()
+    local = rng.choice(shape.cache_blocks, blocks, replace=False).tolist()
+    big = rng.choice(shape.cache_blocks // 4, -(-blocks // 4), replace=False).tolist()
+    return remote, local, big
+
+
+def test_every_case_lands_in_place_and_another_placement_fails_the_check() -> None:
+    geometry = Geometry.of(QUICK_SHAPE)
+    pids = []
+    with ExitStack() as stack:
+        reader = Reader(2)
+        stack.callback(reader.close)
+        sources = (
+            stack.enter_context(held_memory(geometry.nbytes, 1 << 48, huge_pages=True)),
+            stack.enter_context(held_memory(geometry.nbytes // 2, 2 << 48, huge_pages=False)),
+        )
+        pids = [source.pid for source in sources]
+        memory = private_memory(geometry.nbytes, huge_pages=False)
+        local = np.frombuffer(memory, dtype=np.uint64)
+        base = local.ctypes.data
+        reads = cases(geometry, sources, base, request_ids(QUICK_SHAPE))
+        assert [len(reads[case]) for case in ("homogeneous", "tp_2_to_1", "block_16_to_64")] == [1, 2, 1]
+        for case, case_reads in reads.items():
+            local.fill(0)
+            assert reader.seconds(case_reads) > 0
+            assert verified(case_reads, sources, local, base), case
+            moved = [dataclasses.replace(read, local=np.roll(read.local, 1)) for read in case_reads]
+            assert not verified(moved, sources, local, base), case
+        del local
+        memory.close()
+    for pid in pids:  # each child exited, and was waited for, with the block
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_measure_reports_each_case_beside_the_homogeneous_read() -> None:
+    result = measure(QUICK_SHAPE, request_ids(QUICK_SHAPE), threads=2, repeats=1)
+    geometry = Geometry.of(QUICK_SHAPE)
+    assert result["verified"] is True and result["threads"] == 2
+    assert result["bytes"] == QUICK_SHAPE.request_blocks * geometry.planes * geometry.row_bytes
+    assert result["homogeneous"]["ratio_vs_homogeneous"] == 1.0
+    for case in ("homogeneous", "tp_2_to_1", "block_16_to_64"):
+        assert result[case]["gbps"] > 0
+
+
+def test_a_process_that_is_gone_ends_the_read_with_the_reason() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    target = np.zeros(1024, dtype=np.uint8)
+    read = SourceRead(
+        gone.pid, np.array([4096], dtype=np.uint64), 1024, np.array([target.ctypes.data], np.uint64), 1024
+    )
+    reader = Reader(1)
+    try:
+        with pytest.raises(CeilingUnavailable, match=f"pid {gone.pid} read -1 of 1024 bytes: No such process"):
+            reader.seconds([read])
+    finally:
+        reader.close()
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        Reader(0)
