@@ -52,6 +52,7 @@ def test_topology_device_cpu_reports_each_case_against_the_device_copy() -> None
         ceiling = result["cma_ceiling"]  # CPU tensors: the same rows read by process_vm_readv, beside the pulls
         assert ceiling["verified"] is True and ceiling["bytes"] == result[case]["bytes"]
         assert ceiling[case]["gbps"] > 0 and ceiling[case]["ours_vs_ceiling"] > 0
+    assert result["cma_ceiling"]["homogeneous"]["ratio_vs_homogeneous"] == 1.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: --device cuda runs (tests/gpu)")

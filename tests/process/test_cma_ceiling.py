@@ -1,6 +1,7 @@
 """``bench topology``'s CMA ceiling (:mod:`pd_transfer.bench.cma_ceiling`) with real child processes: every case's
 rows land where the case puts them, the check fails for any other placement, the children are gone after the block,
-and a process that cannot be read ends the measure with the reason."""
+and a process that cannot be read ends the measure with the reason. What ``bench topology`` reports of it:
+tests/process/test_bench_device.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from pd_transfer.bench.cma_ceiling import (
     SourceRead,
     cases,
     held_memory,
-    measure,
     private_memory,
     verified,
 )
@@ -66,16 +66,6 @@ def test_every_case_lands_in_place_and_another_placement_fails_the_check() -> No
     for pid in pids:  # each child exited, and was waited for, with the block
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-
-
-def test_measure_reports_each_case_beside_the_homogeneous_read() -> None:
-    result = measure(QUICK_SHAPE, request_ids(QUICK_SHAPE), threads=2, repeats=1)
-    geometry = Geometry.of(QUICK_SHAPE)
-    assert result["verified"] is True and result["threads"] == 2
-    assert result["bytes"] == QUICK_SHAPE.request_blocks * geometry.planes * geometry.row_bytes
-    assert result["homogeneous"]["ratio_vs_homogeneous"] == 1.0
-    for case in ("homogeneous", "tp_2_to_1", "block_16_to_64"):
-        assert result[case]["gbps"] > 0
 
 
 def test_a_process_that_is_gone_ends_the_read_with_the_reason() -> None:
