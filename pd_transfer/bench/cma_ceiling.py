@@ -196,6 +196,10 @@ class Geometry:
 
     @classmethod
     def of(cls, shape: Shape) -> Geometry:
+        """``ValueError`` for a layout other than HND (heads outermost in a block: a TP rank's heads, and a head's
+        tokens, are runs of it)."""
+        if shape.layout != "HND":
+            raise ValueError(f"the ceiling reads HND blocks (a head's tokens in one run), not {shape.layout}")
         element = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
         row = shape.num_kv_heads * shape.block_size * shape.head_size * element
         return cls(2 * shape.num_layers, shape.cache_blocks, row, shape.num_kv_heads)

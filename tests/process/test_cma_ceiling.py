@@ -83,3 +83,5 @@ def test_a_process_that_is_gone_ends_the_read_with_the_reason() -> None:
         reader.close()
     with pytest.raises(ValueError, match="threads must be at least 1"):
         Reader(0)
+    with pytest.raises(ValueError, match="not NHD"):
+        Geometry.of(dataclasses.replace(QUICK_SHAPE, layout="NHD"))
