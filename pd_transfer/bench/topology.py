@@ -4,11 +4,12 @@ bytes, in one run. Prefill engines run in child processes; the decode ranks live
 Cases on the default model shape (32 layers, K and V apart, 8 KV heads x 128, bf16, 4096 tokens):
 ``tp_2_to_1`` (prefill TP 2, each rank 4 heads -> decode TP 1) and ``block_16_to_64`` (prefill blocks
 of 16 tokens -> decode blocks of 64, regrouped after receive), each against prefill TP 1 / block 16 ->
-decode TP 1 / block 16 moving the same 512 MiB. Beside the figures: the host's own copy rate (512 MiB contiguous,
-one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after, the time it finished
-(UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane). With the caches in host memory,
-``cma_ceiling``: the same rows read by batched ``process_vm_readv`` on as many threads as the decode had read lanes
-(:mod:`.cma_ceiling`, the machine's own ceiling for same-host reads), and each pull over it.
+decode TP 1 / block 16 moving the same 512 MiB; measured once the decodes' read lanes are up and after one pull of
+each case (a lane's first read of a peer sets up its connection). Beside the figures: the host's own copy rate
+(512 MiB contiguous, one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after,
+the time it finished (UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane). With the caches
+in host memory, ``cma_ceiling``: the same rows read by batched ``process_vm_readv`` on as many threads as the
+decode had read lanes (:mod:`.cma_ceiling`, the machine's own ceiling for same-host reads), and each pull over it.
 
 ``--device cuda[:N]`` keeps both sides' caches on that device and adds ``gpu``: each case against the in-process
 device copy of the same rows (:mod:`.device`); ``--device cpu`` does the same on CPU tensors.
@@ -35,6 +36,8 @@ from pd_transfer.sim.verify import received_correctly
 from . import cma_ceiling
 from .device import parse_device, topology_section
 from .transfer import QUICK_SHAPE, Shape, host_copy_gbps
+
+_LANES_READY_S = 30.0
 
 
 def _measure(
@@ -133,8 +136,13 @@ def run(
         small = DecodeRank("bench-decode-b16", small_cache, settings=settings)
         big = DecodeRank("bench-decode-b64", big_cache, settings=settings)
         try:
-            for decode, prefill in ((small, tp1), (small, tp2), (big, tp1)):
+            pairs = ((small, tp1, local_ids), (small, tp2, local_ids), (big, tp1, big_local_ids))
+            for decode, prefill, _ in pairs:
                 decode.connect(prefill.host, prefill.port)
+            for decode in (small, big):  # lanes are made in the background: measure with them up
+                decode.agent.lanes_ready.wait(_LANES_READY_S)
+            for index, (decode, prefill, ids) in enumerate(pairs):  # each lane's first read of a peer connects
+                _measure(decode, prefill, remote_ids, ids, tokens, f"warm-up-{index}", 1)
             tp1_caches, tp2_caches = homogeneous_spec.caches(), tp2_spec.caches()
             homogeneous, tp_2_to_1, block_16_to_64 = [], [], []
             checks = {"homogeneous": True, "tp_2_to_1": True, "block_16_to_64": True}
