@@ -9,21 +9,19 @@ rows into whole rows), TP 2 -> 1 (half rows from two processes into the halves o
 copy, with no staging and no restage). It uses neither NIXL, UCX nor pd-transfer's read path: a yardstick beside
 the pulls, not a transport.
 
-A child (``python -m pd_transfer.bench.cma_ceiling BYTES MARKER [--huge-pages]``) maps ``BYTES`` of private
-memory, writes into every 8-byte word its own byte offset plus ``MARKER``, prints ``"<pid> <address>"`` and holds
-the memory until its stdin closes. Each case is verified once, by the first and the last word of every piece it
-wrote, against the offsets it read.
+A child (:class:`~pd_transfer.sim.child.ChildProcess`) allocates a zeroed host tensor (huge pages where asked,
+:func:`~pd_transfer.connector.cache.zeroed_host_tensor`), writes into every 8-byte word its own byte offset plus a
+marker, answers with its address and holds the memory until it is told to stop. Each case is verified once, by the
+first and the last word of every piece it wrote, against the offsets it read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import mmap
+import multiprocessing.connection
 import os
-import select
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.settings import child_environment
+from pd_transfer.connector.cache import zeroed_host_tensor
+from pd_transfer.sim.child import ChildProcess, commands
 
 from .transfer import Shape
 
@@ -42,7 +41,6 @@ from .transfer import Shape
 MAX_IOV = 1024
 _IOVEC = np.dtype([("base", np.uint64), ("length", np.uint64)])
 _CHILD_READY_S = 60.0
-_CHILD_EXIT_S = 10.0
 _READ_S = 120.0  # one case's reads (a 512 MiB request takes well under a second)
 _FILL_WORDS = 1 << 23  # words written per step when a child fills its memory (64 MiB)
 
@@ -143,45 +141,24 @@ class HeldMemory:
 
 @contextmanager
 def held_memory(nbytes: int, marker: int, *, huge_pages: bool) -> Iterator[HeldMemory]:
-    """A child holding ``nbytes`` filled as the module says, for the duration of the block; it exits when the block
-    does (killed past a bound). ``CeilingUnavailable`` when it did not say where its memory is within a minute."""
-    command = [sys.executable, "-m", __name__, str(nbytes), str(marker), *(["--huge-pages"] if huge_pages else [])]
-    child = subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_environment({}), text=True
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        ready, _, _ = select.select([child.stdout], [], [], _CHILD_READY_S)
-        line = child.stdout.readline() if ready else ""
-        fields = line.split()
-        if len(fields) != 2:
-            raise CeilingUnavailable(f"the memory-holding child said {line[:80]!r} (exit code {child.poll()})")
-        yield HeldMemory(int(fields[0]), int(fields[1]), marker)
-    finally:
-        child.stdin.close()
-        try:
-            child.wait(_CHILD_EXIT_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait(_CHILD_EXIT_S)
+    """A child holding ``nbytes`` filled as the module says, for the duration of the block (its start and stop
+    bounded as :class:`~pd_transfer.sim.child.ChildProcess` bounds them)."""
+    payload = f"{nbytes} {marker} {int(huge_pages)}".encode()
+    with ChildProcess(_hold, payload, what="memory-holding child", ready_timeout_s=_CHILD_READY_S) as child:
+        yield HeldMemory(child.pid, int(child.ready), marker)
 
 
-def private_memory(nbytes: int, huge_pages: bool) -> mmap.mmap:
-    """``nbytes`` of private anonymous memory, advised into huge pages before its first write where asked."""
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    return memory
-
-
-def _hold(nbytes: int, marker: int, huge_pages: bool) -> None:
-    """The child's side: map, fill, say where, hold until stdin closes."""
-    words = np.frombuffer(private_memory(nbytes, huge_pages), dtype=np.uint64)
+def _hold(conn: multiprocessing.connection.Connection, payload: bytes) -> None:
+    """The child's side: allocate, fill, send the address, hold until told to stop."""
+    nbytes, marker, huge_pages = (int(field) for field in payload.split())
+    memory = zeroed_host_tensor((nbytes,), torch.uint8, bool(huge_pages))
+    words = memory.numpy().view(np.uint64)
     for first in range(0, len(words), _FILL_WORDS):
         end = min(len(words), first + _FILL_WORDS)
         words[first:end] = np.arange(first, end, dtype=np.uint64) * np.uint64(8) + np.uint64(marker)
-    print(os.getpid(), words.ctypes.data, flush=True)
-    sys.stdin.read()
+    conn.send(words.ctypes.data)
+    for _ in commands(conn):
+        pass
 
 
 @dataclass(frozen=True)
@@ -291,8 +268,7 @@ def measure(
                 stack.enter_context(held_memory(geometry.nbytes, 1 << 48, huge_pages=huge_pages)),
                 stack.enter_context(held_memory(geometry.nbytes // 2, 2 << 48, huge_pages=huge_pages)),
             )
-            memory = private_memory(geometry.nbytes, huge_pages)
-            local = np.frombuffer(memory, dtype=np.uint64)
+            local = zeroed_host_tensor((geometry.nbytes,), torch.uint8, huge_pages).numpy().view(np.uint64)
             local_base = local.ctypes.data
             reads = cases(geometry, sources, local_base, ids)
             checks: dict[str, bool] = {}
@@ -304,8 +280,6 @@ def measure(
             for _ in range(repeats):
                 for case, case_reads in reads.items():
                     seconds[case].append(reader.seconds(case_reads))
-            del local
-            memory.close()
     except CeilingUnavailable as error:
         return {"unavailable": str(error)}
     nbytes = len(ids[0]) * geometry.planes * geometry.row_bytes
@@ -322,7 +296,3 @@ def measure(
             for case, rate in gbps.items()
         },
     }
-
-
-if __name__ == "__main__":
-    _hold(int(sys.argv[1]), int(sys.argv[2]), "--huge-pages" in sys.argv[3:])

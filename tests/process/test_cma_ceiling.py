@@ -13,6 +13,7 @@ from contextlib import ExitStack
 
 import numpy as np
 import pytest
+import torch
 
 from pd_transfer.bench.cma_ceiling import (
     CeilingUnavailable,
@@ -21,10 +22,10 @@ from pd_transfer.bench.cma_ceiling import (
     SourceRead,
     cases,
     held_memory,
-    private_memory,
     verified,
 )
 from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
+from pd_transfer.connector.cache import zeroed_host_tensor
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")
 
@@ -50,8 +51,7 @@ def test_every_case_lands_in_place_and_another_placement_fails_the_check() -> No
             stack.enter_context(held_memory(geometry.nbytes // 2, 2 << 48, huge_pages=False)),
         )
         pids = [source.pid for source in sources]
-        memory = private_memory(geometry.nbytes, huge_pages=False)
-        local = np.frombuffer(memory, dtype=np.uint64)
+        local = zeroed_host_tensor((geometry.nbytes,), torch.uint8, huge_pages=False).numpy().view(np.uint64)
         base = local.ctypes.data
         reads = cases(geometry, sources, base, request_ids(QUICK_SHAPE))
         assert [len(reads[case]) for case in ("homogeneous", "tp_2_to_1", "block_16_to_64")] == [1, 2, 1]
@@ -61,8 +61,6 @@ def test_every_case_lands_in_place_and_another_placement_fails_the_check() -> No
             assert verified(case_reads, sources, local, base), case
             moved = [dataclasses.replace(read, local=np.roll(read.local, 1)) for read in case_reads]
             assert not verified(moved, sources, local, base), case
-        del local
-        memory.close()
     for pid in pids:  # each child exited, and was waited for, with the block
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
