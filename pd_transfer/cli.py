@@ -127,7 +127,7 @@ def _bench_topology(args: argparse.Namespace) -> int:
     from pd_transfer.settings import read_settings
 
     try:
-        result = run(quick=args.quick, device=args.device, settings=read_settings())  # the command's edge
+        result = run(quick=args.quick, device=args.device, transport=args.transport, settings=read_settings())
     except ValueError as error:  # a --device that is not here
         print(error, file=sys.stderr)
         return 2
@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     topology.add_argument("--quick", action="store_true", help="a small shape, for smoke checks")
     topology.add_argument(
         "--device", default=None, help="cpu, cuda or cuda:N: the caches there, against its copy of the rows (gpu.)"
+    )
+    topology.add_argument(
+        "--transport",
+        choices=("auto", "nixl", "ipc"),
+        default="auto",
+        help="the decodes' transport setting: auto (same-host IPC or reads in place where offered), nixl, ipc",
     )
     topology.set_defaults(func=_bench_topology)
     from pd_transfer.bench import pd_tcp

@@ -1,14 +1,13 @@
 """Prometheus metrics of pd-transfer's endpoints in one process.
 
-Decode ranks record every pull (bytes, seconds, descriptor rows, fix-up time added, outcome; the pulls, their
-bytes and seconds labelled with the ``transport`` that moved them: ``nixl``, ``cuda_ipc``, ``host_ipc``), the loads
-that failed by kind, the prefill engines handshaken afresh at a known address (a restart), their handshakes by
-outcome and seconds, and the requests waiting for remote KV; prefill ranks record how each lease ended (read,
-expired, aborted, released) and the blocks they hold; side-channel servers the frames they refused by reason and
-the nonces they refused. ``pd_transfer_info`` names the protocol version and the model fingerprint served.
+Decode ranks record every pull (bytes, seconds, descriptor rows, fix-up time added, outcome; the pulls, their bytes
+and seconds labelled with the ``transport`` that moved them: ``nixl``, ``cuda_ipc``, ``host_ipc``, ``host_cma``),
+the loads that failed by kind, the prefill engines handshaken afresh at a known address (a restart), their
+handshakes by outcome and seconds, and the requests waiting for remote KV; prefill ranks record how each lease ended
+(read, expired, aborted, released) and the blocks they hold; side-channel servers the frames they refused by reason
+and the nonces they refused. ``pd_transfer_info`` names the protocol version and the model fingerprint served.
 ``default_metrics()`` registers one set in prometheus_client's global registry, which an exporter of the process
-serves; pass a ``TransferMetrics(registry=...)`` of your own to keep them apart (tests, several engines).
-"""
+serves; pass a ``TransferMetrics(registry=...)`` of your own to keep them apart (tests, several engines)."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ class TransferMetrics:
         r = self.registry
         self.pull_seconds = Histogram(
             "pd_transfer_pull_seconds",
-            "Seconds of a request's pull, first post to usable KV, by transport: nixl, cuda_ipc, host_ipc",
+            "Seconds of a request's pull, first post to usable KV, by transport: nixl, cuda_ipc, host_ipc, host_cma",
             ["transport"],
             buckets=_SECONDS,
             registry=r,
@@ -53,7 +52,7 @@ class TransferMetrics:
         )
         self.pulls = Counter(
             "pd_transfer_pulls",
-            "Pulls by outcome of the reads (ok, failed) and transport (nixl, cuda_ipc, host_ipc)",
+            "Pulls by outcome of the reads (ok, failed) and transport (nixl, cuda_ipc, host_ipc, host_cma)",
             ["outcome", "transport"],
             registry=r,
         )

@@ -17,15 +17,10 @@ first and the last word of every piece it wrote, against the offsets it read.
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import multiprocessing.connection
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -34,19 +29,14 @@ import torch
 
 from pd_transfer.connector.cache import zeroed_host_tensor
 from pd_transfer.sim.child import ChildProcess, commands
+from pd_transfer.transfer.cma import MAX_IOV, CmaCall, CmaPool, plan_calls
+from pd_transfer.transfer.errors import TransferError
 
 from .transfer import Shape
 
-#: The most iovec entries ``process_vm_readv`` takes on each side (Linux's ``UIO_MAXIOV``).
-MAX_IOV = 1024
-_IOVEC = np.dtype([("base", np.uint64), ("length", np.uint64)])
 _CHILD_READY_S = 60.0
 _READ_S = 120.0  # one case's reads (a 512 MiB request takes well under a second)
 _FILL_WORDS = 1 << 23  # words written per step when a child fills its memory (64 MiB)
-
-
-class CeilingUnavailable(RuntimeError):
-    """This host cannot read another process's memory with ``process_vm_readv`` (not Linux, or not permitted)."""
 
 
 @dataclass(frozen=True)
@@ -65,69 +55,30 @@ class SourceRead:
     def pieces_per_row(self) -> int:
         return self.row_bytes // self.piece_bytes
 
-    def calls(self) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
-        """(pid, local iovecs, remote iovecs, bytes) of each call: as many rows as both sides' entries allow."""
-        per_row = self.pieces_per_row
-        rows_per_call = max(1, MAX_IOV // per_row)
-        local, remote = _iovecs(self.local, self.piece_bytes), _iovecs(self.remote, self.row_bytes)
-        calls = []
-        for first in range(0, len(remote), rows_per_call):
-            end = min(len(remote), first + rows_per_call)
-            calls.append(
-                (self.pid, local[first * per_row : end * per_row], remote[first:end], (end - first) * self.row_bytes)
-            )
-        return calls
-
-
-def _iovecs(addresses: np.ndarray, length: int) -> np.ndarray:
-    vectors = np.empty(len(addresses), dtype=_IOVEC)
-    vectors["base"] = addresses
-    vectors["length"] = length
-    return vectors
-
-
-def _process_vm_readv() -> Callable[..., int]:
-    """libc's ``process_vm_readv`` (ctypes releases the GIL around it); ``CeilingUnavailable`` where there is none."""
-    if not sys.platform.startswith("linux"):
-        raise CeilingUnavailable(f"process_vm_readv is Linux's; this is {sys.platform}")
-    function = ctypes.CDLL(None, use_errno=True).process_vm_readv
-    function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    function.restype = ctypes.c_ssize_t
-    return function
+    def calls(self) -> list[CmaCall]:
+        """The calls: as many pieces as a call takes (:data:`MAX_IOV`), a remote row's pieces one entry there."""
+        per_row, piece = self.pieces_per_row, self.piece_bytes
+        remote = (self.remote[:, None] + np.arange(per_row, dtype=np.uint64)[None, :] * np.uint64(piece)).reshape(-1)
+        return plan_calls(self.pid, self.local, remote, piece, call_bytes=MAX_IOV * piece)
 
 
 class Reader:
-    """Runs :class:`SourceRead` sequences on ``threads`` threads, the calls cut into ``threads`` consecutive runs."""
+    """Runs :class:`SourceRead` sequences on ``threads`` threads (:class:`~pd_transfer.transfer.cma.CmaPool`)."""
 
     def __init__(self, threads: int) -> None:
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
         self.threads = threads
-        self._readv = _process_vm_readv()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pd-transfer-cma-ceiling")
+        self._pool = CmaPool(threads, name="pd-transfer-cma-ceiling")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.close()
 
     def seconds(self, reads: Sequence[SourceRead]) -> float:
-        """Wall seconds to run every call of ``reads``; ``CeilingUnavailable`` when one failed (naming errno),
-        ``TimeoutError`` past two minutes."""
+        """Wall seconds to run every call of ``reads``; ``TransferError`` when one failed (naming errno), past two
+        minutes ``TransferTimeout``."""
         calls = [call for read in reads for call in read.calls()]
-        bounds = np.linspace(0, len(calls), self.threads + 1).astype(int)
-        runs = [calls[a:b] for a, b in itertools.pairwise(bounds) if b > a]
         started = time.perf_counter()
-        for future in [self._pool.submit(self._run, run) for run in runs]:
-            future.result(timeout=_READ_S)
+        self._pool.run(calls, _READ_S)
         return time.perf_counter() - started
-
-    def _run(self, calls: list[tuple[int, np.ndarray, np.ndarray, int]]) -> None:
-        for pid, local, remote, expected in calls:
-            got = self._readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
-            if got != expected:
-                errno = ctypes.get_errno()
-                raise CeilingUnavailable(
-                    f"process_vm_readv of pid {pid} read {got} of {expected} bytes: {os.strerror(errno)}"
-                )
 
 
 @dataclass(frozen=True)
@@ -280,7 +231,7 @@ def measure(
             for _ in range(repeats):
                 for case, case_reads in reads.items():
                     seconds[case].append(reader.seconds(case_reads))
-    except CeilingUnavailable as error:
+    except TransferError as error:  # not Linux, not permitted
         return {"unavailable": str(error)}
     nbytes = len(ids[0]) * geometry.planes * geometry.row_bytes
     gbps = {case: nbytes / statistics.median(values) / 2**30 for case, values in seconds.items()}

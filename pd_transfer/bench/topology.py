@@ -7,7 +7,9 @@ of 16 tokens -> decode blocks of 64, regrouped after receive), each against pref
 decode TP 1 / block 16 moving the same 512 MiB; measured once the decodes' read lanes are up and after one pull of
 each case (a lane's first read of a peer sets up its connection). Beside the figures: the host's own copy rate
 (512 MiB contiguous, one thread, on 4 KiB and on huge pages, after the pulls), the load average before and after,
-the time it finished (UTC) and the settings (read lanes, staging chunk bytes, staged jobs per lane). With the caches
+the time it finished (UTC) and the settings (the decodes' transport setting, read lanes, staging chunk bytes, staged
+jobs per lane); each case names the transport that moved it (``host_cma`` on one host by default: the prefills run
+here and offer their caches to be read in place; ``--transport nixl`` measures NIXL's reads). With the caches
 in host memory, ``cma_ceiling``: the same rows read by batched ``process_vm_readv`` on as many threads as the
 decode had read lanes (:mod:`.cma_ceiling`, the machine's own ceiling for same-host reads), and each pull over it.
 
@@ -27,6 +29,7 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank, PullStats
+from pd_transfer.connector.ipc_choice import TransportSetting
 from pd_transfer.connector.reads import DEFAULT_STAGED_JOBS_PER_LANE
 from pd_transfer.connector.staging import DEFAULT_STAGING_CHUNK_BYTES
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
@@ -67,6 +70,7 @@ def _summary(stats: list[PullStats], homogeneous: list[PullStats]) -> dict:
     gbps = stats[0].bytes / seconds / 2**30
     homogeneous_gbps = homogeneous[0].bytes / homogeneous_seconds / 2**30
     return {
+        "transport": stats[0].transport,
         "bytes": stats[0].bytes,
         "descriptor_rows": stats[0].descriptors,
         "seconds": round(seconds, 6),
@@ -94,11 +98,18 @@ def _ceiling(
 
 
 def run(
-    *, quick: bool = False, repeats: int = 5, seed: int = 11, device: str | None = None, settings: Settings = DEFAULTS
+    *,
+    quick: bool = False,
+    repeats: int = 5,
+    seed: int = 11,
+    device: str | None = None,
+    transport: TransportSetting = "auto",
+    settings: Settings = DEFAULTS,
 ) -> dict:
     """Heterogeneous TP and block sizes against the homogeneous read, side by side. ``device``: where both sides'
-    caches live, and the ``gpu`` section against its copy (None: the CPU, no section). ``settings``: the command's
-    (both sides run with them). Raises ``ValueError`` for a device that is not here."""
+    caches live, and the ``gpu`` section against its copy (None: the CPU, no section). ``transport``: the decodes'
+    setting (each case reports what moved it). ``settings``: the command's (both sides run with them). Raises
+    ``ValueError`` for a device that is not here."""
     target = parse_device(device) if device is not None else None
     on = str(target) if target is not None else "cpu"
     settings = apply_process_defaults(settings, net_devices="lo")
@@ -133,8 +144,8 @@ def run(
         big_cache = KVCache.allocate(
             shape.layout_for(block_size=big_block), big_cache_blocks, device=on, huge_pages=own
         )
-        small = DecodeRank("bench-decode-b16", small_cache, settings=settings)
-        big = DecodeRank("bench-decode-b64", big_cache, settings=settings)
+        small = DecodeRank("bench-decode-b16", small_cache, settings=settings, transport=transport)
+        big = DecodeRank("bench-decode-b64", big_cache, settings=settings, transport=transport)
         try:
             pairs = ((small, tp1, local_ids), (small, tp2, local_ids), (big, tp1, big_local_ids))
             for decode, prefill, _ in pairs:
@@ -166,6 +177,7 @@ def run(
         "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],  # 1-minute, before and after
         "finished_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
         "settings": {
+            "transport": transport,
             "read_lanes": read_lanes,
             "staging_chunk_bytes": DEFAULT_STAGING_CHUNK_BYTES,
             "staged_jobs_per_lane": DEFAULT_STAGED_JOBS_PER_LANE,

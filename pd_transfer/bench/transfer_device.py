@@ -22,7 +22,7 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.ipc_engine import IpcSource, run_copies, storages
+from pd_transfer.connector.ipc_engine import IpcEngine, IpcSource, run_copies, storages
 from pd_transfer.connector.remote_engines import RemoteEngine
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
@@ -109,7 +109,7 @@ def _case(
         result = decode.pull(request_id, host, port, remote_ids, local_ids, num_tokens)
         ours.append(result.seconds)
         copies.append(device_copy_seconds(expected, scratch, remote_ids, local_ids, num_tokens))
-        if remote.ipc is not None:
+        if isinstance(remote.ipc, IpcEngine):
             raw_ipc.append(_raw_ipc_copy_seconds(remote.ipc.sources[0], storages(scratch)[0], result.bytes, device))
     assert result is not None
     verified = received_correctly(decode.cache, local_ids, [expected], remote_ids, num_tokens)

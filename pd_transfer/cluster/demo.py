@@ -17,6 +17,7 @@ from pd_transfer.cluster.http_client import (
     prompt_tokens,
     scrape_metrics,
 )
+from pd_transfer.connector.ipc_choice import TRANSPORTS
 
 __all__ = ["DemoResult", "demo_passage", "demo_requests", "run_demo"]
 
@@ -26,18 +27,31 @@ EXTERNAL_SOURCE = "external_kv_transfer"
 PD_PREFIXES = ("vllm:pd_transfer_", "pd_transfer_")
 PULLED_BYTES = "pulled_bytes_total"
 PULL_SECONDS = "pull_seconds_sum"
+PULLS = "pulls_total"  # labelled with the transport that moved each load
+#: How the demo names each transport.
+TRANSPORT_NAMES = {
+    "nixl": "NIXL",
+    "host_cma": "a read in place (host_cma)",
+    "host_ipc": "shared memory (host_ipc)",
+    "cuda_ipc": "CUDA IPC (cuda_ipc)",
+}
 MAX_TOKENS = 16
 MAX_CHAT_TOKENS = 40
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _figures(decode_urls: Sequence[str]) -> dict[str, float]:
-    """The decode servers' cumulative figures now: external prompt tokens, the connector's pulled bytes and pull
-    seconds (summed over the servers), and ``has_pd_metrics`` (1.0 when any server exports the connector's)."""
+    """The decode servers' cumulative figures now: external prompt tokens, the connector's pulled bytes, pull
+    seconds and pulls by transport (``pulls_<transport>``; summed over the servers), and ``has_pd_metrics`` (1.0 when
+    any server exports the connector's)."""
     texts = [scrape_metrics(url) for url in decode_urls]
     figures = {"external_tokens": sum(metric_sum(text, EXTERNAL_TOKENS, source=EXTERNAL_SOURCE) for text in texts)}
     for key, suffix in (("pulled_bytes", PULLED_BYTES), ("pull_seconds", PULL_SECONDS)):
         figures[key] = sum(metric_sum(text, prefix + suffix) for text in texts for prefix in PD_PREFIXES)
+    for transport in TRANSPORTS:
+        figures[f"pulls_{transport}"] = sum(
+            metric_sum(text, prefix + PULLS, transport=transport) for text in texts for prefix in PD_PREFIXES
+        )
     figures["has_pd_metrics"] = float(any(prefix + PULLED_BYTES in text for text in texts for prefix in PD_PREFIXES))
     return figures
 
@@ -45,8 +59,9 @@ def _figures(decode_urls: Sequence[str]) -> dict[str, float]:
 @dataclass
 class DemoResult:
     """One demo request: its answer, prompt tokens (-1: not reported), seconds through the proxy, what the decode
-    servers loaded for it (external prompt tokens; the connector's bytes and seconds, None where not exported),
-    and whether the answer equals the plain server's (None: no reference)."""
+    servers loaded for it (external prompt tokens; the connector's bytes and seconds, None where not exported;
+    the transports its loads went by, empty where not exported), and whether the answer equals the plain server's
+    (None: no reference)."""
 
     name: str
     answer: str
@@ -56,6 +71,7 @@ class DemoResult:
     pulled_bytes: float | None
     pull_seconds: float | None
     same_as_reference: bool | None
+    transports: tuple[str, ...] = ()
 
 
 def demo_requests(model: str, passage: str) -> list[tuple[str, str, dict[str, object], bool]]:
@@ -134,6 +150,7 @@ def _one_request(
         pulled_bytes=after["pulled_bytes"] - before["pulled_bytes"] if has_pd else None,
         pull_seconds=after["pull_seconds"] - before["pull_seconds"] if has_pd else None,
         same_as_reference=same,
+        transports=tuple(t for t in TRANSPORTS if after[f"pulls_{t}"] > before[f"pulls_{t}"]),
     )
 
 
@@ -170,7 +187,9 @@ def _describe(result: DemoResult, block_size: int | None) -> str:
     prompt = f"{result.prompt_tokens} prompt tokens" if result.prompt_tokens >= 0 else "prompt"
     if block_size and result.prompt_tokens > 0:
         prompt += f" ({math.ceil(result.prompt_tokens / block_size)} blocks of {block_size})"
-    transfer = f"KV of {result.external_tokens:.0f} prompt tokens loaded over NIXL"
+    transfer = f"KV of {result.external_tokens:.0f} prompt tokens loaded"
+    if result.transports:
+        transfer += " over " + " and ".join(TRANSPORT_NAMES.get(t, t) for t in result.transports)
     if result.pulled_bytes is not None and result.pull_seconds is not None and result.pulled_bytes > 0:
         transfer += f" ({result.pulled_bytes / 1024:.0f} KiB in {result.pull_seconds * 1e3:.1f} ms)"
     check = ""

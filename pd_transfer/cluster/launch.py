@@ -62,6 +62,8 @@ class ServerSpec:
     tp_size: int = 1
     lease_seconds: float | None = None
     failure_policy: str | None = None
+    #: the connector's transport setting: auto, nixl or ipc (:mod:`pd_transfer.connector.ipc_choice`); None: auto
+    transport: str | None = None
     secret_env: str | None = None
     cpu_bind: str | None = None
     kvcache_gib: float = 1.0
@@ -100,6 +102,8 @@ class ServerSpec:
             problems.append(f"lease_seconds must be positive, not {self.lease_seconds}")
         if self.failure_policy is not None and self.failure_policy not in ("recompute", "fail"):
             problems.append(f"failure_policy must be recompute or fail, not {self.failure_policy!r}")
+        if self.transport is not None and self.transport not in ("auto", "nixl", "ipc"):
+            problems.append(f"transport must be auto, nixl or ipc, not {self.transport!r}")
         if self.secret_env is not None and not self.secret_env:
             problems.append("secret_env must name an environment variable")
         if self.offload_dir is not None and (not self.offload_dir or self.offload_dir_bytes < 1):
@@ -154,6 +158,8 @@ def _pd_transfer_config(spec: ServerSpec) -> dict[str, object]:
         extra["lease_seconds"] = spec.lease_seconds
     if spec.failure_policy is not None:
         extra["failure_policy"] = spec.failure_policy
+    if spec.transport is not None:
+        extra["transport"] = spec.transport
     if spec.secret_env is not None:
         extra["secret_env"] = spec.secret_env
     return {

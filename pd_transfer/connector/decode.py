@@ -48,6 +48,8 @@ from pd_transfer.transfer.tcp import push_mode
 
 from . import messages
 from .cache import KVCache
+from .cma_engine import CmaEngine
+from .cma_reads import CmaReader
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
 from .ipc_choice import TransportSetting
@@ -166,6 +168,9 @@ class DecodeRank:
             staged_jobs_per_lane=staged_jobs_per_lane,
         )
         self.ipc_reader = IpcReader(self.agent, cache, planes, done_message=self.reports.read_done)
+        self.cma_reader = CmaReader(
+            self.agent, planes, threads=lanes, timeout_s=read_timeout_s, done_message=self.reports.read_done
+        )
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
         self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)
         self.reads_confirmed = 0  # pulls confirmed by every prefill rank read from
@@ -218,6 +223,8 @@ class DecodeRank:
         blocks) from the first source rank, into scratch memory: the cache is not touched. For an engine opened
         through IPC, one-row copies, each queued and waited for."""
         remote = self.remotes.connect(host, port)
+        if isinstance(remote.ipc, CmaEngine):
+            return self.cma_reader.unit_read_latencies(remote, samples)
         if remote.ipc is not None:
             return self.ipc_reader.unit_copy_latencies(remote, samples)
         return self.remotes.one_unit_read_latencies(host, port, samples)
@@ -317,6 +324,8 @@ class DecodeRank:
 
     def _read(self, remote: RemoteEngine, request: PullRequest, deadline: float, pushed: bool) -> ReadTotals:
         """``request``'s blocks from ``remote``: copied where it is opened through IPC, else read with NIXL."""
+        if isinstance(remote.ipc, CmaEngine):
+            return self.cma_reader.read(remote, request)
         if remote.ipc is not None:
             return self.ipc_reader.read(remote, request)
         return self.reader.read(remote, request, deadline, pushed=pushed)
@@ -495,6 +504,7 @@ class DecodeRank:
     def close(self) -> None:
         """Wait for running fix-ups, then close the IPC handles, the handshake client and the NIXL agent."""
         self.reader.close()
+        self.cma_reader.close()
         self.remotes.close()
         self.client.close()
         self.agent.close()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.handshake.messages import EngineMetadata
+from pd_transfer.handshake.messages import CudaSegment, EngineMetadata, HostSegment
 from pd_transfer.topology import PeerPlan, SourcePlan
 
 from .cache import KVCache
@@ -245,7 +245,7 @@ class IpcEngine:
                     raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no IPC")
                 owners.append(OwnerWatch(offer))
                 opened = open_segments(offer, cache.place)
-                bases = [segment.base_address for segment in offer.segments]
+                bases = [s.base_address for s in offer.segments if isinstance(s, CudaSegment | HostSegment)]
                 sources.append(IpcSource.open(opened, bases, source, local))
         except BaseException:
             for owner in owners:

@@ -9,7 +9,10 @@ by a reader (:func:`open_segments`). Torch and the standard library only: no eng
   NIXL moves such caches.
 * **Host memory**: a cache allocated shareable (:func:`shareable_host_buffer`) lives in a memfd the owner keeps open;
   a reader opens ``/proc/<pid>/fd/<fd>`` (same host, same user, a pid namespace that sees the owner), checks it
-  opened that memfd (its name carries a random token), and maps it read-only. Other host memory is not offered.
+  opened that memfd (its name carries a random token), and maps it read-only. Other host memory is offered to be
+  read in place with ``process_vm_readv`` (:class:`CmaSegment`): the reader reads the owner's random probe bytes
+  back (:func:`check_probe`) before it trusts the pid, and then reads rows where the regions say
+  (:mod:`.cma_reads`).
 
 Lifetimes: the owner makes its handles once, when its rank is created, and keeps its cache (an engine's cache lives
 as long as the engine) and, for host memory, the memfd open for as long as the memory is mapped. A reader's opened
@@ -22,6 +25,8 @@ allocator from reusing the memory only once the owner frees the storage, which a
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import logging
 import mmap
 import os
@@ -37,9 +42,10 @@ from dataclasses import dataclass
 import torch
 
 from pd_transfer.handshake.host_identity import local_boot_id
-from pd_transfer.handshake.messages import CudaSegment, HostSegment, RankIpc
+from pd_transfer.handshake.messages import CmaSegment, CudaSegment, HostSegment, RankIpc
 from pd_transfer.spec import KVRegion, MemoryPlace, memory_of
-from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer import cma
+from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +55,9 @@ _SHARED_NAME = re.compile(re.escape(SHARED_NAME_PREFIX) + r"[0-9a-f]{32}")
 _IS_LEGACY_CUDA_IPC_CAPABLE = 10  # CUpointer_attribute, cuda.h
 _PAGE = mmap.PAGESIZE
 
-Segment = CudaSegment | HostSegment
+Segment = CudaSegment | HostSegment | CmaSegment
+#: Bytes of the probe a process offering its host memory to ``process_vm_readv`` holds.
+PROBE_BYTES = 16
 
 
 class IpcUnavailable(TransferError):
@@ -149,16 +157,50 @@ def _distinct_storages(tensors: Sequence[torch.Tensor]) -> list[torch.UntypedSto
 
 
 def _host_segments(storages: Sequence[torch.UntypedStorage]) -> list[Segment]:
-    """One memfd segment per shareable mapping holding the storages; ``IpcUnavailable`` if one is elsewhere."""
+    """One memfd segment per shareable mapping holding the storages; where one is elsewhere, the whole cache offered
+    to ``process_vm_readv`` instead (one :class:`CmaSegment`); ``IpcUnavailable`` where this host has no such
+    call."""
     segments: dict[int, Segment] = {}
     for storage in storages:
         mapping = _shared_mapping_of(storage.data_ptr(), storage.nbytes())
         if mapping is None:
-            raise IpcUnavailable("the host cache was not allocated shareable (KVCache.allocate(shareable=True))")
+            return [_cma_segment()]
         segments[mapping.start] = HostSegment(
             base_address=mapping.start, nbytes=mapping.nbytes, pid=os.getpid(), fd=mapping.fd, name=mapping.name
         )
     return list(segments.values())
+
+
+@functools.cache
+def _probe() -> ctypes.Array[ctypes.c_char]:
+    """This process's probe: random bytes it holds for as long as it runs."""
+    return ctypes.create_string_buffer(secrets.token_bytes(PROBE_BYTES), PROBE_BYTES)
+
+
+def _cma_segment() -> CmaSegment:
+    why_not = cma.unavailable()
+    if why_not:
+        raise IpcUnavailable(why_not)
+    probe = _probe()
+    return CmaSegment(probe_address=ctypes.addressof(probe), probe=probe.raw)
+
+
+def check_probe(offer: RankIpc, segment: CmaSegment) -> None:
+    """``IpcUnavailable`` unless this process can read ``segment``'s probe back from ``offer.pid``: it then is the
+    owner, and its memory may be read here."""
+    try:
+        got = cma.read_bytes(offer.pid, segment.probe_address, len(segment.probe))
+    except PeerDisconnected:
+        raise IpcUnavailable(f"the prefill's process {offer.pid} is not in this pid namespace (or exited)") from None
+    except cma.CmaError as error:
+        if error.errno == errno.EFAULT:
+            raise IpcUnavailable(f"process {offer.pid} here is not the prefill (no probe where it said)") from None
+        raise IpcUnavailable(
+            f"the prefill's memory cannot be read in place ({error}): another user, or ptrace not permitted"
+            " (kernel.yama.ptrace_scope, a container's seccomp profile)"
+        ) from None
+    if got != segment.probe:
+        raise IpcUnavailable(f"process {offer.pid} here is not the prefill (its probe bytes differ)")
 
 
 def _cuda_segment(storage: torch.UntypedStorage, device_index: int) -> Segment:
@@ -239,6 +281,11 @@ class OwnerWatch:
             except (OSError, AttributeError):
                 self._fd = None
 
+    @property
+    def watching(self) -> bool:
+        """Whether the owner's exit can be told here."""
+        return self._fd is not None
+
     def exited(self) -> bool:
         """True once the owner exited (False while it runs, or when that cannot be told)."""
         fd = self._fd
@@ -263,6 +310,8 @@ def open_segments(ipc: RankIpc, local: MemoryPlace) -> list[torch.Tensor]:
             if not local.is_host:
                 raise IpcUnavailable("the prefill's cache is in host memory and ours is not")
             opened.append(_open_memfd(segment))
+        elif isinstance(segment, CmaSegment):
+            raise IpcUnavailable("the prefill's memory is read in place (process_vm_readv), not opened")
         else:
             if local.is_host:
                 raise IpcUnavailable("the prefill's cache is in GPU memory and ours is not")

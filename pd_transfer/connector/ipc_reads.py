@@ -24,7 +24,7 @@ from pd_transfer.spec import MemoryPlace
 from pd_transfer.transfer.errors import PeerDisconnected
 
 from .cache import KVCache
-from .ipc_engine import IpcSource, run_copies
+from .ipc_engine import IpcEngine, IpcSource, run_copies
 from .ipc_handles import IpcUnavailable
 from .pull_request import PullRequest
 from .reads import ReadTotals
@@ -148,8 +148,8 @@ class IpcReader:
     def _sources(remote: RemoteEngine) -> list[IpcSource]:
         """``remote``'s opened sources (held by the caller: a forget meanwhile drops only the engine's list)."""
         ipc = remote.ipc
-        sources = [] if ipc is None else ipc.sources
-        if ipc is None or not sources:
+        sources = ipc.sources if isinstance(ipc, IpcEngine) else []
+        if not isinstance(ipc, IpcEngine) or not sources:
             raise IpcUnavailable(f"engine {remote.engine.engine_id} is not connected through IPC (any more)")
         if ipc.owner_exited():
             raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process whose memory is open exited")

@@ -46,7 +46,7 @@ class PullStats:
     confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
     pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
-    transport: Transport = "nixl"  # what moved it: NIXL, or same-host IPC ("cuda_ipc", "host_ipc")
+    transport: Transport = "nixl"  # what moved it: NIXL, or same-host IPC ("cuda_ipc", "host_ipc", "host_cma")
 
     @property
     def gbps(self) -> float:

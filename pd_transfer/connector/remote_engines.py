@@ -51,9 +51,10 @@ from pd_transfer.topology.plan import DEFAULT_MIN_DIRECT_RUN_BYTES
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 
 from .cache import KVCache
+from .cma_engine import MIN_DIRECT_ROW_BYTES, CmaEngine
 from .ipc_choice import Transport, TransportChoice, TransportSetting, choose_transport
 from .ipc_engine import IpcEngine
-from .ipc_handles import IpcUnavailable, gpu_reach
+from .ipc_handles import IpcUnavailable, gpu_reach, pid_namespace
 from .packed_staging import PackedStaging
 from .staging import DEFAULT_STAGING_CHUNK_BYTES, StagingArea
 
@@ -84,11 +85,11 @@ class RemoteEngine:
     sources: list[SourceRank]
     staging: StagingArea | None = None  # the staging area the sources' ``staging`` lists point into
     packed: PackedStaging | None = None  # packed blocks of another block size: read whole, then regrouped
-    ipc: IpcEngine | None = None  # the engine's memory opened through same-host IPC: copied, not read with NIXL
+    ipc: IpcEngine | CmaEngine | None = None  # the engine opened through same-host IPC, or read in place
 
     @property
     def transport(self) -> Transport:
-        """What its requests go by: "nixl", or same-host IPC ("cuda_ipc", "host_ipc")."""
+        """What its requests go by: "nixl", or same-host IPC ("cuda_ipc", "host_ipc", "host_cma")."""
         return "nixl" if self.ipc is None else self.ipc.transport
 
 
@@ -310,18 +311,23 @@ class RemoteEngines:
 
     def _open_ipc(
         self, engine: EngineMetadata, plan: PeerPlan, packed: bool
-    ) -> tuple[TransportChoice, IpcEngine | None]:
-        """The transport for ``engine`` and, for same-host IPC, its memory opened. Raises ``IpcUnavailable`` when
-        the setting is "ipc" and it cannot be used."""
+    ) -> tuple[TransportChoice, IpcEngine | CmaEngine | None]:
+        """The transport for ``engine`` and, for same-host IPC, its memory opened (or, read in place, its processes
+        probed). Raises ``IpcUnavailable`` when the setting is "ipc" and it cannot be used."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
         ranks = [by_rank[source.remote_rank] for source in plan.sources]
         place = self.cache.place
-        choice = choose_transport(self.transport, place, ranks, local_boot_id(), packed=packed, reach=gpu_reach)
+        choice = choose_transport(
+            self.transport, place, ranks, local_boot_id(), packed=packed, reach=gpu_reach, pid_namespace=pid_namespace()
+        )
         if choice.transport == "nixl":
             if self.transport == "ipc":
                 raise IpcUnavailable(f"transport ipc: engine {engine.engine_id}: {choice.reason}")
             return choice, None
         try:
+            if choice.transport == "host_cma":
+                in_place = plan if plan.postprocess is None else self._plan(engine, None, MIN_DIRECT_ROW_BYTES)
+                return choice, CmaEngine.open(engine, in_place)
             return choice, IpcEngine.open(choice.transport, engine, plan, self.cache)
         except IpcUnavailable as error:
             if self.transport == "ipc":
@@ -336,8 +342,11 @@ class RemoteEngines:
             return None
         return self._packed_staging_for(remote_block_size)
 
-    def _plan(self, engine: EngineMetadata, packed: PackedStaging | None) -> PeerPlan:
-        """The plan from the engine's ranks into our cache, or into the packed staging cache."""
+    def _plan(
+        self, engine: EngineMetadata, packed: PackedStaging | None, min_direct_run_bytes: int | None = None
+    ) -> PeerPlan:
+        """The plan from the engine's ranks into our cache, or into the packed staging cache; rows straight into
+        place where they are at least ``min_direct_run_bytes`` long (default: the rank's setting)."""
         layout: KVCacheLayout = self.cache.layout if packed is None else packed.layout
         regions: list[KVRegion] = list(self.cache.regions if packed is None else packed.cache.regions)
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
@@ -346,7 +355,7 @@ class RemoteEngines:
             regions,
             {r: by_rank[r].layout for r in by_rank},
             {r: list(by_rank[r].regions) for r in by_rank},
-            min_direct_run_bytes=self.min_direct_run_bytes,
+            min_direct_run_bytes=self.min_direct_run_bytes if min_direct_run_bytes is None else min_direct_run_bytes,
         )
 
     def _add_sources(self, engine: EngineMetadata, plan: PeerPlan, *, via_ipc: bool = False) -> list[SourceRank]:

@@ -23,6 +23,9 @@ of GPU memory, or shared host memory) names its host in the ``Challenge`` (``hos
 a process of the same user on the same host, sharing its ``/dev/shm``, can read). A client that reads the token
 proves it in ``GetMetadata.host_proof`` (HMAC of the nonces under the token, :mod:`.host_identity`); only then does
 the ``Metadata`` keep the ranks' ``ipc`` sections, so a remote peer is never sent a handle it cannot open.
+
+Since version 4, a rank whose cache is in other host memory offers it to be read in place with ``process_vm_readv``
+(:class:`CmaSegment`); a version 3 client is sent the rank without that offer.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import msgspec
 
 from pd_transfer.spec import Address, Count, KVCacheLayout, KVRegion, ModelFingerprint, Name, ShortName
 
-from .versions import PROTOCOL_VERSION
+from .versions import CMA_VERSION, PROTOCOL_VERSION
 
 #: Largest frame the server or the client will try to decode (bytes).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -95,15 +98,25 @@ class HostSegment(msgspec.Struct, tag="memfd", frozen=True, forbid_unknown_field
     name: ShortName
 
 
+class CmaSegment(msgspec.Struct, tag="cma", frozen=True, forbid_unknown_fields=True):
+    """Version 4: the rank's whole host cache, read in place from the owner's process (``RankIpc.pid``) with
+    ``process_vm_readv``; the rank's regions say where. ``probe`` is random bytes the owner holds at
+    ``probe_address``: a reader reads them back before it trusts that the pid is the owner."""
+
+    probe_address: Address
+    probe: Nonce
+
+
 class RankIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Version 3: a rank's cache memory, offered for same-host IPC: the owner's host (``boot_id``) and process
     (``pid`` in the pid namespace ``pid_namespace``, the inode of its ``/proc/self/ns/pid``: a reader in the same
-    namespace notices it exited), and a segment per shared allocation, each covering whole regions."""
+    namespace notices it exited), and a segment per shared allocation, each covering whole regions (or, version 4,
+    one :class:`CmaSegment` for the whole cache)."""
 
     boot_id: ShortName
     pid: Count
     pid_namespace: Count
-    segments: Annotated[list[Union[CudaSegment, HostSegment]], msgspec.Meta(max_length=MAX_REGIONS)]
+    segments: Annotated[list[Union[CudaSegment, HostSegment, CmaSegment]], msgspec.Meta(max_length=MAX_REGIONS)]
 
 
 class RankMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,6 +133,15 @@ class RankMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def without_ipc(self) -> RankMetadata:
         """This rank as a client that has not proved it is on the same host sees it."""
         return self if self.ipc is None else msgspec.structs.replace(self, ipc=None)
+
+    def for_version(self, version: int) -> RankMetadata:
+        """This rank as a client speaking protocol ``version`` can decode it: before version 4, without an offer
+        read by ``process_vm_readv`` (:class:`CmaSegment`)."""
+        if self.ipc is None or version >= CMA_VERSION:
+            return self
+        if any(isinstance(segment, CmaSegment) for segment in self.ipc.segments):
+            return self.without_ipc()
+        return self
 
 
 class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

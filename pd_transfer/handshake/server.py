@@ -372,7 +372,7 @@ class HandshakeServer:
             message = f"engine {engine.engine_id!r} does not serve TP rank(s) {shown}; it serves {sorted(by_rank)}"
             return self._refuse(peer, "unknown_rank", message)
 
-        ranks = [by_rank[tp_rank] for tp_rank in wanted]
+        ranks = [by_rank[tp_rank].for_version(request.protocol_version) for tp_rank in wanted]
         if not same_host:
             ranks = [rank.without_ipc() for rank in ranks]
         elif any(rank.ipc is not None for rank in ranks):

@@ -10,11 +10,15 @@ server still answers and a client still accepts.
   offer its memory for same-host IPC (``RankMetadata.ipc``), sent only to a client that proved it runs on the
   prefill's host (``Challenge.host``, ``GetMetadata.host_proof``). A version 2 peer cannot decode version 3
   metadata (and would read GPU addresses as host ones), so versions 1 and 2 are refused, naming both versions.
+* 4: a rank's host cache may be offered to be read in place with ``process_vm_readv`` (a ``CmaSegment`` in
+  ``RankMetadata.ipc``); a version 4 server answers version 3 clients without that offer.
 """
 
-PROTOCOL_VERSION = 3
-SUPPORTED_VERSIONS: frozenset[int] = frozenset({3})
+PROTOCOL_VERSION = 4
+SUPPORTED_VERSIONS: frozenset[int] = frozenset({3, 4})
 #: The first version that has ``Release``.
 RELEASE_VERSION = 2
 #: The first version whose regions carry their memory kind (and whose ranks may offer same-host IPC).
 MEMORY_KIND_VERSION = 3
+#: The first version whose ranks may offer their host cache to ``process_vm_readv`` (``CmaSegment``).
+CMA_VERSION = 4

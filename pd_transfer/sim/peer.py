@@ -57,6 +57,7 @@ class PrefillSpec:
     ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
     device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
     shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
+    offer_ipc: bool = True  # offer the caches to same-host decodes (shared memory, or read in place)
     # the child's settings (None: read from its environment, inherited from the parent, at its start); with
     # ``sim_busy_engine`` it also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
     settings: Settings | None = None
@@ -114,7 +115,10 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     settings = apply_process_defaults(spec.settings or read_settings(), net_devices="lo")  # this child's edge
     from pd_transfer.connector.prefill import PrefillRank, serve_engine
 
-    ranks = [PrefillRank(spec.engine_id, cache, settings=settings) for cache in spec.caches(settings=settings)]
+    ranks = [
+        PrefillRank(spec.engine_id, cache, settings=settings, offer_ipc=spec.offer_ipc)
+        for cache in spec.caches(settings=settings)
+    ]
     server = serve_engine(
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +31,36 @@ def build_grid(planes: Sequence[Plane], unit_offsets: np.ndarray, unit_bytes: in
     np.add(block_starts[:, :, None], offsets[None, None, :], out=grid[..., 0])
     grid[..., 1] = unit_bytes
     return grid.reshape(-1, 3)
+
+
+@dataclass(frozen=True)
+class GridAddresses:
+    """The addresses of a grid as :func:`build_grid` lays it out: row ``(plane * blocks + block) * units + unit`` at
+    ``bases[plane] + block * strides[plane] + offsets[unit]`` (int64 bytes)."""
+
+    bases: np.ndarray  # (planes,)
+    strides: np.ndarray  # (planes,)
+    offsets: np.ndarray  # (units,), from a block's start
+
+    @classmethod
+    def of(cls, grid: np.ndarray, planes: int, blocks: int, units: int) -> GridAddresses | None:
+        """``grid``'s addresses in that form, or None where they are not (checked against every row)."""
+        if planes * blocks * units != len(grid) or not len(grid):
+            return None
+        rows = grid[:, 0].astype(np.int64).reshape(planes, blocks, units)
+        offsets = rows[0, 0] - rows[0, 0, 0]
+        bases = rows[:, 0, 0].copy()
+        strides = rows[:, 1, 0] - bases if blocks > 1 else np.zeros(planes, dtype=np.int64)
+        found = cls(bases, strides, offsets)
+        expected = bases[:, None, None] + np.arange(blocks)[None, :, None] * strides[:, None, None] + offsets
+        return found if np.array_equal(expected, rows) else None
+
+    def at(self, blocks: np.ndarray, in_block: np.ndarray) -> np.ndarray:
+        """uint64 addresses, in every plane, of the units ``in_block[t, h]`` of the blocks ``blocks[t]``: ordered by
+        (plane, t, h)."""
+        starts = self.bases[:, None] + blocks[None, :] * self.strides[:, None]  # (planes, t)
+        addresses: np.ndarray = starts[:, :, None] + self.offsets[in_block][None, :, :]
+        return addresses.ravel().astype(np.uint64)
 
 
 def block_ids_array(

@@ -9,6 +9,7 @@ local row. With the staged strategy the received blocks are not yet in the local
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -18,7 +19,7 @@ import torch
 
 from pd_transfer.spec import KVCacheLayout, KVRegion, Plane, planes_of
 
-from .grids import BlockIds, block_ids_array, build_grid, check_num_tokens
+from .grids import BlockIds, GridAddresses, block_ids_array, build_grid, check_num_tokens
 from .mapping import HeadSource, TopologyError, check_compatible, expected_readers, head_sources
 from .postprocess import Restage, StagedSource, index_on, restage_blocks
 from .units import BlockGeometry, UnitShape, direct_unit, staged_offsets, staged_unit, unit_grid
@@ -76,6 +77,42 @@ class SourcePlan:
         (plane, token, head). Only units holding tokens ``< num_tokens`` are listed; ``remote_block_ids`` has
         ``ceil(num_tokens / remote_block_size)`` entries, ``local_block_ids`` ``ceil(num_tokens /
         local_block_size)`` distinct ones. Raises ``ValueError`` on malformed block ids."""
+        local, remote = self.request_units(remote_block_ids, local_block_ids, num_tokens)
+        planes = np.arange(self.num_planes, dtype=np.int64)
+
+        def rows(units: RequestUnits, num_blocks: int, per_block: int) -> np.ndarray:
+            plane_start = planes * (num_blocks * per_block)
+            grid: np.ndarray = plane_start[:, None, None] + (units.blocks * per_block)[None, :, None]
+            grid = grid + units.in_block[None, :, :]
+            return grid.ravel()
+
+        local_rows = rows(local, self.local_num_blocks, self.local_units_per_block)
+        remote_rows = rows(remote, self.remote_num_blocks, self.remote_units_per_block)
+        return local_rows, remote_rows
+
+    def addresses(
+        self, remote_block_ids: BlockIds, local_block_ids: BlockIds, num_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote): uint64 addresses of the rows :meth:`indices` lists, in its order (what its grids hold at
+        those rows), computed from the block ids rather than gathered from the grids."""
+        local, remote = self.request_units(remote_block_ids, local_block_ids, num_tokens)
+        return self._local_addresses.at(local.blocks, local.in_block), self._remote_addresses.at(
+            remote.blocks, remote.in_block
+        )
+
+    @functools.cached_property
+    def _local_addresses(self) -> _Addresses:
+        return _addresses(self.local_grid, self.num_planes, self.local_num_blocks, self.local_units_per_block)
+
+    @functools.cached_property
+    def _remote_addresses(self) -> _Addresses:
+        return _addresses(self.remote_grid, self.num_planes, self.remote_num_blocks, self.remote_units_per_block)
+
+    def request_units(
+        self, remote_block_ids: BlockIds, local_block_ids: BlockIds, num_tokens: int
+    ) -> tuple[RequestUnits, RequestUnits]:
+        """(local, remote): where a request's units lie on each side, before the planes multiply them (what
+        :meth:`indices` turns into rows; validated as it says)."""
         check_num_tokens(num_tokens)
         remote = block_ids_array(
             "remote_block_ids", remote_block_ids, num_tokens, self.remote_block_size, self.remote_num_blocks, False
@@ -86,20 +123,44 @@ class SourcePlan:
         unit_tokens = self.unit.tokens
         starts = np.arange(-(-num_tokens // unit_tokens), dtype=np.int64) * unit_tokens  # first token of units
         head_units = np.arange(self.num_heads // self.unit.heads, dtype=np.int64)
-        planes = np.arange(self.num_planes, dtype=np.int64)
 
-        def rows(ids: np.ndarray, block_size: int, num_blocks: int, per_block: int) -> np.ndarray:
-            token_units = block_size // unit_tokens
+        def units(ids: np.ndarray, block_size: int) -> RequestUnits:
             block, slot = np.divmod(starts, block_size)
-            unit_start = ids[block] * per_block + slot // unit_tokens  # (tokens,)
-            plane_start = planes * (num_blocks * per_block)
-            grid: np.ndarray = plane_start[:, None, None] + unit_start[None, :, None]
-            grid = grid + (head_units * token_units)[None, None, :]
-            return grid.ravel()
+            in_block = (slot // unit_tokens)[:, None] + (head_units * (block_size // unit_tokens))[None, :]
+            return RequestUnits(ids[block], in_block)
 
-        local_rows = rows(local, self.local_block_size, self.local_num_blocks, self.local_units_per_block)
-        remote_rows = rows(remote, self.remote_block_size, self.remote_num_blocks, self.remote_units_per_block)
-        return local_rows, remote_rows
+        return units(local, self.local_block_size), units(remote, self.remote_block_size)
+
+
+class _Gathered:
+    """Addresses of a grid not laid out as :class:`GridAddresses` says: gathered from it row by row."""
+
+    def __init__(self, grid: np.ndarray, planes: int, blocks: int, units: int) -> None:
+        self.rows = np.ascontiguousarray(grid[:, 0])
+        self.planes, self.blocks, self.units = planes, blocks, units
+
+    def at(self, blocks: np.ndarray, in_block: np.ndarray) -> np.ndarray:
+        plane_start = np.arange(self.planes, dtype=np.int64) * (self.blocks * self.units)
+        rows = plane_start[:, None, None] + (blocks * self.units)[None, :, None] + in_block[None, :, :]
+        gathered: np.ndarray = self.rows[rows.ravel()]
+        return gathered
+
+
+_Addresses = GridAddresses | _Gathered
+
+
+def _addresses(grid: np.ndarray, planes: int, blocks: int, units: int) -> _Addresses:
+    found = GridAddresses.of(grid, planes, blocks, units)
+    return found if found is not None else _Gathered(grid, planes, blocks, units)
+
+
+@dataclass(frozen=True)
+class RequestUnits:
+    """One side of a request's units, the same in every plane: ``blocks[t]``, the block holding token unit ``t``, and
+    ``in_block[t, h]``, the unit (in the grid's in-block order) of head unit ``h`` of token unit ``t`` in it."""
+
+    blocks: np.ndarray  # int64 (token units,)
+    in_block: np.ndarray  # int64 (token units, head units)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,9 +41,9 @@ def layout(block_size: int = 16, tp: int = 1, rank: int = 0, kv_layout: str = "H
     return kv_layout_of(FINGERPRINT, block_size, tp, rank, kv_layout)
 
 
-def spec(engine_id: str, *, tp: int = 1, shareable: bool = True, port: int = 0, seed: int = 7) -> PrefillSpec:
+def spec(engine_id: str, *, tp: int = 1, offer: bool = True, port: int = 0, seed: int = 7) -> PrefillSpec:
     layouts = [layout(16, tp, rank) for rank in range(tp)]
-    return PrefillSpec(engine_id, layouts, BLOCKS, seed=seed, secret=SECRET, port=port, shareable=shareable)
+    return PrefillSpec(engine_id, layouts, BLOCKS, seed=seed, secret=SECRET, port=port, shareable=True, offer_ipc=offer)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_the_setting_nixl_reads_with_nixl_and_ipc_refuses_a_prefill_that_offers_
         assert pull(decode, shared, "nixl-read") == ("nixl", True)
     finally:
         decode.close()
-    with PrefillProcess(spec("private-prefill", shareable=False)) as private:
+    with PrefillProcess(spec("private-prefill", offer=False)) as private:
         decode = decode_rank("ipc-decode-forced", layout(), transport="ipc")
         try:
             with pytest.raises(IpcUnavailable, match="transport ipc: engine private-prefill: prefill rank 0: no IPC"):

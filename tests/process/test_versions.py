@@ -1,6 +1,7 @@
-"""Mixed protocol versions on the side channel, with real processes: a decode of version N and a prefill of N-1 (and
-the reverse) are refused at the handshake with a message naming both versions (version 3 put the regions' memory
-kind on the wire, which older peers cannot read).
+"""Mixed protocol versions on the side channel, with real processes: a decode of version N reads a prefill of version
+3 (version 4 only added an offer a version 3 peer is never sent), and a decode and a prefill whose versions do not
+overlap (version 3 put the regions' memory kind on the wire, which older peers cannot read) are refused at the
+handshake with a message naming both versions.
 
 The prefill side is a handshake server in a child process built to speak another version (constructor arguments,
 as an older or newer release would); the decode side is a real ``HandshakeClient`` (or the proxy's ``Releaser``)
@@ -121,19 +122,22 @@ def prefill_speaking(version: int, supported: set[int], *, released_code: Path |
             process.wait(timeout=10)
 
 
-def test_a_decode_of_n_refuses_a_prefill_of_n_minus_1_naming_both() -> None:
-    """Version 3 put each region's memory kind on the wire: an older prefill's regions would read as host memory
-    whatever they are, so a decode of N refuses it, naming both versions."""
-    with prefill_speaking(N - 1, {N - 1}) as port, HandshakeClient(fake_fingerprint(), retries=0) as client:
+def test_a_decode_of_n_reads_a_prefill_of_3_and_refuses_one_of_2_naming_both() -> None:
+    """Version 3 put each region's memory kind on the wire: a version 2 prefill's regions would read as host memory
+    whatever they are, so a decode of N refuses it, naming both versions. A version 3 prefill is read."""
+    with prefill_speaking(3, {3}) as port, HandshakeClient(fake_fingerprint(), retries=0) as client:
+        assert client.fetch(HOST, port).engine_id == "prefill-v3"
+    with prefill_speaking(2, {2}) as port, HandshakeClient(fake_fingerprint(), retries=0) as client:
         with pytest.raises(HandshakeRefused) as caught:
             client.fetch(HOST, port)
     assert caught.value.code == "unsupported_version"
-    assert f"speaks protocol version {N - 1}" in caught.value.message
+    assert "speaks protocol version 2" in caught.value.message
     assert f"this client speaks {N}" in caught.value.message
 
 
-def test_a_prefill_of_n_refuses_a_decode_of_n_minus_1_naming_both() -> None:
-    """An older decode could not decode version N metadata: the prefill refuses it at its Hello, naming both."""
+def test_a_prefill_of_n_only_refuses_a_decode_of_n_minus_1_naming_both() -> None:
+    """A prefill that answers version N only (as a release that dropped version N-1 would) refuses an older decode
+    at its Hello, naming both."""
     client = HandshakeClient(fake_fingerprint(), retries=0, protocol_version=N - 1)
     with prefill_speaking(N, {N}) as port, client:
         with pytest.raises(HandshakeRefused) as caught:
@@ -167,4 +171,4 @@ def test_the_released_version_1_prefill_refuses_a_decode_of_n_naming_both(tmp_pa
                 client.fetch(HOST, port)
     message = caught.value.message
     assert caught.value.code == "unsupported_version"
-    assert f"version {N}" in message and "speaks 1" in message and f"client speaks {N}" in message
+    assert "speaks 1" in message and f"client speaks {N}" in message

@@ -305,3 +305,44 @@ class TestPlaneViewsAndPostprocess:
         for index, (plane, old) in enumerate(zip(planes, before, strict=True)):
             assert torch.equal(plane[0], old[0]) and torch.equal(plane[2], old[2])
             assert torch.equal(plane[1], old[1]) == (index not in (1, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"remote_tp": 2},
+        {"local_tp": 2, "rank": 1},
+        {"local_block": 64, "strategy": "direct"},
+        {"local_block": 64, "strategy": "staged"},
+        {"remote_block": 32, "local_layout": "NHD"},
+        {"local_layout": "NHD", "remote_layout": "HND", "local_block": 32},
+    ],
+    ids=[
+        "same",
+        "tp2-to-1",
+        "tp1-to-2",
+        "block16-to-64-direct",
+        "block16-to-64-staged",
+        "block32-to-16-nhd",
+        "hnd-to-nhd",
+    ],
+)
+def test_addresses_are_the_grid_rows_indices_lists(kwargs: dict) -> None:
+    """What the reads in place use: each source's addresses, computed from the block ids, equal its grids at the rows
+    ``indices`` lists, for a request of a partial last block."""
+    plan = make(blocks=16, **kwargs)
+    rng = np.random.default_rng(5)
+    tokens = 70
+    for source in plan.sources:
+        remote_ids = rng.choice(16, -(-tokens // source.remote_block_size), replace=False)
+        local_ids = rng.choice(16, -(-tokens // source.local_block_size), replace=False)
+        local_rows, remote_rows = source.indices(remote_ids, local_ids, tokens)
+        local, remote = source.addresses(remote_ids, local_ids, tokens)
+        assert local.dtype == remote.dtype == np.uint64
+        assert np.array_equal(local, source.local_grid[local_rows, 0])
+        assert np.array_equal(remote, source.remote_grid[remote_rows, 0])
+    first = plan.sources[0]
+    remote_ids = [16] * -(-tokens // first.remote_block_size)
+    with pytest.raises(ValueError, match="block id 16 is out of range"):
+        first.addresses(remote_ids, list(range(-(-tokens // first.local_block_size))), tokens)

@@ -8,17 +8,24 @@ import pytest
 
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
 from pd_transfer.connector.ipc_choice import TransportSetting, choose_transport
-from pd_transfer.handshake.messages import CudaSegment, HostSegment, RankIpc, RankMetadata
+from pd_transfer.handshake.messages import CmaSegment, CudaSegment, HostSegment, RankIpc, RankMetadata
 from pd_transfer.sim.handshake_server import fake_engine
 from pd_transfer.spec import HOST, MemoryPlace
 
 BOOT = "5c0ffee0-0000-4000-8000-000000000001"
 GPU0 = MemoryPlace("cuda", 0)
+NAMESPACE = 4026531836  # our pid namespace, as the inode of /proc/self/ns/pid
 
 
 def host_rank(boot_id: str = BOOT) -> RankMetadata:
     segment = HostSegment(base_address=0x7F00_0000_0000, nbytes=1 << 20, pid=1234, fd=7, name="pd-transfer-kv-0")
     offer = RankIpc(boot_id=boot_id, pid=1234, pid_namespace=1, segments=[segment])
+    return msgspec.structs.replace(fake_engine().ranks[0], ipc=offer)
+
+
+def cma_rank(pid_namespace: int = NAMESPACE) -> RankMetadata:
+    segment = CmaSegment(probe_address=0x7F00_0000_1000, probe=bytes(range(16)))
+    offer = RankIpc(boot_id=BOOT, pid=1234, pid_namespace=pid_namespace, segments=[segment])
     return msgspec.structs.replace(fake_engine().ranks[0], ipc=offer)
 
 
@@ -47,7 +54,9 @@ def reachable(local: int, uuid: str) -> str:
 def choose(
     setting: TransportSetting, local: MemoryPlace, *ranks: RankMetadata, packed: bool = False
 ) -> tuple[str, str]:
-    choice = choose_transport(setting, local, list(ranks), BOOT, packed=packed, reach=reachable)
+    choice = choose_transport(
+        setting, local, list(ranks), BOOT, packed=packed, reach=reachable, pid_namespace=NAMESPACE
+    )
     return choice.transport, choice.reason
 
 
@@ -59,6 +68,17 @@ def test_same_host_shareable_host_memory_is_copied_through_host_ipc() -> None:
 def test_a_reachable_gpu_on_this_host_is_copied_through_cuda_ipc() -> None:
     transport, reason = choose("auto", GPU0, cuda_rank())
     assert transport == "cuda_ipc" and "cuda:0" in reason
+
+
+def test_other_host_memory_in_our_pid_namespace_is_read_in_place() -> None:
+    transport, reason = choose("auto", HOST, cma_rank(), cma_rank())
+    assert transport == "host_cma" and "pid namespace" in reason
+    assert choose("ipc", HOST, cma_rank())[0] == "host_cma"
+
+
+def test_ranks_offering_different_kinds_read_with_nixl() -> None:
+    transport, reason = choose("auto", HOST, host_rank(), cma_rank())
+    assert transport == "nixl" and "different kinds of IPC" in reason
 
 
 def test_the_setting_nixl_never_uses_ipc() -> None:
@@ -73,6 +93,8 @@ def test_the_setting_nixl_never_uses_ipc() -> None:
         (GPU0, host_rank(), "rank 0: its cache is in host memory, ours in cuda:0"),
         (HOST, cuda_rank(), "rank 0: its cache is in GPU memory, ours in host"),
         (GPU0, cuda_rank(uuid="GPU-b"), "rank 0: cuda:0 cannot access GPU-b"),
+        (HOST, cma_rank(pid_namespace=NAMESPACE + 1), "rank 0: its process is in another pid namespace"),
+        (GPU0, cma_rank(), "rank 0: its cache is in host memory, ours in cuda:0"),
     ],
 )
 def test_everything_else_reads_with_nixl_saying_why(local: MemoryPlace, rank: RankMetadata, why: str) -> None:

@@ -103,9 +103,11 @@ def servers(tiny_model: str) -> Iterator[Servers]:
     drained: dict[str, Any] = {"drain_seconds": DRAIN_S}
     made = Servers(
         model,
-        over_tcp(vllm_server("prefill-a", model, logs, cpu_index=0, lease_seconds=LEASE_S, **drained)),
+        over_tcp(
+            vllm_server("prefill-a", model, logs, cpu_index=0, lease_seconds=LEASE_S, transport="nixl", **drained)
+        ),
         vllm_server("prefill-b", model, logs, cpu_index=1, lease_seconds=LEASE_S, **drained),
-        over_tcp(vllm_server("decode-a", model, logs, cpu_index=0, **drained)),
+        over_tcp(vllm_server("decode-a", model, logs, cpu_index=0, transport="nixl", **drained)),
         vllm_server("decode-b", model, logs, cpu_index=1, **drained),
         reference_server(model, logs),
     )

@@ -126,9 +126,11 @@ def cluster(tiny_model: str) -> Iterator[Cluster]:
     def server(name: str, cpu: int, **changes: Any) -> ManagedProcess:
         return vllm_server(name, model, logs, cpu_index=cpu, port=next(ports), side_channel_port=next(ports), **changes)
 
-    prefill = incarnation(over_tcp(server("prefill", 0, lease_seconds=LEASE_S)), "prefill-1", FIRST_ENGINE_ID)
-    decode = over_tcp(server("decode", 1))
-    decode_fail = over_tcp(server("decode-fail", 1, failure_policy="fail"))
+    prefill = incarnation(
+        over_tcp(server("prefill", 0, lease_seconds=LEASE_S, transport="nixl")), "prefill-1", FIRST_ENGINE_ID
+    )
+    decode = over_tcp(server("decode", 1, transport="nixl"))
+    decode_fail = over_tcp(server("decode-fail", 1, failure_policy="fail", transport="nixl"))
     reference = server("reference", 0, connector=False)
     servers = [prefill, decode, decode_fail, reference]
     started = time.monotonic()

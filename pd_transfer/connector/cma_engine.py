@@ -1,0 +1,89 @@
+"""A prefill engine read in place with ``process_vm_readv`` (:mod:`.cma_reads` reads it): opened once per engine.
+
+Each source rank offered its cache (a :class:`~pd_transfer.handshake.messages.CmaSegment`); we watch its process (a
+pidfd: we share its pid namespace) and read its probe back (:func:`~.ipc_handles.check_probe`), so its pid is known to
+be the prefill. The plan read by is one whose rows land in place (direct) where those rows are at least
+:data:`MIN_DIRECT_ROW_BYTES`: a block-size regroup is then done by the copy itself, a remote block landing as a piece
+per head; else the engine's own plan, with its fix-up after the reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd_transfer.handshake.messages import CmaSegment, EngineMetadata
+from pd_transfer.topology import PeerPlan, SourcePlan
+from pd_transfer.transfer.cma import CmaCall, plan_calls
+
+from .ipc_choice import Transport
+from .ipc_handles import IpcUnavailable, OwnerWatch, check_probe
+from .pull_request import PullRequest
+
+#: Rows of a direct plan at least this long are read in place (a block-size regroup done by the copy); shorter
+#: ones (a layout change, a head per token) cost the kernel more per byte than the engine plan's fix-up.
+MIN_DIRECT_ROW_BYTES = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class CmaSource:
+    """One source rank of the plan and its process."""
+
+    pid: int
+    plan: SourcePlan
+
+    def calls(self, request: PullRequest) -> tuple[list[CmaCall], int]:
+        """(the calls that read ``request`` from this source, the rows they read); ``ValueError`` for block ids
+        that do not fit the plan."""
+        local, remote = self.plan.addresses(request.remote_block_ids, request.local_block_ids, request.num_tokens)
+        return plan_calls(self.pid, local, remote, self.plan.unit_bytes), len(local)
+
+
+class CmaEngine:
+    """A prefill engine read in place: the plan read by (``plan``), a :class:`CmaSource` per source of it and a
+    watch on each source's process (``owners``). ``close`` releases the watches."""
+
+    transport: Transport = "host_cma"
+
+    def __init__(self, plan: PeerPlan, sources: list[CmaSource], owners: list[OwnerWatch]) -> None:
+        self.plan = plan
+        self.sources = sources
+        self.owners = owners
+
+    @classmethod
+    def open(cls, engine: EngineMetadata, plan: PeerPlan) -> CmaEngine:
+        """Watch and probe each rank ``plan`` reads; ``IpcUnavailable`` where one cannot be read in place."""
+        by_rank = {rank.tp_rank: rank for rank in engine.ranks}
+        sources: list[CmaSource] = []
+        owners: list[OwnerWatch] = []
+        try:
+            for source in plan.sources:
+                offer = by_rank[source.remote_rank].ipc
+                segment = offer.segments[0] if offer is not None and offer.segments else None
+                if offer is None or not isinstance(segment, CmaSegment):
+                    raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no memory to read in place")
+                owner = OwnerWatch(offer)
+                owners.append(owner)
+                if not owner.watching:
+                    raise IpcUnavailable(f"prefill rank {source.remote_rank}: its process cannot be watched here")
+                check_probe(offer, segment)
+                sources.append(CmaSource(offer.pid, source))
+        except BaseException:
+            for owner in owners:
+                owner.close()
+            raise
+        return cls(plan, sources, owners)
+
+    def owner_exited(self) -> bool:
+        """Whether a process read here exited (its pid may then name another process)."""
+        return any(owner.exited() for owner in self.owners)
+
+    @property
+    def closed(self) -> bool:
+        return not self.sources
+
+    def close(self) -> None:
+        """Drop the sources and release the watches (idempotent)."""
+        self.sources = []
+        owners, self.owners = self.owners, []
+        for owner in owners:
+            owner.close()

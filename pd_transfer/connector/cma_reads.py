@@ -1,0 +1,107 @@
+"""The same-host read path for host caches: a decode rank reads a request's rows straight out of a prefill process's
+memory with ``process_vm_readv`` (:mod:`pd_transfer.transfer.cma`), many rows a call, on several threads, instead of
+NIXL (whose CMA transport makes one call per row, and whose block-size regroups are staged and fixed up after).
+
+**Per request** (:meth:`CmaReader.read`), from an engine opened once (:class:`~.cma_engine.CmaEngine`): the plan's
+rows as addresses, cut into calls (rows adjacent on a side merged), run on the reader's threads; a process that
+exited before or during the read raises ``PeerDisconnected`` (its memory may then be another process's); the fix-up,
+if any; then each source rank hears ``ReadDone`` (the lease protocol is unchanged).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pd_transfer.transfer.cma import CmaPool, plan_calls
+from pd_transfer.transfer.errors import PeerDisconnected
+
+from .cma_engine import CmaEngine
+from .ipc_handles import IpcUnavailable
+from .pull_request import PullRequest
+from .reads import ReadTotals
+
+if TYPE_CHECKING:
+    from pd_transfer.transfer.agent import TransferAgent
+
+    from .remote_engines import RemoteEngine, SourceRank
+
+
+class CmaReader:
+    """Reads requests of engines read in place into the cache whose plane views are ``planes``, on ``threads``
+    threads, each request's calls bounded by ``timeout_s``; then sends each source rank its ``ReadDone``
+    (``done_message(request_id, source)``) with ``agent``. ``close`` stops the threads."""
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        planes: list[torch.Tensor],
+        *,
+        threads: int,
+        timeout_s: float,
+        done_message: Callable[[str, SourceRank], bytes],
+    ) -> None:
+        self.agent = agent
+        self.planes = planes
+        self.timeout_s = timeout_s
+        self._done_message = done_message
+        self._pool = CmaPool(threads, name=f"{agent.name}-cma")
+
+    def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
+        """Read ``request`` from ``remote`` (read in place), fix it up if its plan says so, tell the prefill ranks.
+        Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
+        ``IpcUnavailable``; a prefill process that exited ``PeerDisconnected`` (the decode then looks for a new
+        incarnation at its address); a failed call ``TransferError``."""
+        engine = remote.ipc
+        sources = engine.sources if isinstance(engine, CmaEngine) else []
+        if not isinstance(engine, CmaEngine) or not sources:
+            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not read in place (any more)")
+        planned = [source.calls(request) for source in sources]
+        calls = [call for source_calls, _ in planned for call in source_calls]
+        started = time.perf_counter()
+        self._check_running(remote, engine)
+        self._pool.run(calls, self.timeout_s)
+        self._check_running(remote, engine)  # an exit during the read: what was read may be another process's
+        read = time.perf_counter()
+        postprocess = engine.plan.postprocess
+        if postprocess is not None:
+            postprocess.apply(self.planes, request.local_block_ids, request.num_tokens)
+        done = time.perf_counter()
+        for source in remote.sources:
+            self.agent.notify(source.peer, self._done_message(request.request_id, source))
+        return ReadTotals(
+            bytes=sum(call.nbytes for call in calls),
+            descriptors=sum(rows for _, rows in planned),
+            read_seconds=read - started,
+            postprocess_seconds=done - read,
+            postprocess_exposed_seconds=done - read,
+        )
+
+    def unit_read_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
+        """Seconds of ``samples`` reads of the first source's remote row 0 (one unit) into scratch memory: the
+        cache is not touched."""
+        engine = remote.ipc
+        if not isinstance(engine, CmaEngine) or not engine.sources:
+            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not read in place (any more)")
+        source = engine.sources[0]
+        unit = source.plan.unit_bytes
+        scratch = np.empty(unit, dtype=np.uint8)
+        address = np.array([scratch.ctypes.data], dtype=np.uint64)
+        seconds = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            self._pool.run(plan_calls(source.pid, address, source.plan.remote_grid[:1, 0], unit), self.timeout_s)
+            seconds.append(time.perf_counter() - started)
+        return seconds
+
+    @staticmethod
+    def _check_running(remote: RemoteEngine, engine: CmaEngine) -> None:
+        if engine.owner_exited():
+            raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process read in place exited")
+
+    def close(self) -> None:
+        self._pool.close()

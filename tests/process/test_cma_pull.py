@@ -1,0 +1,170 @@
+"""Reads in place, with real processes: a prefill in a child process offers its host cache (ordinary memory, not
+shareable) over the real, authenticated side channel; a decode here, in the same pid namespace, probes it and reads
+requests straight out of its memory with process_vm_readv, block-size regroups landing in place, then ReadDone and
+the lease confirmation go as over NIXL. And what ends it: the setting nixl, a version 3 client, a probe that
+differs, a prefill that exits or restarts. (A prefill that offers nothing: test_ipc_pull.py.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from engine_specs import kv_layout as kv_layout_of
+from prometheus_client import generate_latest
+
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.cma_engine import CmaEngine
+from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.ipc_choice import TransportSetting
+from pd_transfer.connector.ipc_handles import IpcUnavailable
+from pd_transfer.handshake import HandshakeClient
+from pd_transfer.handshake.messages import CmaSegment
+from pd_transfer.metrics import TransferMetrics
+from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.verify import received_correctly
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's"),
+]
+
+FINGERPRINT = ModelFingerprint(model="cma-llama", dtype="bfloat16", num_layers=2, total_num_kv_heads=4, head_size=128)
+SECRET = "cma-test-secret"
+BLOCKS = 64
+TOKENS = 100
+
+
+def layout(block_size: int = 16, tp: int = 1, rank: int = 0, kv_layout: str = "HND") -> KVCacheLayout:
+    return kv_layout_of(FINGERPRINT, block_size, tp, rank, kv_layout)
+
+
+def spec(engine_id: str, *, tp: int = 1, port: int = 0, seed: int = 7) -> PrefillSpec:
+    layouts = [layout(16, tp, rank) for rank in range(tp)]
+    return PrefillSpec(engine_id, layouts, BLOCKS, seed=seed, secret=SECRET, port=port)
+
+
+@pytest.fixture(scope="module")
+def tp2() -> Iterator[PrefillProcess]:
+    with PrefillProcess(spec("cma-prefill-tp2", tp=2)) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def tp1() -> Iterator[PrefillProcess]:
+    with PrefillProcess(spec("cma-prefill-tp1")) as process:
+        yield process
+
+
+def decode_rank(
+    name: str, decode_layout: KVCacheLayout, transport: TransportSetting = "auto", **more: object
+) -> DecodeRank:
+    cache = KVCache.allocate(decode_layout, BLOCKS)
+    return DecodeRank(name, cache, secret=SECRET, transport=transport, read_timeout_s=20.0, **more)  # type: ignore[arg-type]
+
+
+def pull(decode: DecodeRank, prefill: PrefillProcess, request_id: str, first: int = 3) -> tuple[str, bool]:
+    """Hold a request on the prefill, pull it with confirmation; (transport, verified)."""
+    remote_block_size = prefill.spec.layouts[0].block_size
+    remote_ids = list(range(first + 9, first - 1, -1))[: -(-TOKENS // remote_block_size)]
+    local_ids = list(range(40, 40 + -(-TOKENS // decode.cache.layout.block_size)))
+    prefill.request("hold", request_id, remote_ids)
+    stats = decode.pull_confirmed(request_id, prefill.host, prefill.port, remote_ids, local_ids, TOKENS)
+    verified = received_correctly(decode.cache, local_ids, prefill.spec.caches(), remote_ids, TOKENS)
+    return stats.transport, verified
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode_layout", "in_place"),
+    [
+        ("tp1", layout(16), True),
+        ("tp2", layout(16), True),
+        ("tp1", layout(64), True),  # a block-size regroup done by the copy: a piece per head, no fix-up
+        ("tp2", layout(64, kv_layout="NHD"), False),  # a head per token: the engine plan's fix-up after the reads
+    ],
+    ids=["homogeneous", "tp2-to-tp1", "block16-to-64", "tp2-to-tp1-block64-NHD"],
+)
+def test_a_same_host_decode_reads_in_place_and_the_lease_is_confirmed(
+    request: pytest.FixtureRequest, prefill: str, decode_layout: KVCacheLayout, in_place: bool
+) -> None:
+    process: PrefillProcess = request.getfixturevalue(prefill)
+    metrics = TransferMetrics()
+    name = f"cma-{prefill}-{decode_layout.block_size}-{decode_layout.layout}"
+    decode = decode_rank(f"{name}-decode", decode_layout, metrics=metrics)
+    try:
+        assert pull(decode, process, name) == ("host_cma", True)
+        assert decode.reads_confirmed == 1  # ReadDone reached every rank read, which confirmed the held blocks
+        assert process.wait_released(name, timeout_s=10) == [1] * len(process.spec.layouts)
+        remote = decode.remotes.get(process.host, process.port)
+        assert remote is not None and isinstance(remote.ipc, CmaEngine)
+        assert (remote.ipc.plan.postprocess is None) is in_place
+        assert pull(decode, process, f"{name}-again", first=20) == ("host_cma", True)
+    finally:
+        decode.close()
+    text = generate_latest(metrics.registry).decode()
+    assert 'pd_transfer_pulls_total{outcome="ok",transport="host_cma"} 2.0' in text
+
+
+def test_the_offer_goes_to_a_proven_version_4_client_only(tp1: PrefillProcess) -> None:
+    with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0) as unproven:
+        assert all(rank.ipc is None for rank in unproven.fetch(tp1.host, tp1.port).ranks)
+    with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0, prove_host=True) as proven:
+        offered = proven.fetch(tp1.host, tp1.port).ranks
+    assert all(rank.ipc is not None and rank.ipc.pid == tp1.pid != os.getpid() for rank in offered)
+    assert all(isinstance(segment, CmaSegment) for rank in offered for segment in rank.ipc.segments)  # type: ignore[union-attr]
+    with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0, prove_host=True, protocol_version=3) as old:
+        assert all(rank.ipc is None for rank in old.fetch(tp1.host, tp1.port).ranks)  # it could not decode it
+
+
+def test_the_setting_nixl_reads_with_nixl(tp1: PrefillProcess) -> None:
+    decode = decode_rank("cma-decode-nixl", layout(), transport="nixl")
+    try:
+        assert pull(decode, tp1, "cma-nixl-read") == ("nixl", True)
+    finally:
+        decode.close()
+
+
+def test_a_probe_that_differs_is_not_read_in_place(tp1: PrefillProcess) -> None:
+    """Metadata naming another process (here: this one), or other probe bytes, is refused at open."""
+    with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0, prove_host=True) as client:
+        engine = client.fetch(tp1.host, tp1.port)
+    decode = decode_rank("cma-decode-probe", layout())
+    try:
+        plan = decode.remotes.connect(tp1.host, tp1.port).plan
+        offer = engine.ranks[0].ipc
+        assert offer is not None and isinstance(offer.segments[0], CmaSegment)
+        segment = offer.segments[0]
+        elsewhere = msgspec.structs.replace(offer, pid=os.getpid())
+        wrong = msgspec.structs.replace(offer, segments=[msgspec.structs.replace(segment, probe=bytes(16))])
+        for bad in (elsewhere, wrong):
+            forged = msgspec.structs.replace(engine, ranks=[msgspec.structs.replace(engine.ranks[0], ipc=bad)])
+            with pytest.raises(IpcUnavailable, match="is not the prefill"):
+                CmaEngine.open(forged, plan)
+        opened = CmaEngine.open(engine, plan)
+        assert not opened.owner_exited()
+        opened.close()
+        assert opened.closed
+    finally:
+        decode.close()
+
+
+def test_a_restarted_prefill_is_probed_afresh_and_an_exited_one_is_never_read() -> None:
+    decode = decode_rank("cma-decode-restart", layout())
+    try:
+        with PrefillProcess(spec("cma-restart")) as old:
+            port = old.port
+            assert pull(decode, old, "cma-before") == ("host_cma", True)
+            old_remote = decode.remotes.get(old.host, port)
+            assert old_remote is not None and isinstance(old_remote.ipc, CmaEngine)
+        assert old_remote.ipc.owner_exited()  # its pid may name another process now: never read again
+        with PrefillProcess(spec("cma-restart", port=port, seed=8)) as new:
+            assert pull(decode, new, "cma-after") == ("host_cma", True)  # the address handshaken afresh
+            assert old_remote.ipc.closed
+            remote = decode.remotes.get(new.host, port)
+            assert remote is not None and isinstance(remote.ipc, CmaEngine)
+            assert remote.ipc.sources[0].pid == new.pid
+    finally:
+        decode.close()
