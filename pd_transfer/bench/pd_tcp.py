@@ -172,7 +172,8 @@ def run_path(
     results: dict[str, dict[str, Any]] = {}
     with standin("prefill", prefill_args, prefill_env, net.ns if net else None) as prefill_url:
         for mode in modes:
-            decode_args = ["--host", decode_host, *model_args] + (["--hold-window"] if mode == "hold_window" else [])
+            decode_args = ["--host", decode_host, "--transport", "nixl", *model_args]  # over TCP, as between hosts
+            decode_args += ["--hold-window"] if mode == "hold_window" else []
             decode_env = {**base, "UCX_NET_DEVICES": net.outer if net else "lo"}
             with standin("decode", decode_args, decode_env) as decode_url:
                 for size in sizes_mib:

@@ -1,5 +1,6 @@
-"""``pd-transfer bench transfer``: our read path against a raw NIXL READ of the same descriptors and an
-in-process copy of the same blocks, measured side by side in one run, plus idle CPU and one-block latency.
+"""``pd-transfer bench transfer``: our NIXL read path against a raw NIXL READ of the same descriptors and an
+in-process copy of the same blocks, measured side by side in one run, plus idle CPU and one-block latency. (On one
+host a decode would read the prefill's cache in place by default, ``host_cma``: ``bench topology`` measures that.)
 """
 
 from __future__ import annotations
@@ -272,6 +273,7 @@ def run(
             KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages),
             read_lanes=read_lanes,
             settings=settings,
+            transport="nixl",  # our NIXL read path, against a raw NIXL READ (same-host reads in place: bench topology)
         )
         scratch = KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages)
         try:
@@ -283,6 +285,7 @@ def run(
             pushes = decode.push_ready(prefill.host, prefill.port, timeout_s=10.0)
             lanes = decode.agent.lanes
             reported = {
+                "transport": "nixl",
                 "read_lanes": 1 + (len(lanes.lanes) if lanes is not None else 0),
                 "split_min_bytes": lanes.split_min_bytes if lanes is not None else None,
                 "ucx_env": {k: v for k, v in sorted(environment().items()) if k.startswith("UCX_")},

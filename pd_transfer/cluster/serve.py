@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--failure-policy", choices=("recompute", "fail"), default=None, help="when KV cannot be loaded"
     )
     parser.add_argument(
+        "--transport",
+        choices=("auto", "nixl", "ipc"),
+        default=None,
+        help="how a decode reads a prefill on its host: auto (default: in place where it can, else NIXL), nixl, ipc",
+    )
+    parser.add_argument(
         "--secret-env",
         default=None,
         metavar="NAME",
@@ -62,6 +68,7 @@ def spec_from_args(args: argparse.Namespace) -> ServerSpec:
         tp_size=args.tp,
         lease_seconds=args.lease_seconds,
         failure_policy=args.failure_policy,
+        transport=args.transport,
         secret_env=args.secret_env,
         cpu_bind=args.cpu_bind,
         kvcache_gib=args.kvcache_gib,

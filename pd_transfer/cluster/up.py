@@ -82,6 +82,7 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
             extra_args=("--served-model-name", served_name),
             drain_seconds=DRAIN_S if connector else None,
             eager=args.eager,
+            transport=args.transport if connector else None,
             **(_offload(args) if connector else {}),
         )
         planned.append(PlannedServer(name, spec, connector))

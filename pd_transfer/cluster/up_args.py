@@ -78,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--offload-dir-bytes", type=int, default=None, metavar="N", help="with --offload-dir: its size (10 GiB)"
     )
     parser.add_argument(
+        "--transport",
+        choices=("auto", "nixl", "ipc"),
+        default="auto",
+        help="how a decode reads a prefill on its host: auto (in place, where it can; else NIXL), nixl, ipc",
+    )
+    parser.add_argument(
         "--offload-host-bytes",
         type=int,
         default=None,

@@ -20,7 +20,7 @@ import torch
 from pd_transfer.transfer.cma import CmaPool, plan_calls
 from pd_transfer.transfer.errors import PeerDisconnected
 
-from .cma_engine import CmaEngine
+from .cma_engine import CmaEngine, CmaSource
 from .ipc_handles import IpcUnavailable
 from .pull_request import PullRequest
 from .reads import ReadTotals
@@ -56,10 +56,7 @@ class CmaReader:
         Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
         ``IpcUnavailable``; a prefill process that exited ``PeerDisconnected`` (the decode then looks for a new
         incarnation at its address); a failed call ``TransferError``."""
-        engine = remote.ipc
-        sources = engine.sources if isinstance(engine, CmaEngine) else []
-        if not isinstance(engine, CmaEngine) or not sources:
-            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not read in place (any more)")
+        engine, sources = self._opened(remote)
         planned = [source.calls(request) for source in sources]
         calls = [call for source_calls, _ in planned for call in source_calls]
         started = time.perf_counter()
@@ -84,10 +81,7 @@ class CmaReader:
     def unit_read_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
         """Seconds of ``samples`` reads of the first source's remote row 0 (one unit) into scratch memory: the
         cache is not touched."""
-        engine = remote.ipc
-        if not isinstance(engine, CmaEngine) or not engine.sources:
-            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not read in place (any more)")
-        source = engine.sources[0]
+        source = self._opened(remote)[1][0]
         unit = source.plan.unit_bytes
         scratch = np.empty(unit, dtype=np.uint8)
         address = np.array([scratch.ctypes.data], dtype=np.uint64)
@@ -97,6 +91,15 @@ class CmaReader:
             self._pool.run(plan_calls(source.pid, address, source.plan.remote_grid[:1, 0], unit), self.timeout_s)
             seconds.append(time.perf_counter() - started)
         return seconds
+
+    @staticmethod
+    def _opened(remote: RemoteEngine) -> tuple[CmaEngine, list[CmaSource]]:
+        """``remote``'s engine and its sources, held (a forget meanwhile drops only the engine's list)."""
+        engine = remote.ipc
+        sources = engine.sources if isinstance(engine, CmaEngine) else []
+        if not isinstance(engine, CmaEngine) or not sources:
+            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not read in place (any more)")
+        return engine, sources
 
     @staticmethod
     def _check_running(remote: RemoteEngine, engine: CmaEngine) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import logging
 import mmap
 import os
@@ -171,10 +170,15 @@ def _host_segments(storages: Sequence[torch.UntypedStorage]) -> list[Segment]:
     return list(segments.values())
 
 
-@functools.cache
+_probe_buffer: list[ctypes.Array[ctypes.c_char]] = []  # made once, held for the life of the process
+
+
 def _probe() -> ctypes.Array[ctypes.c_char]:
     """This process's probe: random bytes it holds for as long as it runs."""
-    return ctypes.create_string_buffer(secrets.token_bytes(PROBE_BYTES), PROBE_BYTES)
+    with _shared_lock:
+        if not _probe_buffer:
+            _probe_buffer.append(ctypes.create_string_buffer(secrets.token_bytes(PROBE_BYTES), PROBE_BYTES))
+        return _probe_buffer[0]
 
 
 def _cma_segment() -> CmaSegment:

@@ -48,6 +48,7 @@ class DecodeKV:
             confirm_timeout_s=self.config.confirm_timeout_s,
             push=self.config.push,
             settings=self.settings,
+            transport=self.config.transport,
         )
         self.pool = BlockPool(self.model.num_blocks)
 

@@ -192,6 +192,7 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         lease_seconds=args.lease_seconds,
         secret=args.secret,
         read_timeout_s=args.read_timeout,
+        transport=args.transport,
     )
     engine_id = args.engine_id or f"kv-standin-{args.role}-{uuid.uuid4().hex[:8]}"
     settings = apply_process_defaults(read_settings())  # this process's edge: read once, before any agent
@@ -250,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         "--hold-window",
         action="store_true",
         help="decode: a read that ends inside the prefill's hold window needs no lease confirmation (as in vLLM)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("auto", "nixl", "ipc"),
+        default="auto",
+        help="decode: how it reads a prefill on its host (auto: in place where offered; nixl: as between hosts)",
     )
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens when the request sets none")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

@@ -26,7 +26,7 @@ def prefill() -> Iterator[PrefillProcess]:
 def test_pull_metrics(prefill: PrefillProcess) -> None:
     metrics = TransferMetrics()
     layout = prefill.spec.layouts[0]
-    decode = DecodeRank("metrics-decode", KVCache.allocate(layout, 16), metrics=metrics)
+    decode = DecodeRank("metrics-decode", KVCache.allocate(layout, 16), metrics=metrics, transport="nixl")
     try:
         stats = decode.pull("metrics-1", prefill.host, prefill.port, [1, 2], [3, 4], 20)
     finally:

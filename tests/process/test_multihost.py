@@ -2,9 +2,10 @@
 (``pd_transfer.sim.kv_standin``: real KV caches, real NIXL reads, real ZMQ side channel) in two network
 namespaces, each with its own address on a bridge, as separate machines on one network would be.
 
-UCX is forced onto TCP over each namespace's veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``): the namespaces
-share the PID namespace, so CMA would otherwise read the prefill's memory straight across, and the test checks the
-veth byte counters to prove the KV crossed the wire. Skipped where network namespaces cannot be created (not root,
+UCX is forced onto TCP over each namespace's veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=<veth>``) and the decode
+reads with NIXL (``--transport nixl``): the namespaces share the PID namespace, so CMA (UCX's, or the decode's own
+reads in place) would otherwise read the prefill's memory straight across, and the test checks the veth byte
+counters to prove the KV crossed the wire. Skipped where network namespaces cannot be created (not root,
 no ``ip``, no permission). A loopback variant (no namespaces) runs anywhere.
 
 Every wait is bounded; processes are killed and namespaces, veths and the bridge deleted in ``finally`` blocks (the
@@ -279,7 +280,7 @@ def test_kv_standins_through_the_proxy_on_loopback(tmp_path: Path) -> None:
         assert refused.value.code == 500
         assert "verification failed" in refused.value.read().decode()
         assert wait_released(prefill)["requests_held"] == 0  # read, then released, even though it was the wrong KV
-    print("\nloopback (UCX default transports, CMA):\n" + summary(results))
+    print("\nloopback (the decode reads the prefill in place, host_cma):\n" + summary(results))
 
 
 # ---- two network namespaces ----
@@ -395,6 +396,7 @@ def test_kv_moves_between_network_namespaces_through_the_proxy(network: Network,
         address = network.address(side)
         args = ["--host", address, "--port", str(HTTP_PORT[role])]
         args += ["--side-channel-host", address, "--side-channel-port", str(SIDE_CHANNEL_PORT)]
+        args += ["--transport", "nixl"] if role == "decode" else []  # as between hosts: no reads in place
         specs[role] = (env, args, network.ns(side))
     with standins(tmp_path, specs) as servers:
         prefill, decode = servers["prefill"], servers["decode"]

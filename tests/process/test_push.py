@@ -60,7 +60,7 @@ def prefill(tcp_settings: Settings) -> Iterator[PrefillProcess]:
 @pytest.fixture
 def decode(tcp_settings: Settings) -> Iterator[DecodeRank]:
     cache = KVCache.allocate(layout(), NUM_BLOCKS)
-    rank = DecodeRank(f"test-push-decode-{time.monotonic_ns()}", cache, settings=tcp_settings)
+    rank = DecodeRank(f"test-push-decode-{time.monotonic_ns()}", cache, settings=tcp_settings, transport="nixl")
     try:
         yield rank
     finally:
@@ -138,7 +138,9 @@ def test_a_setup_outside_the_prefill_cache_is_refused_and_read_instead(
 
 def test_a_request_below_the_push_size_is_read(prefill: PrefillProcess, tcp_settings: Settings) -> None:
     two_blocks = replace(tcp_settings, push_min_bytes=2 * 3 * 2 * 4 * 16 * 16 * 2)
-    decode = DecodeRank("test-push-small", KVCache.allocate(layout(), NUM_BLOCKS), settings=two_blocks)
+    decode = DecodeRank(
+        "test-push-small", KVCache.allocate(layout(), NUM_BLOCKS), settings=two_blocks, transport="nixl"
+    )
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
         prefill.request("hold", "req-small", [9])
@@ -160,7 +162,9 @@ def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_settings: Settings) -
     server = serve_engine("test-push-evicting", [rank.rank_metadata])
     host, port = server.host, server.port
     first, second = (
-        DecodeRank(f"test-push-reader-{n}", KVCache.allocate(layout(), NUM_BLOCKS), settings=tcp_settings)
+        DecodeRank(
+            f"test-push-reader-{n}", KVCache.allocate(layout(), NUM_BLOCKS), settings=tcp_settings, transport="nixl"
+        )
         for n in (1, 2)
     )
     try:
@@ -180,7 +184,7 @@ def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_settings: Settings) -
 
 def test_a_decode_with_push_off_reads(prefill: PrefillProcess, tcp_settings: Settings) -> None:
     off = replace(tcp_settings, push="off")  # PD_TRANSFER_PUSH=off
-    decode = DecodeRank("test-push-off", KVCache.allocate(layout(), NUM_BLOCKS), settings=off)
+    decode = DecodeRank("test-push-off", KVCache.allocate(layout(), NUM_BLOCKS), settings=off, transport="nixl")
     try:
         assert decode.pushes is None and not decode.push_ready(prefill.host, prefill.port, timeout_s=5)
         prefill.request("hold", "req-push-off", [9])
@@ -193,7 +197,7 @@ def test_a_prefill_with_push_off_refuses_setups(tcp_settings: Settings) -> None:
     off = replace(tcp_settings, push="off")  # PD_TRANSFER_PUSH=off in the prefill's process
     with PrefillProcess(PrefillSpec("test-push-off-prefill", [layout()], NUM_BLOCKS, seed=3, settings=off)) as prefill:
         cache = KVCache.allocate(layout(), NUM_BLOCKS)
-        decode = DecodeRank("test-push-asks", cache, push="on", settings=tcp_settings)
+        decode = DecodeRank("test-push-asks", cache, push="on", settings=tcp_settings, transport="nixl")
         try:
             assert not decode.push_ready(prefill.host, prefill.port, timeout_s=30)
             prefill.request("hold", "req-prefill-off", [2, 3])
@@ -212,7 +216,7 @@ def test_two_prefill_ranks_into_one_decode_rank(tcp_settings: Settings, decode_b
     spec = PrefillSpec("test-push-tp2", prefill_layouts, NUM_BLOCKS, seed=9, settings=tcp_settings)
     with PrefillProcess(spec) as prefill:
         cache = KVCache.allocate(layout(block_size=decode_block_size), NUM_BLOCKS)
-        decode = DecodeRank("test-push-tp1", cache, push="on", settings=tcp_settings)
+        decode = DecodeRank("test-push-tp1", cache, push="on", settings=tcp_settings, transport="nixl")
         try:
             pushing = decode.remote_plan(prefill.host, prefill.port).postprocess is None
             assert pushing == (decode_block_size == 16)
@@ -233,7 +237,7 @@ def test_an_order_to_a_dead_prefill_fails_fast_and_reads_its_restart(tcp_setting
     spec = PrefillSpec("test-push-dies", [layout()], NUM_BLOCKS, seed=2, port=free_port(), settings=tcp_settings)
     prefill = PrefillProcess(spec)
     cache = KVCache.allocate(layout(), NUM_BLOCKS)
-    decode = DecodeRank("test-push-orphan", cache, push="on", settings=tcp_settings)
+    decode = DecodeRank("test-push-orphan", cache, push="on", settings=tcp_settings, transport="nixl")
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
         prefill.kill()

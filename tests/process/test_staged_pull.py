@@ -69,7 +69,7 @@ def test_prefill_killed_mid_request_fails_the_pull_and_writes_nothing_else() -> 
     remote_ids = rng.choice(BLOCKS, -(-TOKENS // 16), replace=False).tolist()
     local_ids = rng.choice(BLOCKS, -(-TOKENS // 16), replace=False).tolist()
     cache = KVCache.allocate(KVCacheLayout(MODEL, 1, 0, 16, "HND"), BLOCKS)
-    decode = DecodeRank("decode-staged", cache, read_lanes=2, staging_bytes=1)
+    decode = DecodeRank("decode-staged", cache, read_lanes=2, staging_bytes=1, transport="nixl")
     try:
         assert decode.agent.lanes_ready.wait(60) and decode.agent.lane_count == 2
         with PrefillProcess(_prefill(3)) as doomed:

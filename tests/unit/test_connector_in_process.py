@@ -120,7 +120,11 @@ def prefill(fake_agents: FakeFabric) -> Iterator[Prefill]:
 def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill) -> None:
     small_pushed = Settings(push_min_bytes=0)  # these requests are small: push them all the same
     decode = DecodeRank(
-        f"push-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), push="on", settings=small_pushed
+        f"push-decode-{time.monotonic_ns()}",
+        KVCache.allocate(LAYOUT, 32),
+        push="on",
+        settings=small_pushed,
+        transport="nixl",  # pushes are for reads over NIXL (a decode here would read the prefill in place)
     )
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=10)
