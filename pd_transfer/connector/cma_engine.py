@@ -16,7 +16,7 @@ from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.cma import CmaCall, plan_calls
 
 from .ipc_choice import Transport
-from .ipc_handles import IpcUnavailable, OwnerWatch, check_probe
+from .ipc_handles import IpcUnavailable, OwnerWatch, WatchedSources, check_probe
 from .pull_request import PullRequest
 
 #: Rows of a direct plan at least this long are read in place (a block-size regroup done by the copy); shorter
@@ -38,16 +38,15 @@ class CmaSource:
         return plan_calls(self.pid, local, remote, self.plan.unit_bytes), len(local)
 
 
-class CmaEngine:
+class CmaEngine(WatchedSources[CmaSource]):
     """A prefill engine read in place: the plan read by (``plan``), a :class:`CmaSource` per source of it and a
     watch on each source's process (``owners``). ``close`` releases the watches."""
 
     transport: Transport = "host_cma"
 
     def __init__(self, plan: PeerPlan, sources: list[CmaSource], owners: list[OwnerWatch]) -> None:
+        super().__init__(sources, owners)
         self.plan = plan
-        self.sources = sources
-        self.owners = owners
 
     @classmethod
     def open(cls, engine: EngineMetadata, plan: PeerPlan) -> CmaEngine:
@@ -72,18 +71,3 @@ class CmaEngine:
                 owner.close()
             raise
         return cls(plan, sources, owners)
-
-    def owner_exited(self) -> bool:
-        """Whether a process read here exited (its pid may then name another process)."""
-        return any(owner.exited() for owner in self.owners)
-
-    @property
-    def closed(self) -> bool:
-        return not self.sources
-
-    def close(self) -> None:
-        """Drop the sources and release the watches (idempotent)."""
-        self.sources = []
-        owners, self.owners = self.owners, []
-        for owner in owners:
-            owner.close()

@@ -28,7 +28,7 @@ from pd_transfer.topology import PeerPlan, SourcePlan
 
 from .cache import KVCache
 from .ipc_choice import Transport
-from .ipc_handles import IpcUnavailable, OwnerWatch, open_segments
+from .ipc_handles import IpcUnavailable, OwnerWatch, WatchedSources, open_segments
 
 _ELEMENT_TYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -216,20 +216,14 @@ def run_copies(copies: Sequence[ChunkCopy], upload: Callable[[np.ndarray], torch
         copy.run(next(indices) if source is None else source, next(indices) if target is None else target)
 
 
-class IpcEngine:
+class IpcEngine(WatchedSources[IpcSource]):
     """A prefill engine's memory opened through IPC, one :class:`IpcSource` per source of the plan (in its order),
     and a watch on each source's process (``owners``). ``close`` drops every opened segment (the handles close once
     no copy holds them any more)."""
 
     def __init__(self, transport: Transport, sources: list[IpcSource], owners: list[OwnerWatch]) -> None:
+        super().__init__(sources, owners)
         self.transport = transport
-        self.sources = sources
-        self.owners = owners
-
-    def owner_exited(self) -> bool:
-        """Whether a process whose memory is open here exited (its memory is then stale: the engine restarted or
-        died)."""
-        return any(owner.exited() for owner in self.owners)
 
     @classmethod
     def open(cls, transport: Transport, engine: EngineMetadata, plan: PeerPlan, cache: KVCache) -> IpcEngine:
@@ -252,17 +246,6 @@ class IpcEngine:
                 owner.close()
             raise
         return cls(transport, sources, owners)
-
-    @property
-    def closed(self) -> bool:
-        return not self.sources
-
-    def close(self) -> None:
-        """Drop the opened segments and the watches (idempotent)."""
-        self.sources = []
-        owners, self.owners = self.owners, []
-        for owner in owners:
-            owner.close()
 
 
 def storages(cache: KVCache) -> list[torch.Tensor]:

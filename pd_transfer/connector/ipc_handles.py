@@ -37,6 +37,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -55,6 +56,7 @@ _IS_LEGACY_CUDA_IPC_CAPABLE = 10  # CUpointer_attribute, cuda.h
 _PAGE = mmap.PAGESIZE
 
 Segment = CudaSegment | HostSegment | CmaSegment
+SourceT = TypeVar("SourceT")
 #: Bytes of the probe a process offering its host memory to ``process_vm_readv`` holds.
 PROBE_BYTES = 16
 
@@ -303,6 +305,29 @@ class OwnerWatch:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+class WatchedSources(Generic[SourceT]):
+    """What a decode opened of a prefill engine's processes: a source per source rank of its plan (``sources``) and a
+    watch on each rank's process (``owners``). ``close`` drops the sources and releases the watches (idempotent)."""
+
+    def __init__(self, sources: list[SourceT], owners: list[OwnerWatch]) -> None:
+        self.sources = sources
+        self.owners = owners
+
+    def owner_exited(self) -> bool:
+        """Whether a process opened here exited (its memory is then stale, or its pid another process's)."""
+        return any(owner.exited() for owner in self.owners)
+
+    @property
+    def closed(self) -> bool:
+        return not self.sources
+
+    def close(self) -> None:
+        self.sources = []
+        owners, self.owners = self.owners, []
+        for owner in owners:
+            owner.close()
 
 
 def open_segments(ipc: RankIpc, local: MemoryPlace) -> list[torch.Tensor]:

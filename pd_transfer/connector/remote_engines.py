@@ -8,8 +8,9 @@ fix layouts up also get descriptor lists into the staging area; caches packed by
 another block size through a packed staging area instead.
 
 Transport (:mod:`.ipc_choice`): where the prefill ranks read are on this host and offered their memory (GPU memory
-our GPU can reach, or shareable host memory), the engine is opened through same-host IPC instead (:mod:`.ipc_reads`;
-no warm-up read), once; the connect log line names the transport and why. NIXL still carries the notifications.
+our GPU can reach, shareable host memory, or other host memory to read in place), the engine is opened through
+same-host IPC instead (:mod:`.ipc_reads`, :mod:`.cma_reads`; a GPU cache without a warm-up read), once; the connect
+log line names the transport and why. NIXL still carries the notifications.
 Descriptor lists name the memory they are in: a GPU's ("VRAM", with its device index) or the host's.
 
 A failed connect removes the peers it added. ``forget`` drops an engine (it restarted or died), so the next
@@ -360,8 +361,9 @@ class RemoteEngines:
 
     def _add_sources(self, engine: EngineMetadata, plan: PeerPlan, *, via_ipc: bool = False) -> list[SourceRank]:
         """Add each source rank as a peer, prepare its descriptor lists (in the memory each side's cache is in) and,
-        unless the engine is copied through IPC (``via_ipc``), its staging lists, and warm it up; on failure, remove
-        the peers added so far and re-raise."""
+        unless the engine is copied through IPC (``via_ipc``), its staging lists, and warm it up (host caches read
+        through IPC too: the read sets up the connection ``ReadDone`` goes over, so neither the first request nor a
+        decode closing right after it waits for that); on failure, remove the peers added so far and re-raise."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
         sources: list[SourceRank] = []
         local = self.cache.place
@@ -374,7 +376,7 @@ class RemoteEngines:
                 readers = expected_readers(source.remote_rank, rank.layout, self.cache.layout.tp_size)
                 staging = self._prepare_staging(source) if plan.postprocess is not None and not via_ipc else None
                 sources.append(SourceRank(source.remote_rank, peer, local_list, remote_list, readers, staging))
-                if not via_ipc:
+                if not via_ipc or local.is_host:  # a host cache read through IPC: it warms the notifications' way
                     self._warm_up(remote_list, source.unit_bytes)
         except Exception:
             for item in sources:

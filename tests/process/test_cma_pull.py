@@ -12,10 +12,11 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+import same_host
 from engine_specs import kv_layout as kv_layout_of
 from prometheus_client import generate_latest
+from same_host import pull
 
-from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.cma_engine import CmaEngine
 from pd_transfer.connector.decode import DecodeRank
 from pd_transfer.connector.ipc_choice import TransportSetting
@@ -24,7 +25,6 @@ from pd_transfer.handshake import HandshakeClient
 from pd_transfer.handshake.messages import CmaSegment
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
-from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 pytestmark = [
@@ -34,8 +34,7 @@ pytestmark = [
 
 FINGERPRINT = ModelFingerprint(model="cma-llama", dtype="bfloat16", num_layers=2, total_num_kv_heads=4, head_size=128)
 SECRET = "cma-test-secret"
-BLOCKS = 64
-TOKENS = 100
+BLOCKS = same_host.BLOCKS
 
 
 def layout(block_size: int = 16, tp: int = 1, rank: int = 0, kv_layout: str = "HND") -> KVCacheLayout:
@@ -62,19 +61,7 @@ def tp1() -> Iterator[PrefillProcess]:
 def decode_rank(
     name: str, decode_layout: KVCacheLayout, transport: TransportSetting = "auto", **more: object
 ) -> DecodeRank:
-    cache = KVCache.allocate(decode_layout, BLOCKS)
-    return DecodeRank(name, cache, secret=SECRET, transport=transport, read_timeout_s=20.0, **more)  # type: ignore[arg-type]
-
-
-def pull(decode: DecodeRank, prefill: PrefillProcess, request_id: str, first: int = 3) -> tuple[str, bool]:
-    """Hold a request on the prefill, pull it with confirmation; (transport, verified)."""
-    remote_block_size = prefill.spec.layouts[0].block_size
-    remote_ids = list(range(first + 9, first - 1, -1))[: -(-TOKENS // remote_block_size)]
-    local_ids = list(range(40, 40 + -(-TOKENS // decode.cache.layout.block_size)))
-    prefill.request("hold", request_id, remote_ids)
-    stats = decode.pull_confirmed(request_id, prefill.host, prefill.port, remote_ids, local_ids, TOKENS)
-    verified = received_correctly(decode.cache, local_ids, prefill.spec.caches(), remote_ids, TOKENS)
-    return stats.transport, verified
+    return same_host.decode_rank(name, decode_layout, SECRET, transport, **more)
 
 
 @pytest.mark.parametrize(
