@@ -20,6 +20,7 @@ import functools
 import itertools
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -177,9 +178,10 @@ class CmaPool:
         bounds = np.linspace(0, len(calls), min(self.threads, len(calls)) + 1).astype(int)
         stop: list[bool] = []  # set once a run failed or the wait ran out: the other runs stop between calls
         futures = [self._pool.submit(_run_all, calls[a:b], stop) for a, b in itertools.pairwise(bounds)]
+        deadline = time.monotonic() + timeout_s
         try:
             for future in futures:
-                future.result(timeout=timeout_s)
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             stop.append(True)
             raise TransferTimeout(

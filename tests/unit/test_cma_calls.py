@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pd_transfer.transfer import cma
-from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.errors import TransferError, TransferTimeout
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")
 
@@ -97,3 +97,15 @@ def test_read_bytes_reads_this_processs_memory() -> None:
     data = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
     assert cma.read_bytes(os.getpid(), data.ctypes.data, 16) == data.tobytes()
     assert cma.unavailable() == ""
+
+
+def test_calls_that_outlast_their_bound_raise_a_timeout_and_the_pool_stays_usable() -> None:
+    source = np.ones(64 << 20, dtype=np.uint8)
+    target = np.zeros_like(source)
+    rows = np.arange(len(source) // ROW)
+    calls = cma.plan_calls(os.getpid(), addresses(target, rows), addresses(source, rows), ROW)
+    with cma.CmaPool(2) as pool:
+        with pytest.raises(TransferTimeout, match=f"{len(calls)} process_vm_readv calls did not finish within 0 s"):
+            pool.run(calls, timeout_s=0)  # 64 MiB do not move in the microseconds between posting and waiting
+        pool.run(calls, timeout_s=60)
+    assert bool((target == 1).all())
