@@ -28,12 +28,12 @@ PD_PREFIXES = ("vllm:pd_transfer_", "pd_transfer_")
 PULLED_BYTES = "pulled_bytes_total"
 PULL_SECONDS = "pull_seconds_sum"
 PULLS = "pulls_total"  # labelled with the transport that moved each load
-#: How the demo names each transport.
-TRANSPORT_NAMES = {
-    "nixl": "NIXL",
-    "host_cma": "a read in place (host_cma)",
-    "host_ipc": "shared memory (host_ipc)",
-    "cuda_ipc": "CUDA IPC (cuda_ipc)",
+#: How the demo says what moved a load: "KV of N prompt tokens loaded ...".
+TRANSPORT_PHRASES = {
+    "nixl": "over NIXL",
+    "host_cma": "in place (host_cma)",
+    "host_ipc": "from shared memory (host_ipc)",
+    "cuda_ipc": "through CUDA IPC (cuda_ipc)",
 }
 MAX_TOKENS = 16
 MAX_CHAT_TOKENS = 40
@@ -189,7 +189,7 @@ def _describe(result: DemoResult, block_size: int | None) -> str:
         prompt += f" ({math.ceil(result.prompt_tokens / block_size)} blocks of {block_size})"
     transfer = f"KV of {result.external_tokens:.0f} prompt tokens loaded"
     if result.transports:
-        transfer += " over " + " and ".join(TRANSPORT_NAMES.get(t, t) for t in result.transports)
+        transfer += " " + " and ".join(TRANSPORT_PHRASES.get(t, t) for t in result.transports)
     if result.pulled_bytes is not None and result.pull_seconds is not None and result.pulled_bytes > 0:
         transfer += f" ({result.pulled_bytes / 1024:.0f} KiB in {result.pull_seconds * 1e3:.1f} ms)"
     check = ""
