@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class CmaReader:
     """Reads requests of engines read in place into the cache whose plane views are ``planes``, on ``threads``
     threads, each request's calls bounded by ``timeout_s``; then sends each source rank its ``ReadDone``
-    (``done_message(request_id, source)``) with ``agent``. ``close`` stops the threads."""
+    (``tell_read(sources, request_id)``). ``close`` stops the threads."""
 
     def __init__(
         self,
@@ -43,12 +43,12 @@ class CmaReader:
         *,
         threads: int,
         timeout_s: float,
-        done_message: Callable[[str, SourceRank], bytes],
+        tell_read: Callable[[list[SourceRank], str], None],
     ) -> None:
         self.agent = agent
         self.planes = planes
         self.timeout_s = timeout_s
-        self._done_message = done_message
+        self._tell_read = tell_read
         self._pool = CmaPool(threads, name=f"{agent.name}-cma")
 
     def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
@@ -68,8 +68,7 @@ class CmaReader:
         if postprocess is not None:
             postprocess.apply(self.planes, request.local_block_ids, request.num_tokens)
         done = time.perf_counter()
-        for source in remote.sources:
-            self.agent.notify(source.peer, self._done_message(request.request_id, source))
+        self._tell_read(remote.sources, request.request_id)
         return ReadTotals(
             bytes=sum(call.nbytes for call in calls),
             descriptors=sum(rows for _, rows in planned),

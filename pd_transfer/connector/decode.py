@@ -167,9 +167,9 @@ class DecodeRank:
             pushes=self.pushes,
             staged_jobs_per_lane=staged_jobs_per_lane,
         )
-        self.ipc_reader = IpcReader(self.agent, cache, planes, done_message=self.reports.read_done)
+        self.ipc_reader = IpcReader(self.agent, cache, planes, tell_read=self.reports.tell_read)
         self.cma_reader = CmaReader(
-            self.agent, planes, threads=lanes, timeout_s=read_timeout_s, done_message=self.reports.read_done
+            self.agent, planes, threads=lanes, timeout_s=read_timeout_s, tell_read=self.reports.tell_read
         )
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
         self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)

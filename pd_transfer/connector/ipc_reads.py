@@ -77,7 +77,7 @@ class CopyStream:
 
 class IpcReader:
     """Reads requests of engines connected through IPC into ``cache`` (``planes``: its plane views), then sends each
-    source rank its ``ReadDone`` (``done_message(request_id, source)``) with ``agent``."""
+    source rank its ``ReadDone`` (``tell_read(sources, request_id)``)."""
 
     def __init__(
         self,
@@ -85,12 +85,12 @@ class IpcReader:
         cache: KVCache,
         planes: list[torch.Tensor],
         *,
-        done_message: Callable[[str, SourceRank], bytes],
+        tell_read: Callable[[list[SourceRank], str], None],
     ) -> None:
         self.agent = agent
         self.cache = cache
         self.planes = planes
-        self._done_message = done_message
+        self._tell_read = tell_read
         self.stream = CopyStream(cache.place)
 
     def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
@@ -117,8 +117,7 @@ class IpcReader:
             if postprocess is not None:
                 postprocess.apply(self.planes, request.local_block_ids, request.num_tokens)
         done = time.perf_counter()
-        for source in remote.sources:
-            self.agent.notify(source.peer, self._done_message(request.request_id, source))
+        self._tell_read(remote.sources, request.request_id)
         fixup = done - copied if stream.device.type == "cpu" else 0.0  # on a GPU both are queued, then waited for
         return ReadTotals(
             bytes=sum(copy.nbytes for copy in copies),

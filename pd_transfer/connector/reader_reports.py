@@ -60,6 +60,11 @@ class ReaderReports:
             )
         )
 
+    def tell_read(self, sources: Iterable[SourceRank], request_id: str) -> None:
+        """Send each source rank its ``ReadDone`` of ``request_id`` (reads that post no NIXL transfer: copies)."""
+        for source in sources:
+            self.agent.notify(source.peer, self.read_done(request_id, source))
+
     def read_failed(self, sources: Iterable[SourceRank], request_id: str, reason: str) -> None:
         """Tell each source rank we gave up on ``request_id`` (``reason`` cut to ``MAX_REASON_CHARS``)."""
         for source in sources:
