@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -105,7 +106,14 @@ def test_calls_that_outlast_their_bound_raise_a_timeout_and_the_pool_stays_usabl
     rows = np.arange(len(source) // ROW)
     calls = cma.plan_calls(os.getpid(), addresses(target, rows), addresses(source, rows), ROW)
     with cma.CmaPool(2) as pool:
-        with pytest.raises(TransferTimeout, match=f"{len(calls)} process_vm_readv calls did not finish within 0 s"):
-            pool.run(calls, timeout_s=0)  # 64 MiB do not move in the microseconds between posting and waiting
+        busy = threading.Event()
+        # both threads held, so the calls cannot even start before their bound (no race with the machine's speed)
+        held = [pool._pool.submit(busy.wait, 60) for _ in range(2)]  # noqa: SLF001
+        try:
+            with pytest.raises(TransferTimeout, match=f"{len(calls)} process_vm_readv calls did not finish within 0 s"):
+                pool.run(calls, timeout_s=0)
+        finally:
+            busy.set()
+        assert all(future.result(timeout=60) for future in held)
         pool.run(calls, timeout_s=60)
     assert bool((target == 1).all())
