@@ -274,10 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     offload_bench.add_arguments(bench_offload)
     bench_offload.set_defaults(func=offload_bench.cli_run)
     from pd_transfer.bench import soak as soak_bench
+    from pd_transfer.bench import soak_kv
 
-    bench_soak = which.add_parser("soak", help="many requests through the proxy on a vLLM pair; what is left after")
+    bench_soak = which.add_parser(
+        "soak", help="many requests through the proxy on a vLLM pair (or KV stand-ins); what is left after"
+    )
     soak_bench.add_arguments(bench_soak)
-    bench_soak.set_defaults(func=soak_bench.run)
+    soak_kv.add_arguments(bench_soak)
+    bench_soak.set_defaults(func=lambda args: (soak_kv.run if args.kv_standins else soak_bench.run)(args))
     return parser
 
 

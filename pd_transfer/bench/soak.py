@@ -312,7 +312,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``pd-transfer bench soak``."""
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/soak.json"), help="write it here too")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="write it here too (benchmarks/soak.json, soak_kv.json)"
+    )
+
     parser.add_argument("--requests", type=int, default=2000, help="requests in all (2000)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests at once (32)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (8)")
@@ -338,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
     interrupted (SIGINT, SIGTERM or SIGHUP: every server is stopped first)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    if args.output is None:
+        args.output = Path("benchmarks/soak.json")
     if args.model is None:  # this command is its process's edge: its settings are read here, once
         args.model = read_settings().vllm_model or str(TINY_MODEL_DIR)
     try:

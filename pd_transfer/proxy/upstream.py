@@ -134,18 +134,25 @@ class Upstream:
             endpoint.head + _header_lines(headers) + b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n\r\n"
         )
         connection = self._take_idle(endpoint) or await self._connect(endpoint, deadline)
+        head = connection.send(request, body, deadline, leftover)
+        # Awaited through a shield: a cancelled caller must not cancel ``head``. Only the connection settles it, so
+        # "not done" means the connection is still on this request. (A cancelled ``head`` let the connection read
+        # the whole answer, go idle and carry the next request before this caller's handler ran, which then took
+        # that request for its own: issue 33.)
         try:
-            head = connection.send(request, body, deadline, leftover)
             if deadline is None:
-                return await head
+                return await asyncio.shield(head)
             async with asyncio.timeout_at(deadline):
-                return await head
+                return await asyncio.shield(head)
         except asyncio.CancelledError:
-            arrived = head.done() and not head.cancelled() and head.exception() is None
-            connection.abandoned(head.result() if arrived else None)
+            connection.abandoned(_answer_of(head))
             raise
         except BaseException:
-            connection.close()
+            answer = _answer_of(head)
+            if answer is None:
+                connection.close()  # still this request's: nothing of its answer came
+            else:
+                answer.close()  # a no-op once it ended (the connection may carry another request by now)
             raise
 
     def close(self) -> None:
@@ -411,8 +418,10 @@ class _Connection(asyncio.Protocol):
         return self._head
 
     def abandoned(self, answer: Answer | None) -> None:
-        """The caller was cancelled while waiting for ``answer`` (None: for its head). Without a
-        :class:`Leftover` the connection closes (unless the answer had ended); with one it reads on unattended."""
+        """The caller was cancelled while waiting for ``answer`` (None: for its head, which the connection has not
+        settled: it is still on that request). Without a :class:`Leftover` the connection closes (unless the answer
+        had ended); with one it reads on unattended. An ended answer goes to its own Leftover, whatever the
+        connection carries now."""
         leftover = self._leftover if answer is None else answer.leftover
         if answer is not None and answer.ended:  # ended before the caller could read it
             body = answer.received()
@@ -679,6 +688,11 @@ def _chunk_size(line: bytes) -> int:
     if not size or len(size) > 15 or not _HEX_DIGITS.issuperset(size):
         raise UpstreamError(f"a chunk size of the answer is not hexadecimal: {size[:20]!r}")
     return int(size, 16)
+
+
+def _answer_of(head: asyncio.Future[Answer]) -> Answer | None:
+    """The answer ``head`` was settled with, or None while the connection waits for it (or broke)."""
+    return head.result() if head.done() and head.exception() is None else None
 
 
 def _hand_over(leftover: Leftover, status: int | None, body: bytes | None) -> None:

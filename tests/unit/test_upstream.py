@@ -54,6 +54,7 @@ class Script:
     answer_now: asyncio.Event = field(default_factory=asyncio.Event)  # a Later step may go on
     eof: asyncio.Event = field(default_factory=asyncio.Event)  # a connection's client closed it
     port: int = 0
+    after_later: Callable[[], None] | None = None  # called right after a Later step wrote its ``then`` bytes
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -75,6 +76,11 @@ class Script:
                     await writer.drain()
                     await self.answer_now.wait()
                     step = step.then
+                    writer.write(step)
+                    if self.after_later is not None:
+                        self.after_later()
+                    await writer.drain()
+                    continue
                 if step is HOLD:
                     if await reader.read(1) == b"":
                         self.eof.set()
@@ -368,6 +374,44 @@ def test_a_caller_cancelled_mid_body_hands_the_whole_body_to_its_leftover() -> N
             script.answer_now.set()
             await asyncio.wait_for(handed.event.wait(), 5)
             assert handed.calls == [(200, b"hello world")]
+
+    run(scenario)
+
+
+def test_a_caller_cancelled_as_its_answer_arrives_never_hands_the_next_request_to_its_leftover() -> None:
+    """Issue 33's race, its order forced: request A's caller is cancelled while it waits for the head, A's whole
+    answer is read before A's task runs again, and request B takes the connection, now idle, in between. A's
+    leftover must get A's answer, and B's answer must go to B alone (before the fix A's cancellation handed B's
+    answer to B's leftover: the proxy released B's blocks while B went on to its decode)."""
+    answer_b = b'HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{"b":true}'
+
+    async def scenario() -> None:
+        async with talking_to(Later(then=OK), answer_b) as (script, upstream):
+            handed_a, handed_b = Handed(), Handed()
+            go_b = asyncio.Event()
+            a = asyncio.create_task(upstream.post(endpoint(script), {}, b"{}", Leftover(10.0, handed_a)))
+
+            async def request_b() -> bytes:
+                await go_b.wait()
+                answer = await upstream.post(endpoint(script), {}, b"{}", Leftover(10.0, handed_b))
+                return await answer.read()
+
+            b = asyncio.create_task(request_b())
+            await asyncio.wait_for(script.arrived.wait(), 5)
+            loop = asyncio.get_running_loop()
+
+            def interleave() -> None:  # runs before the loop reads A's answer, which is in the socket already
+                go_b.set()  # B runs first: once A's answer was read, it takes the idle connection
+                a.cancel()  # A's caller leaves; its task runs after B's
+
+            script.after_later = lambda: loop.call_soon(interleave)
+            script.answer_now.set()
+            assert await asyncio.wait_for(b, 5) == b'{"b":true}'
+            await asyncio.gather(a, return_exceptions=True)
+            assert handed_b.calls == []  # B's answer was B's caller's alone
+            await asyncio.wait_for(handed_a.event.wait(), 5)
+            assert handed_a.calls == [(200, b'{"ok":true}')]
+        assert script.connections == 1  # B went on A's connection: the order above happened
 
     run(scenario)
 
