@@ -92,8 +92,13 @@ def memmove_read(
 @dataclass
 class Pull:
     """One request, planned and staged: what a lane needs, and the caches to check (``local`` on the host; with
-    another ``device``, the planes the lanes write are copies there: :meth:`received` brings them back)."""
+    another ``device``, the planes the lanes write are copies there: :meth:`received` brings them back).
 
+    A pull owns every buffer whose addresses its descriptor lists name: ``remotes`` (the prefill caches the lanes
+    read), ``local`` and ``planes`` (what they write) and the staging area in ``work``. Keep the pull for as long
+    as its lanes run: its rows are raw addresses, and a cache only its rows named would be freed under them."""
+
+    remotes: dict[int, RankCache]  # the prefill caches, by rank: the memory every remote row points into
     local: RankCache
     local_ids: list[int]
     tokens: int
@@ -115,7 +120,7 @@ def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5,
     remote_blocks, local_blocks = 24, 12
     remote_ids = rng.permutation(remote_blocks)[: -(-tokens // case.remote_block)].tolist()
     local_ids = rng.permutation(local_blocks)[: -(-tokens // case.local_block)].tolist()
-    remotes = {}
+    remotes: dict[int, RankCache] = {}
     for rank in range(case.remote_tp):
         layout = KVCacheLayout(MODEL, case.remote_tp, rank, case.remote_block, case.remote_layout)  # type: ignore[arg-type]
         remotes[rank] = build_cache(layout, remote_blocks, False, 0, REMOTE_SENTINEL[4])
@@ -156,7 +161,7 @@ def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5,
     chunks = StagedChunks.plan(plan, rows, staging.slots, local_blocks, staging.fences)
     deadline = time.perf_counter() + 60
     work = StagedLaneWork(chunks, sources, staging, staging.scatter_for(plan.postprocess.restage, planes), deadline)
-    return Pull(local, local_ids, tokens, chunks, work, planes)
+    return Pull(remotes, local, local_ids, tokens, chunks, work, planes)
 
 
 def run_lanes(work: StagedLaneWork, lanes: int, read: LaneRead = memmove_read) -> list[LaneTotals]:
