@@ -10,7 +10,9 @@ what the prefill held, and every byte outside the request against its sentinel.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -69,6 +71,63 @@ class Registrations:
         dlist.released = True
 
 
+class UnregisteredMemory(AssertionError):
+    """A read named bytes outside every live registered region: memory deregistered, or freed under its rows."""
+
+
+class LiveMemory:
+    """The host memory reads may touch here: each span registered with the tensor that owns it, dropped when it is
+    deregistered or when that tensor is freed (a ``weakref.finalize``; a view keeps its base, hence the span, alive).
+
+    The staged read's descriptor rows are raw addresses: a cache only its rows named is freed under them, and a
+    read would copy freed bytes (glibc's chunk headers, or ``MALLOC_PERTURB_``'s fill) without a word. Readers here
+    call :meth:`check` first, so such a read fails naming the rows. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spans: dict[int, tuple[int, int]] = {}  # registration -> (start, end) byte addresses
+        self._next = 0
+
+    def register(self, owner: torch.Tensor) -> int:
+        """Register the bytes of ``owner`` (host memory, contiguous) while it lives; returns the registration."""
+        assert owner.device.type == "cpu" and owner.is_contiguous()
+        start = owner.data_ptr()
+        with self._lock:
+            self._next += 1
+            key = self._next
+            self._spans[key] = (start, start + owner.numel() * owner.element_size())
+        weakref.finalize(owner, self.deregister, key)
+        return key
+
+    def deregister(self, key: int) -> None:
+        """Drop registration ``key`` (idempotent)."""
+        with self._lock:
+            self._spans.pop(key, None)
+
+    def check(self, rows: np.ndarray, what: str) -> None:
+        """Raise :class:`UnregisteredMemory` unless every descriptor row (address, length, device) of ``rows`` lies
+        whole inside one live registration; ``what`` names the rows in the message."""
+        with self._lock:
+            spans = sorted(self._spans.values())
+        addresses, ends = rows[:, 0].astype(np.uint64), rows[:, 0].astype(np.uint64) + rows[:, 1].astype(np.uint64)
+        starts = np.array([a for a, _ in spans], dtype=np.uint64)
+        stops = np.array([b for _, b in spans], dtype=np.uint64)
+        index = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+        inside = (index >= 0) & (ends <= stops[np.maximum(index, 0)]) if spans else np.zeros(len(rows), dtype=bool)
+        if not inside.all():
+            bad = np.flatnonzero(~inside)
+            first = rows[bad[0]]
+            raise UnregisteredMemory(
+                f"{len(bad)} of {len(rows)} {what} rows lie outside every live registered region (first at "
+                f"{int(first[0]):#x}, {int(first[1])} bytes): their memory was deregistered or freed; whatever handed "
+                "out these addresses must own the tensors behind them for as long as they are read"
+            )
+
+
+#: The host memory of every pull here: prefill caches, decode caches and CPU staging areas (see :class:`LiveMemory`).
+HOST_MEMORY = LiveMemory()
+
+
 def random_blocks(count: int, spec: Restage, seed: int) -> torch.Tensor:
     """``count`` blocks of ``spec``'s elements (int16), drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
@@ -78,8 +137,11 @@ def random_blocks(count: int, spec: Restage, seed: int) -> torch.Tensor:
 def memmove_read(
     local: DescriptorList, local_rows: np.ndarray, remote: DescriptorList, remote_rows: np.ndarray, timeout_s: float
 ) -> ReadStats:
-    """A READ as NIXL makes it on one host: each remote row's bytes into the local row of the same index."""
+    """A READ as NIXL makes it on one host: each remote row's bytes into the local row of the same index. Both sides'
+    rows must lie in :data:`HOST_MEMORY` (else :class:`UnregisteredMemory`, before a byte is copied)."""
     assert timeout_s > 0 and len(local_rows) == len(remote_rows)
+    HOST_MEMORY.check(remote.rows[remote_rows], "remote")
+    HOST_MEMORY.check(local.rows[local_rows], "local")
     for mine, theirs in zip(local_rows.tolist(), remote_rows.tolist(), strict=True):
         length = int(local.rows[mine, 1])
         assert length == int(remote.rows[theirs, 1])
@@ -127,6 +189,9 @@ def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5,
         fill_request(remotes[rank], remote_ids, tokens)
     layout = KVCacheLayout(MODEL, 1, 0, case.local_block, case.local_layout)  # type: ignore[arg-type]
     local = build_cache(layout, local_blocks, False, 0, LOCAL_SENTINEL[4])
+    for cache in [*remotes.values(), local]:
+        for buffer in cache.buffers:
+            HOST_MEMORY.register(buffer)
     plan = PeerPlan.build(
         layout,
         local.regions,
@@ -144,6 +209,8 @@ def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5,
         planes[0].dtype,
         device=device,
     )
+    if device == "cpu":
+        HOST_MEMORY.register(staging.blocks)
     first_plane = planes_of(local.regions)[0].base_address
     owner = Registrations()
     sources = [

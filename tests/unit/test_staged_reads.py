@@ -3,8 +3,9 @@
 Each lane runs on a thread of its own, as on the read lanes; caches are the encoded caches of ``topology_sim``
 (through ``staged_pulls``), so every received element is checked against what the prefill held, and every byte
 outside the request against its sentinel. Cases: a block 16 -> 64 regroup (one source), TP 2 -> 1 with a layout
-permute (two sources into one staged block), chunk boundaries of one plane block and of several, and a read that
-fails in the middle of a request. The CUDA twin is in tests/gpu/test_gpu_staged_reads.py.
+permute (two sources into one staged block), chunk boundaries of one plane block and of several, a read that
+fails in the middle of a request, and a read of a prefill cache freed under its rows (refused, naming them: the
+reads check every row against the live registered memory first). The CUDA twin is in tests/gpu/test_gpu_staged_reads.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from staged_pulls import CASES, memmove_read, run_lanes, staged_pull
+from staged_pulls import CASES, UnregisteredMemory, memmove_read, run_lanes, staged_pull
 from topology_sim import check_received
 
 from pd_transfer.connector.staged_reads import LaneTotals
@@ -112,4 +113,18 @@ def test_a_request_of_no_tokens_reads_and_writes_nothing() -> None:
     assert pull.chunks.count == 0 and pull.chunks.block_ids.numel() == 0
     totals = run_lanes(pull.work, 1)
     assert totals == [LaneTotals()]
+    assert all(torch.equal(a, b) for a, b in zip(pull.local.buffers, before, strict=True))
+
+
+def test_a_read_of_a_prefill_cache_freed_under_its_rows_is_refused_before_a_byte_is_copied() -> None:
+    """What the harness did before its pulls kept their prefill caches (issue 34): the rows outlived the memory
+    they name. The read now fails at once, naming them, instead of copying freed bytes into the decode's blocks."""
+    pull = staged_pull(CASES["tp_2_to_1_block_8_to_32"], 1)
+    before = [buffer.clone() for buffer in pull.local.buffers]
+    rank, freed = pull.remotes.popitem()
+    assert rank == 1 and len(pull.remotes) == 1  # rank 0's cache stays: its reads pass the check
+    del freed  # the last reference: its buffers are freed, and with them their registrations
+    with pytest.raises(UnregisteredMemory, match=r"remote rows lie outside every live registered region"):
+        run_lanes(pull.work, 2)
+    assert pull.work.stop.is_set()
     assert all(torch.equal(a, b) for a, b in zip(pull.local.buffers, before, strict=True))
