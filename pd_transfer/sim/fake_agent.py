@@ -4,7 +4,9 @@ For unit tests of the connector's logic (plans, read indices, leases, confirmati
 decode in one process: reads and writes copy bytes between registered host memory with ``ctypes.memmove``, and
 notifications reach the peer's handler on its own delivery thread, as the real agent's poller hands them out. What
 the fake checks, it checks as NIXL does: descriptor rows must lie inside registered memory (the local agent's, or the
-spans the peer's metadata named when it was added), a remote row and its local row must be of one length, a peer must
+spans the peer's metadata named when it was added), and still inside registered memory of both agents when a read or
+write copies them (a deregistered region is refused, not read: a test that freed memory after preparing rows of it
+fails loudly instead of copying freed bytes), a remote row and its local row must be of one length, a peer must
 be added before rows of it are prepared, and a peer whose agent is closed is disconnected
 (:class:`~pd_transfer.transfer.PeerDisconnected`).
 
@@ -343,8 +345,13 @@ class FakeAgent:
         if not np.array_equal(ours[:, 1], theirs[:, 1]):
             raise TransferError(f"agent {self.name}: a {verb} with {remote.peer} pairs rows of different lengths")
         target = self._live_peer(remote.peer, verb)
-        if _outside(theirs, target.registered_spans()):
-            raise TransferError(f"agent {self.name}: a {verb} with {remote.peer}: its memory is no longer registered")
+        for side, rows, owner in (("its", theirs, target), ("our", ours, self)):
+            outside = _outside(rows, owner.registered_spans())
+            if outside:  # rows were inside when prepared: the memory was deregistered (or freed) since
+                raise TransferError(
+                    f"agent {self.name}: a {verb} with {remote.peer}: {outside} of {len(rows)} rows of {side} memory"
+                    " are no longer registered (deregistered or freed since they were prepared)"
+                )
         source, destination = (theirs, ours) if verb == "read" else (ours, theirs)
         for (to, length, _), (start, _, _) in zip(destination.tolist(), source.tolist(), strict=True):
             ctypes.memmove(to, start, length)

@@ -1,7 +1,7 @@
 """The fake agent (pd_transfer/sim/fake_agent.py) keeps the contract the connector relies on: reads and writes copy
-exactly the rows asked for, then notify the peer; rows outside registered memory, rows of a peer not added, rows of
-different lengths and a closed peer are refused as TransferAgent refuses them; and it stands in for every
-``TransferAgent`` the connector makes (AGENT_CONSTRUCTORS)."""
+exactly the rows asked for, then notify the peer; rows outside registered memory (when prepared, or deregistered by
+the time they are read), rows of a peer not added, rows of different lengths and a closed peer are refused as
+TransferAgent refuses them; and it stands in for every ``TransferAgent`` the connector makes (AGENT_CONSTRUCTORS)."""
 
 from __future__ import annotations
 
@@ -119,6 +119,26 @@ def test_a_peer_must_be_added_and_its_rows_match_ours(pair: tuple[FakeAgent, Fak
     assert remote.released and not reader.has_peer(peer)
     with pytest.raises(TransferError, match="released"):
         reader.read(local, np.array([0]), remote, np.array([0]))
+
+
+@pytest.mark.parametrize("side", ["its", "our"])
+def test_a_read_of_memory_deregistered_after_its_rows_were_prepared_is_refused(
+    pair: tuple[FakeAgent, FakeAgent, Inbox], side: str
+) -> None:
+    reader, owner, _ = pair
+    theirs = np.arange(64, dtype=np.uint8)
+    ours = np.zeros(64, dtype=np.uint8)
+    theirs_registration = owner.register_spans([_span(theirs)])
+    ours_registration = reader.register_spans([_span(ours)])
+    remote = reader.prepare_remote(reader.add_peer(owner.metadata), _rows(theirs, [(0, 16), (32, 16)]))
+    local = reader.prepare_local(_rows(ours, [(0, 16), (16, 16)]))
+    if side == "its":  # the owner freed its memory; our metadata of it is stale
+        owner.deregister(theirs_registration)
+    else:
+        reader.deregister(ours_registration)
+    with pytest.raises(TransferError, match=f"2 of 2 rows of {side} memory are no longer registered"):
+        reader.read(local, np.array([0, 1]), remote, np.array([0, 1]))
+    assert not ours.any()  # refused before a byte was copied
 
 
 def test_connection_metadata_lets_a_peer_notify_but_not_read(pair: tuple[FakeAgent, FakeAgent, Inbox]) -> None:
