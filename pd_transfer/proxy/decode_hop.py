@@ -166,7 +166,7 @@ class DecodeHop:
         progress.sent = progress.answered = False
         log.warning("request %s: decode backend %s answered %d", call.rid, backend.url, status)
         message = f"decode backend {backend.url} answered {status}: {snippet(raw)}"
-        return _Retryable(HopError("decode", backend, "status", message), saw_params=True)
+        return _Retryable(HopError("decode", backend, "status", message, answered=status), saw_params=True)
 
     async def _relay(
         self, call: DecodeCall, upstream: Answer, backend: Backend, progress: DecodeProgress

@@ -19,7 +19,7 @@ ERROR_KINDS = (
 )  # fmt: skip
 REJECT_REASONS = ("media_type", "too_large", "body_timeout", "busy", "invalid_json", "invalid_request")
 RELEASE_OUTCOMES = ("releasing", "not_held", "unreachable", "auth", "refused", "version", "error", "invalid")
-RETRY_REASONS = ("connect", "status", "draining", "aborted")
+RETRY_REASONS = ("connect", "status", "draining", "aborted", "decode_failed")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -77,7 +77,8 @@ class ProxyMetrics:
         self.retries = Counter(
             "pd_proxy_retries",
             "Hops retried on another backend, by hop and reason (the first attempt's failure: connect, status,"
-            " draining, aborted: a stopping engine's 200 with no output and finish_reason abort)",
+            " draining, aborted: a stopping engine's 200 with no output and finish_reason abort; decode_failed: the"
+            " prefill hop run again because the decode hop failed with a 5xx before any output)",
             ["hop", "reason"],
             registry=r,
         )

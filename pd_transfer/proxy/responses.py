@@ -16,14 +16,24 @@ REQUEST_ID = "X-Request-Id"
 
 
 class HopError(Exception):
-    """A hop failed on the backend side: the client gets ``status`` (502 by default) naming hop and backend."""
+    """A hop failed on the backend side: the client gets ``status`` (502 by default) naming hop and backend;
+    ``answered``: the status the backend answered, when the failure is its answer."""
 
-    def __init__(self, hop: str, backend: Backend | None, kind: str, message: str, status: int = 502) -> None:
+    def __init__(
+        self,
+        hop: str,
+        backend: Backend | None,
+        kind: str,
+        message: str,
+        status: int = 502,
+        answered: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.hop = hop
         self.backend = backend
         self.kind = kind
         self.status = status
+        self.answered = answered
         self.counted = False  # in the errors metric already (failed attempts are counted as they fail)
 
 

@@ -4,7 +4,8 @@ A request goes to a prefill server with ``kv_transfer_params: {"do_remote_decode
 and no streaming; the ``kv_transfer_params`` of its answer go with the client's request to a decode server, whose
 answer (or SSE stream) goes back to the client. One ``X-Request-Id`` travels through both hops. When no decode will
 read what the prefill holds (the client left, the decode hop failed), the prefill is told to free it
-(:mod:`pd_transfer.proxy.release`).
+(:mod:`pd_transfer.proxy.release`). A request every decode answered 500 before any output (a pull refused because
+the prefill no longer held the blocks) runs once more from the prefill hop, while its client waits.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ CLIENT_CLOSED = 499  # nginx's convention for "the client went away", used in me
 #: had finished holds its blocks until the lease ends: an answer read within this time names them, released at once.
 #: Past it the connection closes (vLLM aborts the request if it still runs).
 PREFILL_LEFTOVER_S = 1.0
+#: What a decode answered, before any output, that runs its request once more from the prefill hop: its engine
+#: failed the request (vLLM's 500; a decode whose pull was refused because the prefill no longer held the blocks
+#: answers so under the ``fail`` policy). Not a 503: an overloaded decode is not helped by a second prefill.
+RERUN_AFTER = 500
 
 
 class Proxy:
@@ -302,6 +307,30 @@ class Proxy:
         else:
             self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers)
+        try:
+            return await self._decode(request, endpoint, body, headers, params, rid, started)
+        except HopError as failure:
+            if params is None or failure.hop != "decode" or failure.answered != RERUN_AFTER:
+                raise
+            # The decode failed the request before any output (e.g. its pull was refused: the prefill no longer
+            # held the blocks) and the client is still here: once more from the prefill hop, with fresh KV.
+            log.warning("request %s: %s; running it again from the prefill hop (once)", rid, failure)
+            self.metrics.retries.labels("prefill", "decode_failed").inc()
+        params = await self._prefill_hop(endpoint, body, headers)
+        return await self._decode(request, endpoint, body, headers, params, rid, started)
+
+    async def _decode(
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        params: dict[str, Any] | None,
+        rid: str,
+        started: float,
+    ) -> web.StreamResponse:
+        """The decode hop of ``body`` with the prefill's ``params`` (None: no prefill hop); the prefill's blocks are
+        released unless it answered 200."""
         call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started)
         upstream = self._upstream
         assert upstream is not None

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,6 +74,18 @@ def releases(proxy: Proxy) -> dict[str, float]:
         for sample in family.samples
         if sample.name == "pd_proxy_releases_total"
     }
+
+
+def reruns_of(proxy: Proxy) -> float:
+    """Requests the proxy ran once more from the prefill hop (``pd_proxy_retries_total{hop="prefill",
+    reason="decode_failed"}``), scraped."""
+    text = proxy.metrics.render().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pd_proxy_retries_total" and sample.labels == {"hop": "prefill", "reason": "decode_failed"}
+    )
 
 
 def released(proxy: Proxy, outcome: str) -> float:
@@ -198,12 +211,14 @@ def test_a_client_leaving_while_the_decode_hop_runs_frees_the_blocks_after_the_h
     print(f"\nfreed {seconds:.2f} s after the client left (hold window {LEASE_S / 3:g} s, lease {LEASE_S:g} s)")
 
 
-def prefill_directly(prefill: Server, tag: str) -> dict[str, Any]:
-    """A prefill-only request straight to the prefill: its blocks are held under a lease; its params."""
+def prefill_directly(prefill: Server, tag: str, request_id: str | None = None) -> dict[str, Any]:
+    """A prefill-only request straight to the prefill (``request_id``: its ``X-Request-Id``): its blocks are held
+    under a lease; its params."""
     payload = {**body(tag), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    request = urllib.request.Request(
-        prefill.url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    request = urllib.request.Request(prefill.url + "/v1/completions", json.dumps(payload).encode(), headers)
     with HTTP.open(request, timeout=30.0) as answer:
         params: dict[str, Any] = json.load(answer)["kv_transfer_params"]
     return params
@@ -231,15 +246,54 @@ def test_only_the_secret_releases_and_releasing_is_idempotent(pair: dict[str, Se
         releaser.close()
 
 
-def test_a_lease_a_decode_read_ends_as_read_and_a_release_after_it_changes_nothing(pair: dict[str, Server]) -> None:
-    prefill, decode = pair["prefill"], pair["decode"]
-    params = prefill_directly(prefill, "r")
-    payload = {**body("r"), "kv_transfer_params": params}
+def decode_directly(decode: Server, tag: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The decode of ``tag``'s prompt with a prefill's ``params``, straight to the decode: (status, its answer)."""
+    payload = {**body(tag), "kv_transfer_params": params}
     request = urllib.request.Request(
         decode.url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
     )
-    with HTTP.open(request, timeout=30.0) as answer:
-        assert json.load(answer)["kv_transfer"]["verified"] is True
+    try:
+        with HTTP.open(request, timeout=30.0) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def test_a_release_ends_only_the_lease_it_names_not_one_of_a_similar_id(pair: dict[str, Server]) -> None:
+    """Issue 33: a release reaches the lease of the request it was sent for and no other. Four requests are held
+    whose ids share their client's id or a prefix of it (two clients sent the same ``X-Request-Id``; the prefill
+    adds its own suffix, as vLLM does); releasing one leaves the other three held, and each of them is read by a
+    decode, verified, while the released one is refused."""
+    prefill, decode = pair["prefill"], pair["decode"]
+    held = {
+        tag: prefill_directly(prefill, tag, rid)
+        for tag, rid in (("s0", "sim-7"), ("s1", "sim-7"), ("s2", "sim-77"), ("s3", "sim"))
+    }
+    ids = [params["remote_request_id"] for params in held.values()]
+    assert len(set(ids)) == 4 and all(i.startswith("sim") for i in ids), ids
+    blocks = {tag: len(params["remote_block_ids"][0]) for tag, params in held.items()}
+    assert kv_state(prefill)["blocks_held"] == sum(blocks.values())
+    released_params = held.pop("s0")
+    releaser = Releaser(SECRET, timeout_s=2.0)
+    try:
+        where = (released_params["remote_host"], released_params["remote_port"], released_params["remote_engine_id"])
+        assert releaser.release(*where, released_params["remote_request_id"], read_possible=False) == "releasing"
+    finally:
+        releaser.close()
+    wait_for(lambda: kv_state(prefill)["blocks_held"] == sum(blocks.values()) - blocks["s0"], FREED_WITHIN_S)
+    status, answer = decode_directly(decode, "s0", released_params)
+    assert status == 500 and "released" in answer["error"]["message"], answer
+    for tag, params in held.items():
+        status, answer = decode_directly(decode, tag, params)
+        assert status == 200 and answer["kv_transfer"]["verified"] is True, (tag, answer)
+    wait_for(lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
+
+
+def test_a_lease_a_decode_read_ends_as_read_and_a_release_after_it_changes_nothing(pair: dict[str, Server]) -> None:
+    prefill, decode = pair["prefill"], pair["decode"]
+    params = prefill_directly(prefill, "r")
+    status, answer = decode_directly(decode, "r", params)
+    assert status == 200 and answer["kv_transfer"]["verified"] is True
     wait_for(lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
     releaser = Releaser(SECRET, timeout_s=2.0)
     try:
@@ -247,3 +301,72 @@ def test_a_lease_a_decode_read_ends_as_read_and_a_release_after_it_changes_nothi
         assert releaser.release(*where, params["remote_request_id"], read_possible=False) == "not_held"
     finally:
         releaser.close()
+
+
+async def releasing_relay(prefill: Server, decode: Server, releases_first: int) -> tuple[web.AppRunner, str, list[int]]:
+    """A decode backend in front of the real decode stand-in that, for its first ``releases_first`` requests,
+    releases the prefill's blocks their params name (as another request's stray release did in issue 33) and waits
+    until the prefill freed them before passing them on; the list holds the status the decode answered each
+    request. (One request at a time: the prefill then holds nothing.)"""
+    statuses: list[int] = []
+    releaser = Releaser(SECRET, timeout_s=2.0)
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def relay(request: web.Request) -> web.Response:
+        payload = await request.json()
+        params = payload["kv_transfer_params"]
+        if len(statuses) < releases_first:
+            where = (params["remote_host"], params["remote_port"], params["remote_engine_id"])
+            outcome = await asyncio.to_thread(
+                releaser.release, *where, params["remote_request_id"], read_possible=False
+            )
+            assert outcome == "releasing"
+            await asyncio.to_thread(wait_for, lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)
+        async with aiohttp.ClientSession() as client:
+            async with client.post(decode.url + request.path, json=payload) as answer:
+                raw = await answer.read()
+                statuses.append(answer.status)
+                return web.Response(body=raw, status=answer.status, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", relay)
+    app.on_cleanup.append(lambda _app: asyncio.to_thread(releaser.close))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}", statuses
+
+
+def test_a_decode_refused_because_the_blocks_were_released_runs_again_from_the_prefill(
+    pair: dict[str, Server],
+) -> None:
+    """Issue 33: a decode whose pull is refused (the prefill no longer holds the blocks) answers 500; the client is
+    still there, so the proxy runs the request once more from its prefill hop instead of answering 502, and the
+    client gets the KV of its own prompt, verified."""
+    prefill = pair["prefill"]
+    before = kv_state(prefill)["requests"]
+
+    async def scenario() -> tuple[int, dict[str, Any], list[int], float]:
+        runner, url, statuses = await releasing_relay(prefill, pair["decode"], releases_first=1)
+        try:
+            async with Proxy(proxy_config(url, prefill)) as proxy:
+                await proxy.start()
+                async with aiohttp.ClientSession() as client:
+                    async with client.post(proxy.url + "/v1/completions", json=body("g")) as answer:
+                        status, answer_body = answer.status, await answer.json()
+                reruns = reruns_of(proxy)
+                return status, answer_body, statuses, reruns
+        finally:
+            await runner.cleanup()
+
+    status, answer, statuses, reruns = asyncio.run(scenario())
+    assert status == 200, answer
+    assert answer["kv_transfer"]["verified"] is True
+    assert statuses == [500, 200]  # refused (released), then read from the second prefill hop's blocks
+    assert reruns == 1
+    assert kv_state(prefill)["requests"] == before + 2
+    wait_for(lambda: kv_state(prefill)["blocks_held"] == 0, FREED_WITHIN_S)

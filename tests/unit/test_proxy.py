@@ -352,12 +352,40 @@ def test_decode_5xx_is_retried_on_the_other_decode_then_a_502_naming_the_decode(
         assert 'pd_proxy_retries_total{hop="decode",reason="status"} 1.0' in await c.metrics()
 
         for d in c.decodes:
-            d.fail_next(500)
+            d.fail_next(500, count=2)  # the request's two decode attempts, then the two after its second prefill
+        prefilled = served(c.prefills)
         status, answer, _ = await c.call(flow.COMPLETIONS, completion())
         assert status == 502 and answer["error"]["hop"] == "decode"
         assert answer["error"]["backend"] in (c.decodes[0].url, c.decodes[1].url)
         assert "answered 500" in answer["error"]["message"]
-        assert 'pd_proxy_retries_total{hop="decode",reason="status"} 2.0' in await c.metrics()
+        assert sum(served(c.prefills)) == sum(prefilled) + 2  # run once more from the prefill hop, once only
+        metrics = await c.metrics()
+        assert 'pd_proxy_retries_total{hop="decode",reason="status"} 3.0' in metrics
+        assert 'pd_proxy_retries_total{hop="prefill",reason="decode_failed"} 1.0' in metrics
+
+    run(scenario)
+
+
+def test_a_request_every_decode_failed_with_500_runs_once_more_from_the_prefill_hop() -> None:
+    """Issue 33: both decodes answered 500 before any output (their pulls refused: the prefill's blocks gone) while
+    the client waits: the proxy prefills again and decodes with the new params; a 503 (overloaded) does not."""
+
+    async def scenario(c: Cluster) -> None:
+        for d in c.decodes:
+            d.fail_next(500)
+        status, answer, _ = await c.call(flow.COMPLETIONS, completion())
+        assert status == 200, answer
+        assert served(c.prefills) == [1, 1] and sum(served(c.decodes)) == 3  # two refused, then the answer
+        answered = [r for d in c.decodes for r in d.records if r.finished]
+        assert len(answered) == 1 and answered[0].kv_transfer_params is not None
+        assert answered[0].kv_transfer_params["remote_engine_id"] == c.prefills[1].engine_id  # the second prefill's
+        assert 'pd_proxy_retries_total{hop="prefill",reason="decode_failed"} 1.0' in await c.metrics()
+
+        for d in c.decodes:
+            d.fail_next(503)
+        status, answer, _ = await c.call(flow.COMPLETIONS, completion())
+        assert status == 502 and "answered 503" in answer["error"]["message"]
+        assert sum(served(c.prefills)) == 3
 
     run(scenario)
 
