@@ -1,7 +1,9 @@
 """The staged read's fix-ups on CUDA (marked ``gpu``, skipped without CUDA): the scatter and restage kernels against
 their CPU results, the slot fences on each lane's stream, the staging area registered as the GPU's memory, and the
-pipelined staged read with planes and staging on the GPU. The CPU tests are tests/unit/test_device_kernels.py and
-tests/unit/test_staged_reads.py."""
+pipelined staged read with planes and staging on the GPU, plain and under the timing stress (staged_pulls'
+``TimingStress``: random GPU sleeps before the block ids move, before each read on a stream of the reader's own and
+before each fix-up, lanes started in a random order; ``PD_TRANSFER_STRESS_SEED`` moves its seeds). The CPU tests are
+tests/unit/test_device_kernels.py and tests/unit/test_staged_reads.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,17 @@ import ctypes
 import numpy as np
 import pytest
 import torch
-from staged_pulls import CASES, SPECS, Registrations, random_blocks, run_lanes, staged_pull
+from staged_pulls import (
+    CASES,
+    HOST_MEMORY,
+    SPECS,
+    Registrations,
+    TimingStress,
+    random_blocks,
+    run_lanes,
+    staged_pull,
+    stress_seed,
+)
 from topology_sim import check_received
 
 from pd_transfer.connector.slot_fences import SlotFences, mark
@@ -28,14 +40,15 @@ pytestmark = [
 
 
 def device_read(staging: StagingArea) -> LaneRead:
-    """A READ into a staging area on the GPU: each row copied by torch from host memory (the prefill caches here)
-    into the staging buffer, on the lane's stream."""
+    """A READ into a staging area on the GPU: each row copied by torch from host memory (the prefill caches here,
+    checked live in :data:`HOST_MEMORY` first) into the staging buffer, on the current stream (the lane's)."""
     buffer = staging.blocks.view(torch.uint8).view(-1)
     start = buffer.data_ptr()
 
     def read(
         local: DescriptorList, local_rows: np.ndarray, remote: DescriptorList, remote_rows: np.ndarray, timeout_s: float
     ) -> ReadStats:
+        HOST_MEMORY.check(remote.rows[remote_rows], "remote")
         for mine, theirs in zip(local_rows.tolist(), remote_rows.tolist(), strict=True):
             length = int(local.rows[mine, 1])
             origin = (ctypes.c_uint8 * length).from_address(int(remote.rows[theirs, 0]))
@@ -110,3 +123,19 @@ def test_lanes_read_and_restage_on_cuda(case: str) -> None:
     run_lanes(pull.work, 3, device_read(staging))
     pull.received()
     check_received(pull.local, pull.local_ids, pull.tokens)
+
+
+@pytest.mark.parametrize("repeat", range(4))
+@pytest.mark.parametrize("group_blocks", [1, 3], ids=["one-block-chunks", "three-block-chunks"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lanes_read_and_restage_on_cuda_under_timing_stress(case: str, group_blocks: int, repeat: int) -> None:
+    """The lanes test with the GPU's timing perturbed (``TimingStress``): fix-ups late on their lanes' streams,
+    reads landing from a stream of their own, block ids moved late, lanes started in a random order. Every element
+    must still be right: a fence missing between a group's fix-up and the next read into it, or between the block
+    ids' copy and the fix-ups, shows here as wrong bytes."""
+    stress = TimingStress(stress_seed(repeat))
+    pull = staged_pull(CASES[case], group_blocks, device="cuda", stress=stress)
+    run_lanes(pull.work, 3, device_read(pull.work.staging), stress)
+    pull.received()
+    check_received(pull.local, pull.local_ids, pull.tokens)
+    assert stress.sleeps > 2 * pull.chunks.count and len(stress.orders) == 1

@@ -1,6 +1,6 @@
 """Test helpers: staged reads (connector/staged_reads.py) of encoded caches with reads done by ``memmove`` over the
 descriptor rows, on the CPU or with the planes and the staging area on another device, and the fix-up kernels'
-specs and random blocks.
+specs and random blocks; reads checked against the live registered memory, and a timing stress for the GPU path.
 
 Used by tests/unit/test_staged_reads.py and tests/unit/test_device_kernels.py (CPU) and their CUDA twins in
 tests/gpu/test_gpu_staged_reads.py. Caches are ``topology_sim``'s, so every received element is checked against
@@ -10,6 +10,7 @@ what the prefill held, and every byte outside the request against its sentinel.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 import weakref
@@ -128,6 +129,78 @@ class LiveMemory:
 HOST_MEMORY = LiveMemory()
 
 
+#: The environment variable that moves the timing stress's seeds (scripts/test-gpu sets the repetition's number).
+STRESS_SEED_VARIABLE = "PD_TRANSFER_STRESS_SEED"
+
+
+def stress_seed(offset: int) -> int:
+    """A timing stress seed: ``offset`` plus 1000 times ``$PD_TRANSFER_STRESS_SEED`` (0 when unset), so each
+    repetition of a stress test draws other timings."""
+    return int(os.environ.get(STRESS_SEED_VARIABLE, "0")) * 1000 + offset
+
+
+class TimingStress:
+    """Perturbs the timing of the staged read's GPU path, drawn from ``seed``, to surface missing orderings.
+
+    On an accelerator: a GPU sleep of 0 to ``max_cycles`` clock cycles (``torch.cuda._sleep``; 2M cycles is about
+    1 ms) queued on the stream that moves a request's block ids before they move (the lanes' fix-ups must wait for
+    them: ``StagedChunks.ready``); each read made on a stream of the reader's own, after a sleep, and waited for on
+    the host, as a NIXL READ lands its bytes outside any lane's stream; and a sleep on the lane's stream after each
+    read, so that its fix-up runs late and the next read into a group must wait for it (``SlotFences``). On every
+    device: the lanes start in a random order (:meth:`lane_order`). On the CPU the sleeps are skipped (a lane's
+    fix-up runs on its thread before it reads again: nothing is queued to perturb) and :attr:`sleeps` stays 0.
+    Thread-safe."""
+
+    def __init__(self, seed: int, *, max_cycles: int = 2_000_000) -> None:
+        assert max_cycles > 0
+        self.seed = seed
+        self.max_cycles = max_cycles
+        self.sleeps = 0  # GPU sleeps queued so far
+        self.orders: list[list[int]] = []  # each lane order handed out, in turn
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    def lane_order(self, lanes: int) -> list[int]:
+        """The lanes ``0 .. lanes - 1`` in a random order: the order they are started in."""
+        with self._lock:
+            order = self._rng.permutation(lanes).tolist()
+            self.orders.append(order)
+        return order
+
+    def sleep(self, device: torch.device) -> None:
+        """Queue a random GPU sleep (a quarter of them none) on the current stream of ``device``; nothing on the
+        CPU."""
+        if device.type != "cuda":
+            return
+        with self._lock:
+            cycles = int(self._rng.integers(0, self.max_cycles)) if self._rng.random() >= 0.25 else 0
+            self.sleeps += 1
+        if cycles:
+            torch.cuda._sleep(cycles)  # noqa: SLF001 - torch's only in-stream GPU delay (a spin of that many clocks)
+
+    def stressed(self, read: LaneRead, device: torch.device) -> LaneRead:
+        """``read`` made as described above on ``device`` (on the CPU: ``read`` itself)."""
+        if device.type != "cuda":
+            return read
+
+        def run(
+            local: DescriptorList,
+            local_rows: np.ndarray,
+            remote: DescriptorList,
+            remote_rows: np.ndarray,
+            timeout_s: float,
+        ) -> ReadStats:
+            reader = torch.cuda.Stream(device)  # not ordered with the lane's stream: only the host orders them
+            with torch.cuda.stream(reader):
+                self.sleep(device)
+                stats = read(local, local_rows, remote, remote_rows, timeout_s)
+            reader.synchronize()  # the read returns once its bytes landed, as a NIXL READ does
+            self.sleep(device)  # on the lane's stream: the fix-up of these bytes starts late
+            return stats
+
+        return run
+
+
 def random_blocks(count: int, spec: Restage, seed: int) -> torch.Tensor:
     """``count`` blocks of ``spec``'s elements (int16), drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
@@ -175,9 +248,16 @@ class Pull:
                 mine.copy_(written.cpu())
 
 
-def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5, device: str = "cpu") -> Pull:
+def staged_pull(
+    case: Case,
+    group_blocks: int,
+    tokens: int = 150,
+    seed: int = 5,
+    device: str = "cpu",
+    stress: TimingStress | None = None,
+) -> Pull:
     """The request of ``tokens`` tokens, its slot groups ``group_blocks`` plane blocks each, read into planes on
-    ``device``."""
+    ``device``; with ``stress``, its block ids move to the device after a random sleep on the current stream."""
     rng = np.random.default_rng(seed)
     remote_blocks, local_blocks = 24, 12
     remote_ids = rng.permutation(remote_blocks)[: -(-tokens // case.remote_block)].tolist()
@@ -225,14 +305,23 @@ def staged_pull(case: Case, group_blocks: int, tokens: int = 150, seed: int = 5,
         for source in plan.sources
     ]
     rows = [source.indices(remote_ids, local_ids, tokens) for source in plan.sources]
+    if stress is not None:
+        stress.sleep(staging.device)
     chunks = StagedChunks.plan(plan, rows, staging.slots, local_blocks, staging.fences)
     deadline = time.perf_counter() + 60
     work = StagedLaneWork(chunks, sources, staging, staging.scatter_for(plan.postprocess.restage, planes), deadline)
     return Pull(remotes, local, local_ids, tokens, chunks, work, planes)
 
 
-def run_lanes(work: StagedLaneWork, lanes: int, read: LaneRead = memmove_read) -> list[LaneTotals]:
-    """Every lane on a thread of its own, as the read lanes run them; the first failure is raised."""
+def run_lanes(
+    work: StagedLaneWork, lanes: int, read: LaneRead = memmove_read, stress: TimingStress | None = None
+) -> list[LaneTotals]:
+    """Every lane on a thread of its own, as the read lanes run them, started in lane order (with ``stress``: in
+    its random order, reading through :meth:`TimingStress.stressed`); each lane's totals, by lane, or the first
+    failure raised. Each lane is given 60 s."""
+    order = list(range(lanes)) if stress is None else stress.lane_order(lanes)
+    if stress is not None:
+        read = stress.stressed(read, work.staging.device)
     with ThreadPoolExecutor(max_workers=lanes) as pool:
-        futures = [pool.submit(work.run, lane, read) for lane in range(lanes)]
-        return [future.result(timeout=60) for future in futures]
+        futures = {lane: pool.submit(work.run, lane, read) for lane in order}
+        return [futures[lane].result(timeout=60) for lane in range(lanes)]

@@ -4,8 +4,9 @@ Each lane runs on a thread of its own, as on the read lanes; caches are the enco
 (through ``staged_pulls``), so every received element is checked against what the prefill held, and every byte
 outside the request against its sentinel. Cases: a block 16 -> 64 regroup (one source), TP 2 -> 1 with a layout
 permute (two sources into one staged block), chunk boundaries of one plane block and of several, a read that
-fails in the middle of a request, and a read of a prefill cache freed under its rows (refused, naming them: the
-reads check every row against the live registered memory first). The CUDA twin is in tests/gpu/test_gpu_staged_reads.py.
+fails in the middle of a request, a read of a prefill cache freed under its rows (refused, naming them: the
+reads check every row against the live registered memory first), and the GPU timing stress's CPU side (lanes started
+in a random order; its GPU sleeps skipped). The CUDA twin is in tests/gpu/test_gpu_staged_reads.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from staged_pulls import CASES, UnregisteredMemory, memmove_read, run_lanes, staged_pull
+from staged_pulls import CASES, TimingStress, UnregisteredMemory, memmove_read, run_lanes, staged_pull
 from topology_sim import check_received
 
 from pd_transfer.connector.staged_reads import LaneTotals
@@ -128,3 +129,24 @@ def test_a_read_of_a_prefill_cache_freed_under_its_rows_is_refused_before_a_byte
         run_lanes(pull.work, 2)
     assert pull.work.stop.is_set()
     assert all(torch.equal(a, b) for a, b in zip(pull.local.buffers, before, strict=True))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lanes_started_in_a_random_order_under_the_timing_stress_read_every_chunk(case: str, seed: int) -> None:
+    """The timing stress of the CUDA twin on the CPU: lanes start in its random order, its GPU sleeps are skipped,
+    and the reads are the plain ones."""
+    stress = TimingStress(seed)
+    pull = staged_pull(CASES[case], 1, stress=stress)
+    assert stress.stressed(memmove_read, pull.work.staging.device) is memmove_read  # nothing queued to perturb
+    totals = run_lanes(pull.work, 3, stress=stress)
+    check_received(pull.local, pull.local_ids, pull.tokens)
+    assert stress.sleeps == 0 and len(stress.orders) == 1 and sorted(stress.orders[0]) == [0, 1, 2]
+    assert len(totals) == 3 and sum(t.descriptors for t in totals) == sum(
+        len(rows.staging_rows) for rows in pull.chunks.sources
+    )
+
+
+def test_the_timing_stress_draws_other_lane_orders_from_other_seeds() -> None:
+    orders = {tuple(TimingStress(seed).lane_order(3)) for seed in range(12)}
+    assert len(orders) > 1 and all(sorted(order) == [0, 1, 2] for order in orders)
