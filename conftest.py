@@ -1,7 +1,8 @@
 """The test suite's kinds: every test is marked with the folder of ``tests/`` it lives in (``unit``, ``process``,
 ``vllm``, ``docker``, ``gpu``; pyproject.toml registers them), so that ``-m`` selects a kind and nobody has to remember
 the marker. A test outside those folders is a usage error. Tests marked ``gpu`` are skipped, with the reason, where
-torch sees no CUDA device.
+torch sees no CUDA device. The header says whether freed heap memory is poisoned (``MALLOC_PERTURB_``, which
+scripts/test sets: glibc reads it when the process starts, so a conftest cannot set it for the tests themselves).
 
 This file sits at the repository's root, not in ``tests/``: pytest puts a conftest's folder on ``sys.path``, and with
 ``tests/`` there ``import vllm`` would find the folder ``tests/vllm`` (a namespace package) instead of failing where
@@ -10,6 +11,7 @@ vLLM is not installed. The helpers shared by several kinds live in ``tests/suppo
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,15 @@ def _no_gpu() -> str | None:
     except ImportError as error:
         return f"needs CUDA: torch is not importable ({error})"
     return None if torch.cuda.is_available() else "needs CUDA: torch sees no GPU here"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """One header line: whether freed heap memory is poisoned, so that a read of freed memory reads bytes no test
+    expects rather than stale ones that happen to be right (issue 34)."""
+    value = os.environ.get("MALLOC_PERTURB_", "")  # noqa: TID251 - glibc's, not ours: no Settings field
+    if value.strip("0"):
+        return f"MALLOC_PERTURB_={value}: freed heap memory is poisoned"
+    return "MALLOC_PERTURB_ unset: freed heap memory is not poisoned (scripts/test sets MALLOC_PERTURB_=165)"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
