@@ -228,7 +228,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                     "settled_s": round(settled_s, 2),
                 }
             )
-            print(f"round {number + 1}: {len(failures)} failed, {seconds:.1f} s, held after: {left or 'nothing'}")
+            print(
+                f"round {number + 1}: {len(failures)} failed, {seconds:.1f} s, held after: {left or 'nothing'}",
+                flush=True,
+            )
         proxy_text = scrape_metrics(proxy.url)
     except RequestFailed as error:
         raise SystemExit(f"bench soak --kv-standins: {error}; logs in {logs}") from None

@@ -233,7 +233,11 @@ class DecodeHop:
             except ConnectionResetError:
                 raise ClientGone(response) from None
         progress.answered = True
-        await response.write_eof()
+        try:
+            await response.write_eof()
+        except ConnectionResetError:  # the client left as the stream ended
+            self.metrics.errors.labels("client", "disconnect").inc()
+            raise ClientGone(response) from None
         return response
 
 

@@ -145,9 +145,11 @@ class Upstream:
             async with asyncio.timeout_at(deadline):
                 return await asyncio.shield(head)
         except asyncio.CancelledError:
+            head.add_done_callback(_retrieve)
             connection.abandoned(_answer_of(head))
             raise
         except BaseException:
+            head.add_done_callback(_retrieve)
             answer = _answer_of(head)
             if answer is None:
                 connection.close()  # still this request's: nothing of its answer came
@@ -688,6 +690,13 @@ def _chunk_size(line: bytes) -> int:
     if not size or len(size) > 15 or not _HEX_DIGITS.issuperset(size):
         raise UpstreamError(f"a chunk size of the answer is not hexadecimal: {size[:20]!r}")
     return int(size, 16)
+
+
+def _retrieve(head: asyncio.Future[Answer]) -> None:
+    """A done callback: marks the error of a head nobody awaits any more as seen (the shield around it no longer
+    does once its caller left), so asyncio does not log it as never retrieved."""
+    if not head.cancelled():
+        head.exception()
 
 
 def _answer_of(head: asyncio.Future[Answer]) -> Answer | None:
