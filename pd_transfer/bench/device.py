@@ -2,8 +2,9 @@
 against the device's own copy of the same bytes, in the same run, under the result's ``gpu`` key.
 
 * topology: each case's pull (ours, caches on the device) against the in-process device copy of the same rows (the
-  request's blocks of every prefill cache it reads, gathered with ``index_select`` on the device):
-  ``gpu.topology.<case>.ratio_vs_device_copy``;
+  request's blocks of every prefill cache it reads, gathered with ``index_select`` on the device, a plane at a time):
+  ``gpu.topology.<case>.ratio_vs_device_copy``; and against the gather limit (:func:`gather_limit`: the same rows
+  gathered by one ``index_select`` over one flat view, what one kernel does): ``ratio_vs_gather_limit``;
 * offload: a store job (engine cache on the device -> host pool, pinned on a CUDA device) and a load job (back) of
   scattered blocks through :class:`~pd_transfer.offload.TransferWorker`, against a pinned copy of the same bytes
   (one contiguous device buffer to pinned host memory and back): ``gpu.offload.store_ratio_vs_pinned_copy``,
@@ -104,6 +105,35 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
+# ---------------------------------------------------------------------------------------------- the gather limit
+def gather_limit(device: torch.device, planes: list[torch.Tensor], block_ids: list[int], repeats: int) -> dict:
+    """What one gather kernel does with the same rows: the request's blocks of every plane in ``planes`` (each a
+    ``(blocks, ...)`` tensor on ``device``) as rows of one flat view, all planes' blocks end to end (a buffer of the
+    planes' size, filled once), gathered by one ``index_select`` into one output (one per row size when the planes'
+    block sizes differ). Returns ``gather_limit_bytes`` and ``gather_limit_gbps`` (GiB/s, median of ``repeats``)."""
+    by_row: dict[int, list[torch.Tensor]] = {}
+    for plane in planes:
+        by_row.setdefault(plane[0].numel() * plane.element_size(), []).append(plane)
+    work: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for row_bytes, group in by_row.items():
+        blocks = group[0].shape[0]
+        flat = torch.empty((len(group) * blocks, row_bytes), dtype=torch.uint8, device=device)
+        for i, plane in enumerate(group):
+            flat[i * blocks : (i + 1) * blocks].copy_(plane.reshape(blocks, -1).view(torch.uint8))
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        index = (torch.arange(len(group)).view(-1, 1) * blocks + ids.view(1, -1)).reshape(-1).to(device)
+        work.append((flat, index, torch.empty((len(index), row_bytes), dtype=torch.uint8, device=device)))
+
+    def gather() -> None:
+        for flat, index, out in work:
+            torch.index_select(flat, 0, index, out=out)
+
+    gather()  # warm-up
+    seconds = statistics.median(seconds_on(device, gather) for _ in range(repeats))
+    nbytes = sum(out.numel() for _flat, _index, out in work)
+    return {"gather_limit_bytes": nbytes, "gather_limit_gbps": round(nbytes / seconds / 2**30, 3)}
+
+
 # ---------------------------------------------------------------------------------------------- topology
 def topology_section(
     device: torch.device, cases: dict[str, tuple[list[KVCache], list[int], list[PullStats]]], repeats: int
@@ -133,6 +163,8 @@ def _against_device_copy(
     copy_seconds = statistics.median(seconds_on(device, copy_rows) for _ in range(repeats))
     ours_seconds = statistics.median(s.seconds for s in stats)
     ours, yardstick = stats[0].bytes / ours_seconds, copy_bytes / copy_seconds
+    limit = gather_limit(device, planes, remote_ids, repeats)
+    ours_gib = ours / 2**30
     return {
         "bytes": stats[0].bytes,
         "seconds": round(ours_seconds, 6),
@@ -140,6 +172,8 @@ def _against_device_copy(
         "device_copy_bytes": copy_bytes,
         "device_copy_gb_s": round(yardstick / _GB, 3),
         "ratio_vs_device_copy": round(ours / yardstick, 3),
+        **limit,
+        "ratio_vs_gather_limit": round(ours_gib / limit["gather_limit_gbps"], 3),
     }
 
 

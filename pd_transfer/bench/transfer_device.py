@@ -3,7 +3,9 @@
 Side by side in one run, for a contiguous and a scattered request: our pull (same-host IPC: CUDA IPC on a GPU; where
 it cannot be used, what the decode chose instead, named in ``transport``), raw NIXL READs of the same descriptors (the
 memory registered as VRAM), the in-process device copy of the same rows (the faster of the copies our path makes and
-per-plane gather/scatter, on local memory), and a raw IPC copy of as many bytes out of the prefill's opened memory;
+per-plane gather/scatter, on local memory), the gather limit (the same rows gathered by one ``index_select`` over one
+flat view: what one kernel does, :func:`~.device.gather_limit`), and a raw IPC copy of as many bytes out of the
+prefill's opened memory;
 then one-block latency (a one-row copy, waited for) and a whole pull of one held block. The device's name and its
 in-process copy rate are recorded beside them. ``--device cpu`` runs the same on host memory (the prefill's cache in
 shareable memory, copied through the host IPC path), cheaply enough for CI. The result goes under ``gpu``.
@@ -30,6 +32,7 @@ from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.baseline import RawNixlReader
 
+from .device import gather_limit
 from .transfer import Shape, one_block_pulls, request_ids
 
 _LEASE = "bench-device-lease"
@@ -117,6 +120,7 @@ def _case(
     gib = result.bytes / 2**30
     gbps = gib / statistics.median(ours)
     copy_gbps = gib / statistics.median(copies)
+    limit = gather_limit(device, plane_tensors(expected), remote_ids, repeats)
     measured = {
         "bytes": result.bytes,
         "rows": len(local_rows),
@@ -125,6 +129,8 @@ def _case(
         "gbps": round(gbps, 3),
         "device_copy_gbps": round(copy_gbps, 3),
         "ratio_vs_device_copy": round(gbps / copy_gbps, 3),
+        **limit,
+        "ratio_vs_gather_limit": round(gbps / limit["gather_limit_gbps"], 3),
         "raw_nixl_gbps": round(gib / raw_nixl, 3),
         "ratio_vs_raw_nixl": round(gbps / (gib / raw_nixl), 3),
         "verified": bool(verified),
@@ -176,8 +182,8 @@ def _copy_rate_gbps(device: torch.device, nbytes: int, repeats: int = 5) -> floa
 def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings: Settings = DEFAULTS) -> dict:
     """The whole benchmark on ``device`` ("cuda", "cuda:N" or "cpu"); returns the JSON-ready ``gpu`` section.
     ``settings``: the command's (both sides run with them)."""
-    settings = apply_process_defaults(settings, net_devices="lo")
     where = torch.device(device)
+    settings = apply_process_defaults(settings, net_devices="lo", vram=where.type == "cuda")
     if where.type == "cuda":
         where = torch.device("cuda", torch.cuda.current_device() if where.index is None else where.index)
         torch.cuda.set_device(where)
@@ -238,9 +244,9 @@ def summary_lines(section: dict) -> list[str]:
         r = section[case]
         raw_ipc = f"  raw IPC {r['raw_ipc_gbps']:8.2f}" if "raw_ipc_gbps" in r else ""
         lines.append(
-            f"  {case:10s} {r['gbps']:8.2f} GiB/s  device copy {r['device_copy_gbps']:8.2f}{raw_ipc}"
-            f"  raw NIXL {r['raw_nixl_gbps']:7.2f}  ratio vs device copy {r['ratio_vs_device_copy']:.3f}"
-            f"  verified {r['verified']}"
+            f"  {case:10s} {r['gbps']:8.2f} GiB/s  gather limit {r['gather_limit_gbps']:8.2f}"
+            f"  device copy {r['device_copy_gbps']:8.2f}{raw_ipc}  raw NIXL {r['raw_nixl_gbps']:7.2f}"
+            f"  ratio vs gather limit {r['ratio_vs_gather_limit']:.3f}  verified {r['verified']}"
         )
     lines.append(
         f"  one block p50 {section['one_block_p50_us']} us (copy), {section['one_block_pull_p50_us']} us (pull)"

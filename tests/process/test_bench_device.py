@@ -49,6 +49,8 @@ def test_topology_device_cpu_reports_each_case_against_the_device_copy() -> None
     for case in ("homogeneous", "tp_2_to_1", "block_16_to_64"):
         part = gpu["topology"][case]
         assert part["ratio_vs_device_copy"] > 0 and part["device_copy_bytes"] == part["bytes"] == result[case]["bytes"]
+        assert part["gather_limit_bytes"] == part["bytes"]  # the same rows, gathered by one kernel over a flat view
+        assert part["gather_limit_gbps"] > 0 and part["ratio_vs_gather_limit"] > 0
         ceiling = result["cma_ceiling"]  # CPU tensors: the same rows read by process_vm_readv, beside the pulls
         assert ceiling["verified"] is True and ceiling["bytes"] == result[case]["bytes"]
         assert ceiling[case]["gbps"] > 0 and ceiling[case]["ours_vs_ceiling"] > 0

@@ -27,3 +27,5 @@ def test_the_device_section_runs_its_yardsticks_beside_our_verified_pulls() -> N
         assert measured["verified"] is True and measured["transport"] == "host_ipc", case
         for key in ("gbps", "device_copy_gbps", "ratio_vs_device_copy", "raw_nixl_gbps", "raw_ipc_gbps"):
             assert measured[key] > 0, (case, key)
+        assert measured["gather_limit_bytes"] == measured["bytes"]  # the same rows, one index_select
+        assert measured["gather_limit_gbps"] > 0 and measured["ratio_vs_gather_limit"] > 0
