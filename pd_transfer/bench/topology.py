@@ -115,7 +115,7 @@ def run(
     ``ValueError`` for a device that is not here."""
     target = parse_device(device) if device is not None else None
     on = str(target) if target is not None else "cpu"
-    settings = apply_process_defaults(settings, net_devices="lo")
+    settings = apply_process_defaults(settings, net_devices="lo", vram=target is not None and target.type == "cuda")
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     shape: Shape = QUICK_SHAPE if quick else Shape()

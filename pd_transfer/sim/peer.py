@@ -112,7 +112,9 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
         _enter_netns(spec.netns)
     if spec.ucx_net_devices:
         set_process_environment({"UCX_NET_DEVICES": spec.ucx_net_devices})
-    settings = apply_process_defaults(spec.settings or read_settings(), net_devices="lo")  # this child's edge
+    settings = apply_process_defaults(  # this child's edge
+        spec.settings or read_settings(), net_devices="lo", vram=spec.device.startswith("cuda")
+    )
     from pd_transfer.connector.prefill import PrefillRank, serve_engine
 
     ranks = [

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pd_transfer.settings import (
+    CUDA_IPC_GET_ZCOPY_ENV,
     DEFAULTS,
     TCP_SEGMENT_ENV,
     SettingError,
@@ -178,6 +179,24 @@ def test_segment_sizes_are_left_alone_when_switched_off(monkeypatch: pytest.Monk
     in_force = apply_process_defaults(Settings(tcp_segments=False))
     assert "UCX_TCP_TX_SEG_SIZE" not in os.environ and in_force.ucx_tcp_tx_seg_size is None
     assert os.environ["UCX_LOG_LEVEL"] == "error"
+
+
+def test_cuda_ipc_gets_are_switched_on_only_for_gpu_memory_and_never_over_the_users(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (name, value) = next(iter(CUDA_IPC_GET_ZCOPY_ENV.items()))
+    assert (name, value) == ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    monkeypatch.delenv(name, raising=False)
+    host = apply_process_defaults(DEFAULTS)  # a host cache: left to UCX (nothing reads it where UCX has no CUDA)
+    assert name not in os.environ and host.ucx_cuda_ipc_enable_get_zcopy is None
+    gpu = apply_process_defaults(host, vram=True)  # the same edge, once it knows its cache is on a GPU
+    assert os.environ[name] == "y" and gpu.ucx_cuda_ipc_enable_get_zcopy == "y"
+    monkeypatch.setenv(name, "auto")  # the user's, even UCX's own default, wins
+    assert apply_process_defaults(DEFAULTS, vram=True).ucx_cuda_ipc_enable_get_zcopy == "auto"
+    assert os.environ[name] == "auto"
+    monkeypatch.setenv(name, " ")  # blank counts as unset
+    assert apply_process_defaults(DEFAULTS, vram=True).ucx_cuda_ipc_enable_get_zcopy == "y"
+    assert Settings.from_environ({name: "off"}).ucx_cuda_ipc_enable_get_zcopy == "off"
 
 
 def test_a_process_environment_is_put_back_after_the_block(monkeypatch: pytest.MonkeyPatch) -> None:

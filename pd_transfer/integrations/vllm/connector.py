@@ -157,6 +157,7 @@ class PdTransferConnector(KVConnectorBase_V1):
             )
             packed_formats = None  # vLLM's GPU backends keep K and V plain in a (token, head)'s content
             self._cuda_device = device
+            self.settings = apply_process_defaults(self.settings, vram=True)  # before WorkerSide makes the agents
         else:
             layout, cache = describe_cpu_cache(
                 kv_caches,
