@@ -8,6 +8,8 @@ member, checks its CRC-32 (zipfile) and its SHA-256 against the pinned digest, a
 (``$PD_TRANSFER_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``pd-transfer/wheel-files/``) with a
 ``source.json`` of where it came from. A cached copy is used only if its digest is still the pinned one.
 
+:func:`release_versions` lists a project's versions from the same index (the one thing read here that is not cached).
+
 Bounded: every request has a timeout, the whole fetch a deadline, and the bytes read a budget. Network failures
 raise ``OSError`` (callers skip on it); a digest that differs raises :class:`WheelFileMismatch` (callers fail).
 """
@@ -93,14 +95,27 @@ def _left(deadline: float) -> float:
     return min(left, REQUEST_TIMEOUT_S)
 
 
+def release_versions(project: str) -> list[str]:
+    """Every version of ``project`` the index lists now (PEP 700's ``versions``), never cached: it grows. Raises
+    ``OSError`` when the index cannot be reached in time."""
+    page = _project_page(project, time.monotonic() + FETCH_DEADLINE_S)
+    if "versions" not in page:
+        raise OSError(f"the index's page of {project} lists no versions (PEP 700)")
+    return [str(version) for version in page["versions"]]
+
+
+def _project_page(project: str, deadline: float) -> dict:
+    """The index's JSON simple page of ``project`` (PEP 691)."""
+    index = (os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
+    request = urllib.request.Request(f"{index}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=_left(deadline)) as response:
+        return json.loads(response.read(BYTE_BUDGET))
+
+
 def _wheel_url(file: WheelFile, deadline: float) -> str:
     """The wheel's URL from the index's JSON simple page, after checking its digest there."""
     index = (os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
-    request = urllib.request.Request(
-        f"{index}/{file.project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=_left(deadline)) as response:
-        page = json.loads(response.read(BYTE_BUDGET))
+    page = _project_page(file.project, deadline)
     for entry in page.get("files", []):
         if entry.get("filename") == file.wheel:
             digest = entry.get("hashes", {}).get("sha256")
