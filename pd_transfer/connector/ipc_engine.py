@@ -25,6 +25,7 @@ import torch
 
 from pd_transfer.handshake.messages import CudaSegment, EngineMetadata, HostSegment
 from pd_transfer.topology import PeerPlan, SourcePlan
+from pd_transfer.topology.row_copy import RowAddresses, copy_rows
 
 from .cache import KVCache
 from .ipc_choice import Transport
@@ -174,6 +175,15 @@ class ChunkCopy:
         """Every chunk of the rows that start at ``starts``, in order."""
         return (starts[:, None] + np.arange(self.chunks_per_row, dtype=np.int64)[None, :]).reshape(-1)
 
+    def addresses(self) -> RowAddresses:
+        """The copy's rows as addresses in this process (the segments' own: opened IPC memory is mapped here)."""
+        chunk_bytes = self.source.shape[1] * self.source.element_size()
+        return RowAddresses(
+            self.source.data_ptr() + self.source_chunks * chunk_bytes,
+            self.target.data_ptr() + self.target_chunks * chunk_bytes,
+            chunk_bytes * self.chunks_per_row,
+        )
+
     def run(self, source: int | torch.Tensor, target: int | torch.Tensor) -> None:
         """Queue the copy; each side is a run's first chunk (an int) or the index of every chunk (a tensor)."""
         count = self.chunks
@@ -189,9 +199,18 @@ class ChunkCopy:
             self.target.index_copy_(0, target, self.source.index_select(0, source))
 
 
-def run_copies(copies: Sequence[ChunkCopy], upload: Callable[[np.ndarray], torch.Tensor]) -> None:
-    """Queue ``copies`` on the current stream: run by run where that pays, else by chunk indices (for a side that
-    is not one run), which ``upload`` (int64 array -> tensor) puts on the copies' device at once."""
+def run_copies(
+    copies: Sequence[ChunkCopy], upload: Callable[[np.ndarray], torch.Tensor], *, one_kernel: bool = False
+) -> int:
+    """Queue ``copies`` on the current stream; returns the copy calls (kernel launches) made. ``one_kernel``: every
+    row of every copy by :func:`~pd_transfer.topology.row_copy.copy_rows`, one launch per row size (a CUDA device
+    with Triton); else with torch, run by run where that pays, else by chunk indices (for a side that is not one
+    run): a call per run where a copy's rows make few runs or long ones (:meth:`ChunkCopy.runs`), else at most two
+    per copy (pair of segments). ``upload`` (int64 array -> tensor) puts the indices or
+    addresses on the copies' device, all at once."""
+    if one_kernel:
+        return sum(copy_rows(rows, upload) for rows in rows_by_size(copies))
+    calls = 0
     wanted: list[np.ndarray] = []
     sides: list[list[int | None]] = []  # per indexed copy, (source, target): a run's first chunk, or None: indexed
     indexed: list[ChunkCopy] = []
@@ -200,6 +219,7 @@ def run_copies(copies: Sequence[ChunkCopy], upload: Callable[[np.ndarray], torch
         if runs is not None:
             for first, into, count in runs:
                 copy.target[into : into + count].copy_(copy.source[first : first + count])
+            calls += len(runs)
             continue
         starts = [copy.run_start(copy.source_chunks), copy.run_start(copy.target_chunks)]
         for start, chunks in zip(starts, (copy.source_chunks, copy.target_chunks), strict=True):
@@ -214,6 +234,18 @@ def run_copies(copies: Sequence[ChunkCopy], upload: Callable[[np.ndarray], torch
     indices = iter(uploaded)
     for copy, (source, target) in zip(indexed, sides, strict=True):
         copy.run(next(indices) if source is None else source, next(indices) if target is None else target)
+        calls += 2 if source is None and target is None else 1
+    return calls
+
+
+def rows_by_size(copies: Sequence[ChunkCopy]) -> list[RowAddresses]:
+    """Every row of ``copies`` as addresses, one list per row size (one for every plan of one cache): what the
+    kernel copies in one launch each."""
+    by_size: dict[int, list[RowAddresses]] = {}
+    for copy in copies:
+        rows = copy.addresses()
+        by_size.setdefault(rows.row_bytes, []).append(rows)
+    return [RowAddresses.concat(parts) for parts in by_size.values()]
 
 
 class IpcEngine(WatchedSources[IpcSource]):
@@ -221,13 +253,18 @@ class IpcEngine(WatchedSources[IpcSource]):
     and a watch on each source's process (``owners``). ``close`` drops every opened segment (the handles close once
     no copy holds them any more)."""
 
-    def __init__(self, transport: Transport, sources: list[IpcSource], owners: list[OwnerWatch]) -> None:
+    def __init__(
+        self, transport: Transport, sources: list[IpcSource], owners: list[OwnerWatch], plan: PeerPlan
+    ) -> None:
         super().__init__(sources, owners)
         self.transport = transport
+        self.plan = plan  # what its requests are copied by (rows into place: no fix-up, see ``open``)
 
     @classmethod
     def open(cls, transport: Transport, engine: EngineMetadata, plan: PeerPlan, cache: KVCache) -> IpcEngine:
-        """Open the segments of each rank ``plan`` reads and map its grids; ``IpcUnavailable`` if that fails."""
+        """Open the segments of each rank ``plan`` reads and map its grids; ``IpcUnavailable`` if that fails.
+        ``plan`` should land every row in place (a direct plan, no fix-up): a copy writes rows anywhere, so a
+        block-size regroup, a TP head slice or a layout change is done by the copy itself, with no second pass."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
         local = storages(cache)
         sources: list[IpcSource] = []
@@ -245,7 +282,7 @@ class IpcEngine(WatchedSources[IpcSource]):
             for owner in owners:
                 owner.close()
             raise
-        return cls(transport, sources, owners)
+        return cls(transport, sources, owners, plan)
 
 
 def storages(cache: KVCache) -> list[torch.Tensor]:

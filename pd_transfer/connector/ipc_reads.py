@@ -1,10 +1,11 @@
 """The one-node fast path: a decode rank copies a request's rows straight out of a prefill's memory opened through
 same-host IPC (:class:`~.ipc_engine.IpcEngine`, once per engine), instead of reading them with NIXL.
 
-**Per request** (:meth:`IpcReader.read`): the plan's rows (:meth:`~pd_transfer.topology.SourcePlan.indices`),
-copied one group at a time (a copy per pair of segments they touch, :func:`~.ipc_engine.run_copies`), then the plan's
-fix-up (block-size regroup, layout permute), if any, in place. On a GPU all of it is queued on the decode rank's own
-CUDA stream and an event recorded after it is waited for before anything else happens: the prefill hears
+**Per request** (:meth:`IpcReader.read`): the rows of the engine's direct plan (every row lands in place: a
+block-size regroup, a TP head slice or a layout change is done by the copy itself), copied on a GPU with Triton by one
+kernel launch for all of them (:mod:`pd_transfer.topology.row_copy`), else one group at a time (a gather and a
+scatter per pair of segments they touch, :func:`~.ipc_engine.run_copies`). On a GPU all of it is queued on the decode
+rank's own CUDA stream and an event recorded after it is waited for before anything else happens: the prefill hears
 ``ReadDone`` (the lease protocol is unchanged) and the engine is told the blocks are loaded only once the copy is
 complete. Host caches (in shareable memory) take the same path, synchronously: that is what CI runs.
 """
@@ -15,12 +16,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pd_transfer.spec import MemoryPlace
+from pd_transfer.topology import PeerPlan
+from pd_transfer.topology.row_copy import kernel_available
 from pd_transfer.transfer.errors import PeerDisconnected
 
 from .cache import KVCache
@@ -92,17 +96,19 @@ class IpcReader:
         self.planes = planes
         self._tell_read = tell_read
         self.stream = CopyStream(cache.place)
+        self.one_kernel = kernel_available(self.stream.device)  # all of a pull's rows in one launch (CUDA, Triton)
 
     def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
         """Copy ``request`` from ``remote`` (connected through IPC), fix it up, wait for it, tell the prefill ranks.
         Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
         ``IpcUnavailable``; an engine one of whose processes exited ``PeerDisconnected`` (as a NIXL read of it
         would: the decode then looks for a new incarnation at its address)."""
+        opened = self._opened(remote)
+        sources = opened.sources
         rows = [
             plan.indices(request.remote_block_ids, request.local_block_ids, request.num_tokens)
-            for plan in remote.plan.sources
+            for plan in opened.plan.sources
         ]
-        sources = self._sources(remote)
         stream = self.stream
         started = time.perf_counter()
         with stream.running():
@@ -111,9 +117,9 @@ class IpcReader:
                 for source, (mine, theirs) in zip(sources, rows, strict=True)
                 for copy in source.copies(mine, theirs)
             ]
-            run_copies(copies, stream.upload)
+            run_copies(copies, stream.upload, one_kernel=self.one_kernel)
             copied = time.perf_counter()
-            postprocess = remote.plan.postprocess
+            postprocess = opened.plan.postprocess
             if postprocess is not None:
                 postprocess.apply(self.planes, request.local_block_ids, request.num_tokens)
         done = time.perf_counter()
@@ -130,7 +136,7 @@ class IpcReader:
     def unit_copy_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
         """Seconds of ``samples`` copies of the first source's remote row 0 (one unit: a plane block when the plan
         moves whole blocks) into scratch memory, each queued and waited for: the cache is not touched."""
-        source = self._sources(remote)[0]
+        source = self._opened(remote).sources[0]
         first = int(source.remote_rows.chunk[0])
         segment = source.remote_segments[int(source.remote_rows.segment[0])]
         row = segment[first : first + source.chunks_per_row]
@@ -144,12 +150,21 @@ class IpcReader:
         return seconds
 
     @staticmethod
-    def _sources(remote: RemoteEngine) -> list[IpcSource]:
-        """``remote``'s opened sources (held by the caller: a forget meanwhile drops only the engine's list)."""
+    def _opened(remote: RemoteEngine) -> _Opened:
+        """``remote``'s opened sources and the plan they are read by (held by the caller: a forget meanwhile drops
+        only the engine's list)."""
         ipc = remote.ipc
         sources = ipc.sources if isinstance(ipc, IpcEngine) else []
         if not isinstance(ipc, IpcEngine) or not sources:
             raise IpcUnavailable(f"engine {remote.engine.engine_id} is not connected through IPC (any more)")
         if ipc.owner_exited():
             raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process whose memory is open exited")
-        return sources
+        return _Opened(sources, ipc.plan)
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """An IPC engine's opened sources and its plan, taken together."""
+
+    sources: list[IpcSource]
+    plan: PeerPlan

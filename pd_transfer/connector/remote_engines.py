@@ -329,7 +329,8 @@ class RemoteEngines:
             if choice.transport == "host_cma":
                 in_place = plan if plan.postprocess is None else self._plan(engine, None, MIN_DIRECT_ROW_BYTES)
                 return choice, CmaEngine.open(engine, in_place)
-            return choice, IpcEngine.open(choice.transport, engine, plan, self.cache)
+            direct = plan if plan.postprocess is None else self._plan(engine, None, 0)  # rows of any size in place
+            return choice, IpcEngine.open(choice.transport, engine, direct, self.cache)
         except IpcUnavailable as error:
             if self.transport == "ipc":
                 raise IpcUnavailable(f"transport ipc: engine {engine.engine_id}: {error}") from None
