@@ -332,6 +332,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def write_result(result: dict[str, Any], output: Path | None) -> str:
+    """``result`` as indented JSON, also written to ``output`` (none, or an empty path: not written)."""
+    text = json.dumps(result, indent=1)
+    if output is not None and str(output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
+    return text
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -350,10 +359,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; every server stopped", file=sys.stderr)
         return 130
-    text = json.dumps(result, indent=1)
-    if args.output is not None and str(args.output):
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+    text = write_result(result, args.output)
     if args.json:
         print(text)
     else:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from pd_transfer.bench.soak import counters, proxy_process
+from pd_transfer.bench.soak import counters, proxy_process, write_result
 from pd_transfer.cluster.http_client import RequestFailed, free_port, get_text, scrape_metrics
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 from pd_transfer.settings import child_environment
@@ -283,11 +283,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; every server stopped", file=sys.stderr)
         return 130
-    text = json.dumps(result, indent=1)
-    output = args.output if args.output is not None else Path("benchmarks/soak_kv.json")
-    if str(output):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text + "\n")
+    text = write_result(result, args.output if args.output is not None else Path("benchmarks/soak_kv.json"))
     if args.json:
         print(text)
     else:

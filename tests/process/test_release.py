@@ -15,7 +15,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -160,9 +160,6 @@ async def fake_decode(stall: bool) -> tuple[web.AppRunner, str, asyncio.Event]:
     answers them (a queue that never moves); the event is set when a request arrived."""
     arrived = asyncio.Event()
 
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
     async def never(request: web.Request) -> web.Response:
         await request.read()
         arrived.set()
@@ -171,14 +168,32 @@ async def fake_decode(stall: bool) -> tuple[web.AppRunner, str, asyncio.Event]:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
+    runner, url = await decode_backend(never)
+    return runner, url, arrived
+
+
+async def decode_backend(
+    completions: Callable[[web.Request], Awaitable[web.Response]], on_cleanup: Callable[[], object] | None = None
+) -> tuple[web.AppRunner, str]:
+    """A healthy decode backend on a free port whose completions are ``completions`` (a client leaving cancels its
+    handler); ``on_cleanup`` runs when the runner is cleaned up."""
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def cleanup(_app: web.Application) -> None:
+        if on_cleanup is not None:
+            await asyncio.to_thread(on_cleanup)
+
     app = web.Application()
     app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", never)
+    app.router.add_post("/v1/completions", completions)
+    app.on_cleanup.append(cleanup)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}", arrived
+    return runner, f"http://127.0.0.1:{port}"
 
 
 def test_a_client_leaving_while_the_decode_hop_runs_frees_the_blocks_after_the_hold_window(
@@ -311,9 +326,6 @@ async def releasing_relay(prefill: Server, decode: Server, releases_first: int) 
     statuses: list[int] = []
     releaser = Releaser(SECRET, timeout_s=2.0)
 
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
     async def relay(request: web.Request) -> web.Response:
         payload = await request.json()
         params = payload["kv_transfer_params"]
@@ -330,15 +342,8 @@ async def releasing_relay(prefill: Server, decode: Server, releases_first: int) 
                 statuses.append(answer.status)
                 return web.Response(body=raw, status=answer.status, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", relay)
-    app.on_cleanup.append(lambda _app: asyncio.to_thread(releaser.close))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}", statuses
+    runner, url = await decode_backend(relay, releaser.close)
+    return runner, url, statuses
 
 
 def test_a_decode_refused_because_the_blocks_were_released_runs_again_from_the_prefill(
