@@ -8,7 +8,7 @@ one. Jobs run one at a time, in submission order.
 
 A cache on a device (a GPU engine's) moves through a :class:`~.device_copy.BlockCopier` instead (only to and from
 the host tier, whose pool should then be pinned): :meth:`submit` and :meth:`run_now` record an event on the calling
-thread's stream of the device, the job's copies run after it on the copier's stream (a store copies what the
+thread's stream of the device, the job's copies run after it on the copier's streams (a store copies what the
 engine's kernels queued before the submit wrote), and the job is done once its copies' event completed.
 ``device_copies=True`` runs that path on CPU tensors (plain copies), as CI does.
 
@@ -109,7 +109,7 @@ class TransferWorker:
         staging_bytes: int | None = None,
     ) -> None:
         """``device_copies``: move blocks with a :class:`~.device_copy.BlockCopier` (None: when the caches are not
-        on the CPU); ``staging_bytes``: its staging buffer on the device (None: its default)."""
+        on the CPU); ``staging_bytes``: its staging buffers on the device, all together (None: its default)."""
         if max_queued_jobs <= 0:
             raise OffloadInputError(f"max_queued_jobs must be positive, got {max_queued_jobs}")
         self.tier = tier
