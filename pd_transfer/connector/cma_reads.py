@@ -51,8 +51,9 @@ class CmaReader:
         self._tell_read = tell_read
         self._pool = CmaPool(threads, name=f"{agent.name}-cma")
 
-    def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
-        """Read ``request`` from ``remote`` (read in place), fix it up if its plan says so, tell the prefill ranks.
+    def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = False) -> ReadTotals:
+        """Read ``request`` from ``remote`` (read in place), fix it up if its plan says so, tell the prefill ranks
+        (a :class:`~.reader.Reader`: the calls keep to the reader's own timeout, ``deadline`` and ``pushed`` unused).
         Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
         ``IpcUnavailable``; a prefill process that exited ``PeerDisconnected`` (the decode then looks for a new
         incarnation at its address); a failed call ``TransferError``."""
@@ -77,7 +78,7 @@ class CmaReader:
             postprocess_exposed_seconds=done - read,
         )
 
-    def unit_read_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
+    def unit_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
         """Seconds of ``samples`` reads of the first source's remote row 0 (one unit) into scratch memory: the
         cache is not touched."""
         source = self._opened(remote)[1][0]
@@ -94,9 +95,9 @@ class CmaReader:
     @staticmethod
     def _opened(remote: RemoteEngine) -> tuple[CmaEngine, list[CmaSource]]:
         """``remote``'s engine and its sources, held (a forget meanwhile drops only the engine's list)."""
-        engine = remote.ipc
-        sources = engine.sources if isinstance(engine, CmaEngine) else []
-        if not isinstance(engine, CmaEngine) or not sources:
+        engine = remote.cma
+        sources = [] if engine is None else engine.sources
+        if engine is None or not sources:
             raise IpcUnavailable(f"engine {remote.engine.engine_id} is not read in place (any more)")
         return engine, sources
 

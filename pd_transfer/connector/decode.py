@@ -48,15 +48,15 @@ from pd_transfer.transfer.tcp import push_mode
 
 from . import messages
 from .cache import KVCache
-from .cma_engine import CmaEngine
 from .cma_reads import CmaReader
 from .confirmations import LeaseConfirmations
 from .errors import LeaseNotConfirmed, WrongEngine
-from .ipc_choice import TransportSetting
+from .ipc_choice import Transport, TransportSetting
 from .ipc_reads import IpcReader
 from .params import incarnation_token
 from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
+from .reader import Reader
 from .reader_reports import ReaderReports
 from .reads import DEFAULT_STAGED_JOBS_PER_LANE, BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
@@ -166,11 +166,19 @@ class DecodeRank:
             done_message=self.reports.read_done,
             pushes=self.pushes,
             staged_jobs_per_lane=staged_jobs_per_lane,
+            scratch_reads=self.remotes.one_unit_read_latencies,
         )
-        self.ipc_reader = IpcReader(self.agent, cache, planes, tell_read=self.reports.tell_read)
-        self.cma_reader = CmaReader(
+        ipc_reader = IpcReader(self.agent, cache, planes, tell_read=self.reports.tell_read)
+        cma_reader = CmaReader(
             self.agent, planes, threads=lanes, timeout_s=read_timeout_s, tell_read=self.reports.tell_read
         )
+        #: The reader of each transport an engine may be connected with (chosen once, at its connect).
+        self.readers: dict[Transport, Reader] = {
+            "nixl": self.reader,
+            "cuda_ipc": ipc_reader,
+            "host_ipc": ipc_reader,
+            "host_cma": cma_reader,
+        }
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
         self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)
         self.reads_confirmed = 0  # pulls confirmed by every prefill rank read from
@@ -223,11 +231,7 @@ class DecodeRank:
         blocks) from the first source rank, into scratch memory: the cache is not touched. For an engine opened
         through IPC, one-row copies, each queued and waited for."""
         remote = self.remotes.connect(host, port)
-        if isinstance(remote.ipc, CmaEngine):
-            return self.cma_reader.unit_read_latencies(remote, samples)
-        if remote.ipc is not None:
-            return self.ipc_reader.unit_copy_latencies(remote, samples)
-        return self.remotes.one_unit_read_latencies(host, port, samples)
+        return self.readers[remote.transport].unit_latencies(remote, samples)
 
     def push_ready(self, host: str, port: int, timeout_s: float) -> bool:
         """Connect to ``host:port`` and wait up to ``timeout_s`` until its source ranks answered our push setup;
@@ -323,12 +327,8 @@ class DecodeRank:
         return stats, remote
 
     def _read(self, remote: RemoteEngine, request: PullRequest, deadline: float, pushed: bool) -> ReadTotals:
-        """``request``'s blocks from ``remote``: copied where it is opened through IPC, else read with NIXL."""
-        if isinstance(remote.ipc, CmaEngine):
-            return self.cma_reader.read(remote, request)
-        if remote.ipc is not None:
-            return self.ipc_reader.read(remote, request)
-        return self.reader.read(remote, request, deadline, pushed=pushed)
+        """``request``'s blocks from ``remote``, by the reader of the transport it was connected with."""
+        return self.readers[remote.transport].read(remote, request, deadline, pushed=pushed)
 
     def _after_disconnect(self, remote: RemoteEngine, request_id: str, error: PeerDisconnected) -> RemoteEngine:
         """A read from ``remote`` failed because its peer went away: handshake with its address afresh and return
@@ -503,8 +503,8 @@ class DecodeRank:
 
     def close(self) -> None:
         """Wait for running fix-ups, then close the IPC handles, the handshake client and the NIXL agent."""
-        self.reader.close()
-        self.cma_reader.close()
+        for reader in {id(r): r for r in self.readers.values()}.values():  # each once (IPC serves two transports)
+            reader.close()
         self.remotes.close()
         self.client.close()
         self.agent.close()

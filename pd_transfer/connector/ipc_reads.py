@@ -28,7 +28,7 @@ from pd_transfer.topology.row_copy import kernel_available
 from pd_transfer.transfer.errors import PeerDisconnected
 
 from .cache import KVCache
-from .ipc_engine import IpcEngine, IpcSource, run_copies
+from .ipc_engine import IpcSource, run_copies
 from .ipc_handles import IpcUnavailable
 from .pull_request import PullRequest
 from .reads import ReadTotals
@@ -98,8 +98,9 @@ class IpcReader:
         self.stream = CopyStream(cache.place)
         self.one_kernel = kernel_available(self.stream.device)  # all of a pull's rows in one launch (CUDA, Triton)
 
-    def read(self, remote: RemoteEngine, request: PullRequest) -> ReadTotals:
-        """Copy ``request`` from ``remote`` (connected through IPC), fix it up, wait for it, tell the prefill ranks.
+    def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = False) -> ReadTotals:
+        """Copy ``request`` from ``remote`` (connected through IPC), fix it up, wait for it, tell the prefill ranks
+        (a :class:`~.reader.Reader`; ``deadline`` and ``pushed`` unused: a copy is done when its event completes).
         Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
         ``IpcUnavailable``; an engine one of whose processes exited ``PeerDisconnected`` (as a NIXL read of it
         would: the decode then looks for a new incarnation at its address)."""
@@ -133,7 +134,7 @@ class IpcReader:
             postprocess_exposed_seconds=fixup,
         )
 
-    def unit_copy_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
+    def unit_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
         """Seconds of ``samples`` copies of the first source's remote row 0 (one unit: a plane block when the plan
         moves whole blocks) into scratch memory, each queued and waited for: the cache is not touched."""
         source = self._opened(remote).sources[0]
@@ -149,13 +150,16 @@ class IpcReader:
             seconds.append(time.perf_counter() - started)
         return seconds
 
+    def close(self) -> None:
+        """Nothing to release: its stream and pinned buffer go with it (a :class:`~.reader.Reader`)."""
+
     @staticmethod
     def _opened(remote: RemoteEngine) -> _Opened:
         """``remote``'s opened sources and the plan they are read by (held by the caller: a forget meanwhile drops
         only the engine's list)."""
         ipc = remote.ipc
-        sources = ipc.sources if isinstance(ipc, IpcEngine) else []
-        if not isinstance(ipc, IpcEngine) or not sources:
+        sources = [] if ipc is None else ipc.sources
+        if ipc is None or not sources:
             raise IpcUnavailable(f"engine {remote.engine.engine_id} is not connected through IPC (any more)")
         if ipc.owner_exited():
             raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process whose memory is open exited")

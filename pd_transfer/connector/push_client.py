@@ -73,7 +73,7 @@ class PushOrders:
             return
         if not push_to(remote.host, self.mode, self.agent.settings.ucx_tls):
             return
-        if remote.ipc is not None or not all(memory_of(list(rank.regions)).is_host for rank in remote.engine.ranks):
+        if remote.transport != "nixl" or not all(memory_of(list(rank.regions)).is_host for rank in remote.engine.ranks):
             return
         metadata = self.agent.metadata
         for source, plan in zip(remote.sources, remote.plan.sources, strict=True):

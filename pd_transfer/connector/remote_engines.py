@@ -86,12 +86,22 @@ class RemoteEngine:
     sources: list[SourceRank]
     staging: StagingArea | None = None  # the staging area the sources' ``staging`` lists point into
     packed: PackedStaging | None = None  # packed blocks of another block size: read whole, then regrouped
-    ipc: IpcEngine | CmaEngine | None = None  # the engine opened through same-host IPC, or read in place
+    ipc: IpcEngine | None = None  # its memory opened through same-host IPC (cuda_ipc, host_ipc)
+    cma: CmaEngine | None = None  # its processes read in place (host_cma)
 
     @property
     def transport(self) -> Transport:
-        """What its requests go by: "nixl", or same-host IPC ("cuda_ipc", "host_ipc", "host_cma")."""
+        """What its requests go by, chosen at connect: "nixl", or same-host IPC ("cuda_ipc", "host_ipc",
+        "host_cma"); the decode rank's reader for it moves them."""
+        if self.cma is not None:
+            return "host_cma"
         return "nixl" if self.ipc is None else self.ipc.transport
+
+    def close_same_host(self) -> None:
+        """Close what a same-host transport opened (IPC handles, the processes' watches)."""
+        for opened in (self.ipc, self.cma):
+            if opened is not None:
+                opened.close()
 
 
 def incarnation(engine: EngineMetadata) -> tuple[str, tuple[str, ...]]:
@@ -229,8 +239,7 @@ class RemoteEngines:
 
     def _disconnect(self, remote: RemoteEngine) -> None:
         """Close ``remote``'s IPC handles and remove its peers."""
-        if remote.ipc is not None:
-            remote.ipc.close()
+        remote.close_same_host()
         for source in remote.sources:
             self.agent.remove_peer(source.peer)
 
@@ -252,8 +261,7 @@ class RemoteEngines:
         with self._lock:
             remotes = list(self._remotes.values())
         for remote in remotes:
-            if remote.ipc is not None:
-                remote.ipc.close()
+            remote.close_same_host()
 
     def source_peers(self, host: str, port: int) -> list[str]:
         """NIXL agent names of the prefill ranks we read from at ``host:port`` ([] if not connected)."""
@@ -286,14 +294,16 @@ class RemoteEngines:
             check_compatible(self.cache.layout, rank.layout)
         packed = self._packed_staging_if_needed(engine)
         plan = self._plan(engine, packed)
-        choice, ipc = self._open_ipc(engine, plan, packed is not None)
+        choice, ipc, cma = self._open_ipc(engine, plan, packed is not None)
+        same_host = ipc is not None or cma is not None
         try:
-            sources = self._add_sources(engine, plan, via_ipc=ipc is not None)
+            sources = self._add_sources(engine, plan, via_ipc=same_host)
         except BaseException:
-            if ipc is not None:
-                ipc.close()
+            for opened in (ipc, cma):
+                if opened is not None:
+                    opened.close()
             raise
-        staging = self._staging if plan.postprocess is not None and ipc is None else None
+        staging = self._staging if plan.postprocess is not None and not same_host else None
         logger.info(
             "decode %s: connected to engine %s at %s:%d (TP %d, %d source rank(s), postprocess: %s) in %.0f ms;"
             " transport %s (%s)",
@@ -308,13 +318,14 @@ class RemoteEngines:
             choice.transport,
             choice.reason,
         )
-        return RemoteEngine(engine, host, port, plan, sources, staging=staging, packed=packed, ipc=ipc)
+        return RemoteEngine(engine, host, port, plan, sources, staging=staging, packed=packed, ipc=ipc, cma=cma)
 
     def _open_ipc(
         self, engine: EngineMetadata, plan: PeerPlan, packed: bool
-    ) -> tuple[TransportChoice, IpcEngine | CmaEngine | None]:
+    ) -> tuple[TransportChoice, IpcEngine | None, CmaEngine | None]:
         """The transport for ``engine`` and, for same-host IPC, its memory opened (or, read in place, its processes
-        probed). Raises ``IpcUnavailable`` when the setting is "ipc" and it cannot be used."""
+        probed): (choice, the engine opened through IPC, the engine read in place), at most one of them. Raises
+        ``IpcUnavailable`` when the setting is "ipc" and it cannot be used."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
         ranks = [by_rank[source.remote_rank] for source in plan.sources]
         place = self.cache.place
@@ -324,17 +335,17 @@ class RemoteEngines:
         if choice.transport == "nixl":
             if self.transport == "ipc":
                 raise IpcUnavailable(f"transport ipc: engine {engine.engine_id}: {choice.reason}")
-            return choice, None
+            return choice, None, None
         try:
             if choice.transport == "host_cma":
                 in_place = plan if plan.postprocess is None else self._plan(engine, None, MIN_DIRECT_ROW_BYTES)
-                return choice, CmaEngine.open(engine, in_place)
+                return choice, None, CmaEngine.open(engine, in_place)
             direct = plan if plan.postprocess is None else self._plan(engine, None, 0)  # rows of any size in place
-            return choice, IpcEngine.open(choice.transport, engine, direct, self.cache)
+            return choice, IpcEngine.open(choice.transport, engine, direct, self.cache), None
         except IpcUnavailable as error:
             if self.transport == "ipc":
                 raise IpcUnavailable(f"transport ipc: engine {engine.engine_id}: {error}") from None
-            return TransportChoice("nixl", f"same-host IPC failed to open: {error}"), None
+            return TransportChoice("nixl", f"same-host IPC failed to open: {error}"), None, None
 
     def _packed_staging_if_needed(self, engine: EngineMetadata) -> PackedStaging | None:
         """A packed staging area when our blocks are packed and the engine's block size differs, else None."""
@@ -422,10 +433,9 @@ class RemoteEngines:
         return self.agent.prepare_local(staging.source_rows(source, first_plane), staging.place)
 
     # ------------------------------------------------------------------ scratch reads
-    def one_unit_read_latencies(self, host: str, port: int, samples: int) -> list[float]:
-        """Post-to-done seconds of ``samples`` one-row reads (one plane block when the plan reads whole
-        blocks) from the first source rank of the engine at ``host:port``, into scratch memory."""
-        remote = self.connect(host, port)
+    def one_unit_read_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
+        """Post-to-done seconds of ``samples`` one-row NIXL reads (one plane block when the plan reads whole
+        blocks) from ``remote``'s first source rank, into scratch memory."""
         return list(self.scratch_reads(remote.sources[0].remote, remote.plan.sources[0].unit_bytes, samples))
 
     def _warm_up(self, remote_list: DescriptorList, unit_bytes: int) -> None:

@@ -86,8 +86,8 @@ def test_a_same_host_decode_reads_in_place_and_the_lease_is_confirmed(
         assert decode.reads_confirmed == 1  # ReadDone reached every rank read, which confirmed the held blocks
         assert process.wait_released(name, timeout_s=10) == [1] * len(process.spec.layouts)
         remote = decode.remotes.get(process.host, process.port)
-        assert remote is not None and isinstance(remote.ipc, CmaEngine)
-        assert (remote.ipc.plan.postprocess is None) is in_place
+        assert remote is not None and remote.cma is not None
+        assert (remote.cma.plan.postprocess is None) is in_place
         assert pull(decode, process, f"{name}-again", first=20) == ("host_cma", True)
     finally:
         decode.close()
@@ -145,13 +145,13 @@ def test_a_restarted_prefill_is_probed_afresh_and_an_exited_one_is_never_read() 
             port = old.port
             assert pull(decode, old, "cma-before") == ("host_cma", True)
             old_remote = decode.remotes.get(old.host, port)
-            assert old_remote is not None and isinstance(old_remote.ipc, CmaEngine)
-        assert old_remote.ipc.owner_exited()  # its pid may name another process now: never read again
+            assert old_remote is not None and old_remote.cma is not None
+        assert old_remote.cma.owner_exited()  # its pid may name another process now: never read again
         with PrefillProcess(spec("cma-restart", port=port, seed=8)) as new:
             assert pull(decode, new, "cma-after") == ("host_cma", True)  # the address handshaken afresh
-            assert old_remote.ipc.closed
+            assert old_remote.cma.closed
             remote = decode.remotes.get(new.host, port)
-            assert remote is not None and isinstance(remote.ipc, CmaEngine)
-            assert remote.ipc.sources[0].pid == new.pid
+            assert remote is not None and remote.cma is not None
+            assert remote.cma.sources[0].pid == new.pid
     finally:
         decode.close()
