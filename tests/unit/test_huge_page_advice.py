@@ -51,6 +51,8 @@ def test_collapse_keeps_every_byte_and_leaves_the_memory_in_huge_pages() -> None
         pytest.skip(f"this kernel has no MADV_COLLAPSE ({result.reason})")
     assert torch.equal(memory, large_pattern(words))
     assert result.eligible_bytes >= 60 * MIB
+    if result.collapsed_bytes == 0 and not _kernel_gives_huge_pages_now():
+        pytest.skip("the kernel has no free huge pages right now (fragmented memory): nothing can be collapsed")
     assert result.collapsed_bytes == result.eligible_bytes, result.reason
     assert resident_huge_page_bytes([span_of(memory)]) >= result.eligible_bytes
 
