@@ -56,6 +56,7 @@ from .ipc_reads import IpcReader
 from .params import incarnation_token
 from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
+from .push_staging import DEFAULT_LANDING_BYTES, LandingArea
 from .reader import Reader
 from .reader_reports import ReaderReports
 from .reads import DEFAULT_STAGED_JOBS_PER_LANE, BlockReader, ReadTotals
@@ -100,6 +101,8 @@ class DecodeRank:
         staged_jobs_per_lane: int = DEFAULT_STAGED_JOBS_PER_LANE,
         settings: Settings = DEFAULTS,
         transport: TransportSetting = "auto",
+        push_staging: bool | None = None,
+        push_landing_bytes: int = DEFAULT_LANDING_BYTES,
     ) -> None:
         """``staging_bytes``: each slot group of the staging area for plans that fix layouts up, the chunk a read
         lane reads and restages at a time (0: in place);
@@ -111,9 +114,11 @@ class DecodeRank:
         ``staged_jobs_per_lane``: threads per lane of a staged read (:class:`~.reads.BlockReader`).
         ``push``: "on", "off" or "auto" (default ``settings.push``; "auto": where reads would go over TCP,
         :func:`~pd_transfer.transfer.tcp.push_mode`, :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to
-        write instead (:mod:`.push_client`; host caches only). ``settings``: the agent's and its lanes', the CPUs of
-        the rank's threads. ``transport``: "auto" (same-host IPC with engines that offer it, else NIXL), "nixl",
-        "ipc" (engines that cannot be read through IPC are refused; see :mod:`.ipc_choice`)."""
+        write instead (:mod:`.push_client`). ``push_staging``: have them write into a host landing area of
+        ``push_landing_bytes``, copied into the cache after (:mod:`.push_staging`); None: where the cache is on a
+        GPU; True on a host cache too (tests); False: a GPU cache is never pushed to. ``settings``: the agent's and
+        its lanes', the CPUs of the rank's threads. ``transport``: "auto" (same-host IPC with engines that offer it,
+        else NIXL), "nixl", "ipc" (engines that cannot be read through IPC are refused; see :mod:`.ipc_choice`)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -123,14 +128,19 @@ class DecodeRank:
         self.confirmations = LeaseConfirmations(name)
         lanes = settings.read_lane_count if read_lanes is None else read_lanes
         mode = push_mode(push, settings)  # a bad mode is refused before an agent is made
-        if not cache.place.is_host:
+        landed = not cache.place.is_host if push_staging is None else push_staging
+        if not cache.place.is_host and not landed:
             mode = "off"
         self.pushes: PushOrders | None = None
         self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes, settings=settings)
         reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
         if mode != "off":
-            self.pushes = PushOrders(self.agent, engine_id, cache.layout.tp_rank, mode=mode)
+            landing = None
+            if landed:
+                landing = LandingArea(cache.tensors, landing_bytes=push_landing_bytes)
+                self.agent.register_spans([landing.span], huge_pages=False)
+            self.pushes = PushOrders(self.agent, engine_id, cache.layout.tp_rank, mode=mode, landing=landing)
         self.client = HandshakeClient(
             cache.layout.fingerprint,
             secret=secret,

@@ -91,13 +91,22 @@ class PushPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_rows: bytes
 
 
-class PushSetup(msgspec.Struct, tag="push_setup", frozen=True, forbid_unknown_fields=True):
-    """A decode rank asks to be written to: its NIXL agent's metadata *with* its memory, and the plan's rows."""
+class PushSetup(msgspec.Struct, tag="push_setup", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A decode rank asks to be written to: its NIXL agent's metadata *with* its memory, and the plan's rows.
+
+    With ``landing_rows`` (a decode whose cache is on a GPU: :mod:`.push_staging`), the prefill writes an order's rows
+    not to the plan's local rows but back to back, in the order's row order, from byte ``landing_address`` of the
+    decode's host memory (``landing_rows`` rows of the plan's ``unit_bytes`` at most; a larger order is refused with
+    ``may_read``). The two fields are left out where unset (``omit_defaults``), so a setup without them decodes in a
+    prefill that predates them; one with them does not (it is dropped there, never answered, and the decode reads).
+    """
 
     reader_engine_id: str
     reader_rank: int
     agent_metadata: bytes
     plan: PushPlan
+    landing_address: int = 0
+    landing_rows: int = 0
 
 
 class PushReady(msgspec.Struct, tag="push_ready", frozen=True, forbid_unknown_fields=True):

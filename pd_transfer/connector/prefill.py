@@ -37,6 +37,7 @@ from . import messages
 from .cache import KVCache
 from .ipc_handles import export_cache
 from .leases import Freed, LeaseLedger, Reply
+from .push_staging import DEFAULT_PUSH_CHUNK_BYTES, PushStager
 from .pushes import PushWriter
 
 logger = logging.getLogger(__name__)
@@ -76,11 +77,15 @@ class PrefillRank:
         push: str | None = None,
         settings: Settings = DEFAULTS,
         offer_ipc: bool = True,
+        push_staging: bool | None = None,
+        push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES,
     ) -> None:
-        """``push``: write for decode ranks that ask (:mod:`.pushes`; host caches only) unless the push mode is "off"
-        (``push`` if given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``settings``: the
-        agent's (and its writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host
-        decodes through IPC where it can be shared."""
+        """``push``: write for decode ranks that ask (:mod:`.pushes`) unless the push mode is "off" (``push`` if
+        given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``push_staging``: push through a
+        host staging pool of chunks of ``push_chunk_bytes`` (:mod:`.push_staging`); None: where the cache is on a
+        GPU; True on a host cache too (tests); False: a GPU cache is not pushed. ``settings``: the agent's (and its
+        writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host decodes through IPC
+        where it can be shared."""
         accepting = push_mode(push, settings) != "off"  # a bad mode is refused before an agent is made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
@@ -105,6 +110,8 @@ class PrefillRank:
             settings=settings,
         )
         self.agent.register_regions(cache.regions)
+        staged = not cache.place.is_host if push_staging is None else push_staging
+        stager = PushStager(cache.tensors, chunk_bytes=push_chunk_bytes) if staged and accepting else None
         self.pushes = PushWriter(
             self.agent,
             self.ledger,
@@ -112,7 +119,8 @@ class PrefillRank:
             merged_spans(cache.regions),
             on_written=self._take_report,
             on_freed=self._freed_by_unpin,
-            accepting=accepting and cache.place.is_host,
+            accepting=accepting and (cache.place.is_host or stager is not None),
+            staging=stager,
         )
         self.ipc = self._export(cache) if offer_ipc else None
 

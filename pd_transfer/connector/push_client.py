@@ -9,6 +9,11 @@ the blocks were held and pinned throughout (no lease confirmation needed).
 The prefill gives up writing at :data:`PREFILL_SHARE` of the time left when the order is sent, so a write never
 lands after the decode stopped waiting for it.
 
+A decode whose cache is on a GPU pushes through a :class:`~.push_staging.LandingArea` (host memory registered with its
+agent): each source rank of an engine is given a part of it in its setup and writes there, and :meth:`PushOrders.land`
+copies a pushed request's rows from it into the cache before the pull uses them. A request whose rows from a source
+exceed its part is read from that source.
+
 Thread-safe: one condition guards the answers; the agent's poller delivers them (:meth:`PushOrders.take`).
 """
 
@@ -20,7 +25,8 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from pd_transfer.spec import memory_of
+import numpy as np
+
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_to
@@ -28,6 +34,7 @@ from pd_transfer.transfer.tcp import push_to
 from . import messages
 from .pull_request import PullRequest
 from .push_plans import plan_to_wire
+from .push_staging import LandingArea
 from .remote_engines import RemoteEngine, SourceRank
 
 logger = logging.getLogger(__name__)
@@ -49,10 +56,21 @@ class PushOrders:
     in 23.5).
     """
 
-    def __init__(self, agent: TransferAgent, engine_id: str, reader_rank: int, *, mode: str = "auto") -> None:
+    def __init__(
+        self,
+        agent: TransferAgent,
+        engine_id: str,
+        reader_rank: int,
+        *,
+        mode: str = "auto",
+        landing: LandingArea | None = None,
+    ) -> None:
         """``mode``: "on" offers push to every engine, "auto" where reads would go over TCP
-        (:func:`~pd_transfer.transfer.tcp.push_to`, with the agent's ``settings.ucx_tls``)."""
+        (:func:`~pd_transfer.transfer.tcp.push_to`, with the agent's ``settings.ucx_tls``). ``landing``: the area,
+        registered with ``agent``, that prefill ranks write into (else they write into the cache's rows)."""
         self.agent = agent
+        self.landing = landing
+        self._parts: dict[str, tuple[int, int]] = {}  # prefill agent -> its landing part (address, rows)
         self.mode = mode
         self.min_bytes = agent.settings.push_min_bytes
         self.engine_id = engine_id
@@ -67,21 +85,33 @@ class PushOrders:
 
     # ------------------------------------------------------------------ setup
     def offer(self, remote: RemoteEngine) -> None:
-        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up, it is read with NIXL
-        and its cache is in host memory (best effort)."""
+        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up and it is read with
+        NIXL (best effort; a prefill whose cache is on a GPU and that cannot stage it refuses). With a landing area,
+        source ``i`` of ``n`` is given part ``i`` of ``n`` of it (a source whose rows do not fit one is read)."""
         if remote.plan.postprocess is not None or remote.packed is not None:
             return
         if not push_to(remote.host, self.mode, self.agent.settings.ucx_tls):
             return
-        if remote.transport != "nixl" or not all(memory_of(list(rank.regions)).is_host for rank in remote.engine.ranks):
+        if remote.transport != "nixl":
             return
         metadata = self.agent.metadata
-        for source, plan in zip(remote.sources, remote.plan.sources, strict=True):
+        count = len(remote.sources)
+        for index, (source, plan) in enumerate(zip(remote.sources, remote.plan.sources, strict=True)):
+            address = rows = 0
+            if self.landing is not None:
+                address, rows = self.landing.part(index, count, plan.unit_bytes)
+                if rows == 0:
+                    logger.info(
+                        "decode %s: no landing room for rows of %d bytes; reading", self.agent.name, plan.unit_bytes
+                    )
+                    continue
             setup = messages.PushSetup(
                 reader_engine_id=self.engine_id,
                 reader_rank=self.reader_rank,
                 agent_metadata=metadata,
                 plan=plan_to_wire(plan),
+                landing_address=address,
+                landing_rows=rows,
             )
             payload = messages.encode(setup)
             if len(payload) > messages.MAX_NOTIFICATION_BYTES:
@@ -89,6 +119,8 @@ class PushOrders:
                 continue
             with self._cond:
                 self._setups[source.peer] = payload
+                if self.landing is not None:
+                    self._parts[source.peer] = (address, rows)
             self._send_setup(source.peer)
 
     def _send_setup(self, peer: str) -> None:
@@ -124,6 +156,26 @@ class PushOrders:
             for peer in peers:
                 self._ready.pop(peer, None)
                 self._setups.pop(peer, None)
+                self._parts.pop(peer, None)
+
+    # ------------------------------------------------------------------ landing
+    def fits(self, peer: str, rows: int) -> bool:
+        """Whether ``rows`` rows of a request may be pushed by ``peer``: always without a landing area, else when
+        they fit its part."""
+        if self.landing is None:
+            return True
+        part = self._parts.get(peer)
+        return part is not None and rows <= part[1]
+
+    def land(self, peer: str, targets: np.ndarray, row_bytes: int, deadline: float) -> None:
+        """Copy the rows ``peer`` pushed (``len(targets)`` of ``row_bytes``) from its landing part to ``targets``
+        (int64 addresses in the cache), done on return; nothing without a landing area. ``TransferTimeout`` past
+        ``deadline`` (``time.perf_counter`` time)."""
+        if self.landing is None:
+            return
+        with self._cond:
+            address, _ = self._parts[peer]
+        self.landing.land(address, targets, row_bytes, deadline)
 
     # ------------------------------------------------------------------ answers
     def take(self, message: messages.PeerMessage) -> bool:

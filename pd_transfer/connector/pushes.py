@@ -19,6 +19,12 @@ The rank writes with an agent of its own, made on the first setup: without NIXL'
 runs one, to serve reads), which cost a 512 MiB write over loopback TCP 1.5-2 times the CPU of the writing thread
 progressing the transfer itself. Its answers name the rank's agent (``prefill_agent``).
 
+A cache on a GPU (or a host cache where ``staging`` is given, as tests do) is pushed through host memory
+(:class:`~.push_staging.PushStager`): the writing agent registers the stager's pool, not the cache, and an order's
+rows are gathered into it a chunk at a time, each chunk written as soon as it is there (the last write carries the
+``PushOutcome(ok)``), the next chunks gathered meanwhile. A reader whose setup names a landing area (its cache is on
+a GPU) is written there, the order's rows back to back, instead of into its cache's rows.
+
 Writes run one at a time on one thread (the notification thread only hands them over); at most
 ``max_queued`` orders wait, more are answered ``may_read`` at once. At most ``max_readers`` readers are kept (the
 oldest set up is dropped: its next order is answered ``may_read`` and ``setup_again``, and the reader sets up anew).
@@ -34,6 +40,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+
 from pd_transfer.affinity import unpinning
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
@@ -41,7 +49,8 @@ from pd_transfer.transfer.errors import TransferError
 
 from . import messages
 from .leases import Freed, LeaseLedger
-from .push_plans import PushPlanError, check_rows_inside, plan_from_wire
+from .push_plans import MAX_PUSH_ROWS, PushPlanError, check_rows_inside, plan_from_wire
+from .push_staging import PushStager, StagedChunk
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +65,9 @@ class _Reader:
     engine_id: str
     rank: int
     plan: SourcePlan
-    ours: DescriptorList  # the plan's remote grid: rows of our cache
-    theirs: DescriptorList  # the plan's local grid: rows of the reader's cache
+    ours: DescriptorList  # the plan's remote grid: rows of our cache (staged: the pool's rows)
+    theirs: DescriptorList  # the plan's local grid: rows of the reader's cache (or its landing area's rows)
+    landing_rows: int = 0  # > 0: ``theirs`` is the reader's landing area, written back to back, this many rows
 
     def release(self) -> None:
         self.ours.release()
@@ -67,7 +77,8 @@ class _Reader:
 class PushWriter:
     """Push for prefill rank ``tp_rank``, whose agent is ``owner``, whose cache is ``spans`` ((start, end) byte
     ranges) and whose ``ledger`` holds the requests. ``on_written(peer, done)`` is called after each write that
-    landed, with the ``ReadDone`` it stands for; ``on_freed(freed)`` for a request an unpin freed."""
+    landed, with the ``ReadDone`` it stands for; ``on_freed(freed)`` for a request an unpin freed. ``staging``:
+    push through its host pool (required for a cache on a GPU, which the writing agent then never registers)."""
 
     def __init__(
         self,
@@ -81,8 +92,10 @@ class PushWriter:
         max_readers: int = 256,
         max_queued: int = 1024,
         accepting: bool = True,
+        staging: PushStager | None = None,
     ) -> None:
         self.owner = owner
+        self.staging = staging
         self.accepting = accepting  # False: every setup is refused (push mode "off" on the prefill)
         self._writer: TransferAgent | None = None  # made on the first setup, on the writer thread
         self.ledger = ledger
@@ -137,7 +150,8 @@ class PushWriter:
         if self._writer is None:
             writer = TransferAgent(f"{self.owner.name}-push", settings=self.owner.settings)
             try:
-                writer.register_spans(self.spans, huge_pages=False)
+                spans = self.spans if self.staging is None else [self.staging.pool_span()]
+                writer.register_spans(spans, huge_pages=False)
             except Exception:
                 writer.close()
                 raise
@@ -196,13 +210,18 @@ class PushWriter:
         if plan.remote_rank != self.tp_rank:
             raise PushPlanError(f"the plan is for prefill rank {plan.remote_rank}, this is rank {self.tp_rank}")
         check_rows_inside(plan.remote_grid, self.spans, "the prefill's rows")
-        ours = writer.prepare_local(plan.remote_grid)
+        target = plan.local_grid
+        if setup.landing_rows:
+            target = landing_grid(setup.landing_address, setup.landing_rows, plan.unit_bytes)
+        ours = writer.prepare_local(
+            plan.remote_grid if self.staging is None else self.staging.pool_rows(plan.unit_bytes)
+        )
         try:
-            theirs = writer.prepare_remote(peer, plan.local_grid)
+            theirs = writer.prepare_remote(peer, target)
         except Exception:
             ours.release()
             raise
-        return _Reader(setup.reader_engine_id, setup.reader_rank, plan, ours, theirs)
+        return _Reader(setup.reader_engine_id, setup.reader_rank, plan, ours, theirs, max(0, setup.landing_rows))
 
     # ------------------------------------------------------------------ orders
     def _order(self, peer: str, order: messages.PushOrder, arrived: float) -> None:
@@ -214,6 +233,10 @@ class PushWriter:
             their_rows, our_rows = reader.plan.indices(order.remote_block_ids, order.local_block_ids, order.num_tokens)
         except ValueError as error:
             self._refuse(peer, order.request_id, f"malformed order: {error}", may_read=False)
+            return
+        if reader.landing_rows and len(their_rows) > reader.landing_rows:
+            why = f"{len(their_rows)} rows do not fit the reader's landing area of {reader.landing_rows}"
+            self._refuse(peer, order.request_id, why, may_read=True)
             return
         why = self.ledger.pin(order.request_id, order.remote_block_ids)
         if why:
@@ -227,8 +250,11 @@ class PushWriter:
                 messages.PushOutcome(prefill_agent=self.owner.name, request_id=order.request_id, ok=True)
             )
             writer = self._writer_agent()
-            writer.write(reader.ours, our_rows, reader.theirs, their_rows, notification=done, timeout_s=timeout_s)
-        except TransferError as error:
+            if self.staging is None and not reader.landing_rows:
+                writer.write(reader.ours, our_rows, reader.theirs, their_rows, notification=done, timeout_s=timeout_s)
+            else:
+                self._write_staged(peer, writer, reader, our_rows, their_rows, done, timeout_s)
+        except (TransferError, ValueError, RuntimeError) as error:  # RuntimeError: the device's, while staging
             self._unpin(order.request_id)
             self._refuse(peer, order.request_id, f"the write failed: {error}", may_read=True)
             return
@@ -241,6 +267,38 @@ class PushWriter:
             expected_readers=order.expected_readers,
         )
         self._on_written(peer, written)
+
+    def _write_staged(
+        self,
+        peer: str,
+        writer: TransferAgent,
+        reader: _Reader,
+        our_rows: np.ndarray,
+        their_rows: np.ndarray,
+        done: bytes,
+        timeout_s: float,
+    ) -> None:
+        """Write rows ``our_rows`` of our grid to rows ``their_rows`` of the reader's (to its landing area back to
+        back, if it has one) through the stager's pool, a chunk per WRITE; the last WRITE carries ``done``. Without a
+        stager (a host cache written into a landing area), one WRITE from the cache. Raises ``TransferError`` (a
+        write failed, or the deadline passed), ``ValueError`` or the device's ``RuntimeError``."""
+        deadline = time.perf_counter() + timeout_s
+        targets = np.arange(len(their_rows), dtype=np.int64) if reader.landing_rows else their_rows
+        if self.staging is None:
+            writer.write(reader.ours, our_rows, reader.theirs, targets, notification=done, timeout_s=timeout_s)
+            return
+
+        def send(chunk: StagedChunk) -> None:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TransferError(f"the order's time ran out after {chunk.start} of {len(targets)} rows")
+            notification = done if chunk.last else b""
+            theirs = targets[chunk.start : chunk.end]
+            writer.write(reader.ours, chunk.pool_rows, reader.theirs, theirs, notification=notification, timeout_s=left)
+
+        sources = reader.plan.remote_grid[np.asarray(our_rows, dtype=np.int64), 0].astype(np.int64)
+        if self.staging.push(sources, reader.plan.unit_bytes, deadline, send) == 0:  # no rows: the outcome alone
+            writer.notify(peer, done)
 
     def _unpin(self, request_id: str) -> None:
         freed = self.ledger.unpin(request_id)
@@ -279,3 +337,14 @@ class PushWriter:
         self._readers.clear()
         if self._writer is not None:
             self._writer.close()
+
+
+def landing_grid(address: int, rows: int, row_bytes: int) -> np.ndarray:
+    """Descriptor rows (N x 3 uint64) of a reader's landing area: ``rows`` rows of ``row_bytes`` back to back from
+    ``address``. Raises :class:`PushPlanError` for an area that is empty, too large or not addressable."""
+    if not 0 < rows <= MAX_PUSH_ROWS or address <= 0 or address + rows * row_bytes >= 1 << 64:
+        raise PushPlanError(f"a landing area of {rows} rows of {row_bytes} bytes at {address:#x}")
+    grid = np.zeros((rows, 3), dtype=np.uint64)
+    grid[:, 0] = np.uint64(address) + np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes)
+    grid[:, 1] = row_bytes
+    return grid

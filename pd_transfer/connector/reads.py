@@ -13,7 +13,8 @@
 
 * **pushed** (plans without a postprocess, source ranks that agreed to push: reads over TCP, see
   :mod:`.push_client`; requests of at least ``PD_TRANSFER_PUSH_MIN_BYTES``): each such rank writes the request's
-  rows straight into the cache; the others, and any that answer ``may_read``, are read in place.
+  rows straight into the cache (a cache on a GPU: into a host landing area, copied into the cache once written,
+  :mod:`.push_staging`); the others, and any that answer ``may_read``, are read in place.
 
 Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications (staged
 reads send them once every lane is done).
@@ -181,7 +182,12 @@ class BlockReader:
         if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
             return self._read_staged(remote, request.request_id, rows, deadline)
         if pushed and self.pushes is not None and remote.plan.postprocess is None:
-            ready = [source for source in remote.sources if self.pushes.ready(source.peer)]
+            pushes = self.pushes
+            ready = [
+                source
+                for source, (local_rows, _) in zip(remote.sources, rows, strict=True)
+                if pushes.ready(source.peer) and pushes.fits(source.peer, len(local_rows))
+            ]
             if ready and self._request_bytes(remote, rows) >= self.pushes.min_bytes:
                 return self._push_in_place(remote, request, rows, ready, deadline)
         return self._read_in_place(remote, request, rows, deadline)
@@ -274,9 +280,12 @@ class BlockReader:
         asked = {source.peer for source in ready}
         pushed: list[tuple[SourceRank, np.ndarray]] = []
         step: list[ReadOrder] = []
-        for source, (local_rows, remote_rows) in zip(remote.sources, rows, strict=True):
+        for source, plan, (local_rows, remote_rows) in zip(remote.sources, remote.plan.sources, rows, strict=True):
             outcome = outcomes.get(source.peer)
-            if outcome is not None and outcome.ok:
+            if outcome is not None and outcome.ok:  # written (into a landing area: copied into the cache now)
+                self.pushes.land(
+                    source.peer, plan.local_grid[local_rows, 0].astype(np.int64), plan.unit_bytes, deadline
+                )
                 pushed.append((source, local_rows))
                 continue
             if source.peer in asked and outcome is None:
