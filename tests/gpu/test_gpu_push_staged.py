@@ -1,8 +1,8 @@
 """Push of GPU caches over TCP through host staging (issue 34 item 4; marked ``gpu``, skipped without CUDA): the
 stager's gathers and the landing area's scatters on CUDA (row kernel where Triton imports, and torch) against the
 CPU's bytes, and a pull between two GPU caches over real NIXL on loopback TCP, element by element, its rate printed
-beside a plain TCP stream of the same bytes (the goal: at least 0.8 of it). The CPU tests are tests/unit/test_push_staging.py and
-tests/process/test_push_staged.py."""
+beside a plain TCP stream of the same bytes (the goal: at least 0.8 of it). The CPU tests are
+tests/unit/test_push_staging.py and tests/process/test_push_staged.py."""
 
 from __future__ import annotations
 
