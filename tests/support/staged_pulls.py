@@ -88,12 +88,17 @@ class LiveMemory:
         self._lock = threading.Lock()
         self._spans: dict[int, tuple[int, int]] = {}  # registration -> (start, end) byte addresses
         self._next = 0
+        # Registrations to drop, applied under the lock by the next register or check. A tensor's finalizer only
+        # appends here (atomic): it may run inside the garbage collector on a thread that holds the lock already
+        # (any allocation can collect), where taking the lock again would deadlock.
+        self._dropped: list[int] = []
 
     def register(self, owner: torch.Tensor) -> int:
         """Register the bytes of ``owner`` (host memory, contiguous) while it lives; returns the registration."""
         assert owner.device.type == "cpu" and owner.is_contiguous()
         start = owner.data_ptr()
         with self._lock:
+            self._apply_drops()
             self._next += 1
             key = self._next
             self._spans[key] = (start, start + owner.numel() * owner.element_size())
@@ -101,14 +106,19 @@ class LiveMemory:
         return key
 
     def deregister(self, key: int) -> None:
-        """Drop registration ``key`` (idempotent)."""
-        with self._lock:
-            self._spans.pop(key, None)
+        """Drop registration ``key`` (idempotent): from the next :meth:`check` on, its bytes are not live."""
+        self._dropped.append(key)
+
+    def _apply_drops(self) -> None:
+        """With the lock held: forget what was deregistered."""
+        while self._dropped:
+            self._spans.pop(self._dropped.pop(), None)
 
     def check(self, rows: np.ndarray, what: str) -> None:
         """Raise :class:`UnregisteredMemory` unless every descriptor row (address, length, device) of ``rows`` lies
         whole inside one live registration; ``what`` names the rows in the message."""
         with self._lock:
+            self._apply_drops()
             spans = sorted(self._spans.values())
         addresses, ends = rows[:, 0].astype(np.uint64), rows[:, 0].astype(np.uint64) + rows[:, 1].astype(np.uint64)
         starts = np.array([a for a, _ in spans], dtype=np.uint64)
