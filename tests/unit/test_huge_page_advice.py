@@ -1,7 +1,7 @@
-"""Huge pages for memory in this process, on the real kernel (no NIXL): the aligned runs of a span, the advice and
-``MADV_COLLAPSE`` keep every byte and leave the memory in huge pages, a cache tensor is in huge pages from its first
-write, ``PD_TRANSFER_HUGE_PAGES`` switches the advice and says whose memory is advised. Registered memory read by
-another process while it collapses: tests/process/test_huge_pages.py."""
+"""Huge pages for memory in this process, on the real kernel (no NIXL): the aligned runs of a span, a cache tensor is
+in huge pages from its first write, ``PD_TRANSFER_HUGE_PAGES`` switches the advice and says whose memory is advised.
+``MADV_COLLAPSE`` keeping every byte (in a fresh process), and registered memory read by another process while it
+collapses: tests/process/test_huge_pages.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import mmap
 
 import pytest
 import torch
-from agent_peer import large_pattern
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.settings import SettingError, Settings
@@ -18,7 +17,6 @@ from pd_transfer.transfer.huge_pages import (
     HUGE_PAGE_BYTES,
     advise_huge_pages,
     aligned_runs,
-    collapse_huge_pages,
     resident_huge_page_bytes,
     thp_mode,
 )
@@ -39,22 +37,6 @@ def test_aligned_runs_are_the_whole_huge_pages_inside_each_span() -> None:
     assert aligned_runs([(1, 3 * h - 1)]) == [(h, 2 * h)]
     assert aligned_runs([(h + 1, 2 * h + 5)]) == []  # no whole aligned huge page inside
     assert aligned_runs([(5 * h, 9 * h + 7), (0, 10)]) == [(5 * h, 9 * h)]
-
-
-@needs_thp
-def test_collapse_keeps_every_byte_and_leaves_the_memory_in_huge_pages() -> None:
-    words = 64 * MIB // 4
-    memory = large_pattern(words)  # written on the allocator's small pages
-    assert advise_huge_pages([span_of(memory)]) > 0
-    result = collapse_huge_pages([span_of(memory)])
-    if "EINVAL" in result.reason:
-        pytest.skip(f"this kernel has no MADV_COLLAPSE ({result.reason})")
-    assert torch.equal(memory, large_pattern(words))
-    assert result.eligible_bytes >= 60 * MIB
-    if result.collapsed_bytes == 0 and not _kernel_gives_huge_pages_now():
-        pytest.skip("the kernel has no free huge pages right now (fragmented memory): nothing can be collapsed")
-    assert result.collapsed_bytes == result.eligible_bytes, result.reason
-    assert resident_huge_page_bytes([span_of(memory)]) >= result.eligible_bytes
 
 
 def _kernel_gives_huge_pages_now() -> bool:
