@@ -316,7 +316,12 @@ class Proxy:
             # held the blocks) and the client is still here: once more from the prefill hop, with fresh KV.
             log.warning("request %s: %s; running it again from the prefill hop (once)", rid, failure)
             self.metrics.retries.labels("prefill", "decode_failed").inc()
-        params = await self._prefill_hop(endpoint, body, headers)
+            first = failure
+        try:
+            params = await self._prefill_hop(endpoint, body, headers)
+        except HopError as again:  # no fresh KV to be had (the prefill is gone, say): the decode's failure stands
+            first.args = (f"{first}; running it again from the prefill hop failed: {again}",)
+            raise first from None
         return await self._decode(request, endpoint, body, headers, params, rid, started)
 
     async def _decode(

@@ -387,6 +387,26 @@ def test_a_request_every_decode_failed_with_500_runs_once_more_from_the_prefill_
         assert status == 502 and "answered 503" in answer["error"]["message"]
         assert sum(served(c.prefills)) == 3
 
+        # the decodes fail with 500 and no prefill can answer the second hop: the decode's failure is what the
+        # client is told (its hop, its backend), with why the rerun did not help
+        for d in c.decodes:
+            d.fail_next(500)
+        before = [len(p.records) for p in c.prefills]
+        first_hop = [
+            asyncio.create_task(p.wait_for(lambda s, n=n: len(s.records) > n))
+            for p, n in zip(c.prefills, before, strict=True)
+        ]
+        call = asyncio.create_task(c.call(flow.COMPLETIONS, completion()))
+        _done, waiting = await asyncio.wait(first_hop, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        for task in waiting:
+            task.cancel()
+        for p in c.prefills:  # the first hop has its answer: every later prefill hop fails
+            p.fail_next(500)
+        status, answer, _ = await call
+        assert status == 502 and answer["error"]["hop"] == "decode", answer
+        assert "answered 500" in answer["error"]["message"]
+        assert "running it again from the prefill hop failed" in answer["error"]["message"]
+
     run(scenario)
 
 
