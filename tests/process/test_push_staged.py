@@ -5,9 +5,9 @@ chunk into its staging pool and writes each chunk into a decode rank's landing a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
+from test_push import tcp_settings  # noqa: F401, F811 - the fixture: UCX on TCP, every request pushed
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
@@ -16,7 +16,6 @@ from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
-from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,22 +23,9 @@ FINGERPRINT = ModelFingerprint(model="test-llama", dtype="bfloat16", num_layers=
 LAYOUT = KVCacheLayout(fingerprint=FINGERPRINT, tp_size=1, tp_rank=0, block_size=16)
 NUM_BLOCKS = 40
 UNIT_BYTES = 4 * 16 * 16 * 2  # one plane block: the plan's row here
-TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 
 
-@pytest.fixture(scope="module")
-def tcp_settings() -> Iterator[Settings]:
-    """UCX on TCP over loopback in this process's environment (UCX reads it when an agent is made), and settings
-    that push every request however small."""
-    if "tcp" not in ucx_transports(TCP):
-        pytest.skip("UCX has no tcp transport here")
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in TCP.items():
-            patch.setenv(key, value)
-        yield Settings(push="auto", push_min_bytes=0, ucx_tls=TCP["UCX_TLS"])
-
-
-def test_a_staged_push_into_a_landing_area_is_exact_and_counts_as_read(tcp_settings: Settings) -> None:
+def test_a_staged_push_into_a_landing_area_is_exact_and_counts_as_read(tcp_settings: Settings) -> None:  # noqa: F811
     cache = KVCache.allocate(LAYOUT, NUM_BLOCKS)
     fill_pattern(cache, 21)
     prefill = PrefillRank(
