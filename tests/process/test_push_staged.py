@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_push import tcp_settings  # noqa: F401, F811 - the fixture: UCX on TCP, every request pushed
+from test_push import tcp_settings  # noqa: F401 - the fixture: UCX on TCP, every request pushed
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import DecodeRank
