@@ -28,7 +28,7 @@ def process_settings() -> Settings:
 
 
 def prefill(port_out: mp.Queue, done: mp.Event) -> None:
-    from pd_transfer.connector.prefill import PrefillRank, serve_engine
+    from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 
     settings = process_settings()
 
@@ -51,7 +51,7 @@ def prefill(port_out: mp.Queue, done: mp.Event) -> None:
 
 
 def main() -> None:
-    from pd_transfer.connector.decode import DecodeRank
+    from pd_transfer.connector.decode.rank import DecodeRank
 
     settings = process_settings()
     context = mp.get_context("spawn")

@@ -33,7 +33,7 @@ from pd_transfer.offload import HostPool, PageFormat, TierBlocks, TransferJob, T
 from pd_transfer.topology import plane_views
 
 if TYPE_CHECKING:
-    from pd_transfer.connector.decode import PullStats
+    from pd_transfer.connector.decode.rank import PullStats
 
 _GB = 1e9
 

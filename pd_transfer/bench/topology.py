@@ -28,13 +28,13 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank, PullStats
-from pd_transfer.connector.ipc_choice import TransportSetting
-from pd_transfer.connector.reads import DEFAULT_STAGED_JOBS_PER_LANE
-from pd_transfer.connector.staging import DEFAULT_STAGING_CHUNK_BYTES
+from pd_transfer.connector.decode.rank import DecodeRank, PullStats
+from pd_transfer.connector.decode.reads import DEFAULT_STAGED_JOBS_PER_LANE
+from pd_transfer.connector.decode.staging import DEFAULT_STAGING_CHUNK_BYTES
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
+from pd_transfer.spec import TransportSetting
 
 from . import cma_ceiling
 from .device import parse_device, topology_section

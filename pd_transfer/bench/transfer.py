@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly

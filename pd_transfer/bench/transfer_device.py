@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.ipc_engine import IpcEngine, IpcSource, run_copies, storages
-from pd_transfer.connector.remote_engines import RemoteEngine
+from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.decode.remote_engines import RemoteEngine
+from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, run_copies, storages
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
@@ -58,14 +58,14 @@ def device_copy_seconds(
     source: KVCache, target: KVCache, remote_ids: list[int], local_ids: list[int], tokens: int
 ) -> float:
     """The in-process copy of the same rows on the caches' device: the fastest of the copies our path makes
-    (:func:`~pd_transfer.connector.ipc_engine.run_copies`, planned from ``source`` in this process), a
+    (:func:`~pd_transfer.same_host.ipc_engine.run_copies`, planned from ``source`` in this process), a
     gather/scatter per plane of the same blocks, and a copy per plane and run of consecutive blocks."""
     device = target.tensors[0].device
     plan = PeerPlan.build(target.layout, list(target.regions), {0: source.layout}, {0: list(source.regions)})
     (rows_plan,) = plan.sources
     local_rows, remote_rows = rows_plan.indices(remote_ids, local_ids, tokens)
-    mine = storages(source)
-    copier = IpcSource.open(mine, [s.data_ptr() for s in mine], rows_plan, storages(target))
+    mine = storages(source.tensors)
+    copier = IpcSource.open(mine, [s.data_ptr() for s in mine], rows_plan, storages(target.tensors))
     copies = copier.copies(local_rows, remote_rows)
     ours = _synchronized(device, lambda: run_copies(copies, lambda values: torch.from_numpy(values).to(device)))
     source_ids = torch.tensor(remote_ids, device=device)
@@ -113,7 +113,9 @@ def _case(
         ours.append(result.seconds)
         copies.append(device_copy_seconds(expected, scratch, remote_ids, local_ids, num_tokens))
         if isinstance(remote.ipc, IpcEngine):
-            raw_ipc.append(_raw_ipc_copy_seconds(remote.ipc.sources[0], storages(scratch)[0], result.bytes, device))
+            raw_ipc.append(
+                _raw_ipc_copy_seconds(remote.ipc.sources[0], storages(scratch.tensors)[0], result.bytes, device)
+            )
     assert result is not None
     verified = received_correctly(decode.cache, local_ids, [expected], remote_ids, num_tokens)
     raw_nixl = _raw_nixl_seconds(decode, remote, plan, local_rows, remote_rows)

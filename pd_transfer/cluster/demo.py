@@ -17,7 +17,7 @@ from pd_transfer.cluster.http_client import (
     prompt_tokens,
     scrape_metrics,
 )
-from pd_transfer.connector.ipc_choice import TRANSPORTS
+from pd_transfer.spec import TRANSPORTS
 
 __all__ = ["DemoResult", "demo_passage", "demo_requests", "run_demo"]
 

@@ -62,7 +62,8 @@ class ServerSpec:
     tp_size: int = 1
     lease_seconds: float | None = None
     failure_policy: str | None = None
-    #: the connector's transport setting: auto, nixl or ipc (:mod:`pd_transfer.connector.ipc_choice`); None: auto
+    #: the connector's transport setting: auto, nixl or ipc (:mod:`pd_transfer.connector.decode.transport_choice`);
+    #: None: auto
     transport: str | None = None
     secret_env: str | None = None
     cpu_bind: str | None = None

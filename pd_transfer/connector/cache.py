@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pd_transfer.same_host import shareable_host_buffer
 from pd_transfer.spec import KVCacheLayout, KVRegion, MemoryPlace, memory_of, region_from_tensor
 from pd_transfer.transfer.huge_pages import advise_huge_pages
-
-from .ipc_handles import shareable_host_buffer
 
 
 @dataclass

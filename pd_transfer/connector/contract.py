@@ -1,9 +1,9 @@
 """The engine contract: what an engine adapter calls on the connector, and when.
 
 An engine runs one scheduler-side object (:class:`SchedulerContract`, implemented by
-:class:`~pd_transfer.connector.scheduler.SchedulerSide`) and one worker-side object per TP rank
-(:class:`WorkerContract`, implemented by :class:`~pd_transfer.connector.worker.WorkerSide`); they may live in
-different processes and talk only through the msgspec structs of :mod:`pd_transfer.connector.metadata`.
+:class:`~.scheduler.SchedulerSide`) and one worker-side object per TP rank
+(:class:`WorkerContract`, implemented by :class:`~.worker.WorkerSide`); they may live in
+different processes and talk only through the msgspec structs of :mod:`.metadata`.
 
 **At start**, once: each worker is created on its rank's registered KV cache; the engine gathers every rank's
 ``WorkerContract.rank_metadata`` (in TP rank order) and hands them to ``SchedulerContract.start_side_channel``.
@@ -23,7 +23,7 @@ different processes and talk only through the msgspec structs of :mod:`pd_transf
    wrote the step's KV (holds started later wait for it); then ``step_output`` (or ``get_finished``, then
    ``get_failed_requests`` and ``get_block_ids_with_load_errors``, in that order, in the same step);
 7. scheduler: ``update_connector_output`` with the workers' results aggregated over all ranks (a request is
-   finished once every rank reported it: ``OutputAggregator`` in :mod:`pd_transfer.connector.worker`).
+   finished once every rank reported it: ``OutputAggregator`` in :mod:`.worker`).
 
 An engine with nothing else to do keeps stepping while ``waiting_on_transfers``. **At shutdown**: ``close`` on
 every worker and on the scheduler.
@@ -38,10 +38,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from pd_transfer.connector.prefill.rank import ReadyEvent
 from pd_transfer.handshake.messages import RankMetadata
 
 from .metadata import StepMetadata, TransferResults
-from .prefill import ReadyEvent
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerSide

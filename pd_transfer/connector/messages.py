@@ -7,8 +7,8 @@ Decode -> prefill: ``ReadDone`` (attached to the last read; carries ``reply_to``
 this prefill rank's copy), ``LeaseHeartbeat`` (still coming: extend the lease).
 Prefill -> decode: ``LeaseConfirm`` (were the blocks still held when the ``ReadDone`` arrived?).
 
-Push (the prefill writes instead of the decode reading; see :mod:`.pushes`): decode -> prefill ``PushSetup`` (once
-per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request); prefill -> decode
+Push (the prefill writes instead of the decode reading; see :mod:`.prefill.pushes`): decode -> prefill ``PushSetup``
+(once per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request); prefill -> decode
 ``PushReady`` (the setup's answer: a prefill that does not know these messages never answers, and is read from)
 and ``PushOutcome`` (a successful one rides on the WRITE, so it arrives after the data).
 """

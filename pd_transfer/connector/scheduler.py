@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from pd_transfer.connector.prefill.leases import hold_window
+from pd_transfer.connector.prefill.rank import serve_engine
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.metrics import default_metrics
 
 from .config import ConnectorConfig
 from .drain import Drain, DrainOutcome
-from .leases import hold_window
 from .metadata import RecvSpec, RemoteRef, StepMetadata
 from .params import (
     InvalidTransferParams,
@@ -43,7 +44,6 @@ from .params import (
     parse_transfer_params,
     remote_prefill_params,
 )
-from .prefill import serve_engine
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pd_transfer.affinity import unpinning
+from pd_transfer.connector.decode.rank import DecodeRank, PullStats
+from pd_transfer.connector.prefill.rank import PrefillRank, ReadyEvent
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
@@ -41,10 +43,8 @@ from pd_transfer.transfer.errors import TransferError
 
 from .cache import KVCache
 from .config import ConnectorConfig
-from .decode import DecodeRank, PullStats
 from .errors import WrongEngine, failure_kind
 from .metadata import RecvSpec, RemoteRef, StepMetadata, TransferResults
-from .prefill import PrefillRank, ReadyEvent
 
 logger = logging.getLogger(__name__)
 

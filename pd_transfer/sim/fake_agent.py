@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 #: The names the connector makes its NIXL agents by (``module.attribute``): a test replaces each with
 #: :class:`FakeAgent` (or a ``functools.partial`` of it with its own fabric).
 AGENT_CONSTRUCTORS = (
-    "pd_transfer.connector.decode.TransferAgent",
-    "pd_transfer.connector.prefill.TransferAgent",
-    "pd_transfer.connector.pushes.TransferAgent",
+    "pd_transfer.connector.decode.rank.TransferAgent",
+    "pd_transfer.connector.prefill.rank.TransferAgent",
+    "pd_transfer.connector.prefill.pushes.TransferAgent",
 )
 
 NotificationHandler = Callable[[str, bytes], None]

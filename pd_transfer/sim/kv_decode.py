@@ -16,7 +16,7 @@ from typing import Any
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.params import InvalidTransferParams, RemotePrefill, parse_transfer_params
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.block_pool import BlockPool

@@ -115,7 +115,7 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     settings = apply_process_defaults(  # this child's edge
         spec.settings or read_settings(), net_devices="lo", vram=spec.device.startswith("cuda")
     )
-    from pd_transfer.connector.prefill import PrefillRank, serve_engine
+    from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 
     ranks = [
         PrefillRank(spec.engine_id, cache, settings=settings, offer_ipc=spec.offer_ipc)

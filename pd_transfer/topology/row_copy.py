@@ -6,7 +6,7 @@ A pull's rows come as :class:`RowAddresses` (host int64 arrays, from the plan's 
 row size (one, for every plan of one cache), whatever the number of rows, planes or segments, and each row lands at
 its final place (a block-size regroup's head slices, a TP head slice, a layout change's token rows alike), so no
 restage pass follows. Where the kernel is not available (:func:`kernel_available`: CPU tensors, no Triton) the
-callers use torch's gather and scatter per pair of segments (:func:`pd_transfer.connector.ipc_engine.run_copies`).
+callers use torch's gather and scatter per pair of segments (:func:`pd_transfer.same_host.ipc_engine.run_copies`).
 :func:`copy_rows_on_host` is the kernel's element-level reference: the same addresses, copied row by row with
 ``memmove`` in host memory (tests check the addresses with it on CPU, and the kernel against torch on a GPU).
 """

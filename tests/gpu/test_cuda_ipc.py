@@ -17,12 +17,11 @@ import torch
 from engine_specs import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.ipc_choice import TransportSetting
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.handshake.messages import CudaSegment
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint, TransportSetting
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,7 +123,8 @@ def test_forgotten_and_restarted_prefills_close_their_handles(prefills: dict[str
 
 
 def test_the_offer_names_the_gpu_and_the_legacy_handles() -> None:
-    from pd_transfer.connector.ipc_handles import device_uuid, export_cache
+    from pd_transfer.same_host.common import device_uuid
+    from pd_transfer.same_host.exporting import export_cache
 
     cache = KVCache.allocate(layout(16), BLOCKS, device="cuda")
     offer, why_not = export_cache(cache.tensors, cache.regions)
@@ -138,7 +138,7 @@ def test_the_offer_names_the_gpu_and_the_legacy_handles() -> None:
 _EXPANDABLE = """
 import json, torch
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.ipc_handles import export_cache
+from pd_transfer.same_host.exporting import export_cache
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 fingerprint = ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=8, head_size=128)
 cache = KVCache.allocate(KVCacheLayout(fingerprint=fingerprint, tp_size=1, tp_rank=0, block_size=16), 64, device="cuda")

@@ -14,7 +14,7 @@ import torch
 from engine_specs import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.ipc_engine import ChunkCopy, IpcSource, rows_by_size, run_copies, storages
+from pd_transfer.same_host.ipc_engine import ChunkCopy, IpcSource, rows_by_size, run_copies, storages
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -53,8 +53,8 @@ def direct_copies(prefills: list[KVCache], decode: KVCache, remote: list[int], l
     by_rank = {c.layout.tp_rank: c for c in prefills}
     copies: list[ChunkCopy] = []
     for source in plan.sources:
-        segments = storages(by_rank[source.remote_rank])
-        opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode))
+        segments = storages(by_rank[source.remote_rank].tensors)
+        opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode.tensors))
         copies += opened.copies(*source.indices(remote, local, TOKENS))
     return copies
 
@@ -106,8 +106,8 @@ def test_16384_rows_of_32_kib_are_one_launch_and_land_right() -> None:
     local = rng.choice(320, 256, replace=False).tolist()
     plan = PeerPlan.build(shape, list(decode.regions), {0: shape}, {0: list(prefill.regions)}, min_direct_run_bytes=0)
     (source,) = plan.sources
-    segments = storages(prefill)
-    opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode))
+    segments = storages(prefill.tensors)
+    opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode.tensors))
     copies = opened.copies(*source.indices(remote, local, 256 * 16))
     (rows,) = rows_by_size(copies)
     assert (rows.rows, rows.row_bytes) == (16_384, 32_768)

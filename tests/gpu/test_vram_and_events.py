@@ -10,7 +10,7 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.ipc_reads import CopyStream
+from pd_transfer.connector.decode.ipc_reads import CopyStream
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.connector.worker import WorkerSide
 from pd_transfer.spec import KVCacheLayout, MemoryPlace, ModelFingerprint

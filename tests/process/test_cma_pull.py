@@ -17,15 +17,14 @@ from engine_specs import kv_layout as kv_layout_of
 from prometheus_client import generate_latest
 from same_host import pull
 
-from pd_transfer.connector.cma_engine import CmaEngine
-from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.ipc_choice import TransportSetting
-from pd_transfer.connector.ipc_handles import IpcUnavailable
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.handshake import HandshakeClient
 from pd_transfer.handshake.messages import CmaSegment
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.same_host.cma_engine import CmaEngine
+from pd_transfer.same_host.common import IpcUnavailable
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint, TransportSetting
 
 pytestmark = [
     pytest.mark.timeout(240),

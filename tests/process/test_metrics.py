@@ -10,7 +10,7 @@ from test_metric_counts import LAYOUT, samples
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.params import remote_prefill_params
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.sim.engines import DecodeEngine

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology import TopologyError

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.handshake.errors import AuthenticationError, HandshakeTimeout, IncompatiblePeer
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly

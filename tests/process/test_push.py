@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from pd_transfer.cluster.http_client import free_port
-from pd_transfer.connector import messages, push_client
+from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode import push_client
+from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.decode.request import PullRequest
 from pd_transfer.connector.errors import LeaseNotConfirmed
-from pd_transfer.connector.prefill import PrefillRank, serve_engine
-from pd_transfer.connector.pull_request import PullRequest
+from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.connector.push_plans import plan_to_wire
 from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, fill_pattern

@@ -10,8 +10,8 @@ import pytest
 from test_push import tcp_settings  # noqa: F401 - the fixture: UCX on TCP, every request pushed
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.prefill import PrefillRank, serve_engine
+from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly

@@ -19,7 +19,7 @@ from engine_specs import FINGERPRINT, decode_config, layouts
 from metric_samples import metric_samples
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import DuplicateBlockIds
 from pd_transfer.connector.metadata import RecvSpec, StepMetadata
 from pd_transfer.handshake.client import HandshakeClient

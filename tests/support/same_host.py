@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.ipc_choice import TransportSetting
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.sim.peer import PrefillProcess
 from pd_transfer.sim.verify import received_correctly
-from pd_transfer.spec import KVCacheLayout
+from pd_transfer.spec import KVCacheLayout, TransportSetting
 
 BLOCKS = 64
 TOKENS = 100

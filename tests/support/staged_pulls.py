@@ -1,5 +1,5 @@
-"""Test helpers: staged reads (connector/staged_reads.py) of encoded caches with reads done by ``memmove`` over the
-descriptor rows, on the CPU or with the planes and the staging area on another device, and the fix-up kernels'
+"""Test helpers: staged reads (connector/decode/staged_reads.py) of encoded caches with reads done by ``memmove`` over
+the descriptor rows, on the CPU or with the planes and the staging area on another device, and the fix-up kernels'
 specs and random blocks; reads checked against the live registered memory, and a timing stress for the GPU path.
 
 Used by tests/unit/test_staged_reads.py and tests/unit/test_device_kernels.py (CPU) and their CUDA twins in
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from topology_sim import LOCAL_SENTINEL, REMOTE_SENTINEL, RankCache, build_cache, fill_request
 
-from pd_transfer.connector.remote_engines import SourceRank
-from pd_transfer.connector.staged_reads import LaneTotals, StagedChunks, StagedLaneWork
-from pd_transfer.connector.staging import StagingArea
+from pd_transfer.connector.decode.remote_engines import SourceRank
+from pd_transfer.connector.decode.staged_reads import LaneTotals, StagedChunks, StagedLaneWork
+from pd_transfer.connector.decode.staging import StagingArea
 from pd_transfer.spec import HOST, KVCacheLayout, MemoryPlace, ModelFingerprint, planes_of
 from pd_transfer.topology import PeerPlan, Restage, StagedSource
 from pd_transfer.transfer.agent import DescriptorList, ReadStats

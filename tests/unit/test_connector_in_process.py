@@ -35,9 +35,9 @@ from test_hold_window import (  # noqa: F401 (collected here, run with this fold
 )
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
+from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
-from pd_transfer.connector.prefill import PrefillRank, serve_engine
+from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.handshake import HandshakeServer
 from pd_transfer.settings import Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines

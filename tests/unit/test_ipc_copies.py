@@ -13,9 +13,10 @@ import torch
 from engine_specs import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.ipc_engine import IpcSource, locate, run_copies, storages
-from pd_transfer.connector.ipc_handles import IpcUnavailable, OwnerWatch, pid_namespace
 from pd_transfer.handshake.messages import RankIpc
+from pd_transfer.same_host.common import IpcUnavailable, pid_namespace
+from pd_transfer.same_host.ipc_engine import IpcSource, locate, run_copies, storages
+from pd_transfer.same_host.opening import OwnerWatch
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -42,8 +43,8 @@ def copy_request(
     by_rank = {cache.layout.tp_rank: cache for cache in prefills}
     made = []
     for source in plan.sources:
-        segments = storages(by_rank[source.remote_rank])
-        opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode))
+        segments = storages(by_rank[source.remote_rank].tensors)
+        opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode.tensors))
         local_rows, remote_rows = source.indices(remote_ids, local_ids, tokens)
         copies = opened.copies(local_rows, remote_rows)
         run_copies(copies, torch.from_numpy)

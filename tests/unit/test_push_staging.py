@@ -13,8 +13,8 @@ import torch
 
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import DecodeRank
-from pd_transfer.connector.prefill import PrefillRank, serve_engine
+from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.connector.push_staging import LandingArea, PushStager, StagedChunk
 from pd_transfer.handshake import HandshakeServer
 from pd_transfer.settings import Settings

@@ -14,7 +14,7 @@ import torch
 from engine_specs import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.ipc_engine import ChunkCopy, IpcSource, rows_by_size, run_copies, storages
+from pd_transfer.same_host.ipc_engine import ChunkCopy, IpcSource, rows_by_size, run_copies, storages
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -47,8 +47,8 @@ def direct_copies(
     by_rank = {cache.layout.tp_rank: cache for cache in prefills}
     copies = []
     for source in plan.sources:
-        segments = storages(by_rank[source.remote_rank])
-        opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode))
+        segments = storages(by_rank[source.remote_rank].tensors)
+        opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode.tensors))
         local_rows, remote_rows = source.indices(remote_ids, local_ids, tokens)
         copies += opened.copies(local_rows, remote_rows)
     return copies
@@ -109,7 +109,9 @@ def test_a_16384_row_pull_is_one_launch_of_the_kernel_and_at_most_two_torch_call
     copies = direct_copies([prefill], local, remote_ids, local_ids, request * 16)
     assert sum(len(c.source_chunks) for c in copies) == 16_384
     pairs = len(copies)
-    assert pairs <= len(storages(prefill)) * len(storages(local))  # one per pair of storages the rows touch
+    assert pairs <= len(storages(prefill.tensors)) * len(
+        storages(local.tensors)
+    )  # one per pair of storages the rows touch
     kernel_rows = rows_by_size(copies)
     assert len(kernel_rows) == 1 and kernel_rows[0].rows == 16_384  # one launch moves all of them
     assert run_copies(copies, torch.from_numpy) <= 2 * pairs

@@ -7,10 +7,10 @@ import msgspec
 import pytest
 
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
-from pd_transfer.connector.ipc_choice import TransportSetting, choose_transport
+from pd_transfer.connector.decode.transport_choice import choose_transport
 from pd_transfer.handshake.messages import CmaSegment, CudaSegment, HostSegment, RankIpc, RankMetadata
 from pd_transfer.sim.handshake_server import fake_engine
-from pd_transfer.spec import HOST, MemoryPlace
+from pd_transfer.spec import HOST, MemoryPlace, TransportSetting
 
 BOOT = "5c0ffee0-0000-4000-8000-000000000001"
 GPU0 = MemoryPlace("cuda", 0)

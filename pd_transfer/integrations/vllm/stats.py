@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from pd_transfer.connector.ipc_choice import TRANSPORTS
 from pd_transfer.metrics import default_metrics
+from pd_transfer.spec import TRANSPORTS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

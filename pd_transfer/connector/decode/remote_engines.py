@@ -7,7 +7,7 @@ with a one-unit read into scratch memory, so the first request does not pay for 
 fix layouts up also get descriptor lists into the staging area; caches packed by the engine read engines of
 another block size through a packed staging area instead.
 
-Transport (:mod:`.ipc_choice`): where the prefill ranks read are on this host and offered their memory (GPU memory
+Transport (:mod:`.transport_choice`): where the prefill ranks read are on this host and offered their memory (GPU memory
 our GPU can reach, shareable host memory, or other host memory to read in place), the engine is opened through
 same-host IPC instead (:mod:`.ipc_reads`, :mod:`.cma_reads`; a GPU cache without a warm-up read), once; the connect
 log line names the transport and why. NIXL still carries the notifications.
@@ -39,25 +39,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pd_transfer.connector.cache import KVCache
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.host_identity import local_boot_id
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.metrics import TransferMetrics
-from pd_transfer.spec import KVCacheLayout, KVRegion, memory_of, planes_of
+from pd_transfer.same_host import MIN_DIRECT_ROW_BYTES, CmaEngine, IpcEngine, IpcUnavailable, gpu_reach, pid_namespace
+from pd_transfer.spec import KVCacheLayout, KVRegion, Transport, TransportSetting, memory_of, planes_of
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
 from pd_transfer.topology.mapping import TopologyError
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.topology.plan import DEFAULT_MIN_DIRECT_RUN_BYTES
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 
-from .cache import KVCache
-from .cma_engine import MIN_DIRECT_ROW_BYTES, CmaEngine
-from .ipc_choice import Transport, TransportChoice, TransportSetting, choose_transport
-from .ipc_engine import IpcEngine
-from .ipc_handles import IpcUnavailable, gpu_reach, pid_namespace
 from .packed_staging import PackedStaging
 from .staging import DEFAULT_STAGING_CHUNK_BYTES, StagingArea
+from .transport_choice import TransportChoice, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +339,7 @@ class RemoteEngines:
                 in_place = plan if plan.postprocess is None else self._plan(engine, None, MIN_DIRECT_ROW_BYTES)
                 return choice, None, CmaEngine.open(engine, in_place)
             direct = plan if plan.postprocess is None else self._plan(engine, None, 0)  # rows of any size in place
-            return choice, IpcEngine.open(choice.transport, engine, direct, self.cache), None
+            return choice, IpcEngine.open(choice.transport, engine, direct, self.cache.tensors, self.cache.place), None
         except IpcUnavailable as error:
             if self.transport == "ipc":
                 raise IpcUnavailable(f"transport ipc: engine {engine.engine_id}: {error}") from None

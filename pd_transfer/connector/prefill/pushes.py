@@ -20,10 +20,10 @@ runs one, to serve reads), which cost a 512 MiB write over loopback TCP 1.5-2 ti
 progressing the transfer itself. Its answers name the rank's agent (``prefill_agent``).
 
 A cache on a GPU (or a host cache where ``staging`` is given, as tests do) is pushed through host memory
-(:class:`~.push_staging.PushStager`): the writing agent registers the stager's pool, not the cache, and an order's
-rows are gathered into it a chunk at a time, each chunk written as soon as it is there (the last write carries the
-``PushOutcome(ok)``), the next chunks gathered meanwhile. A reader whose setup names a landing area (its cache is on
-a GPU) is written there, the order's rows back to back, instead of into its cache's rows.
+(:class:`~pd_transfer.connector.push_staging.PushStager`): the writing agent registers the stager's pool, not the cache,
+and an order's rows are gathered into it a chunk at a time, each chunk written as soon as it is there (the last write
+carries the ``PushOutcome(ok)``), the next chunks gathered meanwhile. A reader whose setup names a landing area (its
+cache is on a GPU) is written there, the order's rows back to back, instead of into its cache's rows.
 
 Writes run one at a time on one thread (the notification thread only hands them over); at most
 ``max_queued`` orders wait, more are answered ``may_read`` at once. At most ``max_readers`` readers are kept (the
@@ -43,14 +43,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pd_transfer.affinity import unpinning
+from pd_transfer.connector import messages
+from pd_transfer.connector.push_plans import MAX_PUSH_ROWS, PushPlanError, check_rows_inside, plan_from_wire
+from pd_transfer.connector.push_staging import PushStager, StagedChunk
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError
 
-from . import messages
 from .leases import Freed, LeaseLedger
-from .push_plans import MAX_PUSH_ROWS, PushPlanError, check_rows_inside, plan_from_wire
-from .push_staging import PushStager, StagedChunk
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A prefill engine's memory opened through same-host IPC (:mod:`.ipc_handles`), and the row copies out of it.
+"""A prefill engine's memory opened through same-host IPC (:mod:`.handles`), and the row copies out of it.
 
 **Opening** (:meth:`IpcEngine.open`, once per engine): each source rank's segments are opened, and every row of the
 plan's two descriptor grids is located: in which segment (the prefill's opened segments for the remote grid, our
@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from pd_transfer.handshake.messages import CudaSegment, EngineMetadata, HostSegment
+from pd_transfer.spec import MemoryPlace, Transport
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.topology.row_copy import RowAddresses, copy_rows
 
-from .cache import KVCache
-from .ipc_choice import Transport
-from .ipc_handles import IpcUnavailable, OwnerWatch, WatchedSources, open_segments
+from .common import IpcUnavailable
+from .opening import OwnerWatch, WatchedSources, open_segments
 
 _ELEMENT_TYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -261,12 +261,19 @@ class IpcEngine(WatchedSources[IpcSource]):
         self.plan = plan  # what its requests are copied by (rows into place: no fix-up, see ``open``)
 
     @classmethod
-    def open(cls, transport: Transport, engine: EngineMetadata, plan: PeerPlan, cache: KVCache) -> IpcEngine:
+    def open(
+        cls,
+        transport: Transport,
+        engine: EngineMetadata,
+        plan: PeerPlan,
+        tensors: list[torch.Tensor],
+        place: MemoryPlace,
+    ) -> IpcEngine:
         """Open the segments of each rank ``plan`` reads and map its grids; ``IpcUnavailable`` if that fails.
         ``plan`` should land every row in place (a direct plan, no fix-up): a copy writes rows anywhere, so a
         block-size regroup, a TP head slice or a layout change is done by the copy itself, with no second pass."""
         by_rank = {rank.tp_rank: rank for rank in engine.ranks}
-        local = storages(cache)
+        local = storages(tensors)
         sources: list[IpcSource] = []
         owners: list[OwnerWatch] = []
         try:
@@ -275,7 +282,7 @@ class IpcEngine(WatchedSources[IpcSource]):
                 if offer is None:
                     raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no IPC")
                 owners.append(OwnerWatch(offer))
-                opened = open_segments(offer, cache.place)
+                opened = open_segments(offer, place)
                 bases = [s.base_address for s in offer.segments if isinstance(s, CudaSegment | HostSegment)]
                 sources.append(IpcSource.open(opened, bases, source, local))
         except BaseException:
@@ -285,10 +292,10 @@ class IpcEngine(WatchedSources[IpcSource]):
         return cls(transport, sources, owners, plan)
 
 
-def storages(cache: KVCache) -> list[torch.Tensor]:
-    """The storages behind ``cache``'s tensors, each once, as uint8 tensors of their bytes."""
+def storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The storages behind ``tensors`` (a cache's), each once, as uint8 tensors of their bytes."""
     found: dict[int, torch.Tensor] = {}
-    for tensor in cache.tensors:
+    for tensor in tensors:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in found:
             whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)

@@ -1,7 +1,8 @@
-"""A prefill engine read in place with ``process_vm_readv`` (:mod:`.cma_reads` reads it): opened once per engine.
+"""A prefill engine read in place with ``process_vm_readv`` (:mod:`pd_transfer.connector.decode.cma_reads` reads it):
+opened once per engine.
 
 Each source rank offered its cache (a :class:`~pd_transfer.handshake.messages.CmaSegment`); we watch its process (a
-pidfd: we share its pid namespace) and read its probe back (:func:`~.ipc_handles.check_probe`), so its pid is known to
+pidfd: we share its pid namespace) and read its probe back (:func:`~.handles.check_probe`), so its pid is known to
 be the prefill. The plan read by is one whose rows land in place (direct) where those rows are at least
 :data:`MIN_DIRECT_ROW_BYTES`: a block-size regroup is then done by the copy itself, a remote block landing as a piece
 per head; else the engine's own plan, with its fix-up after the reads.
@@ -12,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd_transfer.handshake.messages import CmaSegment, EngineMetadata
+from pd_transfer.spec import Transport
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.cma import CmaCall, plan_calls
 
-from .ipc_choice import Transport
-from .ipc_handles import IpcUnavailable, OwnerWatch, WatchedSources, check_probe
-from .pull_request import PullRequest
+from .common import IpcUnavailable
+from .opening import OwnerWatch, WatchedSources, check_probe
 
 #: Rows of a direct plan at least this long are read in place (a block-size regroup done by the copy); shorter
 #: ones (a layout change, a head per token) cost the kernel more per byte than the engine plan's fix-up.
@@ -31,10 +32,12 @@ class CmaSource:
     pid: int
     plan: SourcePlan
 
-    def calls(self, request: PullRequest) -> tuple[list[CmaCall], int]:
-        """(the calls that read ``request`` from this source, the rows they read); ``ValueError`` for block ids
-        that do not fit the plan."""
-        local, remote = self.plan.addresses(request.remote_block_ids, request.local_block_ids, request.num_tokens)
+    def calls(
+        self, remote_block_ids: list[int], local_block_ids: list[int], num_tokens: int
+    ) -> tuple[list[CmaCall], int]:
+        """(the calls that read a request's blocks from this source, the rows they read): ``num_tokens`` tokens from
+        ``remote_block_ids`` into ``local_block_ids``; ``ValueError`` for block ids that do not fit the plan."""
+        local, remote = self.plan.addresses(remote_block_ids, local_block_ids, num_tokens)
         return plan_calls(self.pid, local, remote, self.plan.unit_bytes), len(local)
 
 

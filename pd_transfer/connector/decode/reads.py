@@ -14,11 +14,11 @@
 * **pushed** (plans without a postprocess, source ranks that agreed to push: reads over TCP, see
   :mod:`.push_client`; requests of at least ``PD_TRANSFER_PUSH_MIN_BYTES``): each such rank writes the request's
   rows straight into the cache (a cache on a GPU: into a host landing area, copied into the cache once written,
-  :mod:`.push_staging`); the others, and any that answer ``may_read``, are read in place.
+  :mod:`pd_transfer.connector.push_staging`); the others, and any that answer ``may_read``, are read in place.
 
 Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications (staged
 reads send them once every lane is done).
-Block ids are validated before anything is read (``ValueError``; a :class:`~.pull_request.PullRequest` has no
+Block ids are validated before anything is read (``ValueError``; a :class:`~.request.PullRequest` has no
 repeated remote ids); transfer failures raise ``TransferError``.
 """
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from pd_transfer.affinity import unpinning
+from pd_transfer.connector.cache import KVCache
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.topology.plan import Postprocess
 from pd_transfer.topology.postprocess import index_on
@@ -43,10 +44,9 @@ from pd_transfer.transfer.agent import DescriptorList, TransferAgent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
 from pd_transfer.transfer.lanes import LaneRead, split_rows
 
-from .cache import KVCache
-from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
 from .remote_engines import RemoteEngine, SourceRank
+from .request import PullRequest, PullStats
 from .slot_fences import after_mark, mark
 from .staged_reads import StagedChunks, StagedLaneWork
 

@@ -1,4 +1,5 @@
-"""The decode side of push (see :mod:`.pushes`): asking prefill ranks to write instead of reading from them.
+"""The decode side of push (see :mod:`pd_transfer.connector.prefill.pushes`): asking prefill ranks to write instead of
+reading from them.
 
 On connecting to an engine whose plan needs no fix-up, :meth:`PushOrders.offer` sends each source rank a
 ``PushSetup``; a rank that answers ``PushReady(ok)`` is pushed to from then on, one that refuses or never answers
@@ -9,10 +10,10 @@ the blocks were held and pinned throughout (no lease confirmation needed).
 The prefill gives up writing at :data:`PREFILL_SHARE` of the time left when the order is sent, so a write never
 lands after the decode stopped waiting for it.
 
-A decode whose cache is on a GPU pushes through a :class:`~.push_staging.LandingArea` (host memory registered with its
-agent): each source rank of an engine is given a part of it in its setup and writes there, and :meth:`PushOrders.land`
-copies a pushed request's rows from it into the cache before the pull uses them. A request whose rows from a source
-exceed its part is read from that source.
+A decode whose cache is on a GPU pushes through a :class:`~pd_transfer.connector.push_staging.LandingArea` (host memory
+registered with its agent): each source rank of an engine is given a part of it in its setup and writes there, and
+:meth:`PushOrders.land` copies a pushed request's rows from it into the cache before the pull uses them. A request whose
+rows from a source exceed its part is read from that source.
 
 Thread-safe: one condition guards the answers; the agent's poller delivers them (:meth:`PushOrders.take`).
 """
@@ -27,15 +28,15 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from pd_transfer.connector import messages
+from pd_transfer.connector.push_plans import plan_to_wire
+from pd_transfer.connector.push_staging import LandingArea
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_to
 
-from . import messages
-from .pull_request import PullRequest
-from .push_plans import plan_to_wire
-from .push_staging import LandingArea
 from .remote_engines import RemoteEngine, SourceRank
+from .request import PullRequest
 
 logger = logging.getLogger(__name__)
 

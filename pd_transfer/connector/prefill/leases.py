@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .messages import LeaseConfirm, ReadDone, ReaderReport, ReadFailed, ReleaseUnread
+from pd_transfer.connector.messages import LeaseConfirm, ReadDone, ReaderReport, ReadFailed, ReleaseUnread
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from pd_transfer.connector.cache import KVCache
 from pd_transfer.spec import KVCacheLayout
 from pd_transfer.topology.packed import PackedBlockFormat, PackedRegroup
 from pd_transfer.transfer.agent import TransferAgent
-
-from .cache import KVCache
 
 
 class PackedStaging:

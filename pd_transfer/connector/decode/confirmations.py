@@ -1,9 +1,9 @@
 """The lease confirmations a decode rank waits for after its reads: read, then confirm (only for reads that
-cannot rely on the prefill's hold window, see :meth:`.decode.DecodeRank.pull_confirmed`).
+cannot rely on the prefill's hold window, see :meth:`.rank.DecodeRank.pull_confirmed`).
 
 While a request is awaited (``awaiting``), its ``ReadDone`` notifications carry ``reply_to`` and each
 prefill rank read from answers with a ``LeaseConfirm``: ok only if the request's blocks were still held when
-the ``ReadDone`` arrived (see :mod:`pd_transfer.connector.leases`). ``wait`` returns once every rank
+the ``ReadDone`` arrived (see :mod:`pd_transfer.connector.prefill.leases`). ``wait`` returns once every rank
 confirmed, one refused, or the time ran out. Notifications that do not decode, that are not a
 ``LeaseConfirm``, or that answer a request no longer awaited are dropped and counted.
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from . import messages
+from pd_transfer.connector import messages
 
 logger = logging.getLogger(__name__)
 

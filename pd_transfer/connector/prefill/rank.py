@@ -1,8 +1,8 @@
 """The sending side: one prefill TP rank whose blocks decode ranks read, and the server that
 publishes an engine's ranks on the side channel.
 
-A rank offers its cache for same-host IPC where it can (``offer_ipc``; :mod:`.ipc_handles`: a GPU cache in
-memory a legacy CUDA IPC handle can share, or a host cache allocated shareable): the handles are made once, here,
+A rank offers its cache for same-host IPC where it can (``offer_ipc``; :mod:`pd_transfer.same_host.handles`: a GPU cache
+in memory a legacy CUDA IPC handle can share, or a host cache allocated shareable): the handles are made once, here,
 and the side channel sends them only to decode processes that proved they run on this host. The rank keeps its
 cache registered until ``close``; the cache itself is the engine's and outlives the rank, so closing a rank whose
 memory decodes still have open is safe.
@@ -23,21 +23,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from pd_transfer.affinity import unpinning
+from pd_transfer.connector import messages
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.push_staging import DEFAULT_PUSH_CHUNK_BYTES, PushStager
 from pd_transfer.handshake.messages import EngineMetadata, RankIpc, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.same_host import export_cache
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
 from pd_transfer.transfer.tcp import push_mode
 
-from . import messages
-from .cache import KVCache
-from .ipc_handles import export_cache
 from .leases import Freed, LeaseLedger, Reply
-from .push_staging import DEFAULT_PUSH_CHUNK_BYTES, PushStager
 from .pushes import PushWriter
 
 logger = logging.getLogger(__name__)
@@ -82,10 +82,10 @@ class PrefillRank:
     ) -> None:
         """``push``: write for decode ranks that ask (:mod:`.pushes`) unless the push mode is "off" (``push`` if
         given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``push_staging``: push through a
-        host staging pool of chunks of ``push_chunk_bytes`` (:mod:`.push_staging`); None: where the cache is on a
-        GPU; True on a host cache too (tests); False: a GPU cache is not pushed. ``settings``: the agent's (and its
-        writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host decodes through IPC
-        where it can be shared."""
+        host staging pool of chunks of ``push_chunk_bytes`` (:mod:`pd_transfer.connector.push_staging`); None: where the
+        cache is on a GPU; True on a host cache too (tests); False: a GPU cache is not pushed. ``settings``: the agent's
+        (and its writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host decodes through
+        IPC where it can be shared."""
         accepting = push_mode(push, settings) != "off"  # a bad mode is refused before an agent is made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()

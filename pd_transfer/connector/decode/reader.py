@@ -2,8 +2,8 @@
 whatever moves them (NIXL reads or pushes, CUDA IPC copies, reads in place), chosen once per engine at connect.
 
 A :class:`~.remote_engines.RemoteEngine` names its ``transport`` when it is connected (``nixl``, ``cuda_ipc``,
-``host_ipc``, ``host_cma``: :mod:`.ipc_choice`); the decode rank holds one :class:`Reader` per transport, made once,
-and hands every request of that engine to it. Nothing after the connect asks what kind of reader or engine it has.
+``host_ipc``, ``host_cma``: :mod:`.transport_choice`); the decode rank holds one :class:`Reader` per transport, made
+once, and hands every request of that engine to it. Nothing after the connect asks what kind of reader or engine it has.
 Adding a transport: docs/architecture.md, "Adding a transport".
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .pull_request import PullRequest
     from .reads import ReadTotals
     from .remote_engines import RemoteEngine
+    from .request import PullRequest
 
 
 class Reader(Protocol):

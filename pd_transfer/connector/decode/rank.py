@@ -8,7 +8,7 @@ A :class:`DecodeRank` composes one NIXL agent (its cache registered) with:
 * :class:`~.reads.BlockReader`: per request, the plan's rows read in place, staged or packed, one READ per
   prefill rank read from per step, the last carrying a ``ReadDone`` notification; for an engine opened through
   IPC, :class:`~.ipc_reads.IpcReader`: the rows copied on the rank's own stream, waited for, then ``ReadDone``;
-* :class:`~.reader_reports.ReaderReports` and :class:`~.confirmations.LeaseConfirmations`: what it tells the
+* :class:`~.reports.ReaderReports` and :class:`~.confirmations.LeaseConfirmations`: what it tells the
   prefill ranks (``ReadDone``, ``ReadFailed``, heartbeats, ``ReleaseUnread``) and the ``LeaseConfirm``
   answers it waits for.
 
@@ -36,31 +36,31 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import NoReturn
 
+from pd_transfer.connector import messages
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.errors import LeaseNotConfirmed, WrongEngine
+from pd_transfer.connector.params import incarnation_token
+from pd_transfer.connector.push_staging import DEFAULT_LANDING_BYTES, LandingArea
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.spec import Transport, TransportSetting
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_mode
 
-from . import messages
-from .cache import KVCache
 from .cma_reads import CmaReader
 from .confirmations import LeaseConfirmations
-from .errors import LeaseNotConfirmed, WrongEngine
-from .ipc_choice import Transport, TransportSetting
 from .ipc_reads import IpcReader
-from .params import incarnation_token
-from .pull_request import PullRequest, PullStats
 from .push_client import PushOrders
-from .push_staging import DEFAULT_LANDING_BYTES, LandingArea
 from .reader import Reader
-from .reader_reports import ReaderReports
 from .reads import DEFAULT_STAGED_JOBS_PER_LANE, BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
+from .reports import ReaderReports
+from .request import PullRequest, PullStats
 from .staging import DEFAULT_STAGING_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
@@ -115,10 +115,11 @@ class DecodeRank:
         ``push``: "on", "off" or "auto" (default ``settings.push``; "auto": where reads would go over TCP,
         :func:`~pd_transfer.transfer.tcp.push_mode`, :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to
         write instead (:mod:`.push_client`). ``push_staging``: have them write into a host landing area of
-        ``push_landing_bytes``, copied into the cache after (:mod:`.push_staging`); None: where the cache is on a
-        GPU; True on a host cache too (tests); False: a GPU cache is never pushed to. ``settings``: the agent's and
-        its lanes', the CPUs of the rank's threads. ``transport``: "auto" (same-host IPC with engines that offer it,
-        else NIXL), "nixl", "ipc" (engines that cannot be read through IPC are refused; see :mod:`.ipc_choice`)."""
+        ``push_landing_bytes``, copied into the cache after (:mod:`pd_transfer.connector.push_staging`); None: where the
+        cache is on a GPU; True on a host cache too (tests); False: a GPU cache is never pushed to. ``settings``: the
+        agent's and its lanes', the CPUs of the rank's threads. ``transport``: "auto" (same-host IPC with engines that
+        offer it, else NIXL), "nixl", "ipc" (engines that cannot be read through IPC are refused; see
+        :mod:`.transport_choice`)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -403,8 +404,8 @@ class DecodeRank:
     ) -> PullStats:
         """:meth:`pull`, then make sure the read saw the request's live blocks: either it ended before
         ``trust_until`` (``time.monotonic``; the hold window the prefill promised, see
-        :meth:`.params.RemotePrefill.trust_deadline`) and was made from the incarnation ``incarnation`` that
-        promised it, or (without a usable window) every prefill rank read from confirms, within
+        :meth:`pd_transfer.connector.params.RemotePrefill.trust_deadline`) and was made from the incarnation
+        ``incarnation`` that promised it, or (without a usable window) every prefill rank read from confirms, within
         ``confirm_timeout_s``, that the blocks were still held when our ``ReadDone`` reached it.
 
         Returns only once the KV is known good. Raises ``LeaseNotConfirmed`` if a rank refuses or stays

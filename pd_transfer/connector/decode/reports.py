@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+from pd_transfer.connector import messages
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import TransferError
 
-from . import messages
 from .remote_engines import SourceRank
 
 logger = logging.getLogger(__name__)

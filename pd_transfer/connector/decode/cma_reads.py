@@ -2,10 +2,11 @@
 memory with ``process_vm_readv`` (:mod:`pd_transfer.transfer.cma`), many rows a call, on several threads, instead of
 NIXL (whose CMA transport makes one call per row, and whose block-size regroups are staged and fixed up after).
 
-**Per request** (:meth:`CmaReader.read`), from an engine opened once (:class:`~.cma_engine.CmaEngine`): the plan's
-rows as addresses, cut into calls (rows adjacent on a side merged), run on the reader's threads; a process that
-exited before or during the read raises ``PeerDisconnected`` (its memory may then be another process's); the fix-up,
-if any; then each source rank hears ``ReadDone`` (the lease protocol is unchanged).
+**Per request** (:meth:`CmaReader.read`), from an engine opened once
+(:class:`~pd_transfer.same_host.cma_engine.CmaEngine`): the plan's rows as addresses, cut into calls (rows adjacent on a
+side merged), run on the reader's threads; a process that exited before or during the read raises ``PeerDisconnected``
+(its memory may then be another process's); the fix-up, if any; then each source rank hears ``ReadDone`` (the lease
+protocol is unchanged).
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pd_transfer.same_host import CmaEngine, CmaSource, IpcUnavailable
 from pd_transfer.transfer.cma import CmaPool, plan_calls
 from pd_transfer.transfer.errors import PeerDisconnected
 
-from .cma_engine import CmaEngine, CmaSource
-from .ipc_handles import IpcUnavailable
-from .pull_request import PullRequest
 from .reads import ReadTotals
+from .request import PullRequest
 
 if TYPE_CHECKING:
     from pd_transfer.transfer.agent import TransferAgent
@@ -58,7 +58,9 @@ class CmaReader:
         ``IpcUnavailable``; a prefill process that exited ``PeerDisconnected`` (the decode then looks for a new
         incarnation at its address); a failed call ``TransferError``."""
         engine, sources = self._opened(remote)
-        planned = [source.calls(request) for source in sources]
+        planned = [
+            source.calls(request.remote_block_ids, request.local_block_ids, request.num_tokens) for source in sources
+        ]
         calls = [call for source_calls, _ in planned for call in source_calls]
         started = time.perf_counter()
         self._check_running(remote, engine)

@@ -14,16 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from pd_transfer.handshake.messages import CmaSegment, CudaSegment, HostSegment, RankMetadata
-from pd_transfer.spec import MemoryPlace, memory_of
+from pd_transfer.spec import MemoryPlace, Transport, TransportSetting, memory_of
 
-#: The setting (``ConnectorConfig.transport``).
-TransportSetting = Literal["auto", "nixl", "ipc"]
-#: What a pull went by (the ``transport`` label of the pull metrics).
-Transport = Literal["nixl", "cuda_ipc", "host_ipc", "host_cma"]
-TRANSPORTS: tuple[Transport, ...] = ("nixl", "cuda_ipc", "host_ipc", "host_cma")
 #: (our GPU index, the prefill GPU's UUID) -> "" when ours can read it, else why not.
 GpuReach = Callable[[int, str], str]
 

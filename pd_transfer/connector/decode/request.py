@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import DuplicateBlockIds
-from .ipc_choice import Transport
-from .params import first_repeat
+from pd_transfer.connector.errors import DuplicateBlockIds
+from pd_transfer.connector.params import first_repeat
+from pd_transfer.spec import Transport
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,14 @@
 """The one-node fast path: a decode rank copies a request's rows straight out of a prefill's memory opened through
-same-host IPC (:class:`~.ipc_engine.IpcEngine`, once per engine), instead of reading them with NIXL.
+same-host IPC (:class:`~pd_transfer.same_host.ipc_engine.IpcEngine`, once per engine), instead of reading them with
+NIXL.
 
 **Per request** (:meth:`IpcReader.read`): the rows of the engine's direct plan (every row lands in place: a
 block-size regroup, a TP head slice or a layout change is done by the copy itself), copied on a GPU with Triton by one
 kernel launch for all of them (:mod:`pd_transfer.topology.row_copy`), else one group at a time (a gather and a
-scatter per pair of segments they touch, :func:`~.ipc_engine.run_copies`). On a GPU all of it is queued on the decode
-rank's own CUDA stream and an event recorded after it is waited for before anything else happens: the prefill hears
-``ReadDone`` (the lease protocol is unchanged) and the engine is told the blocks are loaded only once the copy is
-complete. Host caches (in shareable memory) take the same path, synchronously: that is what CI runs.
+scatter per pair of segments they touch, :func:`~pd_transfer.same_host.ipc_engine.run_copies`). On a GPU all of it is
+queued on the decode rank's own CUDA stream and an event recorded after it is waited for before anything else happens:
+the prefill hears ``ReadDone`` (the lease protocol is unchanged) and the engine is told the blocks are loaded only once
+the copy is complete. Host caches (in shareable memory) take the same path, synchronously: that is what CI runs.
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pd_transfer.connector.cache import KVCache
+from pd_transfer.same_host import IpcSource, IpcUnavailable, run_copies
 from pd_transfer.spec import MemoryPlace
 from pd_transfer.topology import PeerPlan
 from pd_transfer.topology.row_copy import kernel_available
 from pd_transfer.transfer.errors import PeerDisconnected
 
-from .cache import KVCache
-from .ipc_engine import IpcSource, run_copies
-from .ipc_handles import IpcUnavailable
-from .pull_request import PullRequest
 from .reads import ReadTotals
+from .request import PullRequest
 
 if TYPE_CHECKING:
     from pd_transfer.transfer.agent import TransferAgent
