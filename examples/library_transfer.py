@@ -15,6 +15,8 @@ import multiprocessing as mp
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.settings import Settings, apply_process_defaults, read_settings
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
@@ -39,8 +41,8 @@ def prefill(port_out: mp.Queue, done: mp.Event) -> None:
     rank = PrefillRank(
         "prefill-0",
         cache,
+        PrefillOptions(settings=settings),
         on_release=lambda request, readers: print(f"prefill: {request} released"),
-        settings=settings,
     )
     server = serve_engine("prefill-0", [rank.rank_metadata], host="127.0.0.1", port=0, secret=SECRET)
     rank.hold("request-1", [9, 4, 7, 30])  # held for readers until they report or the lease runs out
@@ -62,7 +64,9 @@ def main() -> None:
 
     # the decode side holds its heads at a larger block size: 16-token blocks arrive regrouped into 64-token blocks
     layout = KVCacheLayout(fingerprint=MODEL, tp_size=1, tp_rank=0, block_size=64)
-    decode = DecodeRank("decode-0", KVCache.allocate(layout, num_blocks=16), secret=SECRET, settings=settings)
+    decode = DecodeRank(
+        "decode-0", KVCache.allocate(layout, num_blocks=16), DecodeOptions(secret=SECRET, settings=settings)
+    )
     stats = decode.pull(
         "request-1", "127.0.0.1", port, remote_block_ids=[9, 4, 7, 30], local_block_ids=[2], num_tokens=60
     )

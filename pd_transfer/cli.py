@@ -21,6 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     settings = apply_process_defaults(read_settings(), net_devices="lo")  # the command's edge: read once
     from pd_transfer.bench.transfer import Shape
     from pd_transfer.connector.cache import KVCache
+    from pd_transfer.connector.decode.options import DecodeOptions
     from pd_transfer.connector.decode.rank import DecodeRank
     from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
     from pd_transfer.sim.verify import received_correctly
@@ -41,7 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
             f" ({time.perf_counter() - started:.1f} s)"
         )
         cache = KVCache.allocate(layout, shape.cache_blocks, huge_pages=settings.own_huge_pages)
-        decode = DecodeRank("demo-decode", cache, secret=args.secret, settings=settings)
+        decode = DecodeRank("demo-decode", cache, DecodeOptions(secret=args.secret, settings=settings))
         try:
             started = time.perf_counter()
             engine = decode.connect(prefill.host, prefill.port)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank, PullStats
 from pd_transfer.connector.decode.reads import DEFAULT_STAGED_JOBS_PER_LANE
 from pd_transfer.connector.decode.staging import DEFAULT_STAGING_CHUNK_BYTES
@@ -147,8 +148,8 @@ def run(
         big_cache = KVCache.allocate(
             shape.layout_for(block_size=big_block), big_cache_blocks, device=on, huge_pages=own
         )
-        small = DecodeRank("bench-decode-b16", small_cache, settings=settings, transport=transport)
-        big = DecodeRank("bench-decode-b64", big_cache, settings=settings, transport=transport)
+        small = DecodeRank("bench-decode-b16", small_cache, DecodeOptions(settings=settings, transport=transport))
+        big = DecodeRank("bench-decode-b64", big_cache, DecodeOptions(settings=settings, transport=transport))
         try:
             pairs = ((small, tp1, local_ids), (small, tp2, local_ids), (big, tp1, big_local_ids))
             for decode, prefill, _ in pairs:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
@@ -271,9 +272,8 @@ def run(
         decode = DecodeRank(
             "bench-decode",
             KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages),
-            read_lanes=read_lanes,
-            settings=settings,
-            transport="nixl",  # our NIXL read path, against a raw NIXL READ (same-host reads in place: bench topology)
+            # our NIXL read path, against a raw NIXL READ (same-host reads in place: bench topology)
+            DecodeOptions(read_lanes=read_lanes, settings=settings, transport="nixl"),
         )
         scratch = KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages)
         try:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.remote_engines import RemoteEngine
 from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, run_copies, storages
@@ -203,7 +204,7 @@ def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings:
     with PrefillProcess(spec) as prefill:
         (expected,) = spec.caches(settings=settings)
         cache = KVCache.allocate(layout, shape.cache_blocks, device=where)
-        decode = DecodeRank("bench-device-decode", cache, read_lanes=1, settings=settings)
+        decode = DecodeRank("bench-device-decode", cache, DecodeOptions(read_lanes=1, settings=settings))
         scratch = KVCache.allocate(layout, shape.cache_blocks, device=where)
         try:
             started = time.perf_counter()

@@ -26,7 +26,7 @@ from typing import Literal
 
 import msgspec
 
-from pd_transfer.settings import DEFAULTS, PushMode, Settings
+from pd_transfer.settings import PushMode, Settings
 from pd_transfer.spec import TransportSetting
 
 FailurePolicy = Literal["fail", "recompute"]
@@ -105,7 +105,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         cls,
         extra: Mapping[str, object] | None = None,
         *,
-        settings: Settings = DEFAULTS,
+        settings: Settings,
         env: Mapping[str, str] = _NO_ENVIRONMENT,
     ) -> ConnectorConfig:
         """Settings from ``extra`` (e.g. ``kv_connector_extra_config``), then ``settings`` (the process's, read at its

@@ -32,12 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pd_transfer.affinity import unpinning
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank, PullStats
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, ReadyEvent
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.errors import TransferError
 
@@ -74,7 +76,7 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         metrics: TransferMetrics | None = None,
-        settings: Settings = DEFAULTS,
+        settings: Settings,
     ) -> None:
         """``packed_formats``: for caches with a ``packing``, the (block, head) packing of a block size
         (see :class:`DecodeRank`), so that engines of other block sizes can be read. ``metrics``: where the
@@ -87,15 +89,7 @@ class WorkerSide:
         self.config = config
         self.settings = settings
         self.rank = cache.layout.tp_rank
-        self.prefill = PrefillRank(
-            engine_id,
-            cache,
-            lease_seconds=config.lease_seconds,
-            clock=clock,
-            push=config.push,
-            settings=settings,
-            offer_ipc=config.transport != "nixl",
-        )
+        self.prefill = PrefillRank(engine_id, cache, PrefillOptions.from_config(config, settings), clock=clock)
         self._computed: ReadyEvent | None = None  # the latest step's "KV written" event (GPU engines)
         self._decode: DecodeRank | None = None
         self._decode_lock = threading.Lock()
@@ -126,16 +120,9 @@ class WorkerSide:
                 self._decode = DecodeRank(
                     self.engine_id,
                     self.cache,
-                    secret=self.config.secret,
-                    handshake_timeout_s=self.config.handshake_timeout_s,
-                    read_timeout_s=self.config.read_timeout_s,
-                    confirm_timeout_s=self.config.confirm_timeout_s,
-                    handshake_failure_backoff_s=self.config.handshake_failure_backoff_s,
+                    DecodeOptions.from_config(self.config, self.settings),
                     packed_formats=self._packed_formats,
                     metrics=self.metrics,
-                    push=self.config.push,
-                    settings=self.settings,
-                    transport=self.config.transport,
                 )
             return self._decode
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.params import InvalidTransferParams, RemotePrefill, parse_transfer_params
 from pd_transfer.settings import DEFAULTS, Settings
@@ -42,13 +43,7 @@ class DecodeKV:
         self.rank = DecodeRank(
             self.engine_id,
             KVCache.allocate(self.layout, self.model.num_blocks, huge_pages=self.settings.own_huge_pages),
-            secret=self.config.secret,
-            handshake_timeout_s=self.config.handshake_timeout_s,
-            read_timeout_s=self.config.read_timeout_s,
-            confirm_timeout_s=self.config.confirm_timeout_s,
-            push=self.config.push,
-            settings=self.settings,
-            transport=self.config.transport,
+            DecodeOptions.from_config(self.config, self.settings),
         )
         self.pool = BlockPool(self.model.num_blocks)
 

@@ -115,10 +115,11 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     settings = apply_process_defaults(  # this child's edge
         spec.settings or read_settings(), net_devices="lo", vram=spec.device.startswith("cuda")
     )
+    from pd_transfer.connector.prefill.options import PrefillOptions
     from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 
     ranks = [
-        PrefillRank(spec.engine_id, cache, settings=settings, offer_ipc=spec.offer_ipc)
+        PrefillRank(spec.engine_id, cache, PrefillOptions(settings=settings, offer_ipc=spec.offer_ipc))
         for cache in spec.caches(settings=settings)
     ]
     server = serve_engine(

@@ -17,8 +17,10 @@ import torch
 from engine_specs import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.handshake.messages import CudaSegment
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint, TransportSetting
@@ -89,7 +91,9 @@ def test_library_pulls_between_cuda_caches_are_verified(
     prefill = prefills[prefill_name]
     for decode_layout in decode_layouts:
         cache = KVCache.allocate(decode_layout, BLOCKS, device="cuda")
-        decode = DecodeRank(f"gpu-decode-{transport}", cache, transport=transport, read_timeout_s=60.0)
+        decode = DecodeRank(
+            f"gpu-decode-{transport}", cache, DecodeOptions(settings=DEFAULTS, transport=transport, read_timeout_s=60.0)
+        )
         try:
             shape = f"{decode_layout.tp_size}-{decode_layout.tp_rank}-{decode_layout.block_size}-{decode_layout.layout}"
             got = pull_verified(decode, prefill, f"{prefill_name}-{transport}-{shape}")
@@ -100,7 +104,9 @@ def test_library_pulls_between_cuda_caches_are_verified(
 
 def test_forgotten_and_restarted_prefills_close_their_handles(prefills: dict[str, PrefillProcess]) -> None:
     shared = prefills["tp1-b16-HND"]
-    decode = DecodeRank("gpu-decode-lifetimes", KVCache.allocate(layout(16), BLOCKS, device="cuda"))
+    decode = DecodeRank(
+        "gpu-decode-lifetimes", KVCache.allocate(layout(16), BLOCKS, device="cuda"), DecodeOptions(settings=DEFAULTS)
+    )
     try:
         assert pull_verified(decode, shared, "lifetime-1") == "cuda_ipc"
         first = decode.remotes.get(shared.host, shared.port)

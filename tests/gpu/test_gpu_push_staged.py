@@ -16,7 +16,9 @@ import torch
 
 from pd_transfer.bench.tcp_stream import stream_gbps
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.connector.push_staging import LandingArea, PushStager, StagedChunk
 from pd_transfer.settings import Settings
@@ -104,14 +106,14 @@ def test_a_gpu_cache_is_pushed_over_tcp_exactly_at_the_stream_rate(tcp_settings:
     cache = KVCache.allocate(LAYOUT, BLOCKS, device="cuda")
     fill_pattern(cache, 13)
     torch.cuda.synchronize()
-    prefill = PrefillRank("gpu-push-staged", cache, settings=tcp_settings)  # staged: the cache is on a GPU
+    prefill = PrefillRank(
+        "gpu-push-staged", cache, PrefillOptions(settings=tcp_settings)
+    )  # staged: the cache is on a GPU
     server = serve_engine("gpu-push-staged", [prefill.rank_metadata])
     decode = DecodeRank(
         "gpu-push-landing",
         KVCache.allocate(LAYOUT, BLOCKS, device="cuda"),
-        settings=tcp_settings,
-        transport="nixl",
-        push_landing_bytes=600 * 2**20,
+        DecodeOptions(settings=tcp_settings, transport="nixl", push_landing_bytes=600 * 2**20),
     )
     try:
         assert prefill.pushes.staging is not None and decode.pushes is not None and decode.pushes.landing is not None

@@ -13,6 +13,7 @@ from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.decode.ipc_reads import CopyStream
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.connector.worker import WorkerSide
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.spec import KVCacheLayout, MemoryPlace, ModelFingerprint
 from pd_transfer.transfer.agent import TransferAgent
 
@@ -57,7 +58,7 @@ def test_gpu_memory_is_registered_as_vram_and_read_between_agents() -> None:
 
 def test_a_hold_waits_for_the_event_after_the_kernels_that_wrote_the_kv() -> None:
     config = ConnectorConfig(side_channel_host="127.0.0.1", side_channel_port=0)
-    worker = WorkerSide("gpu-ready", KVCache.allocate(LAYOUT, 16, device="cuda"), config)
+    worker = WorkerSide("gpu-ready", KVCache.allocate(LAYOUT, 16, device="cuda"), config, settings=DEFAULTS)
     try:
         writer = torch.cuda.Stream()
         with torch.cuda.stream(writer):

@@ -13,6 +13,7 @@ from engine_specs import FINGERPRINT, decode_config, layouts
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.connector.worker import WorkerSide
+from pd_transfer.settings import DEFAULTS
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
@@ -34,7 +35,9 @@ class Gate:
 
 
 def test_a_hold_begins_only_once_the_step_s_kv_is_written() -> None:
-    worker = WorkerSide("ready-prefill", KVCache.allocate(layouts(FINGERPRINT, 1)[0], 16), decode_config())
+    worker = WorkerSide(
+        "ready-prefill", KVCache.allocate(layouts(FINGERPRINT, 1)[0], 16), decode_config(), settings=DEFAULTS
+    )
     try:
         gate = Gate()
         worker.step_computed(gate)
@@ -52,7 +55,9 @@ def test_a_hold_begins_only_once_the_step_s_kv_is_written() -> None:
 
 
 def test_without_an_event_a_hold_begins_at_once() -> None:
-    worker = WorkerSide("ready-cpu-prefill", KVCache.allocate(layouts(FINGERPRINT, 1)[0], 16), decode_config())
+    worker = WorkerSide(
+        "ready-cpu-prefill", KVCache.allocate(layouts(FINGERPRINT, 1)[0], 16), decode_config(), settings=DEFAULTS
+    )
     try:
         worker.start_load(StepMetadata(reqs_to_hold={"written": (4,)}))
         assert worker.prefill.ledger.held_requests == 1

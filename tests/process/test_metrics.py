@@ -10,9 +10,11 @@ from test_metric_counts import LAYOUT, samples
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.params import remote_prefill_params
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import DecodeEngine
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 
@@ -26,7 +28,12 @@ def prefill() -> Iterator[PrefillProcess]:
 def test_pull_metrics(prefill: PrefillProcess) -> None:
     metrics = TransferMetrics()
     layout = prefill.spec.layouts[0]
-    decode = DecodeRank("metrics-decode", KVCache.allocate(layout, 16), metrics=metrics, transport="nixl")
+    decode = DecodeRank(
+        "metrics-decode",
+        KVCache.allocate(layout, 16),
+        DecodeOptions(settings=DEFAULTS, transport="nixl"),
+        metrics=metrics,
+    )
     try:
         stats = decode.pull("metrics-1", prefill.host, prefill.port, [1, 2], [3, 4], 20)
     finally:

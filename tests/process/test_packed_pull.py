@@ -5,13 +5,15 @@ token by token through each side's packing (not through the plan)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology import TopologyError
@@ -53,8 +55,14 @@ def tokens_of(cache: KVCache, block_ids: list[int], layer: int) -> tuple[torch.T
 def decode_for() -> Iterator:
     made: list[DecodeRank] = []
 
-    def make(local: KVCacheLayout, num_blocks: int, **kwargs: object) -> DecodeRank:
-        rank = DecodeRank("decode", KVCache.allocate(local, num_blocks), **kwargs)  # type: ignore[arg-type]
+    def make(
+        local: KVCacheLayout,
+        num_blocks: int,
+        packed_formats: Callable[[int], PackedBlockFormat] | None = None,
+        packed_staging_bytes: int = 32 * 2**20,
+    ) -> DecodeRank:
+        options = DecodeOptions(settings=DEFAULTS, packed_staging_bytes=packed_staging_bytes)
+        rank = DecodeRank("decode", KVCache.allocate(local, num_blocks), options, packed_formats=packed_formats)
         made.append(rank)
         return rank
 

@@ -7,8 +7,10 @@ import time
 import pytest
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.handshake.errors import AuthenticationError, HandshakeTimeout, IncompatiblePeer
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -31,7 +33,7 @@ def expected(prefill: PrefillProcess) -> list[KVCache]:
 
 
 def test_scattered_pull_is_exact_and_releases_the_request(prefill: PrefillProcess, expected: list[KVCache]) -> None:
-    decode = DecodeRank("test-decode", KVCache.allocate(LAYOUT, NUM_BLOCKS))
+    decode = DecodeRank("test-decode", KVCache.allocate(LAYOUT, NUM_BLOCKS), DecodeOptions(settings=DEFAULTS))
     try:
         remote_ids, local_ids = [17, 3, 29, 8, 30, 12], [5, 33, 0, 21, 22, 9]
         tokens = 16 * 5 + 7  # last block partly filled
@@ -53,7 +55,7 @@ def test_scattered_pull_is_exact_and_releases_the_request(prefill: PrefillProces
 
 
 def test_bad_block_ids_are_refused_before_any_read(prefill: PrefillProcess) -> None:
-    decode = DecodeRank("test-decode-bad", KVCache.allocate(LAYOUT, NUM_BLOCKS))
+    decode = DecodeRank("test-decode-bad", KVCache.allocate(LAYOUT, NUM_BLOCKS), DecodeOptions(settings=DEFAULTS))
     try:
         for remote_ids, local_ids, tokens in (
             ([NUM_BLOCKS], [0], 10),  # remote id out of range
@@ -78,7 +80,7 @@ def test_mismatched_model_is_refused_naming_the_field(prefill: PrefillProcess) -
         tp_rank=0,
         block_size=16,
     )
-    decode = DecodeRank("test-decode-other", KVCache.allocate(other, 4))
+    decode = DecodeRank("test-decode-other", KVCache.allocate(other, 4), DecodeOptions(settings=DEFAULTS))
     try:
         with pytest.raises(IncompatiblePeer, match=r"head_size: (32 != 16|16 != 32)"):
             decode.connect(prefill.host, prefill.port)
@@ -89,9 +91,13 @@ def test_mismatched_model_is_refused_naming_the_field(prefill: PrefillProcess) -
 def test_secret_side_channel() -> None:
     spec = PrefillSpec("test-prefill-secret", [LAYOUT], 8, seed=6, secret="s3cret")
     with PrefillProcess(spec) as prefill:
-        stranger = DecodeRank("test-decode-stranger", KVCache.allocate(LAYOUT, 8))
-        wrong = DecodeRank("test-decode-wrong", KVCache.allocate(LAYOUT, 8), secret="guess")
-        friend = DecodeRank("test-decode-friend", KVCache.allocate(LAYOUT, 8), secret="s3cret")
+        stranger = DecodeRank("test-decode-stranger", KVCache.allocate(LAYOUT, 8), DecodeOptions(settings=DEFAULTS))
+        wrong = DecodeRank(
+            "test-decode-wrong", KVCache.allocate(LAYOUT, 8), DecodeOptions(settings=DEFAULTS, secret="guess")
+        )
+        friend = DecodeRank(
+            "test-decode-friend", KVCache.allocate(LAYOUT, 8), DecodeOptions(settings=DEFAULTS, secret="s3cret")
+        )
         try:
             with pytest.raises(AuthenticationError):
                 stranger.connect(prefill.host, prefill.port)
@@ -107,7 +113,9 @@ def test_secret_side_channel() -> None:
 def test_dead_prefill_gives_a_clear_error_and_a_fresh_handshake_after_restart() -> None:
     spec = PrefillSpec("test-prefill-dies", [LAYOUT], 8, seed=7)
     decode = DecodeRank(
-        "test-decode-survivor", KVCache.allocate(LAYOUT, 8), handshake_timeout_s=1.0, transport="nixl"
+        "test-decode-survivor",
+        KVCache.allocate(LAYOUT, 8),
+        DecodeOptions(settings=DEFAULTS, handshake_timeout_s=1.0, transport="nixl"),
     )  # NIXL's own disconnect (a decode on the prefill's host reads in place by default: test_cma_pull.py)
     try:
         prefill = PrefillProcess(spec)
@@ -137,7 +145,11 @@ def test_a_dead_engine_does_not_stall_pulls_from_others(prefill: PrefillProcess,
     with socket.socket() as probe:  # a port with nobody behind it
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
-    decode = DecodeRank("test-decode-two-engines", KVCache.allocate(LAYOUT, NUM_BLOCKS), handshake_timeout_s=2.0)
+    decode = DecodeRank(
+        "test-decode-two-engines",
+        KVCache.allocate(LAYOUT, NUM_BLOCKS),
+        DecodeOptions(settings=DEFAULTS, handshake_timeout_s=2.0),
+    )
     failures: list[BaseException] = []
 
     def connect_dead() -> None:

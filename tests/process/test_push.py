@@ -15,9 +15,11 @@ from pd_transfer.cluster.http_client import free_port
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode import push_client
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.request import PullRequest
 from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.connector.push_plans import plan_to_wire
 from pd_transfer.settings import Settings
@@ -61,7 +63,9 @@ def prefill(tcp_settings: Settings) -> Iterator[PrefillProcess]:
 @pytest.fixture
 def decode(tcp_settings: Settings) -> Iterator[DecodeRank]:
     cache = KVCache.allocate(layout(), NUM_BLOCKS)
-    rank = DecodeRank(f"test-push-decode-{time.monotonic_ns()}", cache, settings=tcp_settings, transport="nixl")
+    rank = DecodeRank(
+        f"test-push-decode-{time.monotonic_ns()}", cache, DecodeOptions(settings=tcp_settings, transport="nixl")
+    )
     try:
         yield rank
     finally:
@@ -140,7 +144,7 @@ def test_a_setup_outside_the_prefill_cache_is_refused_and_read_instead(
 def test_a_request_below_the_push_size_is_read(prefill: PrefillProcess, tcp_settings: Settings) -> None:
     two_blocks = replace(tcp_settings, push_min_bytes=2 * 3 * 2 * 4 * 16 * 16 * 2)
     decode = DecodeRank(
-        "test-push-small", KVCache.allocate(layout(), NUM_BLOCKS), settings=two_blocks, transport="nixl"
+        "test-push-small", KVCache.allocate(layout(), NUM_BLOCKS), DecodeOptions(settings=two_blocks, transport="nixl")
     )
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
@@ -158,13 +162,15 @@ def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_settings: Settings) -
     # and asks it to set up again; its order after that is pushed
     cache = KVCache.allocate(layout(), NUM_BLOCKS)
     fill_pattern(cache, seed=4)
-    rank = PrefillRank("test-push-evicting", cache, settings=tcp_settings)
+    rank = PrefillRank("test-push-evicting", cache, PrefillOptions(settings=tcp_settings))
     rank.pushes.max_readers = 1
     server = serve_engine("test-push-evicting", [rank.rank_metadata])
     host, port = server.host, server.port
     first, second = (
         DecodeRank(
-            f"test-push-reader-{n}", KVCache.allocate(layout(), NUM_BLOCKS), settings=tcp_settings, transport="nixl"
+            f"test-push-reader-{n}",
+            KVCache.allocate(layout(), NUM_BLOCKS),
+            DecodeOptions(settings=tcp_settings, transport="nixl"),
         )
         for n in (1, 2)
     )
@@ -185,7 +191,9 @@ def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_settings: Settings) -
 
 def test_a_decode_with_push_off_reads(prefill: PrefillProcess, tcp_settings: Settings) -> None:
     off = replace(tcp_settings, push="off")  # PD_TRANSFER_PUSH=off
-    decode = DecodeRank("test-push-off", KVCache.allocate(layout(), NUM_BLOCKS), settings=off, transport="nixl")
+    decode = DecodeRank(
+        "test-push-off", KVCache.allocate(layout(), NUM_BLOCKS), DecodeOptions(settings=off, transport="nixl")
+    )
     try:
         assert decode.pushes is None and not decode.push_ready(prefill.host, prefill.port, timeout_s=5)
         prefill.request("hold", "req-push-off", [9])
@@ -198,7 +206,7 @@ def test_a_prefill_with_push_off_refuses_setups(tcp_settings: Settings) -> None:
     off = replace(tcp_settings, push="off")  # PD_TRANSFER_PUSH=off in the prefill's process
     with PrefillProcess(PrefillSpec("test-push-off-prefill", [layout()], NUM_BLOCKS, seed=3, settings=off)) as prefill:
         cache = KVCache.allocate(layout(), NUM_BLOCKS)
-        decode = DecodeRank("test-push-asks", cache, push="on", settings=tcp_settings, transport="nixl")
+        decode = DecodeRank("test-push-asks", cache, DecodeOptions(push="on", settings=tcp_settings, transport="nixl"))
         try:
             assert not decode.push_ready(prefill.host, prefill.port, timeout_s=30)
             prefill.request("hold", "req-prefill-off", [2, 3])
@@ -217,7 +225,7 @@ def test_two_prefill_ranks_into_one_decode_rank(tcp_settings: Settings, decode_b
     spec = PrefillSpec("test-push-tp2", prefill_layouts, NUM_BLOCKS, seed=9, settings=tcp_settings)
     with PrefillProcess(spec) as prefill:
         cache = KVCache.allocate(layout(block_size=decode_block_size), NUM_BLOCKS)
-        decode = DecodeRank("test-push-tp1", cache, push="on", settings=tcp_settings, transport="nixl")
+        decode = DecodeRank("test-push-tp1", cache, DecodeOptions(push="on", settings=tcp_settings, transport="nixl"))
         try:
             pushing = decode.remote_plan(prefill.host, prefill.port).postprocess is None
             assert pushing == (decode_block_size == 16)
@@ -238,7 +246,7 @@ def test_an_order_to_a_dead_prefill_fails_fast_and_reads_its_restart(tcp_setting
     spec = PrefillSpec("test-push-dies", [layout()], NUM_BLOCKS, seed=2, port=free_port(), settings=tcp_settings)
     prefill = PrefillProcess(spec)
     cache = KVCache.allocate(layout(), NUM_BLOCKS)
-    decode = DecodeRank("test-push-orphan", cache, push="on", settings=tcp_settings, transport="nixl")
+    decode = DecodeRank("test-push-orphan", cache, DecodeOptions(push="on", settings=tcp_settings, transport="nixl"))
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
         prefill.kill()

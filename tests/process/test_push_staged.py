@@ -10,7 +10,9 @@ import pytest
 from test_push import tcp_settings  # noqa: F401 - the fixture: UCX on TCP, every request pushed
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import fill_pattern
@@ -29,16 +31,15 @@ def test_a_staged_push_into_a_landing_area_is_exact_and_counts_as_read(tcp_setti
     cache = KVCache.allocate(LAYOUT, NUM_BLOCKS)
     fill_pattern(cache, 21)
     prefill = PrefillRank(
-        "test-push-staged", cache, settings=tcp_settings, push_staging=True, push_chunk_bytes=7 * UNIT_BYTES
+        "test-push-staged",
+        cache,
+        PrefillOptions(settings=tcp_settings, push_staging=True, push_chunk_bytes=7 * UNIT_BYTES),
     )
     server = serve_engine("test-push-staged", [prefill.rank_metadata])
     decode = DecodeRank(
         f"test-push-landing-{time.monotonic_ns()}",
         KVCache.allocate(LAYOUT, NUM_BLOCKS),
-        settings=tcp_settings,
-        transport="nixl",
-        push_staging=True,
-        push_landing_bytes=2**20,
+        DecodeOptions(settings=tcp_settings, transport="nixl", push_staging=True, push_landing_bytes=2**20),
     )
     try:
         assert decode.pushes is not None and decode.pushes.landing is not None

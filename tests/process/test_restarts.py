@@ -19,12 +19,14 @@ from engine_specs import FINGERPRINT, decode_config, layouts
 from metric_samples import metric_samples
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import DuplicateBlockIds
 from pd_transfer.connector.metadata import RecvSpec, StepMetadata
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.errors import HandshakeBackoff, HandshakeTimeout
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import DecodeEngine, EngineSpec, PrefillEngines, Received
 from pd_transfer.sim.verify import received_correctly
 
@@ -240,7 +242,9 @@ def test_repeated_remote_block_ids_at_the_decode_rank_name_the_request_and_the_b
 ) -> None:
     out = prefill.prefill("dups", "dup-rank", prompt_len=PROMPT)
     host, port = prefill.host, prefill.ports["dups"]
-    decode = DecodeRank("dup-rank-decode", KVCache.allocate(layouts(FINGERPRINT, 1)[0], 8))
+    decode = DecodeRank(
+        "dup-rank-decode", KVCache.allocate(layouts(FINGERPRINT, 1)[0], 8), DecodeOptions(settings=DEFAULTS)
+    )
     try:
         first, _, third = out["block_ids"]
         with pytest.raises(DuplicateBlockIds) as caught:

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -69,7 +71,9 @@ def test_prefill_killed_mid_request_fails_the_pull_and_writes_nothing_else() -> 
     remote_ids = rng.choice(BLOCKS, -(-TOKENS // 16), replace=False).tolist()
     local_ids = rng.choice(BLOCKS, -(-TOKENS // 16), replace=False).tolist()
     cache = KVCache.allocate(KVCacheLayout(MODEL, 1, 0, 16, "HND"), BLOCKS)
-    decode = DecodeRank("decode-staged", cache, read_lanes=2, staging_bytes=1, transport="nixl")
+    decode = DecodeRank(
+        "decode-staged", cache, DecodeOptions(settings=DEFAULTS, read_lanes=2, staging_bytes=1, transport="nixl")
+    )
     try:
         assert decode.agent.lanes_ready.wait(60) and decode.agent.lane_count == 2
         with PrefillProcess(_prefill(3)) as doomed:

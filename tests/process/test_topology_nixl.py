@@ -8,12 +8,15 @@ every prefill rank is released by exactly the decode readers it should expect.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -83,7 +86,7 @@ class Request:
     expected: list[KVCache]
 
 
-def _pull_and_check(case: str, variants: list[dict[str, int]]) -> None:
+def _pull_and_check(case: str, variants: list[dict[str, Any]]) -> None:
     """Pull the case's request into fresh decode ranks made with each of ``variants`` (decode options) in turn, from
     one prefill process, and check each."""
     prefill_side, decode_side, heads, mla = CASES[case]
@@ -104,7 +107,7 @@ def _pull_and_check(case: str, variants: list[dict[str, int]]) -> None:
                 DecodeRank(
                     f"decode-{case}-{variant}",
                     KVCache.allocate(layout, DECODE_BLOCKS, kv_split=decode_side.kv_split),
-                    **options,
+                    DecodeOptions(settings=DEFAULTS, **options),
                 )
                 for layout in layouts
             ]
@@ -144,7 +147,7 @@ def test_impossible_tp_is_refused_at_handshake_naming_the_numbers() -> None:
     spec = PrefillSpec("prefill-tp-3", _layouts(Side(1, 16), fingerprint), 8, seed=3)
     with PrefillProcess(spec) as prefill:
         layout = KVCacheLayout(fingerprint=fingerprint, tp_size=3, tp_rank=0, block_size=16)
-        decode = DecodeRank("decode-tp-3", KVCache.allocate(layout, 8))
+        decode = DecodeRank("decode-tp-3", KVCache.allocate(layout, 8), DecodeOptions(settings=DEFAULTS))
         try:
             with pytest.raises(TopologyError, match="3"):
                 decode.connect(prefill.host, prefill.port)

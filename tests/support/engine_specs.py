@@ -5,6 +5,7 @@ the process tests (prefill engines in a child process, real NIXL: tests/process/
 from __future__ import annotations
 
 from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import EngineSpec
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
@@ -44,7 +45,7 @@ def decode_config(**overrides: object) -> ConnectorConfig:
         "read_timeout_s": 10.0,
     }
     settings.update(overrides)
-    return ConnectorConfig.from_dict(settings, env={})
+    return ConnectorConfig.from_dict(settings, env={}, settings=DEFAULTS)
 
 
 def prefill_specs() -> list[EngineSpec]:

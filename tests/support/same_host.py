@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, TransportSetting
@@ -19,9 +21,9 @@ def decode_rank(
     name: str, layout: KVCacheLayout, secret: str, transport: TransportSetting = "auto", **more: Any
 ) -> DecodeRank:
     """A decode rank here, of ``BLOCKS`` blocks, with a 20 s read timeout."""
-    return DecodeRank(
-        name, KVCache.allocate(layout, BLOCKS), secret=secret, transport=transport, read_timeout_s=20.0, **more
-    )
+    metrics = more.pop("metrics", None)
+    options = DecodeOptions(settings=DEFAULTS, secret=secret, transport=transport, read_timeout_s=20.0, **more)
+    return DecodeRank(name, KVCache.allocate(layout, BLOCKS), options, metrics=metrics)
 
 
 def pull(decode: DecodeRank, prefill: PrefillProcess, request_id: str, first: int = 3) -> tuple[str, bool]:

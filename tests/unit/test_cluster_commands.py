@@ -18,6 +18,7 @@ from pd_transfer.cluster.http_client import (
 from pd_transfer.cluster.launch import ServerSpec, cpu_binds, kv_transfer_config, vllm_command, vllm_env
 from pd_transfer.cluster.processes import log_excerpt
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
+from pd_transfer.settings import DEFAULTS
 
 MODEL_DIR = "/models/tiny"  # need not exist for the command-line tests
 
@@ -81,7 +82,7 @@ def test_vllm_command_runs_the_api_server_with_our_connector() -> None:
         "secret_env": "PD_SECRET",
     }
     # The connector accepts exactly this extra config, and reads the secret from the named variable.
-    config = ConnectorConfig.from_dict(extra, env={"PD_SECRET": "s3cret"})
+    config = ConnectorConfig.from_dict(extra, env={"PD_SECRET": "s3cret"}, settings=DEFAULTS)
     assert (config.side_channel_host, config.side_channel_port, config.secret) == ("10.0.0.2", 8201, "s3cret")
     assert (config.lease_seconds, config.failure_policy) == (12.5, "fail")
     assert "s3cret" not in " ".join(command)
@@ -94,7 +95,7 @@ def test_minimal_command_leaves_vllm_defaults_alone() -> None:
     assert "--enforce-eager" not in command  # compiled, vLLM's default
     extra = json.loads(flag_value(command, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": 8200}
-    assert ConnectorConfig.from_dict(extra, env={}).failure_policy == "recompute"
+    assert ConnectorConfig.from_dict(extra, env={}, settings=DEFAULTS).failure_policy == "recompute"
     assert "--kv-transfer-config" not in vllm_command(_spec(), python="python", connector=False)
 
 
@@ -170,10 +171,12 @@ def test_server_spec_refuses_bad_values(overrides: dict[str, object], message: s
 
 def test_connector_secret_env() -> None:
     with pytest.raises(ConfigError, match="give one of them"):
-        ConnectorConfig.from_dict({"secret": "a", "secret_env": "PD_SECRET"}, env={"PD_SECRET": "b"})
+        ConnectorConfig.from_dict({"secret": "a", "secret_env": "PD_SECRET"}, env={"PD_SECRET": "b"}, settings=DEFAULTS)
     with pytest.raises(ConfigError, match="PD_SECRET is not set or empty"):
-        ConnectorConfig.from_dict({"secret_env": "PD_SECRET"}, env={"PD_SECRET": ""})
-    assert ConnectorConfig.from_dict({"secret_env": "PD_SECRET"}, env={"PD_SECRET": "x"}).secret == "x"
+        ConnectorConfig.from_dict({"secret_env": "PD_SECRET"}, env={"PD_SECRET": ""}, settings=DEFAULTS)
+    assert (
+        ConnectorConfig.from_dict({"secret_env": "PD_SECRET"}, env={"PD_SECRET": "x"}, settings=DEFAULTS).secret == "x"
+    )
 
 
 def test_cpu_binds_spread_ranks_over_cores() -> None:

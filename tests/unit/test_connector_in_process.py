@@ -35,11 +35,13 @@ from test_hold_window import (  # noqa: F401 (collected here, run with this fold
 )
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.handshake import HandshakeServer
-from pd_transfer.settings import Settings
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.sim.peer import fill_pattern
@@ -94,7 +96,7 @@ class Prefill:
     def __init__(self, engine_id: str) -> None:
         cache = KVCache.allocate(LAYOUT, 32)
         fill_pattern(cache, 5)
-        self.rank = PrefillRank(engine_id, cache)
+        self.rank = PrefillRank(engine_id, cache, PrefillOptions(settings=DEFAULTS))
         self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
         self.host, self.port = "127.0.0.1", self.server.port
 
@@ -122,9 +124,7 @@ def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill) -> None:
     decode = DecodeRank(
         f"push-decode-{time.monotonic_ns()}",
         KVCache.allocate(LAYOUT, 32),
-        push="on",
-        settings=small_pushed,
-        transport="nixl",  # pushes are for reads over NIXL (a decode here would read the prefill in place)
+        DecodeOptions(push="on", settings=small_pushed, transport="nixl"),
     )
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=10)
@@ -146,7 +146,9 @@ def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill) -> None:
 
 
 def test_a_prefill_agent_gone_is_a_disconnected_peer(prefill: Prefill) -> None:
-    decode = DecodeRank(f"gone-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), push="off")
+    decode = DecodeRank(
+        f"gone-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), DecodeOptions(settings=DEFAULTS, push="off")
+    )
     try:
         stats = decode.pull("before", prefill.host, prefill.port, [1, 2], [3, 4], 20)
         assert received_correctly(decode.cache, [3, 4], prefill.expected(), [1, 2], 20) and stats.bytes > 0

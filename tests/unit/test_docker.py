@@ -30,6 +30,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from pd_transfer.cli import build_parser
+from pd_transfer.settings import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -332,7 +333,7 @@ def check_vllm_server(server: Server, model_dir: str | None) -> list[str]:
     command = vllm_command(spec, python="python")
     settings = json_arg(command, "--kv-transfer-config")["kv_connector_extra_config"]
     try:
-        ConnectorConfig.from_dict(settings, env={})
+        ConnectorConfig.from_dict(settings, env={}, settings=DEFAULTS)
     except ValueError as error:
         problems.append(f"{name}: the connector refuses {settings}: {error}")
     problems += module_problems(command)

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.params import remote_prefill_params
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank
 from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.handshake import (
@@ -30,6 +31,7 @@ from pd_transfer.handshake import (
 from pd_transfer.handshake.auth import new_nonce, signed_request_mac
 from pd_transfer.handshake.compat import fingerprint_digest
 from pd_transfer.metrics import TransferMetrics, default_metrics
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.sim.handshake_server import RawPeer, fake_engine
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
@@ -55,7 +57,11 @@ def test_lease_metrics(fake_agents: FakeFabric) -> None:
     metrics = TransferMetrics()
     now = [0.0]
     rank = PrefillRank(
-        "metrics-prefill", KVCache.allocate(LAYOUT, 8), lease_seconds=5.0, clock=lambda: now[0], metrics=metrics
+        "metrics-prefill",
+        KVCache.allocate(LAYOUT, 8),
+        PrefillOptions(settings=DEFAULTS, lease_seconds=5.0),
+        clock=lambda: now[0],
+        metrics=metrics,
     )
     try:
         rank.hold("held-then-expired", [1, 2, 3])

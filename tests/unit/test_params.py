@@ -26,7 +26,7 @@ from pd_transfer.connector.params import (
 )
 from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.handshake.messages import RankMetadata
-from pd_transfer.settings import SettingError, Settings
+from pd_transfer.settings import DEFAULTS, SettingError, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.sim.fake_agent import FakeFabric
 
@@ -185,7 +185,7 @@ def test_any_json_gives_a_struct_or_invalid_params_never_another_error(
 
 # ---------------------------------------------------------------------- the scheduler side, no network
 def scheduler(clock: object = time.monotonic, **overrides: object) -> SchedulerSide:
-    config = ConnectorConfig.from_dict({"side_channel_host": "127.0.0.1", **overrides}, env={})
+    config = ConnectorConfig.from_dict({"side_channel_host": "127.0.0.1", **overrides}, env={}, settings=DEFAULTS)
     return SchedulerSide(config, engine_id="dec", block_size=16, clock=clock)  # type: ignore[arg-type]
 
 
@@ -317,17 +317,19 @@ def test_prefill_side_advertises_the_computed_blocks_and_holds_them_all() -> Non
 
 def test_config_is_checked_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match=r"unknown connector setting.*kv_lease"):
-        ConnectorConfig.from_dict({"kv_lease": 3}, env={})
+        ConnectorConfig.from_dict({"kv_lease": 3}, env={}, settings=DEFAULTS)
     with pytest.raises(ConfigError, match=r"lease_seconds"):
-        ConnectorConfig.from_dict({"lease_seconds": True}, env={})
+        ConnectorConfig.from_dict({"lease_seconds": True}, env={}, settings=DEFAULTS)
     with pytest.raises(ConfigError, match=r"failure_policy"):
-        ConnectorConfig.from_dict({"failure_policy": "retry"}, env={})
+        ConnectorConfig.from_dict({"failure_policy": "retry"}, env={}, settings=DEFAULTS)
     with pytest.raises(SettingError, match="VLLM_NIXL_SIDE_CHANNEL_PORT"):  # the process's settings, at its edge
         Settings.from_environ({"VLLM_NIXL_SIDE_CHANNEL_PORT": "port"})
     with pytest.raises(ConfigError, match=r"engine_spin_s: must be within 0..10 s, got -1"):
-        ConnectorConfig.from_dict({"engine_spin_s": -1}, env={})
-    assert ConnectorConfig.from_dict({"engine_spin_s": None}, env={}).engine_spin_s is None  # vLLM's own
-    assert ConnectorConfig.from_dict({}, env={}).engine_spin_s == 0.001
+        ConnectorConfig.from_dict({"engine_spin_s": -1}, env={}, settings=DEFAULTS)
+    assert (
+        ConnectorConfig.from_dict({"engine_spin_s": None}, env={}, settings=DEFAULTS).engine_spin_s is None
+    )  # vLLM's own
+    assert ConnectorConfig.from_dict({}, env={}, settings=DEFAULTS).engine_spin_s == 0.001
     settings = Settings.from_environ({"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"})
     assert ConnectorConfig.from_dict({}, settings=settings).side_channel_port == 5601
     config = ConnectorConfig.from_dict({"side_channel_port": 7000}, settings=settings)

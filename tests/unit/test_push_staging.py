@@ -13,11 +13,13 @@ import torch
 
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.connector.push_staging import LandingArea, PushStager, StagedChunk
 from pd_transfer.handshake import HandshakeServer
-from pd_transfer.settings import Settings
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
@@ -170,7 +172,9 @@ class StagedPrefill:
     def __init__(self, engine_id: str, *, staging: bool = True) -> None:
         cache = KVCache.allocate(LAYOUT, NUM_BLOCKS)
         fill_pattern(cache, 7)
-        self.rank = PrefillRank(engine_id, cache, push_staging=staging, push_chunk_bytes=5 * UNIT_BYTES)
+        self.rank = PrefillRank(
+            engine_id, cache, PrefillOptions(settings=DEFAULTS, push_staging=staging, push_chunk_bytes=5 * UNIT_BYTES)
+        )
         self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
         self.host, self.port = "127.0.0.1", self.server.port
 
@@ -197,11 +201,13 @@ def _decode(name: str, *, landing: bool, landing_bytes: int = 2**20) -> DecodeRa
     return DecodeRank(
         f"{name}-{time.monotonic_ns()}",
         KVCache.allocate(LAYOUT, NUM_BLOCKS),
-        push="on",
-        settings=Settings(push_min_bytes=0),
-        transport="nixl",
-        push_staging=landing,
-        push_landing_bytes=landing_bytes,
+        DecodeOptions(
+            push="on",
+            settings=Settings(push_min_bytes=0),
+            transport="nixl",
+            push_staging=landing,
+            push_landing_bytes=landing_bytes,
+        ),
     )
 
 

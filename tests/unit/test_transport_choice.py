@@ -9,6 +9,7 @@ import pytest
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
 from pd_transfer.connector.decode.transport_choice import choose_transport
 from pd_transfer.handshake.messages import CmaSegment, CudaSegment, HostSegment, RankIpc, RankMetadata
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.handshake_server import fake_engine
 from pd_transfer.spec import HOST, MemoryPlace, TransportSetting
 
@@ -108,7 +109,7 @@ def test_packed_blocks_of_another_size_read_with_nixl() -> None:
 
 
 def test_the_transport_setting_is_typed() -> None:
-    assert ConnectorConfig.from_dict({}, env={}).transport == "auto"
-    assert ConnectorConfig.from_dict({"transport": "ipc"}, env={}).transport == "ipc"
+    assert ConnectorConfig.from_dict({}, env={}, settings=DEFAULTS).transport == "auto"
+    assert ConnectorConfig.from_dict({"transport": "ipc"}, env={}, settings=DEFAULTS).transport == "ipc"
     with pytest.raises(ConfigError, match="transport"):
-        ConnectorConfig.from_dict({"transport": "cuda"}, env={})
+        ConnectorConfig.from_dict({"transport": "cuda"}, env={}, settings=DEFAULTS)

@@ -40,28 +40,26 @@ from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.errors import LeaseNotConfirmed, WrongEngine
 from pd_transfer.connector.params import incarnation_token
-from pd_transfer.connector.push_staging import DEFAULT_LANDING_BYTES, LandingArea
+from pd_transfer.connector.push_staging import LandingArea
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
-from pd_transfer.settings import DEFAULTS, Settings
-from pd_transfer.spec import Transport, TransportSetting
+from pd_transfer.spec import Transport
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
-from pd_transfer.transfer.tcp import push_mode
 
 from .cma_reads import CmaReader
 from .confirmations import LeaseConfirmations
 from .ipc_reads import IpcReader
+from .options import DecodeOptions
 from .push_client import PushOrders
 from .reader import Reader
-from .reads import DEFAULT_STAGED_JOBS_PER_LANE, BlockReader, ReadTotals
+from .reads import BlockReader, ReadTotals
 from .remote_engines import RemoteEngine, RemoteEngines
 from .reports import ReaderReports
 from .request import PullRequest, PullStats
-from .staging import DEFAULT_STAGING_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -83,53 +81,30 @@ class DecodeRank:
         self,
         engine_id: str,
         cache: KVCache,
+        options: DecodeOptions,
         *,
-        secret: bytes | str | None = None,
-        handshake_timeout_s: float = 5.0,
-        handshake_failure_backoff_s: float = 10.0,
-        read_timeout_s: float = 30.0,
-        min_direct_run_bytes: int | None = None,
-        pipeline_groups: int = 8,
-        staging_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
         agent_name: str | None = None,
-        confirm_timeout_s: float = 5.0,
         metrics: TransferMetrics | None = None,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
-        packed_staging_bytes: int = 32 * 2**20,
-        read_lanes: int | None = None,
-        push: str | None = None,
-        staged_jobs_per_lane: int = DEFAULT_STAGED_JOBS_PER_LANE,
-        settings: Settings = DEFAULTS,
-        transport: TransportSetting = "auto",
-        push_staging: bool | None = None,
-        push_landing_bytes: int = DEFAULT_LANDING_BYTES,
     ) -> None:
-        """``staging_bytes``: each slot group of the staging area for plans that fix layouts up, the chunk a read
-        lane reads and restages at a time (0: in place);
-        ``pipeline_groups``: plane groups of an in-place read with a fix-up. ``packed_formats(block_size)``
-        gives the packing of a (block, head) for a block size, for caches whose layout names a ``packing``:
-        pulls from engines of another block size then read whole remote blocks into a staging area of
-        ``packed_staging_bytes`` and regroup them (without it, such engines are refused). ``read_lanes``: agents
-        (and threads) a large read is split over (default ``settings.read_lane_count``);
-        ``staged_jobs_per_lane``: threads per lane of a staged read (:class:`~.reads.BlockReader`).
-        ``push``: "on", "off" or "auto" (default ``settings.push``; "auto": where reads would go over TCP,
-        :func:`~pd_transfer.transfer.tcp.push_mode`, :func:`~pd_transfer.transfer.tcp.push_to`): ask prefill ranks to
-        write instead (:mod:`.push_client`). ``push_staging``: have them write into a host landing area of
-        ``push_landing_bytes``, copied into the cache after (:mod:`pd_transfer.connector.push_staging`); None: where the
-        cache is on a GPU; True on a host cache too (tests); False: a GPU cache is never pushed to. ``settings``: the
-        agent's and its lanes', the CPUs of the rank's threads. ``transport``: "auto" (same-host IPC with engines that
-        offer it, else NIXL), "nixl", "ipc" (engines that cannot be read through IPC are refused; see
-        :mod:`.transport_choice`)."""
+        """``options``: every knob of the rank (:class:`~.options.DecodeOptions`, built at the process's edge).
+        ``agent_name``: its NIXL agent's (default: the engine id, the rank and a random suffix). ``metrics``: where
+        it records (default: the process-wide ones). ``packed_formats(block_size)`` gives the packing of a (block,
+        head) for a block size, for caches whose layout names a ``packing``: pulls from engines of another block
+        size then read whole remote blocks into a staging area and regroup them (without it, such engines are
+        refused)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
-        self.read_timeout_s = read_timeout_s
-        self.confirm_timeout_s = confirm_timeout_s
+        self.options = options
+        self.read_timeout_s = options.read_timeout_s
+        self.confirm_timeout_s = options.confirm_timeout_s
         name = agent_name or f"{engine_id}-decode-tp{cache.layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.confirmations = LeaseConfirmations(name)
-        lanes = settings.read_lane_count if read_lanes is None else read_lanes
-        mode = push_mode(push, settings)  # a bad mode is refused before an agent is made
-        landed = not cache.place.is_host if push_staging is None else push_staging
+        settings = options.settings
+        lanes = options.lane_count
+        mode = options.push_mode
+        landed = not cache.place.is_host if options.push_staging is None else options.push_staging
         if not cache.place.is_host and not landed:
             mode = "off"
         self.pushes: PushOrders | None = None
@@ -139,29 +114,29 @@ class DecodeRank:
         if mode != "off":
             landing = None
             if landed:
-                landing = LandingArea(cache.tensors, landing_bytes=push_landing_bytes)
+                landing = LandingArea(cache.tensors, landing_bytes=options.push_landing_bytes)
                 self.agent.register_spans([landing.span], huge_pages=False)
             self.pushes = PushOrders(self.agent, engine_id, cache.layout.tp_rank, mode=mode, landing=landing)
         self.client = HandshakeClient(
             cache.layout.fingerprint,
-            secret=secret,
-            timeout_s=handshake_timeout_s,
-            failure_backoff_s=handshake_failure_backoff_s,  # a dead prefill's endpoint fails fast this long
+            secret=options.secret,
+            timeout_s=options.handshake_timeout_s,
+            failure_backoff_s=options.handshake_failure_backoff_s,  # a dead prefill's endpoint fails fast this long
             metrics=self.metrics,
-            prove_host=transport != "nixl",  # same-host prefills then send their IPC handles
+            prove_host=options.transport != "nixl",  # same-host prefills then send their IPC handles
         )
         self.remotes = RemoteEngines(
             self.agent,
             cache,
             self.client,
-            read_timeout_s=read_timeout_s,
-            min_direct_run_bytes=min_direct_run_bytes,
-            staging_bytes=staging_bytes,
+            read_timeout_s=options.read_timeout_s,
+            min_direct_run_bytes=options.min_direct_run_bytes,
+            staging_bytes=options.staging_bytes,
             packed_formats=packed_formats,
-            packed_staging_bytes=packed_staging_bytes,
+            packed_staging_bytes=options.packed_staging_bytes,
             metrics=self.metrics,
             on_connected=None if self.pushes is None else self.pushes.offer,
-            transport=transport,
+            transport=options.transport,
         )
         self._not_served: dict[tuple[str, int, str], float] = {}  # (host, port, engine id) -> asked again after
         self._not_served_lock = threading.Lock()
@@ -173,15 +148,15 @@ class DecodeRank:
             self.agent,
             cache,
             planes,
-            pipeline_groups=pipeline_groups,
+            pipeline_groups=options.pipeline_groups,
             done_message=self.reports.read_done,
             pushes=self.pushes,
-            staged_jobs_per_lane=staged_jobs_per_lane,
+            staged_jobs_per_lane=options.staged_jobs_per_lane,
             scratch_reads=self.remotes.one_unit_read_latencies,
         )
         ipc_reader = IpcReader(self.agent, cache, planes, tell_read=self.reports.tell_read)
         cma_reader = CmaReader(
-            self.agent, planes, threads=lanes, timeout_s=read_timeout_s, tell_read=self.reports.tell_read
+            self.agent, planes, threads=lanes, timeout_s=options.read_timeout_s, tell_read=self.reports.tell_read
         )
         #: The reader of each transport an engine may be connected with (chosen once, at its connect).
         self.readers: dict[Transport, Reader] = {

@@ -25,19 +25,18 @@ from typing import Protocol
 from pd_transfer.affinity import unpinning
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.push_staging import DEFAULT_PUSH_CHUNK_BYTES, PushStager
+from pd_transfer.connector.push_staging import PushStager
 from pd_transfer.handshake.messages import EngineMetadata, RankIpc, RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.same_host import export_cache
-from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
-from pd_transfer.transfer.tcp import push_mode
 
 from .leases import Freed, LeaseLedger, Reply
+from .options import PrefillOptions
 from .pushes import PushWriter
 
 logger = logging.getLogger(__name__)
@@ -68,30 +67,25 @@ class PrefillRank:
         self,
         engine_id: str,
         cache: KVCache,
+        options: PrefillOptions,
         *,
         on_release: ReleaseHandler | None = None,
         agent_name: str | None = None,
-        lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         metrics: TransferMetrics | None = None,
-        push: str | None = None,
-        settings: Settings = DEFAULTS,
-        offer_ipc: bool = True,
-        push_staging: bool | None = None,
-        push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES,
     ) -> None:
-        """``push``: write for decode ranks that ask (:mod:`.pushes`) unless the push mode is "off" (``push`` if
-        given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``push_staging``: push through a
-        host staging pool of chunks of ``push_chunk_bytes`` (:mod:`pd_transfer.connector.push_staging`); None: where the
-        cache is on a GPU; True on a host cache too (tests); False: a GPU cache is not pushed. ``settings``: the agent's
-        (and its writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host decodes through
-        IPC where it can be shared."""
-        accepting = push_mode(push, settings) != "off"  # a bad mode is refused before an agent is made
+        """``options``: every knob of the rank (:class:`~.options.PrefillOptions`, built at the process's edge).
+        ``on_release``: called once per request when every expected reader has reported. ``agent_name``: its NIXL
+        agent's (default: the engine id, the rank and a random suffix). ``clock``: the leases' (``time.monotonic``).
+        ``metrics``: where it records (default: the process-wide ones)."""
+        settings = options.settings
+        accepting = options.push_mode != "off"  # a bad mode was refused when the options were made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
         self._on_release = on_release
-        self.ledger = LeaseLedger(lease_seconds, clock=clock)
+        self.options = options
+        self.ledger = LeaseLedger(options.lease_seconds, clock=clock)
         self._cond = threading.Condition()
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
         self._reply_metadata: dict[str, bytes] = {}  # reader agent -> its connection metadata
@@ -110,8 +104,8 @@ class PrefillRank:
             settings=settings,
         )
         self.agent.register_regions(cache.regions)
-        staged = not cache.place.is_host if push_staging is None else push_staging
-        stager = PushStager(cache.tensors, chunk_bytes=push_chunk_bytes) if staged and accepting else None
+        staged = not cache.place.is_host if options.push_staging is None else options.push_staging
+        stager = PushStager(cache.tensors, chunk_bytes=options.push_chunk_bytes) if staged and accepting else None
         self.pushes = PushWriter(
             self.agent,
             self.ledger,
@@ -122,7 +116,7 @@ class PrefillRank:
             accepting=accepting and (cache.place.is_host or stager is not None),
             staging=stager,
         )
-        self.ipc = self._export(cache) if offer_ipc else None
+        self.ipc = self._export(cache) if options.offer_ipc else None
 
     def _export(self, cache: KVCache) -> RankIpc | None:
         """The cache's IPC handles, or None (logged with why: where a GPU cache cannot be shared, at info)."""
