@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.spec import HOST, MemoryPlace
 
 from .native import NixlRegDList, make_nixl_agent
@@ -43,7 +43,7 @@ class NixlSession:
     ``settings``: the CPUs of NIXL's progress thread, whether NIXL's Python logger is quieted.
     """
 
-    def __init__(self, name: str, *, progress_thread_wait_ms: int = 0, settings: Settings = DEFAULTS) -> None:
+    def __init__(self, name: str, *, settings: Settings, progress_thread_wait_ms: int = 0) -> None:
         self.name = name
         self.lock = threading.RLock()
         self._agent = make_nixl_agent(

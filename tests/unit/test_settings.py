@@ -4,6 +4,7 @@ the process environment (ruff's TID251, shown failing on a read planted in a cop
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import re
@@ -288,3 +289,42 @@ def test_the_settings_command_prints_them_resolved_and_refuses_a_bad_one(
     monkeypatch.setenv("PD_TRANSFER_READ_LANES", "many")
     assert main(["settings"]) == 2
     assert "PD_TRANSFER_READ_LANES must be a number, not 'many'" in capsys.readouterr().err
+
+
+#: Where a process's settings are read (its edges: the CLI, the stand-ins' and benchmarks' entry points) and
+#: ``settings.py`` itself; every other package gets them handed down.
+EDGES = ("cli.py", "settings.py", "sim/", "bench/")
+
+
+def settings_defaults(package: Path) -> list[str]:
+    """``path:line name`` of every parameter annotated ``Settings`` (or ``Settings | None``) that has a default, in
+    the product packages below the edges: a caller that forgot to hand the process's settings down would silently run
+    on defaults there."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if relative.startswith(EDGES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            arguments = node.args
+            positional = arguments.posonlyargs + arguments.args
+            pairs = list(zip(positional[len(positional) - len(arguments.defaults) :], arguments.defaults, strict=True))
+            pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True) if d is not None]
+            for argument, _ in pairs:
+                if argument.annotation is not None and "Settings" in ast.unparse(argument.annotation):
+                    found.append(f"{relative}:{node.lineno} {node.name}({argument.arg})")
+    return found
+
+
+def test_no_product_signature_defaults_the_settings() -> None:
+    """Settings are read once at a process's edge and handed down: below the edges a ``settings`` parameter has no
+    default (``settings: Settings = DEFAULTS`` would turn a missing hand-down into a process running on defaults)."""
+    assert settings_defaults(PACKAGE) == []
+
+
+def test_a_settings_default_planted_below_the_edge_is_found(package_copy: Path) -> None:
+    target = package_copy / "pd_transfer" / "connector" / "cache.py"
+    target.write_text(target.read_text() + "\n\ndef planted(settings: Settings = DEFAULTS) -> None:\n    pass\n")
+    assert [hit.split(":")[0] for hit in settings_defaults(package_copy / "pd_transfer")] == ["connector/cache.py"]
