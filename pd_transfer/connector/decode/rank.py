@@ -49,6 +49,7 @@ from pd_transfer.spec import Transport, TransportSetting
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_mode
 
@@ -133,7 +134,9 @@ class DecodeRank:
         if not cache.place.is_host and not landed:
             mode = "off"
         self.pushes: PushOrders | None = None
-        self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes, settings=settings)
+        self.agent: Agent = TransferAgent(
+            name, on_notification=self._on_notification, read_lanes=lanes, settings=settings
+        )
         reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
         if mode != "off":

@@ -48,6 +48,7 @@ from pd_transfer.connector.push_plans import MAX_PUSH_ROWS, PushPlanError, check
 from pd_transfer.connector.push_staging import PushStager, StagedChunk
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.agent import DescriptorList, TransferAgent
+from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import TransferError
 
 from .leases import Freed, LeaseLedger
@@ -82,7 +83,7 @@ class PushWriter:
 
     def __init__(
         self,
-        owner: TransferAgent,
+        owner: Agent,
         ledger: LeaseLedger,
         tp_rank: int,
         spans: list[tuple[int, int]],
@@ -97,7 +98,7 @@ class PushWriter:
         self.owner = owner
         self.staging = staging
         self.accepting = accepting  # False: every setup is refused (push mode "off" on the prefill)
-        self._writer: TransferAgent | None = None  # made on the first setup, on the writer thread
+        self._writer: Agent | None = None  # made on the first setup, on the writer thread
         self.ledger = ledger
         self.tp_rank = tp_rank
         self.spans = spans
@@ -145,7 +146,7 @@ class PushWriter:
                 self._queued -= 1
 
     # ------------------------------------------------------------------ setup
-    def _writer_agent(self) -> TransferAgent:
+    def _writer_agent(self) -> Agent:
         """The agent that writes (and answers), with the cache registered: made once."""
         if self._writer is None:
             writer = TransferAgent(f"{self.owner.name}-push", settings=self.owner.settings)
@@ -205,7 +206,7 @@ class PushWriter:
         except TransferError as error:
             logger.info("prefill %s: could not refuse the push setup of %s: %s", self.owner.name, peer, error)
 
-    def _make_reader(self, peer: str, setup: messages.PushSetup, writer: TransferAgent) -> _Reader:
+    def _make_reader(self, peer: str, setup: messages.PushSetup, writer: Agent) -> _Reader:
         plan = plan_from_wire(setup.plan)
         if plan.remote_rank != self.tp_rank:
             raise PushPlanError(f"the plan is for prefill rank {plan.remote_rank}, this is rank {self.tp_rank}")
@@ -271,7 +272,7 @@ class PushWriter:
     def _write_staged(
         self,
         peer: str,
-        writer: TransferAgent,
+        writer: Agent,
         reader: _Reader,
         our_rows: np.ndarray,
         their_rows: np.ndarray,

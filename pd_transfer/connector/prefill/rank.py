@@ -33,6 +33,7 @@ from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.same_host import export_cache
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
 from pd_transfer.transfer.tcp import push_mode
@@ -103,7 +104,7 @@ class PrefillRank:
         self.confirms_sent = 0
         self.confirms_failed = 0
         rank = cache.layout.tp_rank
-        self.agent = TransferAgent(
+        self.agent: Agent = TransferAgent(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
             serves_reads=True,
