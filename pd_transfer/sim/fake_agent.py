@@ -40,14 +40,6 @@ from pd_transfer.transfer.lanes import LaneRead
 
 logger = logging.getLogger(__name__)
 
-#: The names the connector makes its NIXL agents by (``module.attribute``): a test replaces each with
-#: :class:`FakeAgent` (or a ``functools.partial`` of it with its own fabric).
-AGENT_CONSTRUCTORS = (
-    "pd_transfer.connector.decode.rank.TransferAgent",
-    "pd_transfer.connector.prefill.rank.TransferAgent",
-    "pd_transfer.connector.prefill.pushes.TransferAgent",
-)
-
 T = TypeVar("T")
 Spans = list[tuple[int, int]]  # (start, end) byte addresses, sorted, merged
 

@@ -48,8 +48,8 @@ from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import Transport, TransportSetting
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
-from pd_transfer.transfer.agent import TransferAgent
-from pd_transfer.transfer.agent_protocol import Agent
+from pd_transfer.transfer.agent import NIXL_AGENTS
+from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_mode
 
@@ -104,6 +104,7 @@ class DecodeRank:
         transport: TransportSetting = "auto",
         push_staging: bool | None = None,
         push_landing_bytes: int = DEFAULT_LANDING_BYTES,
+        agent_factory: AgentFactory = NIXL_AGENTS,
     ) -> None:
         """``staging_bytes``: each slot group of the staging area for plans that fix layouts up, the chunk a read
         lane reads and restages at a time (0: in place);
@@ -120,7 +121,8 @@ class DecodeRank:
         cache is on a GPU; True on a host cache too (tests); False: a GPU cache is never pushed to. ``settings``: the
         agent's and its lanes', the CPUs of the rank's threads. ``transport``: "auto" (same-host IPC with engines that
         offer it, else NIXL), "nixl", "ipc" (engines that cannot be read through IPC are refused; see
-        :mod:`.transport_choice`)."""
+        :mod:`.transport_choice`). ``agent_factory``: makes the rank's agent (NIXL agents unless the caller hands in
+        others: a fake fabric's in unit tests)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -134,7 +136,7 @@ class DecodeRank:
         if not cache.place.is_host and not landed:
             mode = "off"
         self.pushes: PushOrders | None = None
-        self.agent: Agent = TransferAgent(
+        self.agent: Agent = agent_factory(
             name, on_notification=self._on_notification, read_lanes=lanes, settings=settings
         )
         reply_to = self.agent.connection_metadata

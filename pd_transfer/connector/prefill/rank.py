@@ -32,8 +32,8 @@ from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.same_host import export_cache
 from pd_transfer.settings import DEFAULTS, Settings
-from pd_transfer.transfer.agent import TransferAgent
-from pd_transfer.transfer.agent_protocol import Agent
+from pd_transfer.transfer.agent import NIXL_AGENTS
+from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
 from pd_transfer.transfer.tcp import push_mode
@@ -80,13 +80,15 @@ class PrefillRank:
         offer_ipc: bool = True,
         push_staging: bool | None = None,
         push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES,
+        agent_factory: AgentFactory = NIXL_AGENTS,
     ) -> None:
         """``push``: write for decode ranks that ask (:mod:`.pushes`) unless the push mode is "off" (``push`` if
         given, else ``settings.push``: :func:`~pd_transfer.transfer.tcp.push_mode`). ``push_staging``: push through a
         host staging pool of chunks of ``push_chunk_bytes`` (:mod:`pd_transfer.connector.push_staging`); None: where the
         cache is on a GPU; True on a host cache too (tests); False: a GPU cache is not pushed. ``settings``: the agent's
         (and its writer's), the CPUs of the rank's threads. ``offer_ipc``: offer the cache to same-host decodes through
-        IPC where it can be shared."""
+        IPC where it can be shared. ``agent_factory``: makes the rank's agent and its writer's (NIXL agents unless the
+        caller hands in others: a fake fabric's in unit tests)."""
         accepting = push_mode(push, settings) != "off"  # a bad mode is refused before an agent is made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
@@ -104,7 +106,7 @@ class PrefillRank:
         self.confirms_sent = 0
         self.confirms_failed = 0
         rank = cache.layout.tp_rank
-        self.agent: Agent = TransferAgent(
+        self.agent: Agent = agent_factory(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
             serves_reads=True,
@@ -122,6 +124,7 @@ class PrefillRank:
             on_freed=self._freed_by_unpin,
             accepting=accepting and (cache.place.is_host or stager is not None),
             staging=stager,
+            agent_factory=agent_factory,
         )
         self.ipc = self._export(cache) if offer_ipc else None
 
