@@ -22,6 +22,7 @@ from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, env
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.transfer.agent import TransferAgent
 from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, resident_huge_page_bytes, thp_mode
 
 
@@ -278,6 +279,7 @@ def run(
         scratch = KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages)
         try:
             decode.agent.lanes_ready.wait(30.0)  # made in the background; a server's first pulls may go without
+            assert isinstance(decode.agent, TransferAgent)  # the default factory's; huge pages are a NIXL agent's
             decode.agent.huge_pages.wait(60.0)  # likewise: reads before it are correct, only slower
             started = time.perf_counter()
             decode.connect(prefill.host, prefill.port)

@@ -41,6 +41,8 @@ from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.settings import Settings
 from pd_transfer.topology.packed import PackedBlockFormat
+from pd_transfer.transfer.agent import NIXL_AGENTS
+from pd_transfer.transfer.agent_protocol import AgentFactory
 from pd_transfer.transfer.errors import TransferError
 
 from .cache import KVCache
@@ -77,19 +79,24 @@ class WorkerSide:
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         metrics: TransferMetrics | None = None,
         settings: Settings,
+        agent_factory: AgentFactory = NIXL_AGENTS,
     ) -> None:
         """``packed_formats``: for caches with a ``packing``, the (block, head) packing of a block size
         (see :class:`DecodeRank`), so that engines of other block sizes can be read. ``metrics``: where the
         decode side records (default: the process-wide ones). ``settings``: the process's (read at its edge), handed
-        to both ranks; the push mode both follow is ``config.push``, else ``settings.push``."""
+        to both ranks; the push mode both follow is ``config.push``, else ``settings.push``. ``agent_factory``: makes
+        both ranks' agents (NIXL agents unless the caller hands in others)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self._packed_formats = packed_formats
         self.cache = cache
         self.config = config
         self.settings = settings
+        self._agent_factory = agent_factory
         self.rank = cache.layout.tp_rank
-        self.prefill = PrefillRank(engine_id, cache, PrefillOptions.from_config(config, settings), clock=clock)
+        self.prefill = PrefillRank(
+            engine_id, cache, PrefillOptions.from_config(config, settings), clock=clock, agent_factory=agent_factory
+        )
         self._computed: ReadyEvent | None = None  # the latest step's "KV written" event (GPU engines)
         self._decode: DecodeRank | None = None
         self._decode_lock = threading.Lock()
@@ -123,6 +130,7 @@ class WorkerSide:
                     DecodeOptions.from_config(self.config, self.settings),
                     packed_formats=self._packed_formats,
                     metrics=self.metrics,
+                    agent_factory=self._agent_factory,
                 )
             return self._decode
 

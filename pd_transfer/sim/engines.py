@@ -30,6 +30,8 @@ from pd_transfer.metrics import TransferMetrics
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
+from pd_transfer.transfer.agent import NIXL_AGENTS
+from pd_transfer.transfer.agent_protocol import AgentFactory
 
 _READY_TIMEOUT_S = 120.0
 _REPLY_TIMEOUT_S = 60.0
@@ -67,9 +69,10 @@ def _scribble(caches: Sequence[KVCache], block_ids: Sequence[int]) -> None:
 
 
 class _PrefillEngine:
-    """One prefill engine as its scheduler and workers see it, with the child process's ``settings``."""
+    """One prefill engine as its scheduler and workers see it, with the child process's ``settings``, its workers'
+    agents made by ``agent_factory``."""
 
-    def __init__(self, spec: EngineSpec, settings: Settings) -> None:
+    def __init__(self, spec: EngineSpec, settings: Settings, agent_factory: AgentFactory = NIXL_AGENTS) -> None:
         from pd_transfer.connector.scheduler import SchedulerSide
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 
@@ -79,7 +82,10 @@ class _PrefillEngine:
             side_channel_host="127.0.0.1", side_channel_port=spec.side_channel_port, lease_seconds=spec.lease_seconds
         )
         self.block_size = spec.layouts[0].block_size
-        sides = [WorkerSide(spec.engine_id, cache, config, settings=settings) for cache in self.caches]
+        sides = [
+            WorkerSide(spec.engine_id, cache, config, settings=settings, agent_factory=agent_factory)
+            for cache in self.caches
+        ]
         self.ledgers: list[LeaseLedger] = [side.prefill.ledger for side in sides]  # looked at, never driven
         self.workers: list[WorkerContract] = list(sides)
         self.scheduler: SchedulerContract = SchedulerSide(
@@ -225,14 +231,17 @@ class PrefillEngines(ChildProcess):
 class LocalPrefillEngines:
     """The engines of :class:`PrefillEngines` in this process, behind the same methods: for tests whose agents are
     in-process fakes (:mod:`pd_transfer.sim.fake_agent`), where a child's real agents could not reach them. Use as a
-    context manager. ``settings``: the engines' (default: the defaults, whatever this process's environment says)."""
+    context manager. ``settings``: the engines' (default: the defaults, whatever this process's environment says).
+    ``agent_factory``: makes the engines' agents (a fake fabric's, for the tests this class is for)."""
 
-    def __init__(self, specs: Sequence[EngineSpec], settings: Settings = DEFAULTS) -> None:
+    def __init__(
+        self, specs: Sequence[EngineSpec], settings: Settings = DEFAULTS, *, agent_factory: AgentFactory = NIXL_AGENTS
+    ) -> None:
         self.specs = {spec.engine_id: spec for spec in specs}
         self._engines: dict[str, _PrefillEngine] = {}
         try:
             for spec in specs:
-                self._engines[spec.engine_id] = _PrefillEngine(spec, settings)
+                self._engines[spec.engine_id] = _PrefillEngine(spec, settings, agent_factory)
         except BaseException:
             self.close()
             raise
@@ -295,7 +304,8 @@ class Received:
 
 
 class DecodeEngine:
-    """A decode engine in this process: a scheduler side, one worker per layout, an aggregator."""
+    """A decode engine in this process: a scheduler side, one worker per layout (their agents made by
+    ``agent_factory``), an aggregator."""
 
     def __init__(
         self,
@@ -306,6 +316,7 @@ class DecodeEngine:
         *,
         metrics: TransferMetrics | None = None,
         settings: Settings = DEFAULTS,
+        agent_factory: AgentFactory = NIXL_AGENTS,
     ):
         from pd_transfer.connector.scheduler import SchedulerSide
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
@@ -315,7 +326,8 @@ class DecodeEngine:
         self.num_blocks = num_blocks
         self._caches = [KVCache.allocate(layout, num_blocks, huge_pages=settings.own_huge_pages) for layout in layouts]
         self.workers: list[WorkerContract] = [
-            WorkerSide(engine_id, cache, config, metrics=metrics, settings=settings) for cache in self._caches
+            WorkerSide(engine_id, cache, config, metrics=metrics, settings=settings, agent_factory=agent_factory)
+            for cache in self._caches
         ]
         self.scheduler: SchedulerContract = SchedulerSide(
             config, engine_id=engine_id, block_size=self.block_size, tp_size=len(layouts)

@@ -1,4 +1,5 @@
-"""An in-process stand-in for :class:`pd_transfer.transfer.agent.TransferAgent`: its public methods, without NIXL.
+"""An in-process stand-in for :class:`pd_transfer.transfer.agent.TransferAgent`: an
+:class:`~pd_transfer.transfer.agent_protocol.Agent` without NIXL.
 
 For unit tests of the connector's logic (plans, read indices, leases, confirmations, push) with the prefill and the
 decode in one process: reads and writes copy bytes between registered host memory with ``ctypes.memmove``, and
@@ -11,8 +12,9 @@ be added before rows of it are prepared, and a peer whose agent is closed is dis
 (:class:`~pd_transfer.transfer.PeerDisconnected`).
 
 Agents find each other in a :class:`FakeFabric` by the name their metadata carries (``DEFAULT_FABRIC`` unless one is
-given). Where the connector makes its agents, tests put this class in place of ``TransferAgent``:
-:data:`AGENT_CONSTRUCTORS` names those places. Nothing in production imports this module.
+given). Tests hand a fabric's :meth:`FakeFabric.new_agent` to what makes the connector's agents, as its
+``agent_factory`` (an :class:`~pd_transfer.transfer.agent_protocol.AgentFactory`, which mypy checks here:
+:data:`DEFAULT_FAKE_AGENTS`). Nothing in production imports this module.
 """
 
 from __future__ import annotations
@@ -32,19 +34,12 @@ import numpy as np
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 from pd_transfer.transfer import PeerDisconnected, ReadStats, TransferError, UnknownPeer
-from pd_transfer.transfer.dlists import nothing_to_move
+from pd_transfer.transfer.agent_protocol import AgentFactory, NotificationHandler
+from pd_transfer.transfer.dlists import DescriptorList, nothing_to_move
+from pd_transfer.transfer.lanes import LaneRead
 
 logger = logging.getLogger(__name__)
 
-#: The names the connector makes its NIXL agents by (``module.attribute``): a test replaces each with
-#: :class:`FakeAgent` (or a ``functools.partial`` of it with its own fabric).
-AGENT_CONSTRUCTORS = (
-    "pd_transfer.connector.decode.rank.TransferAgent",
-    "pd_transfer.connector.prefill.rank.TransferAgent",
-    "pd_transfer.connector.prefill.pushes.TransferAgent",
-)
-
-NotificationHandler = Callable[[str, bytes], None]
 T = TypeVar("T")
 Spans = list[tuple[int, int]]  # (start, end) byte addresses, sorted, merged
 
@@ -101,28 +96,32 @@ class FakeFabric:
         with self._lock:
             return self._agents.get(name)
 
+    def new_agent(
+        self,
+        name: str,
+        *,
+        on_notification: NotificationHandler | None = None,
+        read_lanes: int = 1,
+        serves_reads: bool = False,
+        settings: Settings = DEFAULTS,
+    ) -> FakeAgent:
+        """A :class:`FakeAgent` on this fabric, made as an agent factory makes one (read lanes and serving are
+        accepted and ignored): what tests hand in as ``agent_factory``."""
+        return FakeAgent(
+            name,
+            on_notification=on_notification,
+            read_lanes=read_lanes,
+            serves_reads=serves_reads,
+            settings=settings,
+            fabric=self,
+        )
+
 
 DEFAULT_FABRIC = FakeFabric()
 
 
-class FakeDescriptorList:
-    """Prepared rows of one side of transfers (``peer`` "" for the local side), as ``DescriptorList``."""
-
-    def __init__(self, agent: FakeAgent, peer: str, rows: np.ndarray) -> None:
-        self._agent = agent
-        self.peer = peer
-        self.rows = rows
-        self.num_rows = int(rows.shape[0])
-        self.row_lengths = rows[:, 1].astype(np.int64, copy=True)
-        self.lane_lists: list[FakeDescriptorList] = []  # a fake agent has no read lanes
-        self.released = False
-
-    def release(self) -> None:
-        self._agent.release_dlist(self)
-
-
 class FakeAgent:
-    """``TransferAgent``'s public interface over plain memory copies. The constructor takes the real one's arguments
+    """The agent interface (``Agent``) over plain memory copies. The constructor takes ``TransferAgent``'s arguments
     (read lanes, polling and serving settings are accepted and ignored) and a ``fabric`` to join."""
 
     def __init__(
@@ -152,7 +151,7 @@ class FakeAgent:
         self._registrations: dict[int, Spans] = {}  # registration id -> its spans
         self._next_registration = 0
         self._peers: dict[str, Spans] = {}  # peer name -> the memory its metadata named
-        self._dlists: list[FakeDescriptorList] = []
+        self._dlists: list[DescriptorList] = []
         self._inbox: deque[tuple[str, bytes]] = deque()
         self._arrived = threading.Condition()
         self._delivering = threading.Lock()  # one delivery at a time, in order of arrival
@@ -230,12 +229,12 @@ class FakeAgent:
             return peer in self._peers
 
     # ------------------------------------------------------------------ descriptor lists
-    def prepare_local(self, rows: np.ndarray, place: MemoryPlace = HOST) -> FakeDescriptorList:
+    def prepare_local(self, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
         """Prepare local rows (N x 3 uint64: address, length, 0) inside registered host memory."""
         _host_only(self.name, place)
         return self._prepare("", rows, self.registered_spans())
 
-    def prepare_remote(self, peer: str, rows: np.ndarray, place: MemoryPlace = HOST) -> FakeDescriptorList:
+    def prepare_remote(self, peer: str, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
         """Prepare rows of a peer's host memory (as its metadata named it)."""
         _host_only(self.name, place)
         with self._lock:
@@ -244,7 +243,7 @@ class FakeAgent:
             raise UnknownPeer(f"agent {self.name}: no peer {peer!r}; add it first")
         return self._prepare(peer, rows, spans)
 
-    def _prepare(self, peer: str, rows: np.ndarray, spans: Spans) -> FakeDescriptorList:
+    def _prepare(self, peer: str, rows: np.ndarray, spans: Spans) -> DescriptorList:
         rows = np.ascontiguousarray(rows, dtype=np.uint64)
         if rows.ndim != 2 or rows.shape[1] != 3 or rows.shape[0] == 0:
             raise ValueError(f"descriptor rows must be a non-empty N x 3 array, got shape {rows.shape}")
@@ -255,12 +254,12 @@ class FakeAgent:
                 f"agent {self.name}: preparing {rows.shape[0]} descriptors of {where} failed: {outside} rows lie"
                 " outside registered memory"
             )
-        dlist = FakeDescriptorList(self, peer, rows)
+        dlist = DescriptorList(self, None, peer, rows)  # no NIXL handle: the fake copies by the rows
         with self._lock:
             self._dlists.append(dlist)
         return dlist
 
-    def release_dlist(self, dlist: FakeDescriptorList) -> None:
+    def release_dlist(self, dlist: DescriptorList) -> None:
         with self._lock:
             dlist.released = True
             if dlist in self._dlists:
@@ -269,9 +268,9 @@ class FakeAgent:
     # ------------------------------------------------------------------ reads and writes
     def read(
         self,
-        local: FakeDescriptorList,
+        local: DescriptorList,
         local_indices: np.ndarray,
-        remote: FakeDescriptorList,
+        remote: DescriptorList,
         remote_indices: np.ndarray,
         *,
         notification: bytes = b"",
@@ -283,9 +282,9 @@ class FakeAgent:
 
     def read_whole(
         self,
-        local: FakeDescriptorList,
+        local: DescriptorList,
         local_indices: np.ndarray,
-        remote: FakeDescriptorList,
+        remote: DescriptorList,
         remote_indices: np.ndarray,
         notification: bytes,
         timeout_s: float,
@@ -293,21 +292,21 @@ class FakeAgent:
         """:meth:`read` (a fake agent never splits a read)."""
         return self._transfer("read", local, local_indices, remote, remote_indices, notification)
 
-    def lanes_for(self, lists: Iterable[FakeDescriptorList]) -> int:
+    def lanes_for(self, lists: Iterable[DescriptorList]) -> int:
         """1: no list is read on lanes."""
         return 1
 
     def run_on_lanes(
-        self, jobs: Sequence[Callable[[Callable[..., ReadStats]], T]], timeout_s: float, *, lanes: int | None = None
+        self, jobs: Sequence[Callable[[LaneRead], T]], timeout_s: float, *, lanes: int | None = None
     ) -> list[T]:
         """The one job of ``jobs``, on this thread, reading with :meth:`read_whole` (``ValueError`` for more)."""
         if len(jobs) != 1:
             raise ValueError(f"{len(jobs)} jobs, but fake agent {self.name} has no read lanes")
 
         def read(
-            local: FakeDescriptorList,
+            local: DescriptorList,
             mine: np.ndarray,
-            remote: FakeDescriptorList,
+            remote: DescriptorList,
             theirs: np.ndarray,
             timeout_s: float,
         ) -> ReadStats:
@@ -317,9 +316,9 @@ class FakeAgent:
 
     def write(
         self,
-        local: FakeDescriptorList,
+        local: DescriptorList,
         local_indices: np.ndarray,
-        remote: FakeDescriptorList,
+        remote: DescriptorList,
         remote_indices: np.ndarray,
         *,
         notification: bytes = b"",
@@ -331,9 +330,9 @@ class FakeAgent:
     def _transfer(
         self,
         verb: str,
-        local: FakeDescriptorList,
+        local: DescriptorList,
         local_indices: np.ndarray,
-        remote: FakeDescriptorList,
+        remote: DescriptorList,
         remote_indices: np.ndarray,
         notification: bytes,
     ) -> ReadStats:
@@ -464,3 +463,8 @@ def _host_only(agent: str, place: MemoryPlace) -> None:
     """A fake agent moves host memory with ``ctypes.memmove``: anything else is refused, naming it."""
     if place != HOST:
         raise TransferError(f"agent {agent}: a fake agent moves host memory only, not {place}")
+
+
+#: Fake agents of :data:`DEFAULT_FABRIC`, as an agent factory: where mypy checks that :class:`FakeAgent` is an
+#: :class:`~pd_transfer.transfer.agent_protocol.Agent` (and the factory's arguments are the connector's).
+DEFAULT_FAKE_AGENTS: AgentFactory = DEFAULT_FABRIC.new_agent

@@ -19,9 +19,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 
+from .agent_protocol import AgentFactory, NotificationHandler
 from .dlists import DescriptorList, merged_spans, nothing_to_move
 from .errors import TransferError, TransferTimeout, UnknownPeer
 from .huge_pages import HugePageCollapser
@@ -33,12 +34,11 @@ from .session import LOCAL, NixlSession, nixl_memory_type
 
 logger = logging.getLogger(__name__)
 
-NotificationHandler = Callable[[str, bytes], None]
 T = TypeVar("T")
 
 
 class TransferAgent:
-    """A NIXL agent without NIXL's busy progress thread.
+    """A NIXL agent without NIXL's busy progress thread (an :class:`~.agent_protocol.Agent`).
 
     ``serves_reads``: peers read from this agent (a prefill rank's); it then runs NIXL's progress thread woken by
     UCX's events (``native_progress_ms``: its longest wait, 0 when off; see :mod:`.progress`), which serves reads
@@ -58,7 +58,7 @@ class TransferAgent:
         read_lanes: int = 1,
         split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
         serves_reads: bool = False,
-        settings: Settings = DEFAULTS,
+        settings: Settings,
     ) -> None:
         self.name = name
         self.settings = settings
@@ -553,3 +553,9 @@ class TransferAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The agents of production: what the connector's ranks make their agents with unless handed another factory.
+#: Typed as an :class:`~.agent_protocol.AgentFactory`, so that mypy checks :class:`TransferAgent` against the
+#: agent interface here.
+NIXL_AGENTS: AgentFactory = TransferAgent

@@ -30,6 +30,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from pd_transfer.affinity import CpuSet, unpinning
+from pd_transfer.spec import HOST, MemoryPlace
 
 from .dlists import DescriptorList
 from .errors import PeerDisconnected, TransferError, TransferTimeout
@@ -57,22 +58,32 @@ T = TypeVar("T")
 class LaneAgent(Protocol):
     """What the lanes need of an agent (each lane, and their owner, is a :class:`~.agent.TransferAgent`): a lane
     mirrors the owner and reads a part; the owner reads the first part itself, as one READ (``read_whole``), and
-    notifies the peer once every part is done."""
+    notifies the peer once every part is done. The agent interface the connector uses,
+    :class:`~.agent_protocol.Agent`, extends it."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The agent's name, as its peers know it."""
 
-    def register_spans(self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None) -> object: ...
+    def register_spans(
+        self, spans: Sequence[tuple[int, int]], *, huge_pages: bool | None = None, place: MemoryPlace = HOST
+    ) -> object:
+        """Register memory at ``place`` given as (start, end) byte addresses; returns the registration."""
 
-    def deregister(self, registration: object) -> None: ...
+    def deregister(self, registration: object) -> None:
+        """Release a registration ``register_spans`` returned."""
 
-    def add_peer(self, agent_metadata: bytes) -> str: ...
+    def add_peer(self, agent_metadata: bytes) -> str:
+        """Load a peer's metadata; returns its name. Re-adding a known peer refreshes it."""
 
-    def remove_peer(self, peer: str) -> None: ...
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer and release every descriptor list prepared for it."""
 
-    def prepare_local(self, rows: np.ndarray) -> DescriptorList: ...
+    def prepare_local(self, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
+        """Prepare local rows (N x 3 uint64: address, length, device) inside registered memory at ``place``."""
 
-    def prepare_remote(self, peer: str, rows: np.ndarray) -> DescriptorList: ...
+    def prepare_remote(self, peer: str, rows: np.ndarray, place: MemoryPlace = HOST) -> DescriptorList:
+        """Prepare rows of an added peer's registered memory at ``place`` (``UnknownPeer`` for one not added)."""
 
     def read(
         self,
@@ -83,7 +94,10 @@ class LaneAgent(Protocol):
         *,
         notification: bytes = b"",
         timeout_s: float = 30.0,
-    ) -> ReadStats: ...
+    ) -> ReadStats:
+        """Pull ``remote[remote_indices[i]]`` into ``local[local_indices[i]]`` for every i; blocks until done, then
+        ``notification`` reaches the peer. Raises ``TransferTimeout`` past ``timeout_s``, ``PeerDisconnected``
+        when the peer is gone, ``TransferError`` otherwise."""
 
     def read_whole(
         self,
@@ -93,11 +107,14 @@ class LaneAgent(Protocol):
         remote_indices: np.ndarray,
         notification: bytes,
         timeout_s: float,
-    ) -> ReadStats: ...
+    ) -> ReadStats:
+        """``read`` as one READ on this agent, never split over lanes."""
 
-    def notify(self, peer: str, payload: bytes) -> None: ...
+    def notify(self, peer: str, payload: bytes) -> None:
+        """Send ``payload`` to an added peer (not bound to a transfer)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release everything the agent holds; idempotent."""
 
 
 def split_rows(lengths: np.ndarray, parts: int) -> list[slice]:

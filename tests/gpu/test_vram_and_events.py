@@ -38,7 +38,10 @@ def test_gpu_memory_is_registered_as_vram_and_read_between_agents() -> None:
     source = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
     target = torch.zeros_like(source)
     row = 4096 * 4  # bytes
-    with TransferAgent("vram-source", serves_reads=True) as owner, TransferAgent("vram-reader") as reader:
+    with (
+        TransferAgent("vram-source", serves_reads=True, settings=DEFAULTS) as owner,
+        TransferAgent("vram-reader", settings=DEFAULTS) as reader,
+    ):
         owner.register_spans([(source.data_ptr(), source.data_ptr() + source.numel() * 4)], place=place)
         reader.register_spans([(target.data_ptr(), target.data_ptr() + target.numel() * 4)], place=place)
         peer = reader.add_peer(owner.metadata)

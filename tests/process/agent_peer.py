@@ -140,12 +140,13 @@ def serve_large(conn: multiprocessing.connection.Connection, words: int) -> None
     """Register ``words`` int32 words written on the allocator's small pages (so the agent's huge-page collapse
     has work to do while the parent reads), send (metadata, base address), then answer "collapse" with the
     collapse results and the bytes of the span now in huge pages once the collapse ended."""
+    from pd_transfer.settings import DEFAULTS
     from pd_transfer.transfer.agent import TransferAgent
     from pd_transfer.transfer.huge_pages import resident_huge_page_bytes
 
     memory = large_pattern(words)
     span = (memory.data_ptr(), memory.data_ptr() + memory.numel() * 4)
-    agent = TransferAgent("peer-large")
+    agent = TransferAgent("peer-large", settings=DEFAULTS)
     agent.register_spans([span], huge_pages=True)
     conn.send((agent.metadata, span[0]))
     while conn.poll(120):

@@ -1,5 +1,6 @@
 """Shared engines for the connector lifecycle tests: prefill engines in one child process (spawned once per
-session: a spawn costs seconds here), decode engines in the test process; real NIXL agents on both sides."""
+session: a spawn costs seconds here), decode engines in the test process; real NIXL agents on both sides
+(``agent_factory``: what a test hands the engines it makes itself; tests/unit/conftest.py's makes fakes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ import pytest
 from engine_specs import FINGERPRINT, decode_config, layouts, prefill_specs
 
 from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
+from pd_transfer.transfer.agent import NIXL_AGENTS
+from pd_transfer.transfer.agent_protocol import AgentFactory
+
+
+@pytest.fixture(scope="session")
+def agent_factory() -> AgentFactory:
+    """What makes the agents of the engines a test makes itself: NIXL agents."""
+    return NIXL_AGENTS
 
 
 @pytest.fixture(scope="session")

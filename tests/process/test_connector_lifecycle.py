@@ -17,6 +17,7 @@ from engine_specs import FINGERPRINT, ONE_HEAD, SHORT_LEASE_S, decode_config, la
 
 from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
 from pd_transfer.sim.verify import received_correctly
+from pd_transfer.transfer.agent_protocol import AgentFactory
 
 
 def _assert_freed(sent: dict, request_ids: list[str], status: str, ranks: int) -> None:
@@ -64,8 +65,10 @@ def test_heterogeneous_tp_prefill_2_to_decode_1(prefills: PrefillEngines, decode
     _assert_freed(prefills.wait_sending("p2", ["hetero-1"]), ["hetero-1"], "read", 2)
 
 
-def test_replicated_heads_the_unread_rank_is_released_too(prefills: PrefillEngines) -> None:
-    with DecodeEngine("d-one-head", layouts(ONE_HEAD, 1), 32, decode_config()) as decode:
+def test_replicated_heads_the_unread_rank_is_released_too(
+    prefills: PrefillEngines, agent_factory: AgentFactory
+) -> None:
+    with DecodeEngine("d-one-head", layouts(ONE_HEAD, 1), 32, decode_config(), agent_factory=agent_factory) as decode:
         out = prefills.prefill("prep", "rep-1", prompt_len=33)
         got = decode.receive("dec-rep-1", 33, out["params"])
         assert got.ok, got
@@ -119,9 +122,9 @@ def test_stale_read_after_the_lease_is_refused_and_never_used(
     assert prefills.state("pshort")["held_blocks"] == [0]
 
 
-def test_heartbeats_keep_a_queued_request_alive(prefills: PrefillEngines) -> None:
+def test_heartbeats_keep_a_queued_request_alive(prefills: PrefillEngines, agent_factory: AgentFactory) -> None:
     config = decode_config(lease_seconds=SHORT_LEASE_S, heartbeat_seconds=0.25)
-    with DecodeEngine("d-heartbeat", layouts(FINGERPRINT, 1), 16, config) as decode:
+    with DecodeEngine("d-heartbeat", layouts(FINGERPRINT, 1), 16, config, agent_factory=agent_factory) as decode:
         params = prefills.prefill("pshort", "beat-1", prompt_len=40)["params"]
         decode.scheduler.on_new_request("dec-beat-1", params, prompt_len=40)
         queued_until = time.monotonic() + 2 * SHORT_LEASE_S  # queued for two leases, the engine stepping

@@ -19,7 +19,7 @@ from agent_peer import large_pattern, serve_large
 from test_huge_page_advice import MIB, needs_thp, span_of
 
 from pd_transfer.connector.cache import zeroed_host_tensor
-from pd_transfer.settings import Settings
+from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.transfer import TransferAgent
 from pd_transfer.transfer.huge_pages import (
     resident_huge_page_bytes,
@@ -78,7 +78,7 @@ def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> N
     conn, child = context.Pipe()
     process = context.Process(target=serve_large, args=(child, words), daemon=True)
     process.start()
-    agent = TransferAgent("huge-pages-reader")
+    agent = TransferAgent("huge-pages-reader", settings=DEFAULTS)
     try:
         assert conn.poll(60), "the peer did not start in 60 s"
         metadata, remote_base = conn.recv()
@@ -130,7 +130,7 @@ def test_an_agent_with_the_switch_off_advises_and_collapses_nothing() -> None:
 def test_engine_memory_is_left_alone_by_default() -> None:
     """Memory pd-transfer did not allocate (an engine's) is registered as it is unless the mode is "all"."""
     memory = large_pattern(32 * MIB // 4)
-    agent = TransferAgent("huge-pages-default")
+    agent = TransferAgent("huge-pages-default", settings=DEFAULTS)
     try:
         agent.register_spans([span_of(memory)])
         assert agent.huge_pages.wait(10.0) and agent.huge_pages.results == []

@@ -13,7 +13,7 @@ import pytest
 import torch
 from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
 
-from pd_transfer.settings import SettingError, Settings
+from pd_transfer.settings import DEFAULTS, SettingError, Settings
 from pd_transfer.transfer import TransferAgent, TransferTimeout
 from pd_transfer.transfer.transports import ucx_transports
 
@@ -51,7 +51,7 @@ def _read_everything_from_unpolled_target(monkeypatch: pytest.MonkeyPatch, wait_
     env = {"UCX_TLS": "tcp,self", _ENV: wait_ms}
     with (
         served_peer(env, serves_reads=True, python_progress=False) as (_, metadata, bases),
-        TransferAgent("test-native-reader-tcp") as agent,
+        TransferAgent("test-native-reader-tcp", settings=DEFAULTS) as agent,
     ):
         order = list(range(NUM_REGIONS))
         tensors = read_whole_regions(agent, metadata, bases, order, timeout_s=timeout_s)

@@ -12,6 +12,7 @@ import torch
 from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern
 from test_transfer_agent import Peer, connect
 
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.spec import region_from_tensor
 from pd_transfer.transfer import PeerDisconnected, TransferAgent
 from pd_transfer.transfer.lanes import split_rows
@@ -22,7 +23,7 @@ ALL_ROWS = NUM_REGIONS * NUM_BLOCKS
 
 def _agent(split_min_bytes: int = 16 * BLOCK_BYTES) -> tuple[TransferAgent, list[torch.Tensor]]:
     tensors = [torch.full((NUM_BLOCKS, BLOCK_WORDS), -1, dtype=torch.int32) for _ in range(NUM_REGIONS)]
-    agent = TransferAgent("lanes-decode", read_lanes=2, split_min_bytes=split_min_bytes)
+    agent = TransferAgent("lanes-decode", read_lanes=2, split_min_bytes=split_min_bytes, settings=DEFAULTS)
     agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
     return agent, tensors
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from agent_peer import BLOCK_WORDS, NUM_BLOCKS, NUM_REGIONS, pattern, serve
 
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.spec import region_from_tensor
 from pd_transfer.transfer import DescriptorList, PeerDisconnected, TransferAgent, TransferError, TransferTimeout
 from pd_transfer.transfer.probe import peer_gone
@@ -68,7 +69,7 @@ def connect(
 @pytest.fixture
 def local() -> tuple[TransferAgent, list[torch.Tensor]]:
     tensors = [torch.full((NUM_BLOCKS, BLOCK_WORDS), -1, dtype=torch.int32) for _ in range(NUM_REGIONS)]
-    agent = TransferAgent("test-decode")
+    agent = TransferAgent("test-decode", settings=DEFAULTS)
     agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
     yield agent, tensors
     agent.close()
@@ -150,7 +151,7 @@ def test_read_against_frozen_tcp_peer_times_out(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("UCX_TLS", "tcp")
     peer = Peer(env={"UCX_TLS": "tcp"})
     tensors = [torch.zeros((NUM_BLOCKS, BLOCK_WORDS), dtype=torch.int32) for _ in range(NUM_REGIONS)]
-    agent = TransferAgent("test-decode-tcp")
+    agent = TransferAgent("test-decode-tcp", settings=DEFAULTS)
     try:
         agent.register_regions([region_from_tensor(t, layer=r, kinds=("k",)) for r, t in enumerate(tensors)])
         _, remote, local_list = connect(agent, peer, tensors)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
 
-from pd_transfer.settings import TCP_SEGMENT_ENV
+from pd_transfer.settings import DEFAULTS, TCP_SEGMENT_ENV
 from pd_transfer.transfer import TransferAgent
 from pd_transfer.transfer.transports import ucx_transports
 
@@ -31,7 +31,7 @@ def test_whole_regions_read_over_tcp_beside_a_peer_at_ucx_defaults(
         monkeypatch.setenv(key, value)
     with (
         served_peer({"UCX_TLS": "tcp,self", **target_env}) as (conn, metadata, bases),
-        TransferAgent("test-decode-tcp-segments") as agent,
+        TransferAgent("test-decode-tcp-segments", settings=DEFAULTS) as agent,
     ):
         order = list(reversed(range(NUM_REGIONS)))
         tensors = read_whole_regions(agent, metadata, bases, order, notification=b"whole", timeout_s=60)
@@ -58,7 +58,7 @@ def test_ucx_tcp_port_range_pins_the_listeners_a_firewall_must_open(
         monkeypatch.setenv(key, value)
     with (
         served_peer(env, serves_reads=True) as (conn, metadata, bases),
-        TransferAgent("test-decode-port-range") as agent,
+        TransferAgent("test-decode-port-range", settings=DEFAULTS) as agent,
     ):
         tensors = read_whole_regions(agent, metadata, bases, list(range(NUM_REGIONS)), timeout_s=60)
         assert all(torch.equal(tensor, pattern(region)) for region, tensor in enumerate(tensors))

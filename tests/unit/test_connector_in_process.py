@@ -43,11 +43,11 @@ from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.handshake import HandshakeServer
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
-from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout
 from pd_transfer.transfer import PeerDisconnected
+from pd_transfer.transfer.agent_protocol import AgentFactory
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,9 +61,9 @@ def _freed(prefills: LocalPrefillEngines, engine_id: str, request_ids: list[str]
 
 
 def test_two_decode_ranks_read_one_prefill_rank_and_both_report(
-    fake_agents: FakeFabric, prefills: LocalPrefillEngines
+    agent_factory: AgentFactory, prefills: LocalPrefillEngines
 ) -> None:
-    with DecodeEngine("d-tp2", layouts(FINGERPRINT, 2), 32, decode_config()) as decode:
+    with DecodeEngine("d-tp2", layouts(FINGERPRINT, 2), 32, decode_config(), agent_factory=agent_factory) as decode:
         out = prefills.prefill("p1", "tp1-to-2", prompt_len=45)
         got = decode.receive("dec-tp1-to-2", 45, out["params"])
         assert got.ok, got
@@ -75,9 +75,12 @@ def test_two_decode_ranks_read_one_prefill_rank_and_both_report(
 
 @pytest.mark.parametrize("decode_block", [32, 64])
 def test_a_decode_of_larger_blocks_reads_every_token(
-    fake_agents: FakeFabric, prefills: LocalPrefillEngines, decode_block: int
+    agent_factory: AgentFactory, prefills: LocalPrefillEngines, decode_block: int
 ) -> None:
-    with DecodeEngine(f"d-block-{decode_block}", layouts(FINGERPRINT, 1, decode_block), 16, decode_config()) as decode:
+    decode_layouts = layouts(FINGERPRINT, 1, decode_block)
+    with DecodeEngine(
+        f"d-block-{decode_block}", decode_layouts, 16, decode_config(), agent_factory=agent_factory
+    ) as decode:
         out = prefills.prefill("p1", f"blocks-{decode_block}", prompt_len=100)
         got = decode.receive(f"dec-blocks-{decode_block}", 100, out["params"])
         assert got.ok, got
@@ -93,10 +96,10 @@ LAYOUT = KVCacheLayout(fingerprint=FINGERPRINT, tp_size=1, tp_rank=0, block_size
 class Prefill:
     """One prefill rank in this process and its side channel, its cache filled with ``fill_pattern``."""
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self, engine_id: str, agents: AgentFactory) -> None:
         cache = KVCache.allocate(LAYOUT, 32)
         fill_pattern(cache, 5)
-        self.rank = PrefillRank(engine_id, cache, PrefillOptions(settings=DEFAULTS))
+        self.rank = PrefillRank(engine_id, cache, PrefillOptions(settings=DEFAULTS), agent_factory=agents)
         self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
         self.host, self.port = "127.0.0.1", self.server.port
 
@@ -111,20 +114,22 @@ class Prefill:
 
 
 @pytest.fixture
-def prefill(fake_agents: FakeFabric) -> Iterator[Prefill]:
-    made = Prefill(f"one-rank-{time.monotonic_ns()}")
+def prefill(agent_factory: AgentFactory) -> Iterator[Prefill]:
+    made = Prefill(f"one-rank-{time.monotonic_ns()}", agent_factory)
     try:
         yield made
     finally:
         made.close()
 
 
-def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill) -> None:
+def test_a_held_request_is_pushed_and_counts_as_read(agent_factory: AgentFactory, prefill: Prefill) -> None:
     small_pushed = Settings(push_min_bytes=0)  # these requests are small: push them all the same
     decode = DecodeRank(
         f"push-decode-{time.monotonic_ns()}",
         KVCache.allocate(LAYOUT, 32),
+        # pushes are for reads over NIXL (a decode here would read the prefill in place)
         DecodeOptions(push="on", settings=small_pushed, transport="nixl"),
+        agent_factory=agent_factory,
     )
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=10)
@@ -145,9 +150,12 @@ def test_a_held_request_is_pushed_and_counts_as_read(prefill: Prefill) -> None:
         decode.close()
 
 
-def test_a_prefill_agent_gone_is_a_disconnected_peer(prefill: Prefill) -> None:
+def test_a_prefill_agent_gone_is_a_disconnected_peer(agent_factory: AgentFactory, prefill: Prefill) -> None:
     decode = DecodeRank(
-        f"gone-decode-{time.monotonic_ns()}", KVCache.allocate(LAYOUT, 32), DecodeOptions(settings=DEFAULTS, push="off")
+        f"gone-decode-{time.monotonic_ns()}",
+        KVCache.allocate(LAYOUT, 32),
+        DecodeOptions(settings=DEFAULTS, push="off"),
+        agent_factory=agent_factory,
     )
     try:
         stats = decode.pull("before", prefill.host, prefill.port, [1, 2], [3, 4], 20)

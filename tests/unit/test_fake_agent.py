@@ -1,7 +1,9 @@
 """The fake agent (pd_transfer/sim/fake_agent.py) keeps the contract the connector relies on: reads and writes copy
 exactly the rows asked for, then notify the peer; rows outside registered memory (when prepared, or deregistered by
 the time they are read), rows of a peer not added, rows of different lengths and a closed peer are refused as
-TransferAgent refuses them; and it stands in for every ``TransferAgent`` the connector makes (AGENT_CONSTRUCTORS)."""
+TransferAgent refuses them. That it is an ``Agent`` (the interface the connector uses) mypy checks; that the connector
+makes its agents only through the factory it is handed (no module outside pd_transfer/transfer makes a
+``TransferAgent``, no test swaps a constructor by its dotted name) this module does."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pd_transfer.sim.fake_agent import AGENT_CONSTRUCTORS, FakeAgent, FakeFabric
+from pd_transfer.sim.fake_agent import FakeAgent, FakeFabric
 from pd_transfer.transfer import PeerDisconnected, TransferError, UnknownPeer
 
-PACKAGE = Path(__file__).resolve().parents[2] / "pd_transfer"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "pd_transfer"
 
 
 def _rows(memory: np.ndarray, rows: list[tuple[int, int]]) -> np.ndarray:
@@ -188,21 +191,41 @@ def test_one_name_per_fabric() -> None:
         pass
 
 
-def _constructing_modules() -> set[str]:
-    """``module.TransferAgent`` for every module of pd_transfer outside transfer/ that calls ``TransferAgent(...)``."""
-    found = set()
-    for path in PACKAGE.rglob("*.py"):
-        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if module.startswith("pd_transfer.transfer"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "TransferAgent":
-                found.add(f"{module}.TransferAgent")
-    return found
+def _calls_of(name: str, path: Path) -> list[int]:
+    """The lines of ``path`` that call ``name(...)`` (or ``something.name(...)``)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if called == name:
+                lines.append(node.lineno)
+    return lines
 
 
-def test_it_stands_in_wherever_the_connector_makes_an_agent() -> None:
-    """Every place outside pd_transfer.transfer that makes a TransferAgent is in AGENT_CONSTRUCTORS, or a unit test
-    would run a real NIXL agent there (the benchmarks' and stand-ins' own agents are not the connector's)."""
-    made = {name for name in _constructing_modules() if name.startswith("pd_transfer.connector.")}
-    assert made == set(AGENT_CONSTRUCTORS)
+def test_agents_are_made_by_the_factory_handed_in() -> None:
+    """Outside pd_transfer/transfer (whose ``NIXL_AGENTS`` is the default factory) no module makes a
+    ``TransferAgent`` itself: each takes the ``agent_factory`` it is handed, which is how unit tests give the connector
+    fake agents."""
+    made = {
+        f"{path.relative_to(REPO)}:{line}"
+        for path in PACKAGE.rglob("*.py")
+        if not path.is_relative_to(PACKAGE / "transfer")
+        for line in _calls_of("TransferAgent", path)
+    }
+    assert not made
+
+
+def test_no_test_patches_an_agent_constructor_by_its_name() -> None:
+    """No test names an agent constructor as a string (``"pd_transfer.connector.decode.rank.TransferAgent"``, or
+    ``setattr(module, "TransferAgent", ...)``): tests hand in a factory instead."""
+    constructors = {"TransferAgent", "NIXL_AGENTS", "FakeAgent", "new_agent"}
+    named = {
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in (REPO / "tests").rglob("*.py")
+        if path != Path(__file__).resolve()  # this module names them to look for them
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.rsplit(".", 1)[-1] in constructors
+    }
+    assert not named

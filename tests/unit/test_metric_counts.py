@@ -32,9 +32,9 @@ from pd_transfer.handshake.auth import new_nonce, signed_request_mac
 from pd_transfer.handshake.compat import fingerprint_digest
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.settings import DEFAULTS
-from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.sim.handshake_server import RawPeer, fake_engine
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.transfer.agent_protocol import AgentFactory
 
 LAYOUT = KVCacheLayout(
     fingerprint=ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=2, head_size=16),
@@ -53,7 +53,7 @@ def samples(metrics: TransferMetrics) -> dict[tuple[str, tuple[tuple[str, str], 
     }
 
 
-def test_lease_metrics(fake_agents: FakeFabric) -> None:
+def test_lease_metrics(agent_factory: AgentFactory) -> None:
     metrics = TransferMetrics()
     now = [0.0]
     rank = PrefillRank(
@@ -62,6 +62,7 @@ def test_lease_metrics(fake_agents: FakeFabric) -> None:
         PrefillOptions(settings=DEFAULTS, lease_seconds=5.0),
         clock=lambda: now[0],
         metrics=metrics,
+        agent_factory=agent_factory,
     )
     try:
         rank.hold("held-then-expired", [1, 2, 3])

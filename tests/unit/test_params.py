@@ -28,7 +28,7 @@ from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.settings import DEFAULTS, SettingError, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
-from pd_transfer.sim.fake_agent import FakeFabric
+from pd_transfer.transfer.agent_protocol import AgentFactory
 
 GOOD = {
     "do_remote_prefill": True,
@@ -370,12 +370,12 @@ def test_out_of_range_block_ids_fail_before_any_read_and_release_the_prefill(
     assert sent["held_blocks"] == [0]
 
 
-def test_a_host_that_does_not_answer_fails_bounded_under_the_policy(fake_agents: FakeFabric) -> None:
+def test_a_host_that_does_not_answer_fails_bounded_under_the_policy(agent_factory: AgentFactory) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # nobody listens here once closed
     config = decode_config(handshake_timeout_s=0.3, failure_policy="fail")
-    with DecodeEngine("d-dead-host", layouts(FINGERPRINT, 1), 16, config) as decode:
+    with DecodeEngine("d-dead-host", layouts(FINGERPRINT, 1), 16, config, agent_factory=agent_factory) as decode:
         params = {**GOOD, "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1}
         started = time.monotonic()
         got = decode.receive("dec-dead-host", 40, params, timeout_s=10)

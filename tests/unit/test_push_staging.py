@@ -20,11 +20,11 @@ from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.connector.push_staging import LandingArea, PushStager, StagedChunk
 from pd_transfer.handshake import HandshakeServer
 from pd_transfer.settings import DEFAULTS, Settings
-from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology.address_rows import AddressedRows
+from pd_transfer.transfer.agent_protocol import AgentFactory
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -169,11 +169,14 @@ def test_a_setup_with_a_landing_area_leaves_older_setups_unchanged() -> None:
 class StagedPrefill:
     """A prefill rank in this process pushing through its staging pool (forced on its host cache), small chunks."""
 
-    def __init__(self, engine_id: str, *, staging: bool = True) -> None:
+    def __init__(self, engine_id: str, agents: AgentFactory, *, staging: bool = True) -> None:
         cache = KVCache.allocate(LAYOUT, NUM_BLOCKS)
         fill_pattern(cache, 7)
         self.rank = PrefillRank(
-            engine_id, cache, PrefillOptions(settings=DEFAULTS, push_staging=staging, push_chunk_bytes=5 * UNIT_BYTES)
+            engine_id,
+            cache,
+            PrefillOptions(settings=DEFAULTS, push_staging=staging, push_chunk_bytes=5 * UNIT_BYTES),
+            agent_factory=agents,
         )
         self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
         self.host, self.port = "127.0.0.1", self.server.port
@@ -189,15 +192,15 @@ class StagedPrefill:
 
 
 @pytest.fixture
-def staged_prefill(fake_agents: FakeFabric) -> Iterator[StagedPrefill]:
-    made = StagedPrefill(f"staged-prefill-{time.monotonic_ns()}")
+def staged_prefill(agent_factory: AgentFactory) -> Iterator[StagedPrefill]:
+    made = StagedPrefill(f"staged-prefill-{time.monotonic_ns()}", agent_factory)
     try:
         yield made
     finally:
         made.close()
 
 
-def _decode(name: str, *, landing: bool, landing_bytes: int = 2**20) -> DecodeRank:
+def _decode(name: str, agents: AgentFactory, *, landing: bool, landing_bytes: int = 2**20) -> DecodeRank:
     return DecodeRank(
         f"{name}-{time.monotonic_ns()}",
         KVCache.allocate(LAYOUT, NUM_BLOCKS),
@@ -208,12 +211,15 @@ def _decode(name: str, *, landing: bool, landing_bytes: int = 2**20) -> DecodeRa
             push_staging=landing,
             push_landing_bytes=landing_bytes,
         ),
+        agent_factory=agents,
     )
 
 
 @pytest.mark.parametrize("landing", [True, False], ids=["into-landing", "into-cache"])
-def test_a_staged_push_lands_every_element_and_counts_as_read(staged_prefill: StagedPrefill, landing: bool) -> None:
-    decode = _decode("staged-decode", landing=landing)
+def test_a_staged_push_lands_every_element_and_counts_as_read(
+    agent_factory: AgentFactory, staged_prefill: StagedPrefill, landing: bool
+) -> None:
+    decode = _decode("staged-decode", agent_factory, landing=landing)
     try:
         assert decode.push_ready(staged_prefill.host, staged_prefill.port, timeout_s=10)
         remote_ids, local_ids, tokens = [17, 3, 29, 8, 30, 12], [5, 31, 0, 21, 22, 9], 16 * 5 + 7
@@ -237,10 +243,10 @@ def test_a_staged_push_lands_every_element_and_counts_as_read(staged_prefill: St
         decode.close()
 
 
-def test_a_request_larger_than_the_landing_part_is_read(fake_agents: FakeFabric) -> None:
+def test_a_request_larger_than_the_landing_part_is_read(agent_factory: AgentFactory) -> None:
     # an unstaged prefill (host cache) writes straight from its cache into the landing area; what does not fit is read
-    prefill = StagedPrefill(f"plain-prefill-{time.monotonic_ns()}", staging=False)
-    decode = _decode("small-landing", landing=True, landing_bytes=6 * UNIT_BYTES + 256)  # 6 rows
+    prefill = StagedPrefill(f"plain-prefill-{time.monotonic_ns()}", agent_factory, staging=False)
+    decode = _decode("small-landing", agent_factory, landing=True, landing_bytes=6 * UNIT_BYTES + 256)  # 6 rows
     try:
         assert decode.push_ready(prefill.host, prefill.port, timeout_s=10)
         prefill.rank.hold("too-large", [4, 5])  # 12 rows

@@ -26,7 +26,7 @@ from .reads import ReadTotals
 from .request import PullRequest
 
 if TYPE_CHECKING:
-    from pd_transfer.transfer.agent import TransferAgent
+    from pd_transfer.transfer.agent_protocol import Agent
 
     from .remote_engines import RemoteEngine, SourceRank
 
@@ -38,7 +38,7 @@ class CmaReader:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         planes: list[torch.Tensor],
         *,
         threads: int,

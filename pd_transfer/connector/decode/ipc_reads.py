@@ -34,7 +34,7 @@ from .reads import ReadTotals
 from .request import PullRequest
 
 if TYPE_CHECKING:
-    from pd_transfer.transfer.agent import TransferAgent
+    from pd_transfer.transfer.agent_protocol import Agent
 
     from .remote_engines import RemoteEngine, SourceRank
 
@@ -85,7 +85,7 @@ class IpcReader:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         cache: KVCache,
         planes: list[torch.Tensor],
         *,

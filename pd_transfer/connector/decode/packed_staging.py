@@ -14,7 +14,7 @@ import torch
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.spec import KVCacheLayout
 from pd_transfer.topology.packed import PackedBlockFormat, PackedRegroup
-from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent_protocol import Agent
 
 
 class PackedStaging:
@@ -29,7 +29,7 @@ class PackedStaging:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         local: KVCache,
         remote_format: PackedBlockFormat,
         local_format: PackedBlockFormat,

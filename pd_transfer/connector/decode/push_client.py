@@ -31,7 +31,7 @@ import numpy as np
 from pd_transfer.connector import messages
 from pd_transfer.connector.push_plans import plan_to_wire
 from pd_transfer.connector.push_staging import LandingArea
-from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_to
 
@@ -59,7 +59,7 @@ class PushOrders:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         engine_id: str,
         reader_rank: int,
         *,

@@ -47,7 +47,8 @@ from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.spec import Transport
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
-from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent import NIXL_AGENTS
+from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 
 from .cma_reads import CmaReader
@@ -86,13 +87,15 @@ class DecodeRank:
         agent_name: str | None = None,
         metrics: TransferMetrics | None = None,
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
+        agent_factory: AgentFactory = NIXL_AGENTS,
     ) -> None:
         """``options``: every knob of the rank (:class:`~.options.DecodeOptions`, built at the process's edge).
         ``agent_name``: its NIXL agent's (default: the engine id, the rank and a random suffix). ``metrics``: where
         it records (default: the process-wide ones). ``packed_formats(block_size)`` gives the packing of a (block,
         head) for a block size, for caches whose layout names a ``packing``: pulls from engines of another block
         size then read whole remote blocks into a staging area and regroup them (without it, such engines are
-        refused)."""
+        refused). ``agent_factory``: makes the rank's agent (NIXL agents unless the caller hands in others: a fake
+        fabric's in unit tests)."""
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -108,7 +111,9 @@ class DecodeRank:
         if not cache.place.is_host and not landed:
             mode = "off"
         self.pushes: PushOrders | None = None
-        self.agent = TransferAgent(name, on_notification=self._on_notification, read_lanes=lanes, settings=settings)
+        self.agent: Agent = agent_factory(
+            name, on_notification=self._on_notification, read_lanes=lanes, settings=settings
+        )
         reply_to = self.agent.connection_metadata
         self.agent.register_regions(cache.regions)
         if mode != "off":

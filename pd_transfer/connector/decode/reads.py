@@ -40,7 +40,8 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.topology.plan import Postprocess
 from pd_transfer.topology.postprocess import index_on
-from pd_transfer.transfer.agent import DescriptorList, TransferAgent
+from pd_transfer.transfer.agent import DescriptorList
+from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
 from pd_transfer.transfer.lanes import LaneRead, split_rows
 
@@ -140,7 +141,7 @@ class BlockReader:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         cache: KVCache,
         planes: list[torch.Tensor],
         *,

@@ -51,7 +51,8 @@ from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expecte
 from pd_transfer.topology.mapping import TopologyError
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.topology.plan import DEFAULT_MIN_DIRECT_RUN_BYTES
-from pd_transfer.transfer.agent import DescriptorList, TransferAgent
+from pd_transfer.transfer.agent import DescriptorList
+from pd_transfer.transfer.agent_protocol import Agent
 
 from .packed_staging import PackedStaging
 from .staging import DEFAULT_STAGING_CHUNK_BYTES, StagingArea
@@ -121,7 +122,7 @@ class RemoteEngines:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         cache: KVCache,
         client: HandshakeClient,
         *,

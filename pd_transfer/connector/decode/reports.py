@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from pd_transfer.connector import messages
-from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import TransferError
 
 from .remote_engines import SourceRank
@@ -35,7 +35,7 @@ class ReaderReports:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         engine_id: str,
         reader_rank: int,
         *,

@@ -1,7 +1,7 @@
 """A staged read of one request, pipelined over the read lanes: each lane reads a chunk and restages it at once.
 
 The request's (plane, block) pairs are cut into chunks of one slot group each (:class:`StagedChunks`). Every lane
-(the reading thread and the agent's read lanes: :meth:`~pd_transfer.transfer.agent.TransferAgent.run_on_lanes`)
+(the reading thread and the agent's read lanes: :meth:`~pd_transfer.transfer.agent_protocol.Agent.run_on_lanes`)
 takes the next chunk not yet taken, reads it from every source rank into a slot group of its own (one READ per
 source) and scatters it into its final blocks, regrouped and permuted, on the same thread, while its bytes are
 still in that core's cache; then it takes the next. The fix-up is split across the lanes and overlaps the other

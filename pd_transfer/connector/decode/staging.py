@@ -18,7 +18,7 @@ import torch
 from pd_transfer.spec import place_of_tensor
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.topology.postprocess import Restage, RunScatter
-from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent_protocol import Agent
 
 from .slot_fences import SlotFences
 
@@ -40,7 +40,7 @@ class StagingArea:
 
     def __init__(
         self,
-        agent: TransferAgent,
+        agent: Agent,
         plane_block_bytes: int,
         group_bytes: int,
         dtype: torch.dtype,

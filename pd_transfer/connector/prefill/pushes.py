@@ -47,7 +47,8 @@ from pd_transfer.connector import messages
 from pd_transfer.connector.push_plans import MAX_PUSH_ROWS, PushPlanError, check_rows_inside, plan_from_wire
 from pd_transfer.connector.push_staging import PushStager, StagedChunk
 from pd_transfer.topology.plan import SourcePlan
-from pd_transfer.transfer.agent import DescriptorList, TransferAgent
+from pd_transfer.transfer.agent import DescriptorList
+from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.errors import TransferError
 
 from .leases import Freed, LeaseLedger
@@ -78,11 +79,12 @@ class PushWriter:
     """Push for prefill rank ``tp_rank``, whose agent is ``owner``, whose cache is ``spans`` ((start, end) byte
     ranges) and whose ``ledger`` holds the requests. ``on_written(peer, done)`` is called after each write that
     landed, with the ``ReadDone`` it stands for; ``on_freed(freed)`` for a request an unpin freed. ``staging``:
-    push through its host pool (required for a cache on a GPU, which the writing agent then never registers)."""
+    push through its host pool (required for a cache on a GPU, which the writing agent then never registers).
+    ``agent_factory``: makes the writing agent (the owner's factory)."""
 
     def __init__(
         self,
-        owner: TransferAgent,
+        owner: Agent,
         ledger: LeaseLedger,
         tp_rank: int,
         spans: list[tuple[int, int]],
@@ -93,11 +95,13 @@ class PushWriter:
         max_queued: int = 1024,
         accepting: bool = True,
         staging: PushStager | None = None,
+        agent_factory: AgentFactory,
     ) -> None:
         self.owner = owner
+        self._agent_factory = agent_factory
         self.staging = staging
         self.accepting = accepting  # False: every setup is refused (push mode "off" on the prefill)
-        self._writer: TransferAgent | None = None  # made on the first setup, on the writer thread
+        self._writer: Agent | None = None  # made on the first setup, on the writer thread
         self.ledger = ledger
         self.tp_rank = tp_rank
         self.spans = spans
@@ -145,10 +149,10 @@ class PushWriter:
                 self._queued -= 1
 
     # ------------------------------------------------------------------ setup
-    def _writer_agent(self) -> TransferAgent:
+    def _writer_agent(self) -> Agent:
         """The agent that writes (and answers), with the cache registered: made once."""
         if self._writer is None:
-            writer = TransferAgent(f"{self.owner.name}-push", settings=self.owner.settings)
+            writer = self._agent_factory(f"{self.owner.name}-push", settings=self.owner.settings)
             try:
                 spans = self.spans if self.staging is None else [self.staging.pool_span()]
                 writer.register_spans(spans, huge_pages=False)
@@ -205,7 +209,7 @@ class PushWriter:
         except TransferError as error:
             logger.info("prefill %s: could not refuse the push setup of %s: %s", self.owner.name, peer, error)
 
-    def _make_reader(self, peer: str, setup: messages.PushSetup, writer: TransferAgent) -> _Reader:
+    def _make_reader(self, peer: str, setup: messages.PushSetup, writer: Agent) -> _Reader:
         plan = plan_from_wire(setup.plan)
         if plan.remote_rank != self.tp_rank:
             raise PushPlanError(f"the plan is for prefill rank {plan.remote_rank}, this is rank {self.tp_rank}")
@@ -271,7 +275,7 @@ class PushWriter:
     def _write_staged(
         self,
         peer: str,
-        writer: TransferAgent,
+        writer: Agent,
         reader: _Reader,
         our_rows: np.ndarray,
         their_rows: np.ndarray,

@@ -31,7 +31,8 @@ from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.same_host import export_cache
-from pd_transfer.transfer.agent import TransferAgent
+from pd_transfer.transfer.agent import NIXL_AGENTS
+from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
 
@@ -73,11 +74,13 @@ class PrefillRank:
         agent_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: TransferMetrics | None = None,
+        agent_factory: AgentFactory = NIXL_AGENTS,
     ) -> None:
         """``options``: every knob of the rank (:class:`~.options.PrefillOptions`, built at the process's edge).
         ``on_release``: called once per request when every expected reader has reported. ``agent_name``: its NIXL
         agent's (default: the engine id, the rank and a random suffix). ``clock``: the leases' (``time.monotonic``).
-        ``metrics``: where it records (default: the process-wide ones)."""
+        ``metrics``: where it records (default: the process-wide ones). ``agent_factory``: makes the rank's agent and
+        its writer's (NIXL agents unless the caller hands in others: a fake fabric's in unit tests)."""
         settings = options.settings
         accepting = options.push_mode != "off"  # a bad mode was refused when the options were made
         self.engine_id = engine_id
@@ -97,7 +100,7 @@ class PrefillRank:
         self.confirms_sent = 0
         self.confirms_failed = 0
         rank = cache.layout.tp_rank
-        self.agent = TransferAgent(
+        self.agent: Agent = agent_factory(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
             on_notification=self._on_notification,
             serves_reads=True,
@@ -115,6 +118,7 @@ class PrefillRank:
             on_freed=self._freed_by_unpin,
             accepting=accepting and (cache.place.is_host or stager is not None),
             staging=stager,
+            agent_factory=agent_factory,
         )
         self.ipc = self._export(cache) if options.offer_ipc else None
 
