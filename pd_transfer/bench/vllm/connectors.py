@@ -1,7 +1,7 @@
 """``pd-transfer bench vllm``: PdTransferConnector against vLLM's own NixlConnector, same engine, same model, one run.
 
-Its command line (this module); the servers (``vllm_pairs``), the requests and what each moved (``vllm_requests``),
-the robustness row (``vllm_robustness``), the run (``vllm_run``) and the result and its table (``vllm_report``)
+Its command line (this module); the servers (:mod:`.pairs`), the requests and what each moved (:mod:`.requests`),
+the robustness row (:mod:`.robustness`), the run (:mod:`.run`) and the result and its table (:mod:`.report`)
 live beside it, on the cluster toolkit (``pd_transfer.cluster``: launch, processes, http_client).
 """
 
@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pd_transfer.bench.vllm_model import KV8B_MODEL_DIR
-from pd_transfer.bench.vllm_pairs import CONNECTORS
-from pd_transfer.bench.vllm_report import render_table
-from pd_transfer.bench.vllm_run import DEFAULT_LENGTHS, MAX_TOKENS, BenchSettings, run_bench
-from pd_transfer.bench.vllm_scale import SCALE_LENGTHS, run_scale
-from pd_transfer.bench.vllm_scale_report import plot_ttft, render_scale_table
+from pd_transfer.bench.vllm.model import KV8B_MODEL_DIR
+from pd_transfer.bench.vllm.pairs import CONNECTORS
+from pd_transfer.bench.vllm.report import render_table
+from pd_transfer.bench.vllm.run import DEFAULT_LENGTHS, MAX_TOKENS, BenchSettings, run_bench
+from pd_transfer.bench.vllm.scale import SCALE_LENGTHS, run_scale
+from pd_transfer.bench.vllm.scale_report import plot_ttft, render_scale_table
 from pd_transfer.cluster.launch import TINY_MODEL_DIR
 from pd_transfer.settings import read_settings
 

@@ -7,8 +7,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pd_transfer.bench.vllm_pairs import Pair
-from pd_transfer.bench.vllm_requests import decode_hop, prefill_hop
+from pd_transfer.bench.vllm.pairs import Pair
+from pd_transfer.bench.vllm.requests import decode_hop, prefill_hop
 from pd_transfer.cluster.http_client import RequestFailed, answer_tokens
 
 __all__ = ["robustness"]

@@ -4,7 +4,7 @@ Three setups, one after the other, never two at once: a plain vLLM server alone 
 and the reference tokens), then for each connector a prefill (core 0) + decode (core 1) pair with the same flags
 (``--dtype float32 --max-model-len 4608 --seed 0 --block-size 128``, ``VLLM_CPU_KVCACHE_SPACE=2``: one 4,096-token
 request is 1 GiB of KV at 256 KiB per token, and each server holds one request at a time). Each server's whole
-process runs on its core, threads that left it are put back once it is healthy (``vllm_scale_affinity``, which says
+process runs on its core, threads that left it are put back once it is healthy (:mod:`.scale_affinity`, which says
 why). Each setup gets one warm-up request (for a pair it includes the connectors' handshake), its servers' idle CPU
 over 5 s, then ``requests`` per prompt length, interleaved. A P/D request is driven as a proxy drives it: the
 prompt to the prefill (``max_tokens`` 1, ``do_remote_decode``), then the prompt with the returned params to the
@@ -18,7 +18,7 @@ decode, streamed. Measured from outside, the same way for both connectors:
   ``vllm:pd_transfer_pull_bytes``), so ``kv_gbps`` (GiB/s) is each connector's bytes over its own pull seconds;
 - the decode's greedy tokens, compared with the plain server's for the same prompt.
 
-The report is built by ``vllm_scale_report``. Every server started here is stopped at the end, also on errors and
+The report is built by :mod:`.scale_report`. Every server started here is stopped at the end, also on errors and
 Ctrl-C (SIGTERM and SIGHUP raise it while the run lasts).
 """
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_transfer.affinity import allowed_cpu
-from pd_transfer.bench.vllm_pairs import CPU_INDEX, Pair, bench_server, idle_cpu_percent, start_servers
-from pd_transfer.bench.vllm_requests import (
+from pd_transfer.bench.vllm.pairs import CPU_INDEX, Pair, bench_server, idle_cpu_percent, start_servers
+from pd_transfer.bench.vllm.requests import (
     USAGE,
     DecodeCounters,
     _counters_after,
@@ -43,8 +43,8 @@ from pd_transfer.bench.vllm_requests import (
     prefill_hop,
     vocab_size,
 )
-from pd_transfer.bench.vllm_run import BenchSettings, _scrub, _terminate_as_interrupt, portable_path
-from pd_transfer.bench.vllm_scale_affinity import affinity_census, pinned_command, restore_strays
+from pd_transfer.bench.vllm.run import BenchSettings, _scrub, _terminate_as_interrupt, portable_path
+from pd_transfer.bench.vllm.scale_affinity import affinity_census, pinned_command, restore_strays
 from pd_transfer.cluster.http_client import RequestFailed, answer_tokens, wait_metric
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
 from pd_transfer.settings import read_settings
@@ -254,7 +254,7 @@ def _pair_phase(run: _Scale, connector: str) -> dict[str, Any]:
 
 
 def _setup(run: _Scale, started_utc: str, copy_gbps: float) -> dict[str, Any]:
-    from pd_transfer.bench.vllm_model import kv_bytes_per_token
+    from pd_transfer.bench.vllm.model import kv_bytes_per_token
 
     settings = run.settings
     kv = (
@@ -297,7 +297,7 @@ def run_scale(
     ``max_model_len`` tokens, ``kvcache_gib`` GiB of KV cache and ``extra_args`` (vLLM flags); the result of
     ``vllm_scale_report.build_scale_result``. ``settings.requests`` is per prompt length. Every server is stopped
     before returning or raising (``KeyboardInterrupt`` on Ctrl-C, SIGTERM or SIGHUP)."""
-    from pd_transfer.bench.vllm_scale_report import build_scale_result
+    from pd_transfer.bench.vllm.scale_report import build_scale_result
 
     started_utc = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     copy_gbps = host_copy_gbps()

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from pd_transfer.settings import DEFAULTS, Settings, process_environment
 
-from .transfer import Shape
-from .transfer_tcp import run
+from .reads import Shape
+from .tcp import run
 
 _IP_TIMEOUT_S = 30.0
 
@@ -165,7 +165,7 @@ def run_netns(
     wire_gbit: float | None = None,
     settings: Settings = DEFAULTS,
 ) -> dict:
-    """:func:`.transfer_tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
+    """:func:`.tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
     (:func:`shape_wire`; the result's ``wire_gbit``); ``{"skipped": reason}`` where that cannot be built."""
     with veth_or_reason(wire_gbit) as net:
         if isinstance(net, str):

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pd_transfer.bench.vllm_pairs import CONNECTOR_NAMES, CONNECTORS
+from pd_transfer.bench.vllm.pairs import CONNECTOR_NAMES, CONNECTORS
 
 __all__ = ["build_result", "format_value", "percentile", "render_table", "summarize"]
 

@@ -3,7 +3,7 @@ on real vLLM servers, against recomputing that prefix.
 
 One vLLM server per setup, one at a time, all with the same model, flags and a small KV cache
 (``CACHE_BLOCKS`` blocks of ``BLOCK`` tokens); the tiers' byte budgets follow the model's KV bytes per token
-(:mod:`.offload_vllm_sizing`, which also saves the results per model):
+(:mod:`.end_to_end_sizing`, which also saves the results per model):
 
 * ``recompute``: no connector; the prefix is computed again (the baseline, and the reference tokens);
 * ``pd_host``: ``PdOffloadConnector`` with a host tier (and a directory behind it): B's prefix from host memory;
@@ -67,7 +67,7 @@ from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, wait_re
 from pd_transfer.offload.page_cache import DROP_METHOD, drop_from_cache, resident_fraction
 from pd_transfer.settings import child_environment, read_settings
 
-from .offload_vllm_sizing import BLOCK, MAX_TOKENS, PREFIX, TAIL, Sizing, save_result, sizing_for
+from .end_to_end_sizing import BLOCK, MAX_TOKENS, PREFIX, TAIL, Sizing, save_result, sizing_for
 
 __all__ = ["SETUPS", "Settings", "add_arguments", "cli_run", "run_end_to_end", "vllm_absent"]
 

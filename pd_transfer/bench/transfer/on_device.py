@@ -4,7 +4,7 @@ Side by side in one run, for a contiguous and a scattered request: our pull (sam
 it cannot be used, what the decode chose instead, named in ``transport``), raw NIXL READs of the same descriptors (the
 memory registered as VRAM), the in-process device copy of the same rows (the faster of the copies our path makes and
 per-plane gather/scatter, on local memory), the gather limit (the same rows gathered by one ``index_select`` over one
-flat view: what one kernel does, :func:`~.device.gather_limit`), and a raw IPC copy of as many bytes out of the
+flat view: what one kernel does, :func:`~..device.gather_limit`), and a raw IPC copy of as many bytes out of the
 prefill's opened memory;
 then one-block latency (a one-row copy, waited for) and a whole pull of one held block. The device's name and its
 in-process copy rate are recorded beside them. ``--device cpu`` runs the same on host memory (the prefill's cache in
@@ -32,8 +32,8 @@ from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.baseline import RawNixlReader
 
-from .device import gather_limit
-from .transfer import Shape, one_block_pulls, request_ids
+from ..device import gather_limit
+from .reads import Shape, one_block_pulls, request_ids
 
 _LEASE = "bench-device-lease"
 _RAW_NIXL_REPEATS = 2  # VRAM over NIXL crawls where UCX emulates the read (0.5 GB/s measured): two reads suffice

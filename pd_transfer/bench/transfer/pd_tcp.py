@@ -41,8 +41,8 @@ from pd_transfer.sim.child import die_with_parent, stop_process
 from pd_transfer.sim.kv_model import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
+from .netns import Veth, add_wire_argument, rx_bytes, veth_or_reason
 from .tcp_stream import stream_gbps
-from .transfer_netns import Veth, add_wire_argument, rx_bytes, veth_or_reason
 
 SIZES_MIB = (1, 64)
 MODES = ("hold_window", "confirm")

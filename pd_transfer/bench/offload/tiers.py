@@ -19,7 +19,7 @@
 Ratios are baseline / ours (1.0: as fast as the baseline), by the wall clock and by this process's CPU
 seconds (``*_cpu_ratio_*``: on a machine shared with other jobs, the CPU time is the steadier of the two).
 ``end_to_end`` is measured by ``--end-to-end``
-(:mod:`pd_transfer.bench.offload_vllm`, real vLLM servers).
+(:mod:`pd_transfer.bench.offload.end_to_end`, real vLLM servers).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pd_transfer.bench import offload_vllm
+from pd_transfer.bench.offload import end_to_end
 from pd_transfer.offload import (
     DEFAULT_GROUP_BLOCKS,
     DirectoryTier,
@@ -481,14 +481,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cpu, cuda or cuda:N: only the host tier, from an engine cache there (gpu.offload)",
     )
-    offload_vllm.add_arguments(parser)
+    end_to_end.add_arguments(parser)
 
 
 def cli_run(args: argparse.Namespace) -> int:
     """``pd-transfer bench offload [--json] [--quick] [--repeats N] [--dir PATH]``; ``--end-to-end``: the vLLM part
-    (:mod:`pd_transfer.bench.offload_vllm`) instead."""
+    (:mod:`pd_transfer.bench.offload.end_to_end`) instead."""
     if args.end_to_end:
-        return offload_vllm.cli_run(args)
+        return end_to_end.cli_run(args)
     shape, repeats = (QUICK_SHAPE, 3) if args.quick else (Shape(), args.repeats)
     if args.device is not None:  # the host tier from a cache on a device (pd_transfer.bench.device)
         from pd_transfer.bench import device

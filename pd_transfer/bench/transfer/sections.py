@@ -1,5 +1,5 @@
 """``pd-transfer bench transfer``'s sections, run by name and printed: the default transports (CMA on one host),
-``tcp`` (:mod:`.transfer_tcp`) and ``tcp_netns`` (:mod:`.transfer_netns`, across a veth)."""
+``tcp`` (:mod:`.tcp`) and ``tcp_netns`` (:mod:`.netns`, across a veth)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from pd_transfer.settings import DEFAULTS, Settings
 
-from . import transfer, transfer_tcp
-from .transfer import Shape
-from .transfer_netns import run_netns
+from . import reads, tcp
+from .netns import run_netns
+from .reads import Shape
 
 
 def run_sections(
@@ -26,9 +26,9 @@ def run_sections(
     to that rate) under their names; every one with the command's ``settings``."""
     result: dict = {}
     if "default" in sections:
-        result.update(transfer.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings))
+        result.update(reads.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings))
     if "tcp" in sections:
-        result["tcp"] = transfer_tcp.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings)
+        result["tcp"] = tcp.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings)
     if "tcp_netns" in sections:
         result["tcp_netns"] = run_netns(
             shape, repeats=repeats, idle_seconds=idle_seconds, wire_gbit=wire_gbit, settings=settings

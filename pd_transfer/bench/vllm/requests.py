@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_transfer.bench.vllm_pairs import Pair
+from pd_transfer.bench.vllm.pairs import Pair
 from pd_transfer.cluster.http_client import (
     REQUEST_TIMEOUT_S,
     answer_tokens,

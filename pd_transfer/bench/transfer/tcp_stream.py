@@ -7,7 +7,7 @@ go-to-last-byte with ``recv_into`` into one buffer and checks it got exactly ``n
 the CPU time of their side of each transfer (user and system: the kernel's copies included). Kernel socket
 buffers are left to autotuning, as iperf3 leaves them. ``iperf3`` (when installed) runs the same direction.
 
-Run as ``python -m pd_transfer.bench.tcp_stream HOST PORT NBYTES REPEATS``: the sender.
+Run as ``python -m pd_transfer.bench.transfer.tcp_stream HOST PORT NBYTES REPEATS``: the sender.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def stream_gbps(nbytes: int, repeats: int, *, host: str = "127.0.0.1", prefix: S
     with socket.create_server((host, 0)) as listener:
         listener.settimeout(_TIMEOUT_S)
         port = listener.getsockname()[1]
-        command = [*prefix, sys.executable, "-m", "pd_transfer.bench.tcp_stream", host, str(port), str(nbytes)]
+        command = [*prefix, sys.executable, "-m", "pd_transfer.bench.transfer.tcp_stream", host, str(port), str(nbytes)]
         sender = subprocess.Popen([*command, str(repeats)], stdout=subprocess.PIPE, text=True)
         try:
             conn, _ = listener.accept()

@@ -10,7 +10,7 @@ Ratios, all of medians (p50) at one prompt length:
 - ``ttft_over_plain``: each connector's P/D TTFT over the plain server's TTFT;
 - ``kv_gbps``: each connector's KV bytes over its own pull seconds, GiB/s (median over the requests).
 
-Command line: ``python -m pd_transfer.bench.vllm_scale_report RESULT.json PLOT.png`` draws the plot of a result.
+Command line: ``python -m pd_transfer.bench.vllm.scale_report RESULT.json PLOT.png`` draws the plot of a result.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pd_transfer.bench.vllm_pairs import CONNECTOR_NAMES
-from pd_transfer.bench.vllm_report import percentile
+from pd_transfer.bench.vllm.pairs import CONNECTOR_NAMES
+from pd_transfer.bench.vllm.report import percentile
 
 __all__ = ["GOAL", "build_scale_result", "plot_ttft", "render_scale_table"]
 
@@ -178,7 +178,7 @@ def plot_ttft(result: Mapping[str, Any], path: Path) -> str:
         importlib.import_module("matplotlib").use("Agg")
         plt: Any = importlib.import_module("matplotlib.pyplot")
     except ImportError:
-        return "no plot: matplotlib is not installed (python -m pd_transfer.bench.vllm_scale_report draws it later)"
+        return "no plot: matplotlib is not installed (python -m pd_transfer.bench.vllm.scale_report draws it later)"
     lengths = [int(n) for n in result["by_length"]]
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for name, key, style in (
@@ -209,7 +209,7 @@ def plot_ttft(result: Mapping[str, Any], path: Path) -> str:
 def main(argv: Sequence[str]) -> int:
     """``RESULT.json PLOT.png``: draw the plot of a saved result."""
     if len(argv) != 2:
-        print("usage: python -m pd_transfer.bench.vllm_scale_report RESULT.json PLOT.png", file=sys.stderr)
+        print("usage: python -m pd_transfer.bench.vllm.scale_report RESULT.json PLOT.png", file=sys.stderr)
         return 2
     print(plot_ttft(json.loads(Path(argv[0]).read_text()), Path(argv[1])))
     return 0

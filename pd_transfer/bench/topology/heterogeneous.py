@@ -14,7 +14,7 @@ in host memory, ``cma_ceiling``: the same rows read by batched ``process_vm_read
 decode had read lanes (:mod:`.cma_ceiling`, the machine's own ceiling for same-host reads), and each pull over it.
 
 ``--device cuda[:N]`` keeps both sides' caches on that device and adds ``gpu``: each case against the in-process
-device copy of the same rows (:mod:`.device`); ``--device cpu`` does the same on CPU tensors.
+device copy of the same rows (:mod:`..device`); ``--device cpu`` does the same on CPU tensors.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import TransportSetting
 
+from ..device import parse_device, topology_section
+from ..transfer.reads import QUICK_SHAPE, Shape, host_copy_gbps
 from . import cma_ceiling
-from .device import parse_device, topology_section
-from .transfer import QUICK_SHAPE, Shape, host_copy_gbps
 
 _LANES_READY_S = 30.0
 #: Pulls of each case per run (interleaved; the figures are their medians). With 5, the ratios of five runs in a row

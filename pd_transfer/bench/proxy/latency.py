@@ -13,7 +13,7 @@ answered). ``added_ms_*`` is the proxy's percentile minus the direct one; ``prox
 process's CPU time (user + system) over its requests.
 
 vLLM's router (``vllm-router``, Rust) runs beside our proxy in the same run when it is installed
-(:mod:`pd_transfer.bench.proxy_router`): P/D mode over the same stand-ins, pinned to the proxy's core, its requests
+(:mod:`pd_transfer.bench.proxy.router`): P/D mode over the same stand-ins, pinned to the proxy's core, its requests
 interleaved with the others in every round; its figures go in a ``vllm_router`` object beside ours at each
 concurrency (``added_ms_p50`` / ``_p99`` against the same direct requests, ``cpu_ms_per_request``), and ours over
 the router's in ``vs_vllm_router`` (CPU per request, p50, p99: ratios of the same run). ``goal`` says whether ours
@@ -48,8 +48,8 @@ from typing import Any
 import msgspec
 
 from pd_transfer.affinity import allowed_cpus
-from pd_transfer.bench.proxy_router import RouterProcess, find_router, start_router
-from pd_transfer.bench.vllm_scale import host_copy_gbps
+from pd_transfer.bench.proxy.router import RouterProcess, find_router, start_router
+from pd_transfer.bench.vllm.scale import host_copy_gbps
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.cli import loop_factory
 from pd_transfer.settings import child_environment, read_settings
@@ -503,7 +503,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pd_transfer.bench.proxy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pd_transfer.bench.proxy.latency", description=__doc__.split("\n")[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from pd_transfer.bench.soak import counters, proxy_process, write_result
+from pd_transfer.bench.soak.vllm_pair import counters, proxy_process, write_result
 from pd_transfer.cluster.http_client import RequestFailed, free_port, get_text, scrape_metrics
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 from pd_transfer.settings import child_environment

@@ -25,9 +25,9 @@ from pd_transfer.settings import DEFAULTS, Settings, process_environment
 from pd_transfer.transfer.tcp import tcp_ucx_env
 from pd_transfer.transfer.transports import ucx_transports
 
-from . import transfer
+from . import reads
+from .reads import Shape
 from .tcp_stream import iperf3_gbps, stream_gbps
-from .transfer import Shape
 
 
 def request_bytes_of(shape: Shape) -> int:
@@ -59,7 +59,7 @@ def run(
     with process_environment(env):
         request_bytes = request_bytes_of(shape)
         before = stream_gbps(request_bytes, repeats, host=decode_host, prefix=stream_prefix)
-        result = transfer.run(
+        result = reads.run(
             shape,
             repeats=repeats,
             idle_seconds=idle_seconds,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_transfer.affinity import allowed_cpu
-from pd_transfer.bench.vllm_pairs import (
+from pd_transfer.bench.vllm.pairs import (
     BLOCK_SIZE,
     CONNECTOR_NAMES,
     CONNECTORS,
@@ -34,9 +34,9 @@ from pd_transfer.bench.vllm_pairs import (
     idle_cpu_percent,
     start_servers,
 )
-from pd_transfer.bench.vllm_report import build_result, format_value
-from pd_transfer.bench.vllm_requests import Prompts, pd_request, plan_prompts, reference_tokens, vocab_size
-from pd_transfer.bench.vllm_robustness import robustness
+from pd_transfer.bench.vllm.report import build_result, format_value
+from pd_transfer.bench.vllm.requests import Prompts, pd_request, plan_prompts, reference_tokens, vocab_size
+from pd_transfer.bench.vllm.robustness import robustness
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
 
 __all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "BenchSettings", "portable_path", "run_bench"]
