@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pd_transfer.bench.transfer.reads import Shape
+    from pd_transfer.sim.shape import Shape
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -19,10 +19,10 @@ def _demo(args: argparse.Namespace) -> int:
     from pd_transfer.settings import apply_process_defaults, read_settings
 
     settings = apply_process_defaults(read_settings(), net_devices="lo")  # the command's edge: read once
-    from pd_transfer.bench.transfer.reads import Shape
     from pd_transfer.connector.cache import KVCache
     from pd_transfer.connector.decode.rank import DecodeRank
     from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+    from pd_transfer.sim.shape import Shape
     from pd_transfer.sim.verify import received_correctly
 
     shape = Shape(num_layers=args.layers, request_tokens=args.tokens, cache_blocks=2 * -(-args.tokens // 16))
@@ -74,9 +74,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from pd_transfer.bench.transfer.reads import QUICK_SHAPE, Shape
+    from pd_transfer.bench.transfer.reads import QUICK_SHAPE
     from pd_transfer.bench.transfer.sections import run_sections, summary_lines
     from pd_transfer.settings import read_settings
+    from pd_transfer.sim.shape import Shape
 
     shape = QUICK_SHAPE if args.quick else Shape()
     if args.device is not None:

@@ -23,8 +23,9 @@ from pd_transfer.bench.topology.cma_ceiling import (
     held_memory,
     verified,
 )
-from pd_transfer.bench.transfer.reads import QUICK_SHAPE, Shape
+from pd_transfer.bench.transfer.reads import QUICK_SHAPE
 from pd_transfer.connector.cache import zeroed_host_tensor
+from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.errors import PeerDisconnected
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")

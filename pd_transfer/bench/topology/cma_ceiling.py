@@ -29,10 +29,9 @@ import torch
 
 from pd_transfer.connector.cache import zeroed_host_tensor
 from pd_transfer.sim.child import ChildProcess, commands
+from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.cma import MAX_IOV, CmaCall, CmaPool, plan_calls
 from pd_transfer.transfer.errors import TransferError
-
-from ..transfer.reads import Shape
 
 _CHILD_READY_S = 60.0
 _READ_S = 120.0  # one case's reads (a 512 MiB request takes well under a second)

@@ -33,11 +33,12 @@ from pd_transfer.connector.decode.reads import DEFAULT_STAGED_JOBS_PER_LANE
 from pd_transfer.connector.decode.staging import DEFAULT_STAGING_CHUNK_BYTES
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import TransportSetting
 
 from ..device import parse_device, topology_section
-from ..transfer.reads import QUICK_SHAPE, Shape, host_copy_gbps
+from ..transfer.reads import QUICK_SHAPE, host_copy_gbps
 from . import cma_ceiling
 
 _LANES_READY_S = 30.0

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd_transfer.settings import DEFAULTS, Settings, process_environment
+from pd_transfer.sim.shape import Shape
 
-from .reads import Shape
 from .tcp import run
 
 _IP_TIMEOUT_S = 30.0

@@ -28,12 +28,13 @@ from pd_transfer.connector.decode.remote_engines import RemoteEngine
 from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, run_copies, storages
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.baseline import RawNixlReader
 
 from ..device import gather_limit
-from .reads import Shape, one_block_pulls, request_ids
+from .reads import one_block_pulls, request_ids
 
 _LEASE = "bench-device-lease"
 _RAW_NIXL_REPEATS = 2  # VRAM over NIXL crawls where UCX emulates the read (0.5 GB/s measured): two reads suffice

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from typing import TypeVar
 
@@ -19,46 +19,9 @@ from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, resident_huge_page_bytes, thp_mode
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A model's cache and one request, as the benchmark moves it."""
-
-    num_layers: int = 32
-    num_kv_heads: int = 8
-    head_size: int = 128
-    dtype: str = "bfloat16"
-    block_size: int = 16
-    request_tokens: int = 4096
-    cache_blocks: int = 512  # per side; the request uses request_tokens / block_size of them
-    layout: str = "HND"
-
-    @property
-    def request_blocks(self) -> int:
-        return -(-self.request_tokens // self.block_size)
-
-    def fingerprint(self) -> ModelFingerprint:
-        return ModelFingerprint(
-            model="bench-llama",
-            dtype=self.dtype,
-            num_layers=self.num_layers,
-            total_num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-        )
-
-    def layout_for(self, tp_size: int = 1, tp_rank: int = 0, block_size: int | None = None) -> KVCacheLayout:
-        return KVCacheLayout(
-            fingerprint=self.fingerprint(),
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            block_size=block_size or self.block_size,
-            layout=self.layout,  # type: ignore[arg-type]
-        )
-
 
 T = TypeVar("T")
 _LEASE = "bench-lease"  # the request whose lease the prefill holds while reads are measured

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.sim.shape import Shape
 
 from . import reads, tcp
 from .netns import run_netns
-from .reads import Shape
 
 
 def run_sections(

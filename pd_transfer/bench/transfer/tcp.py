@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pd_transfer.settings import DEFAULTS, Settings, process_environment
+from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.tcp import tcp_ucx_env
 from pd_transfer.transfer.transports import ucx_transports
 
 from . import reads
-from .reads import Shape
 from .tcp_stream import iperf3_gbps, stream_gbps
 
 
