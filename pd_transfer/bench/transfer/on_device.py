@@ -31,9 +31,9 @@ from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.topology import PeerPlan, SourcePlan
-from pd_transfer.transfer.baseline import RawNixlReader
 
 from ..device import gather_limit
+from .raw_nixl import RawNixlReader
 from .reads import one_block_pulls, request_ids
 
 _LEASE = "bench-device-lease"

@@ -23,6 +23,8 @@ from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, resident_huge_page_bytes, thp_mode
 
+from .raw_nixl import RawNixlReader
+
 T = TypeVar("T")
 _LEASE = "bench-lease"  # the request whose lease the prefill holds while reads are measured
 
@@ -99,8 +101,6 @@ def _case(
     repeats: int,
     label: str,
 ) -> dict:
-    from pd_transfer.transfer.baseline import RawNixlReader
-
     host, port = prefill.host, prefill.port
     engine = decode.connect(host, port)
     plan = decode.remote_plan(host, port)

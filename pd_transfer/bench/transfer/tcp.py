@@ -24,10 +24,10 @@ import torch
 from pd_transfer.settings import DEFAULTS, Settings, process_environment
 from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.tcp import tcp_ucx_env
-from pd_transfer.transfer.transports import ucx_transports
 
 from . import reads
 from .tcp_stream import iperf3_gbps, stream_gbps
+from .ucx_transports import ucx_transports
 
 
 def request_bytes_of(shape: Shape) -> int:

@@ -1,4 +1,8 @@
-"""Raw NIXL reads with no pd-transfer code in the loop: the yardstick for our read path's overhead."""
+"""Raw NIXL reads with no pd-transfer code in the loop: the yardstick for our read path's overhead.
+
+The NIXL agent is the bare one :func:`pd_transfer.transfer.native.make_nixl_agent` makes (only
+:mod:`pd_transfer.transfer` imports ``nixl``); this module drives it through the binding's own calls.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,13 @@ import uuid
 import numpy as np
 
 from pd_transfer.spec import HOST, MemoryPlace
-
-from .native import make_nixl_agent
-from .session import LOCAL, nixl_memory_type
+from pd_transfer.transfer.native import make_nixl_agent
+from pd_transfer.transfer.session import LOCAL, nixl_memory_type
 
 
 class RawNixlReader:
-    """A bare NIXL agent (no progress thread, no lock, no :class:`~.session.NixlSession`) reading prepared rows from
-    one peer.
+    """A bare NIXL agent (no progress thread, no lock, no :class:`~pd_transfer.transfer.session.NixlSession`)
+    reading prepared rows from one peer.
 
     The memory behind ``local_spans`` ((start, end) addresses, at ``local``) is registered again under this agent;
     the peer's rows are in its memory at ``remote`` (a GPU's: "VRAM", rows carrying the device index). UCX is

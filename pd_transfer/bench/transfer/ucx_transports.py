@@ -26,7 +26,7 @@ def ucx_transports(env: Mapping[str, str] | None = None) -> str:
     child_env = child_environment({**(env or {}), "UCX_LOG_LEVEL": "info"})
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pd_transfer.transfer.transports"],
+            [sys.executable, "-m", "pd_transfer.bench.transfer.ucx_transports"],
             env=child_env,
             capture_output=True,
             text=True,
@@ -47,7 +47,7 @@ def _read_once() -> None:
     (the target polling fast meanwhile)."""
     import numpy as np
 
-    from .agent import TransferAgent
+    from pd_transfer.transfer import TransferAgent
 
     settings = apply_process_defaults(read_settings())
     nbytes = 1 << 16
