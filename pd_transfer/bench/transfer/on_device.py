@@ -35,6 +35,7 @@ from pd_transfer.topology import PeerPlan, SourcePlan
 from ..device import gather_limit
 from .raw_nixl import RawNixlReader
 from .reads import one_block_pulls, request_ids
+from .unit_reads import one_unit_read_latencies
 
 _LEASE = "bench-device-lease"
 _RAW_NIXL_REPEATS = 2  # VRAM over NIXL crawls where UCX emulates the read (0.5 GB/s measured): two reads suffice
@@ -215,7 +216,7 @@ def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings:
                 name: _case(decode, prefill, expected, scratch, ids, shape.request_tokens, repeats, name[0])
                 for name, ids in (("contiguous", contiguous), ("scattered", scattered))
             }
-            latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
+            latencies = one_unit_read_latencies(decode, prefill.host, prefill.port, samples=300)
             pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
             prefill.request("release", _LEASE)
         finally:

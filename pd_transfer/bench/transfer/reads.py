@@ -24,6 +24,7 @@ from pd_transfer.sim.verify import plane_tensors, received_correctly
 from pd_transfer.transfer.huge_pages import HUGE_PAGE_BYTES, resident_huge_page_bytes, thp_mode
 
 from .raw_nixl import RawNixlReader
+from .unit_reads import one_unit_read_latencies
 
 T = TypeVar("T")
 _LEASE = "bench-lease"  # the request whose lease the prefill holds while reads are measured
@@ -267,7 +268,7 @@ def run(
                 "scattered": _case(decode, prefill, expected, scratch, *scattered, shape.request_tokens, repeats, "s"),
             }
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
-            latencies = decode.one_unit_read_latencies(prefill.host, prefill.port, samples=300)
+            latencies = one_unit_read_latencies(decode, prefill.host, prefill.port, samples=300)
             pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
             prefill.request("release", _LEASE)  # idle: nothing held
             # idle: both sides at once, the decode measured in this process
