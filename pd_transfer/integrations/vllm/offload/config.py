@@ -26,7 +26,7 @@ from pd_transfer.offload import DEFAULT_GROUP_BLOCKS, OffloadInputError, PageFor
 from pd_transfer.offload.file_format import check_group_blocks
 from pd_transfer.spec import ModelFingerprint
 
-from .cpu_packing import PACKING_PREFIX, attention_isa
+from ..cpu_packing import PACKING_PREFIX, attention_isa
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

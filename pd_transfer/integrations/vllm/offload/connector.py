@@ -9,13 +9,13 @@ Enable it with::
                                                          "offload_dir": "/shared/kv",
                                                          "offload_dir_bytes": 10737418240}}'
 
-Scheduler side (:mod:`.offload_scheduler`): a request's full prompt blocks are looked up by chained key (host tier,
+Scheduler side (:mod:`.scheduler`): a request's full prompt blocks are looked up by chained key (host tier,
 then the directory tier) and the hits reported as external tokens, loaded either in the step that computes the rest
 of the prompt (before its forward: ``offload_load`` ``auto`` does this for hits all in memory, the host tier's or in
 directory files the page cache holds whole) or asynchronously (vLLM's ``load_kv_async`` path: the request waits in
 WAITING_FOR_REMOTE_KVS; ``auto`` for hits read from storage); the prompt blocks each step completes are stored into
 every tier after that step's forward, and a finished request's blocks stay allocated until its stores are done. Worker
-side (:mod:`.offload_worker`): one :class:`~pd_transfer.offload.TransferWorker` per tier over canonical ``(num_blocks,
+side (:mod:`.worker`): one :class:`~pd_transfer.offload.TransferWorker` per tier over canonical ``(num_blocks,
 page_bytes)`` uint8 views of vLLM's cache tensors (each layer's blocks in memory order). A GPU engine's cache offloads
 to host memory only: its host pool is pinned and its blocks move on a stream of their own, after the kernels that
 wrote them (:mod:`pd_transfer.offload.device_copy`); the directory tier is refused at startup with such a cache. A
@@ -53,14 +53,14 @@ from pd_transfer.offload import (
 )
 from pd_transfer.settings import read_settings
 
-from .compat import CacheHitSource
-from .connector import register_by_name
-from .logs import log_to_stderr
-from .offload_config import OffloadConfig, check_supported, layer_names, page_format, tp_size
-from .offload_events import OffloadEventNames
-from .offload_scheduler import OffloadScheduler, StepJobs
-from .offload_stats import OffloadStatsCollector, PdOffloadPromMetrics, PdOffloadStats
-from .offload_worker import OffloadWorkerSide, StepResults
+from ..compat import CacheHitSource
+from ..connector import register_by_name
+from ..logs import log_to_stderr
+from .config import OffloadConfig, check_supported, layer_names, page_format, tp_size
+from .events import OffloadEventNames
+from .scheduler import OffloadScheduler, StepJobs
+from .stats import OffloadStatsCollector, PdOffloadPromMetrics, PdOffloadStats
+from .worker import OffloadWorkerSide, StepResults
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +102,7 @@ class PdOffloadWorkerMetadata(KVConnectorWorkerMetadata):
 class PdOffloadConnector(KVConnectorBase_V1):
     """vLLM KV connector that offloads full prompt blocks to host memory and/or a (shared) directory and loads
     them back for later requests with the same prefix. Configured by ``kv_connector_extra_config``
-    (:class:`~.offload_config.OffloadConfig`)."""
+    (:class:`~.config.OffloadConfig`)."""
 
     _cache_hit_source = CacheHitSource.HOST
 

@@ -2,7 +2,7 @@
 and turns their results into what vLLM expects (finished loads and sends per request, invalid block ids), plus
 the raw results for the scheduler. No vLLM here.
 
-Rules shared with :mod:`.offload_scheduler`: a request's loads are finished when all its load jobs are; a
+Rules shared with :mod:`.scheduler`: a request's loads are finished when all its load jobs are; a
 request with any store job is reported in ``finished_sending`` once vLLM says it finished and all its
 stores are done (never before: vLLM would free a running request's blocks).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pd_transfer.offload import TransferJob, TransferResult, TransferWorker, brief
 
-from .offload_scheduler import StepJobs
+from .scheduler import StepJobs
 
 logger = logging.getLogger(__name__)
 
