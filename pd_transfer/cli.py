@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pd_transfer.bench.transfer import Shape
+    from pd_transfer.sim.shape import Shape
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -19,11 +19,11 @@ def _demo(args: argparse.Namespace) -> int:
     from pd_transfer.settings import apply_process_defaults, read_settings
 
     settings = apply_process_defaults(read_settings(), net_devices="lo")  # the command's edge: read once
-    from pd_transfer.bench.transfer import Shape
     from pd_transfer.connector.cache import KVCache
     from pd_transfer.connector.decode.options import DecodeOptions
     from pd_transfer.connector.decode.rank import DecodeRank
     from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
+    from pd_transfer.sim.shape import Shape
     from pd_transfer.sim.verify import received_correctly
 
     shape = Shape(num_layers=args.layers, request_tokens=args.tokens, cache_blocks=2 * -(-args.tokens // 16))
@@ -75,9 +75,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
-    from pd_transfer.bench.transfer_sections import run_sections, summary_lines
+    from pd_transfer.bench.transfer.reads import QUICK_SHAPE
+    from pd_transfer.bench.transfer.sections import run_sections, summary_lines
     from pd_transfer.settings import read_settings
+    from pd_transfer.sim.shape import Shape
 
     shape = QUICK_SHAPE if args.quick else Shape()
     if args.device is not None:
@@ -114,17 +115,17 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 
 def _bench_transfer_device(args: argparse.Namespace, shape: Shape) -> int:
     """``bench transfer --device``: the one-node section on a device (``gpu`` in the JSON)."""
-    from pd_transfer.bench import transfer_device
+    from pd_transfer.bench.transfer import on_device
     from pd_transfer.settings import read_settings
 
     settings = read_settings()  # the command's edge: read once
-    section = transfer_device.run(shape, args.device, repeats=3 if args.quick else args.repeats, settings=settings)
-    print(json.dumps({"gpu": section}) if args.json else "\n".join(transfer_device.summary_lines(section)))
+    section = on_device.run(shape, args.device, repeats=3 if args.quick else args.repeats, settings=settings)
+    print(json.dumps({"gpu": section}) if args.json else "\n".join(on_device.summary_lines(section)))
     return 0 if all(section[case]["verified"] for case in ("contiguous", "scattered")) else 1
 
 
 def _bench_topology(args: argparse.Namespace) -> int:
-    from pd_transfer.bench.topology import run
+    from pd_transfer.bench.topology.heterogeneous import run
     from pd_transfer.settings import read_settings
 
     try:
@@ -158,9 +159,9 @@ def _make_model(args: argparse.Namespace) -> int:
     from pd_transfer import real_model, tiny_model
 
     if args.kv_8b:
-        from pd_transfer.bench import vllm_model
+        from pd_transfer.bench.vllm import model as kv8b_model
 
-        return vllm_model.run(args)
+        return kv8b_model.run(args)
     if not args.smollm2:
         return tiny_model.run(args)
     return real_model.main([str(args.directory), *(["--overwrite"] if args.overwrite else [])])
@@ -207,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy_cli.add_arguments(proxy)
     proxy.set_defaults(func=proxy_cli.run)
 
-    from pd_transfer.bench.transfer_netns import add_wire_argument
+    from pd_transfer.bench.transfer.netns import add_wire_argument
     from pd_transfer.cluster import serve as cluster_serve
     from pd_transfer.cluster import up as cluster_up
 
@@ -254,28 +255,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="the decodes' transport setting: auto (same-host IPC or reads in place where offered), nixl, ipc",
     )
     topology.set_defaults(func=_bench_topology)
-    from pd_transfer.bench import pd_tcp
+    from pd_transfer.bench.transfer import pd_tcp
 
     bench_pd_tcp = which.add_parser("pd-tcp", help="one P/D request's KV load over TCP, broken down (veth, loopback)")
     pd_tcp.add_arguments(bench_pd_tcp)
     bench_pd_tcp.set_defaults(func=pd_tcp.cli_run)
-    from pd_transfer.bench import proxy as proxy_bench
+    from pd_transfer.bench.proxy import latency as proxy_bench
 
     bench_proxy = which.add_parser("proxy", help="the proxy's added latency vs calling the backends directly")
     proxy_bench.add_arguments(bench_proxy)
     bench_proxy.set_defaults(func=proxy_bench.run)
-    from pd_transfer.bench import vllm_connectors
+    from pd_transfer.bench.vllm import connectors as vllm_connectors
 
     bench_vllm = which.add_parser("vllm", help="PdTransferConnector vs vLLM's NixlConnector on real vLLM servers")
     vllm_connectors.add_arguments(bench_vllm)
     bench_vllm.set_defaults(func=vllm_connectors.run)
-    from pd_transfer.bench import offload as offload_bench
+    from pd_transfer.bench.offload import tiers as offload_bench
 
     bench_offload = which.add_parser("offload", help="offload tiers vs memcpy and plain file writes and reads")
     offload_bench.add_arguments(bench_offload)
     bench_offload.set_defaults(func=offload_bench.cli_run)
-    from pd_transfer.bench import soak as soak_bench
-    from pd_transfer.bench import soak_kv
+    from pd_transfer.bench.soak import kv_standins as soak_kv
+    from pd_transfer.bench.soak import vllm_pair as soak_bench
 
     bench_soak = which.add_parser(
         "soak", help="many requests through the proxy on a vLLM pair (or KV stand-ins); what is left after"

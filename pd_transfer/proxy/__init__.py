@@ -41,5 +41,5 @@ request, freeing its blocks.
 Modules: ``server`` (``Proxy``, ``ProxyConfig``, the prefill hop), ``decode_hop`` (the decode hop and its relay),
 ``upstream`` (the hops' HTTP/1.1 client), ``flow`` (validation and the bodies of both hops, no HTTP),
 ``routing`` (backends, policies), ``metrics``, ``cli`` (``pd-transfer proxy`` / ``python -m pd_transfer.proxy``).
-Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy`.
+Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy.latency`.
 """

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pd_transfer.bench.tcp_stream import stream_gbps
+from pd_transfer.bench.transfer.tcp_stream import stream_gbps
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank

@@ -10,23 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from pd_transfer.bench import offload, offload_vllm
+from pd_transfer.bench.offload import end_to_end, tiers
 
 
 def test_refuses_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fake = tmp_path / "python"  # an interpreter without vllm: a plain one with an empty path
     fake.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
     fake.chmod(0o755)
-    assert offload_vllm.vllm_absent(str(fake)) is not None
+    assert end_to_end.vllm_absent(str(fake)) is not None
     output = tmp_path / "out.json"
-    code = offload.main(["--end-to-end", "--python", str(fake), "--output", str(output)])
+    code = tiers.main(["--end-to-end", "--python", str(fake), "--output", str(output)])
     assert code == 2
     assert "vLLM is not installed" in capsys.readouterr().err
     assert not output.exists()
 
 
 def test_missing_interpreter_is_named() -> None:
-    reason = offload_vllm.vllm_absent("/nonexistent/python")
+    reason = end_to_end.vllm_absent("/nonexistent/python")
     assert reason is not None and "cannot run the interpreter" in reason
 
 

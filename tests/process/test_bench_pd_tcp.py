@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from pd_transfer.bench.pd_tcp import PARTS, bytes_per_token
-from pd_transfer.transfer.transports import ucx_transports
+from pd_transfer.bench.transfer.pd_tcp import PARTS, bytes_per_token
+from pd_transfer.bench.transfer.ucx_transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_bench_runs_the_proxy_and_stand_ins_as_processes() -> None:
-    from pd_transfer.bench.proxy import run_bench
+    from pd_transfer.bench.proxy.latency import run_bench
 
     result = run_bench(
         requests=40, concurrencies=(1, 8), rounds=2, warmup=4, requests_at_1=10, token_delay_s=0.001, saturation=False

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from pd_transfer.bench.transfer import QUICK_SHAPE
-from pd_transfer.bench.transfer_netns import shape_wire, veth_or_reason
-from pd_transfer.bench.transfer_tcp import request_bytes_of
-from pd_transfer.transfer.transports import ucx_transports
+from pd_transfer.bench.transfer.netns import shape_wire, veth_or_reason
+from pd_transfer.bench.transfer.reads import QUICK_SHAPE
+from pd_transfer.bench.transfer.tcp import request_bytes_of
+from pd_transfer.bench.transfer.ucx_transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(600)
 

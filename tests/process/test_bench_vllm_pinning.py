@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pd_transfer.bench.vllm_scale_affinity import affinity_census, pinned_command, restore_strays, thread_affinities
+from pd_transfer.bench.vllm.scale_affinity import affinity_census, pinned_command, restore_strays, thread_affinities
 
 #: a child that reports its process's CPUs, starts one thread that moves itself to CPU argv[1] only and one that
 #: widens itself to argv[1] and argv[2], says where both are, then waits for its stdin to close

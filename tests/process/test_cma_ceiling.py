@@ -1,6 +1,6 @@
-"""``bench topology``'s CMA ceiling (:mod:`pd_transfer.bench.cma_ceiling`) with real child processes: every case's
-rows land where the case puts them, the check fails for any other placement, the children are gone after the block,
-and a process that cannot be read ends the measure with the reason. What ``bench topology`` reports of it:
+"""``bench topology``'s CMA ceiling (:mod:`pd_transfer.bench.topology.cma_ceiling`) with real child processes: every
+case's rows land where the case puts them, the check fails for any other placement, the children are gone after the
+block, and a process that cannot be read ends the measure with the reason. What ``bench topology`` reports of it:
 tests/process/test_bench_device.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pd_transfer.bench.cma_ceiling import (
+from pd_transfer.bench.topology.cma_ceiling import (
     Geometry,
     Reader,
     SourceRead,
@@ -23,8 +23,9 @@ from pd_transfer.bench.cma_ceiling import (
     held_memory,
     verified,
 )
-from pd_transfer.bench.transfer import QUICK_SHAPE, Shape
+from pd_transfer.bench.transfer.reads import QUICK_SHAPE
 from pd_transfer.connector.cache import zeroed_host_tensor
+from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.errors import PeerDisconnected
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")

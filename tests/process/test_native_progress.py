@@ -13,9 +13,9 @@ import pytest
 import torch
 from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
 
+from pd_transfer.bench.transfer.ucx_transports import ucx_transports
 from pd_transfer.settings import DEFAULTS, SettingError, Settings
 from pd_transfer.transfer import TransferAgent, TransferTimeout
-from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from pd_transfer.bench.transfer.ucx_transports import ucx_transports
 from pd_transfer.cluster.http_client import free_port
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
@@ -28,7 +29,6 @@ from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.errors import TransferError
-from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,7 +11,7 @@ import random
 
 import zmq
 
-from pd_transfer.bench.soak import rss_bytes
+from pd_transfer.bench.soak.vllm_pair import rss_bytes
 from pd_transfer.handshake import HandshakeClient
 from pd_transfer.sim.handshake_server import RawPeer, ServerProcess, fake_engine, fake_fingerprint
 

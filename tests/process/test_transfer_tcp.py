@@ -8,9 +8,9 @@ import pytest
 import torch
 from agent_peer import NUM_REGIONS, pattern, read_whole_regions, served_peer
 
+from pd_transfer.bench.transfer.ucx_transports import ucx_transports
 from pd_transfer.settings import DEFAULTS, TCP_SEGMENT_ENV
 from pd_transfer.transfer import TransferAgent
-from pd_transfer.transfer.transports import ucx_transports
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -54,17 +54,23 @@ def _module_of(name: str, modules: Mapping[str, Path]) -> str | None:
     return name if name in modules else None
 
 
+def imports_in(tree: ast.AST, package: str, modules: Mapping[str, Path]) -> set[str]:
+    """The modules of ``modules`` that the parsed file ``tree`` imports anywhere (relative imports resolved against
+    ``package``, the importing module's)."""
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            targets |= {_module_of(target, modules) for target in _imported(node, package, modules)}
+    return {target for target in targets if target is not None}
+
+
 def import_graph(package_dir: Path) -> Graph:
     """Module -> the modules of the same package it imports (anywhere in its file)."""
     modules = module_files(package_dir)
     graph: Graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import | ast.ImportFrom):
-                targets |= {_module_of(target, modules) for target in _imported(node, package, modules)}
-        graph[name] = {target for target in targets if target is not None and target != name}
+        graph[name] = imports_in(ast.parse(path.read_text(), str(path)), package, modules) - {name}
     return graph
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from pd_transfer.affinity import allowed_cpu
-from pd_transfer.bench import vllm_connectors
-from pd_transfer.bench.vllm_pairs import bench_server
-from pd_transfer.bench.vllm_report import build_result, percentile, render_table
-from pd_transfer.bench.vllm_requests import EXTERNAL
-from pd_transfer.bench.vllm_run import portable_path
+from pd_transfer.bench.vllm import connectors
+from pd_transfer.bench.vllm.pairs import bench_server
+from pd_transfer.bench.vllm.report import build_result, percentile, render_table
+from pd_transfer.bench.vllm.requests import EXTERNAL
+from pd_transfer.bench.vllm.run import portable_path
 from pd_transfer.cli import build_parser
 from pd_transfer.cluster.http_client import metric_sum
 
@@ -54,8 +54,8 @@ def _fake_result() -> dict:
 
 def test_arguments_and_defaults() -> None:
     args = build_parser().parse_args(["bench", "vllm"])
-    assert args.func is vllm_connectors.run
-    settings = vllm_connectors._settings(args)
+    assert args.func is connectors.run
+    settings = connectors._settings(args)
     assert (settings.requests, list(settings.lengths), settings.max_tokens, args.json) == (
         30,
         [50, 677, 1500],
@@ -63,9 +63,9 @@ def test_arguments_and_defaults() -> None:
         False,
     )
     args = build_parser().parse_args(["bench", "vllm", "--json", "--requests", "6", "--lengths", "10,20"])
-    settings = vllm_connectors._settings(args)
+    settings = connectors._settings(args)
     assert (settings.requests, list(settings.lengths), args.json) == (6, [10, 20], True)
-    scale = vllm_connectors._settings(build_parser().parse_args(["bench", "vllm", "--scale"]))
+    scale = connectors._settings(build_parser().parse_args(["bench", "vllm", "--scale"]))
     assert (scale.requests, list(scale.lengths), Path(scale.model).name) == (3, [256, 1024, 4096], "llama8b-kv-f32")
     for bad in (["--requests", "0"], ["--lengths", "x"], ["--lengths", "5000"]):
         with pytest.raises(SystemExit):

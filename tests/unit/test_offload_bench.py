@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pd_transfer.bench import offload
+from pd_transfer.bench.offload import tiers
 from pd_transfer.offload.helpers import helper_useful
 
 #: 2 MiB jobs: enough for the checksum helper (1 MiB and up), a quarter of the time of ``--quick``'s 32 MiB
-SMALL = offload.Shape(num_tensors=4, page_bytes=16384, blocks=32, engine_blocks=40)
+SMALL = tiers.Shape(num_tensors=4, page_bytes=16384, blocks=32, engine_blocks=40)
 
 
 def test_a_small_run_verifies_every_case_and_names_its_baselines(tmp_path: Path) -> None:
-    result = offload.run(SMALL, repeats=1, directory=str(tmp_path))
+    result = tiers.run(SMALL, repeats=1, directory=str(tmp_path))
     assert result["verified"] is True and isinstance(result["goals_met"], bool)
     disk = result["disk"]
     assert disk["checksum_thread"] == disk["read_thread"] == helper_useful() and disk["group_blocks"] == 8

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pd_transfer.bench.offload import Shape, run
+from pd_transfer.bench.offload.tiers import Shape, run
 from pd_transfer.offload import (
     BlocksEvicted,
     BlocksStored,

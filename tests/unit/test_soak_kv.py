@@ -1,5 +1,6 @@
-"""The release soak's plan and answer check (``pd_transfer.bench.soak_kv``): every kind in turn, clients leaving as
-asked, a seed that replays its round, and an answer that counts only with its tokens and a verified KV report."""
+"""The release soak's plan and answer check (``pd_transfer.bench.soak.kv_standins``): every kind in turn, clients
+leaving as asked, a seed that replays its round, and an answer that counts only with its tokens and a verified KV
+report."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the soak's client needs the 'proxy' extra (aiohttp)")
 
-from pd_transfer.bench.soak_kv import KINDS, STREAMED, Planned, plan_round, problem_of
+from pd_transfer.bench.soak.kv_standins import KINDS, STREAMED, Planned, plan_round, problem_of
 
 
 def test_the_plan_mixes_every_kind_and_leaves_as_asked() -> None:

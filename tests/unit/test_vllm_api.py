@@ -47,7 +47,7 @@ VERSIONS = {
 OLDEST = "0.31.0"
 OURS = {
     "PdTransferConnector": REPO / "pd_transfer/integrations/vllm/connector.py",
-    "PdOffloadConnector": REPO / "pd_transfer/integrations/vllm/offload_connector.py",
+    "PdOffloadConnector": REPO / "pd_transfer/integrations/vllm/offload/connector.py",
 }
 _SLEEP = "vLLM calls it only around sleep mode, which our supports_sleep_mode refuses"
 _ONE_GROUP = "its default, the prefix-cacheable groups, is our one KV cache group (more are refused at startup)"

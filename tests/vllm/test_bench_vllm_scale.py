@@ -10,9 +10,9 @@ import pytest
 from vllm_servers import logs_dir
 
 from pd_transfer.affinity import allowed_cpu
-from pd_transfer.bench.vllm_run import BenchSettings
-from pd_transfer.bench.vllm_scale import run_scale
-from pd_transfer.bench.vllm_scale_report import render_scale_table
+from pd_transfer.bench.vllm.run import BenchSettings
+from pd_transfer.bench.vllm.scale import run_scale
+from pd_transfer.bench.vllm.scale_report import render_scale_table
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_scale_run_at_8b_kv_geometry_against_a_plain_server(tmp_path_factory: py
     server, then NixlConnector's pair, then ours; the JSON's shape, every KV byte moved, tokens equal the plain
     server's. A small KV cache and context (the test's prompt is short) keep the servers' memory low, and
     ``--enforce-eager`` skips the minutes of graph compilation a 32-layer model costs each server at startup."""
-    from pd_transfer.bench.vllm_model import build_kv8b_model, kv_bytes_per_token
+    from pd_transfer.bench.vllm.model import build_kv8b_model, kv_bytes_per_token
 
     model = build_kv8b_model(tmp_path_factory.mktemp("models") / "llama8b-kv-f32")
     logs = logs_dir("pd-transfer-bench-scale")

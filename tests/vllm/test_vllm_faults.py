@@ -51,7 +51,7 @@ from vllm_servers import (
     vllm_server,
 )
 
-from pd_transfer.bench.soak import drive, group_rss_bytes, nonzero, proxy_process, rss_bytes, settle
+from pd_transfer.bench.soak.vllm_pair import drive, group_rss_bytes, nonzero, proxy_process, rss_bytes, settle
 from pd_transfer.cluster.processes import ManagedProcess, stop_all
 from pd_transfer.handshake import HandshakeClient
 from pd_transfer.proxy.server import Proxy, ProxyConfig

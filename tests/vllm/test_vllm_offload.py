@@ -44,8 +44,8 @@ from vllm_servers import (  # noqa: E402
 
 from pd_transfer.cluster.http_client import get_text  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
-from pd_transfer.integrations.vllm.offload_scheduler import OffloadScheduler  # noqa: E402
-from pd_transfer.integrations.vllm.offload_worker import OffloadWorkerSide, StepResults  # noqa: E402
+from pd_transfer.integrations.vllm.offload.scheduler import OffloadScheduler  # noqa: E402
+from pd_transfer.integrations.vllm.offload.worker import OffloadWorkerSide, StepResults  # noqa: E402
 
 BLOCK = 128
 GROUP = 4
@@ -374,7 +374,7 @@ def test_event_names_follow_a_block_through_both_tiers() -> None:
     and at most ``max_keys`` names are kept."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from pd_transfer.integrations.vllm.offload_events import OffloadEventNames
+    from pd_transfer.integrations.vllm.offload.events import OffloadEventNames
     from pd_transfer.offload import BlocksEvicted, BlocksStored
 
     names = OffloadEventNames(block_size=2, max_keys=3)
@@ -395,7 +395,7 @@ def test_event_names_follow_a_block_through_both_tiers() -> None:
 
 
 def test_the_configuration_refuses_what_it_does_not_know() -> None:
-    from pd_transfer.integrations.vllm.offload_config import OffloadConfig
+    from pd_transfer.integrations.vllm.offload.config import OffloadConfig
 
     assert OffloadConfig.from_dict({"offload_host_bytes": 1 << 20}).load_mode == "auto"
     assert OffloadConfig.from_dict({"offload_host_bytes": 1, "offload_dir_group_blocks": 2}).group_blocks == 2

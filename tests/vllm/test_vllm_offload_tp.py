@@ -100,7 +100,7 @@ def test_both_ranks_store_and_load_their_share(server: Server) -> None:
 def test_a_job_completes_when_every_rank_reported() -> None:
     """With TP 2 the scheduler completes a store only once both ranks reported it, and a rank's failure fails
     the block for both (its key is not kept as stored)."""
-    from pd_transfer.integrations.vllm.offload_scheduler import OffloadScheduler
+    from pd_transfer.integrations.vllm.offload.scheduler import OffloadScheduler
     from pd_transfer.offload import OffloadManager, TransferResult, chain_block_keys
     from pd_transfer.spec import ModelFingerprint
 

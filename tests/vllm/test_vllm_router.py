@@ -26,7 +26,7 @@ from deploy_tools import deploy_tool, missing_tool
 from up_cluster import UP_TIMEOUT_S, UpCluster, up_cluster
 from vllm_servers import DEFAULT_MODEL, free_port, metric_value, reference_server
 
-from pd_transfer.bench.proxy_router import router_command
+from pd_transfer.bench.proxy.router import router_command
 from pd_transfer.cluster.http_client import answer_tokens, post_json, post_stream, prompt_tokens, wait_metric
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 
@@ -137,7 +137,7 @@ def test_bench_proxy_measures_the_router_beside_ours() -> None:
     reason = missing_tool("vllm-router")
     if reason is not None:
         pytest.skip(reason)
-    from pd_transfer.bench.proxy import run_bench
+    from pd_transfer.bench.proxy.latency import run_bench
 
     result = run_bench(
         requests=40,

@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from pd_transfer.same_host import CmaEngine, CmaSource, IpcUnavailable
-from pd_transfer.transfer.cma import CmaPool, plan_calls
+from pd_transfer.transfer.cma import CmaPool
 from pd_transfer.transfer.errors import PeerDisconnected
 
 from .reads import ReadTotals
@@ -79,20 +78,6 @@ class CmaReader:
             postprocess_seconds=done - read,
             postprocess_exposed_seconds=done - read,
         )
-
-    def unit_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
-        """Seconds of ``samples`` reads of the first source's remote row 0 (one unit) into scratch memory: the
-        cache is not touched."""
-        source = self._opened(remote)[1][0]
-        unit = source.plan.unit_bytes
-        scratch = np.empty(unit, dtype=np.uint8)
-        address = np.array([scratch.ctypes.data], dtype=np.uint64)
-        seconds = []
-        for _ in range(samples):
-            started = time.perf_counter()
-            self._pool.run(plan_calls(source.pid, address, source.plan.remote_grid[:1, 0], unit), self.timeout_s)
-            seconds.append(time.perf_counter() - started)
-        return seconds
 
     @staticmethod
     def _opened(remote: RemoteEngine) -> tuple[CmaEngine, list[CmaSource]]:

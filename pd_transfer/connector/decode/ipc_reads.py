@@ -134,22 +134,6 @@ class IpcReader:
             postprocess_exposed_seconds=fixup,
         )
 
-    def unit_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
-        """Seconds of ``samples`` copies of the first source's remote row 0 (one unit: a plane block when the plan
-        moves whole blocks) into scratch memory, each queued and waited for: the cache is not touched."""
-        source = self._opened(remote).sources[0]
-        first = int(source.remote_rows.chunk[0])
-        segment = source.remote_segments[int(source.remote_rows.segment[0])]
-        row = segment[first : first + source.chunks_per_row]
-        scratch = torch.empty_like(row)
-        seconds = []
-        for _ in range(samples):
-            started = time.perf_counter()
-            with self.stream.running():
-                scratch.copy_(row)
-            seconds.append(time.perf_counter() - started)
-        return seconds
-
     def close(self) -> None:
         """Nothing to release: its stream and pinned buffer go with it (a :class:`~.reader.Reader`)."""
 

@@ -157,7 +157,6 @@ class DecodeRank:
             done_message=self.reports.read_done,
             pushes=self.pushes,
             staged_jobs_per_lane=options.staged_jobs_per_lane,
-            scratch_reads=self.remotes.one_unit_read_latencies,
         )
         ipc_reader = IpcReader(self.agent, cache, planes, tell_read=self.reports.tell_read)
         cma_reader = CmaReader(
@@ -216,13 +215,6 @@ class DecodeRank:
     def remote_plan(self, host: str, port: int) -> PeerPlan:
         """The transfer plan used for the engine at ``host:port`` (connecting first if needed)."""
         return self.remotes.connect(host, port).plan
-
-    def one_unit_read_latencies(self, host: str, port: int, samples: int) -> list[float]:
-        """Post-to-done seconds of ``samples`` one-row reads (one plane block when the plan reads whole
-        blocks) from the first source rank, into scratch memory: the cache is not touched. For an engine opened
-        through IPC, one-row copies, each queued and waited for."""
-        remote = self.remotes.connect(host, port)
-        return self.readers[remote.transport].unit_latencies(remote, samples)
 
     def push_ready(self, host: str, port: int, timeout_s: float) -> bool:
         """Connect to ``host:port`` and wait up to ``timeout_s`` until its source ranks answered our push setup;

@@ -28,11 +28,6 @@ class Reader(Protocol):
         any other failure a ``TransferError``."""
         ...
 
-    def unit_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
-        """Seconds of ``samples`` moves of one unit (one plane block when the plan moves whole blocks) from
-        ``remote``'s first source into scratch memory, each waited for: the cache is not touched."""
-        ...
-
     def close(self) -> None:
         """Release what the reader holds (threads, pools); requests in flight finish first."""
         ...

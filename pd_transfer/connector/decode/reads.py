@@ -149,12 +149,8 @@ class BlockReader:
         done_message: Callable[[str, SourceRank], bytes],
         pushes: PushOrders | None = None,
         staged_jobs_per_lane: int = DEFAULT_STAGED_JOBS_PER_LANE,
-        scratch_reads: Callable[[RemoteEngine, int], list[float]] | None = None,
     ) -> None:
-        """``scratch_reads(remote, samples)``: one-unit reads of ``remote`` into scratch memory (what
-        :meth:`unit_latencies` measures; the engines' registry does them)."""
         self.agent = agent
-        self._scratch_reads = scratch_reads
         self.cache = cache
         self.planes = planes
         self.pipeline_groups = pipeline_groups
@@ -192,13 +188,6 @@ class BlockReader:
             if ready and self._request_bytes(remote, rows) >= self.pushes.min_bytes:
                 return self._push_in_place(remote, request, rows, ready, deadline)
         return self._read_in_place(remote, request, rows, deadline)
-
-    def unit_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
-        """Post-to-done seconds of ``samples`` one-unit NIXL reads from ``remote``'s first source rank into scratch
-        memory (a :class:`~.reader.Reader`)."""
-        if self._scratch_reads is None:
-            raise RuntimeError("this reader was made without scratch reads")
-        return self._scratch_reads(remote, samples)
 
     def close(self) -> None:
         """Wait for running fix-ups and stop the worker thread."""

@@ -432,11 +432,6 @@ class RemoteEngines:
         return self.agent.prepare_local(staging.source_rows(source, first_plane), staging.place)
 
     # ------------------------------------------------------------------ scratch reads
-    def one_unit_read_latencies(self, remote: RemoteEngine, samples: int) -> list[float]:
-        """Post-to-done seconds of ``samples`` one-row NIXL reads (one plane block when the plan reads whole
-        blocks) from ``remote``'s first source rank, into scratch memory."""
-        return list(self.scratch_reads(remote.sources[0].remote, remote.plan.sources[0].unit_bytes, samples))
-
     def _warm_up(self, remote_list: DescriptorList, unit_bytes: int) -> None:
         """The first read to a peer pays for connection setup (25-36 ms): pay it now, into scratch memory."""
         for _ in self.scratch_reads(remote_list, unit_bytes, samples=1):

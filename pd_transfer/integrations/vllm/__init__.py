@@ -24,6 +24,8 @@ Modules:
 * :mod:`.cpu_packing`: the CPU attention backend's packing of K and V in a block, measured with vLLM's kernel.
 * :mod:`.engine_spin`: ``engine_spin_s``, the shortened busy-wait of vLLM's shared-memory queues.
 * :mod:`.stats`: stats through vLLM's connector stats hooks and the ``vllm:pd_transfer_*`` metrics.
+* :mod:`.offload`: ``PdOffloadConnector`` (the offload tiers as a second connector, from this same module path) and
+  its halves, configuration, KV events and metrics.
 """
 
 from .compat import SUPPORTED_RANGE, VLLM_VERSION, UnsupportedVllmVersion  # first: refuses another vLLM
@@ -31,7 +33,7 @@ from .connector import PdTransferConnector, PdTransferHandshakeMetadata, PdTrans
 from .cpu_cache import describe_cpu_cache
 from .cpu_packing import attention_isa, measure_packing
 from .engine_spin import BUSY_POLL_MS, limit_engine_spin
-from .offload_connector import PdOffloadConnector as PdOffloadConnector
+from .offload.connector import PdOffloadConnector as PdOffloadConnector
 from .stats import PdTransferPromMetrics, PdTransferStats
 
 __all__ = [
