@@ -13,7 +13,9 @@ from engine_specs import kv_layout
 
 from pd_transfer.bench.transfer.unit_reads import one_unit_read_latencies
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.spec import ModelFingerprint, Transport
 
@@ -43,7 +45,11 @@ def test_the_probe_times_one_unit_by_the_engines_transport(transport: Transport,
     with PrefillProcess(spec) as prefill:
         cache = KVCache.allocate(LAYOUT, BLOCKS)
         before = [tensor.clone() for tensor in cache.tensors]
-        decode = DecodeRank("probe-decode", cache, secret=SECRET, transport="nixl" if transport == "nixl" else "auto")
+        decode = DecodeRank(
+            "probe-decode",
+            cache,
+            DecodeOptions(settings=DEFAULTS, secret=SECRET, transport="nixl" if transport == "nixl" else "auto"),
+        )
         try:
             latencies = one_unit_read_latencies(decode, prefill.host, prefill.port, samples=SAMPLES)
             chosen = decode.remotes.connect(prefill.host, prefill.port).transport
