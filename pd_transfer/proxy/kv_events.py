@@ -329,21 +329,32 @@ class EventSubscriber:
     async def step(self, timeout_s: float) -> bool:
         """Read and apply one live batch, waiting at most ``timeout_s``; on silence probe the replay endpoint.
         True when a batch came."""
-        if not await self._sub.poll(timeout_s * 1000):
+        frames = await self.next_frames(timeout_s)
+        if frames is None:
             await self.stream.idle(self.replay)
             return False
-        frames = await self._sub.recv_multipart()
+        await self.handle(frames)
+        return True
+
+    async def next_frames(self, timeout_s: float) -> list[bytes] | None:
+        """The next live message's frames, or None after ``timeout_s`` without one."""
+        if not await self._sub.poll(timeout_s * 1000):
+            return None
+        frames: list[bytes] = await self._sub.recv_multipart()
         self.last_heard = time.monotonic()
+        return frames
+
+    async def handle(self, frames: list[bytes]) -> None:
+        """One live message: ``(topic, seq, payload)``."""
         if len(frames) != 3:
             self.stream.fault("bad_batch")
-            return True
+            return
         try:
             seq = seq_of(frames[1])
         except BadBatch:
             self.stream.fault("bad_batch")
-            return True
+            return
         await self.stream.receive(seq, frames[2], self.replay)
-        return True
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The batches the publisher still buffers from ``start`` on; None when it has no replay endpoint or it did
