@@ -10,8 +10,10 @@ Flow, per ``/v1/completions`` or ``/v1/chat/completions`` request (streamed or n
 3. to a decode server: the client's request plus those params; its answer, or its SSE stream chunk by chunk, goes
    back to the client. The client's ``X-Request-Id`` (or a new one) goes to both hops and back in the answer.
 
-Routing: ``round_robin`` or ``least_outstanding`` (fewest requests this proxy has in flight on the backend, ties
-round robin), per role. Every ``--health-interval`` seconds each backend's ``GET /health`` is checked; a failed
+Routing, per role (:mod:`.policies`): ``round_robin``, ``least_outstanding`` (fewest requests this proxy has in flight
+on the backend, ties round robin), ``power_of_two``, ``cache_aware`` (a bounded prefix tree of what was routed where)
+or ``kv_aware`` (the engines' KV events, :mod:`.kv_events`), with optional session affinity. Every
+``--health-interval`` seconds each backend's ``GET /health`` is checked; a failed
 check or a connection error takes it out, a passing check puts it back. ``GET /health`` of the proxy is 200 while at
 least one prefill and one decode are in, 503 otherwise, with every backend's state.
 
@@ -40,6 +42,8 @@ request, freeing its blocks.
 
 Modules: ``server`` (``Proxy``, ``ProxyConfig``, the prefill hop), ``decode_hop`` (the decode hop and its relay),
 ``upstream`` (the hops' HTTP/1.1 client), ``flow`` (validation and the bodies of both hops, no HTTP),
-``routing`` (backends, policies), ``metrics``, ``cli`` (``pd-transfer proxy`` / ``python -m pd_transfer.proxy``).
+``routing`` (backends, pools), ``policies``, ``prefix_tree``, ``block_hash``, ``kv_index``, ``kv_events``,
+``routing_setup`` (the pools and event subscribers built from the config), ``metrics``, ``cli`` (``pd-transfer
+proxy`` / ``python -m pd_transfer.proxy``).
 Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy.latency`.
 """

@@ -37,8 +37,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         choices=POLICIES,
         default="round_robin",
-        help="how to pick a backend of each role (default round_robin)",
+        help="how to pick a backend of each role (default round_robin); --prefill-policy and --decode-policy set one"
+        " role's apart",
     )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-policy", choices=POLICIES, default=None, help=f"the {role} pool's policy (default: --policy)"
+        )
+    parser.add_argument(
+        "--kv-event-source",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[,REPLAY]",
+        help="kv_aware: where the backend at URL publishes its KV events (its vLLM --kv-events-config endpoint and"
+        " replay_endpoint), e.g. http://10.0.0.5:8100=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 (repeatable)",
+    )
+    parser.add_argument(
+        "--kv-hash-seed-env",
+        default=None,
+        metavar="NAME",
+        help="kv_aware: the environment variable holding the engines' PYTHONHASHSEED (their block hashes' seed;"
+        " unset: vLLM's default)",
+    )
+    parser.add_argument(
+        "--kv-local-disk",
+        action="store_true",
+        help="kv_aware: the engines' DISK medium is a disk only its engine reads (default: a directory all mount)",
+    )
+    for flag, field, kind, metavar, text in _ROUTING_FLAGS:
+        default = ProxyConfig.__dataclass_fields__[field].default
+        parser.add_argument(
+            flag, dest=field, type=kind, default=default, metavar=metavar, help=f"{text} (default {default})"
+        )
     parser.add_argument(
         "--short-prompt-tokens",
         type=int,
@@ -108,15 +138,73 @@ _LIMIT_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
 )
 
 
+#: Flags of the prefix policies and session affinity: (flag, ProxyConfig field, type, metavar, help).
+_ROUTING_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
+    ("--cache-threshold", "cache_threshold", float, "F", "cache_aware: share of a prompt that must match to follow it"),
+    (
+        "--balance-abs-threshold",
+        "balance_abs_threshold",
+        int,
+        "N",
+        "cache_aware, kv_aware: out of balance (the idlest backend gets the request) when the busiest has more than N"
+        " requests over the idlest ...",
+    ),
+    ("--balance-rel-threshold", "balance_rel_threshold", float, "F", "... and more than F times the idlest's count"),
+    ("--max-tree-size", "max_tree_size", int, "N", "cache_aware: prefix tree nodes per pool; least recent evicted"),
+    (
+        "--session-ttl",
+        "session_ttl_s",
+        float,
+        "S",
+        "session affinity: a session (--session-header, else the body's user) sticks to its backend while used within"
+        " S seconds; 0: off",
+    ),
+    ("--session-header", "session_header", str, "NAME", "session affinity: the header naming a request's session"),
+    ("--max-sessions", "max_sessions", int, "N", "session affinity: sessions remembered; least recent forgotten"),
+    ("--kv-block-size", "kv_block_size", int, "N", "kv_aware: the engines' --block-size"),
+    ("--kv-hash-algo", "kv_hash_algo", str, "NAME", "kv_aware: the engines' --prefix-caching-hash-algo"),
+    ("--kv-penalty-host", "kv_penalty_host", float, "F", "kv_aware: credit of a block in an engine's host tier"),
+    (
+        "--kv-penalty-shared",
+        "kv_penalty_shared",
+        float,
+        "F",
+        "kv_aware: credit of a block in the shared directory tier, to every engine",
+    ),
+    ("--kv-penalty-disk", "kv_penalty_disk", float, "F", "kv_aware: credit of a block on an engine's local disk"),
+    ("--kv-max-blocks", "kv_max_blocks", int, "N", "kv_aware: (engine, block) entries the index holds at most"),
+    (
+        "--kv-silence",
+        "kv_silence_s",
+        float,
+        "S",
+        "kv_aware: a stream silent S seconds is probed on its replay endpoint; no answer drops its entries",
+    ),
+)
+
+
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
-    """The config of parsed flags; the secret is read from ``environ`` (default: this process's environment, read
-    here: the proxy's command is its process's edge)."""
+    """The config of parsed flags; the secret and the KV hash seed are read from ``environ`` (default: this process's
+    environment, read here: the proxy's command is its process's edge)."""
+    environ = environment() if environ is None else environ
     secret = None
     if args.handshake_secret_env is not None:
-        secret = (environment() if environ is None else environ).get(args.handshake_secret_env)
+        secret = environ.get(args.handshake_secret_env)
         if not secret:
             raise SystemExit(f"--handshake-secret-env: the environment variable {args.handshake_secret_env} is not set")
+    seed = None
+    if args.kv_hash_seed_env is not None:
+        seed = environ.get(args.kv_hash_seed_env)
+        if seed is None:
+            raise SystemExit(f"--kv-hash-seed-env: the environment variable {args.kv_hash_seed_env} is not set")
+    routing = {field: getattr(args, field) for _, field, *_ in _ROUTING_FLAGS}
     return ProxyConfig(
+        **routing,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        kv_event_sources=list(args.kv_event_source),
+        kv_hash_seed=seed,
+        kv_shared_directory=not args.kv_local_disk,
         handshake_secret=secret,
         release_timeout_s=args.release_timeout,
         prefill=list(args.prefill),
@@ -149,8 +237,13 @@ async def serve(args: argparse.Namespace) -> None:
         # 19-36 ms (measured here) with every request in flight waiting.
         gc.freeze()
         healthy = {pool.role: len(pool.healthy()) for pool in (proxy.prefill, proxy.decode)}
+        policies = (
+            proxy.prefill.policy
+            if proxy.prefill.policy == proxy.decode.policy
+            else f"prefill {proxy.prefill.policy}, decode {proxy.decode.policy}"
+        )
         print(
-            f"pd-transfer proxy listening on {url} ({args.policy}; healthy: "
+            f"pd-transfer proxy listening on {url} ({policies}; healthy: "
             f"{healthy['prefill']}/{len(proxy.prefill.backends)} prefill, "
             f"{healthy['decode']}/{len(proxy.decode.backends)} decode)",
             flush=True,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -10,6 +10,34 @@ class ProxyConfig:
     prefill: list[str]
     decode: list[str]
     policy: str = "round_robin"
+    prefill_policy: str | None = None  # None: ``policy``
+    decode_policy: str | None = None  # None: ``policy``
+    # cache_aware and kv_aware (pd_transfer.proxy.policies)
+    cache_threshold: float = 0.5  # cache_aware: the share of a prompt's chunks that must match to follow the match
+    balance_abs_threshold: int = 32  # out of balance: the busiest has more than this many requests over the idlest
+    balance_rel_threshold: float = 1.5  # ... and more than this times the idlest's count
+    max_tree_size: int = 1 << 20  # cache_aware: prefix tree nodes per pool (LRU past it)
+    # session affinity: a request's session (the header, else the body's "user") sticks to its backend while used
+    # within session_ttl_s (0: off)
+    session_ttl_s: float = 0.0
+    session_header: str = "X-Session-Id"
+    max_sessions: int = 100_000
+    # kv_aware: the engines' KV event streams, "URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]" (URL: a backend's)
+    kv_event_sources: list[str] = field(default_factory=list)
+    kv_block_size: int = 16  # the engines' --block-size
+    kv_hash_algo: str = "sha256"  # the engines' --prefix-caching-hash-algo
+    kv_hash_seed: str | None = None  # the engines' PYTHONHASHSEED (None: unset there)
+    kv_penalty_host: float = 0.8  # credit of a block in an engine's host tier (its own cache: 1.0)
+    kv_penalty_shared: float = 0.6  # ... in the shared directory tier (medium DISK), credited to every engine
+    kv_penalty_disk: float = 0.3  # ... on a disk only its engine reads (with kv_shared_directory False)
+    kv_shared_directory: bool = True  # the engines' DISK medium is a directory they all mount
+    kv_max_blocks: int = 4_000_000  # (engine, block) entries the index holds at most
+    kv_silence_s: float = 30.0  # a stream silent this long is probed on its replay endpoint (no answer: dropped)
+
+    def policy_of(self, role: str) -> str:
+        chosen = self.prefill_policy if role == "prefill" else self.decode_policy
+        return chosen or self.policy
+
     short_prompt_tokens: int = 0  # prompts with fewer (estimated) tokens skip the prefill hop; 0: never skip
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0

@@ -38,6 +38,7 @@ from aiohttp import web
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.aborts import StreamOpening, Verdict, is_empty_abort
 from pd_transfer.proxy.metrics import HopMeter
+from pd_transfer.proxy.policies import RouteRequest
 from pd_transfer.proxy.release import DecodeProgress
 from pd_transfer.proxy.responses import REQUEST_ID, ClientGone, HopError, describe_error, relayed_response, snippet
 from pd_transfer.proxy.routing import DRAINING, Backend, Pool
@@ -70,6 +71,7 @@ class DecodeCall:
     headers: dict[str, str]
     rid: str
     started: float
+    route: RouteRequest | None = None  # what the routing policy reads of the request
 
 
 class DecodeHop:
@@ -94,7 +96,7 @@ class DecodeHop:
         tried: list[Backend] = []
         failure: HopError | None = None
         while len(tried) < 2:
-            backend = self.pool.pick(exclude=tried)
+            backend = self.pool.pick(exclude=tried, request=call.route)
             if backend is None:
                 break
             if failure is not None:

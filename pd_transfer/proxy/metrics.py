@@ -112,6 +112,45 @@ class ProxyMetrics:
             ["role", "backend"],
             registry=r,
         )
+        self.route_choices = Counter(
+            "pd_proxy_route_choices",
+            "Backends chosen by the routing policy, by role, backend and reason (rotation, least_busy, two_choices,"
+            " balance: the pool was out of balance, prefix: the longest matching prefix, low_match: no prefix worth"
+            " following, no_prompt: nothing to match on, session: the session's backend)",
+            ["role", "backend", "reason"],
+            registry=r,
+        )
+        self.route_matched = Counter(
+            "pd_proxy_route_matched_blocks",
+            "Prefix blocks the chosen backend holds of its requests, by role and tier (kv_aware: engine, host, shared,"
+            " disk; cache_aware: routed, in prompt chunks of the prefix tree)",
+            ["role", "tier"],
+            registry=r,
+        )
+        self.route_prompt_blocks = Counter(
+            "pd_proxy_route_prompt_blocks",
+            "Prompt blocks (chunks for cache_aware) of the requests the prefix policies routed, by role",
+            ["role"],
+            registry=r,
+        )
+        self.kv_faults = Counter(
+            "pd_proxy_kv_event_faults",
+            "KV event streams' faults, by backend and kind (gap_healed, gap_lost, restart, silent, bad_batch,"
+            " hash_mismatch)",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.kv_batches = Gauge(
+            "pd_proxy_kv_event_batches",
+            "KV event batches applied to the index since the proxy started, by backend",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_index_entries = Gauge(
+            "pd_proxy_kv_index_entries",
+            "(engine, block) entries and shared directory blocks the KV index holds",
+            registry=r,
+        )
 
         self._create_failure_series()
 

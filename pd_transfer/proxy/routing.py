@@ -1,4 +1,5 @@
-"""Backends, their health and the routing policies. Runs on the proxy's event loop; no locks needed."""
+"""Backends, their health and the pools routing among them (the policies: :mod:`.policies`). Runs on the proxy's
+event loop; no locks needed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,26 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_transfer.proxy.policies import (
+    POLICIES,
+    Affinity,
+    Choice,
+    LeastOutstanding,
+    Policy,
+    PowerOfTwo,
+    RoundRobin,
+    RouteRequest,
+    choose,
+)
+
 log = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_outstanding")
+#: The policies that need nothing but the backends.
+SIMPLE: dict[str, Callable[[], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_outstanding": LeastOutstanding,
+    "power_of_two": PowerOfTwo,
+}
 #: A draining vLLM server's 503 carries this header (``pd_transfer.integrations.vllm.drain.DRAINING_HEADER``): the
 #: request never reached its engine, so it may go to another backend; the server takes no more.
 DRAINING_HEADER = "X-PD-Draining"
@@ -61,29 +79,43 @@ class Backend:
 
 
 class Pool:
-    """The backends of one role and the policy picking among the healthy ones."""
+    """The backends of one role and the policy picking among the healthy ones (:mod:`.policies`).
+
+    ``policy``: a policy's name; the ones that need more than the backends (``cache_aware``, ``kv_aware``) come
+    built, from ``build`` (given the backends). ``affinity``: session affinity in front of it. ``on_choice(role,
+    choice)`` is told of every choice (the proxy's log line and metrics)."""
 
     def __init__(
-        self, role: str, urls: Iterable[str], policy: str, on_change: Callable[[Backend], None] | None = None
+        self,
+        role: str,
+        urls: Iterable[str],
+        policy: str,
+        on_change: Callable[[Backend], None] | None = None,
+        *,
+        build: Callable[[list[Backend]], Policy] | None = None,
+        affinity: Affinity | None = None,
+        on_choice: Callable[[str, Choice], None] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
+        if build is None and policy not in SIMPLE:
+            raise ValueError(f"the {policy} policy needs its settings (a build function)")
         self.role = role
         self.policy = policy
         self.backends = [Backend(url.rstrip("/"), role) for url in urls]
         if not self.backends:
             raise ValueError(f"at least one {role} backend is needed")
-        self._next = 0
+        self.router: Policy = build(self.backends) if build is not None else SIMPLE[policy]()
+        self.affinity = affinity
         self._on_change = on_change
+        self._on_choice = on_choice
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
-    def pick(self, exclude: Collection[Backend] = ()) -> Backend | None:
-        """The next backend by the policy among the healthy ones not excluded; None if there is none.
-
-        Ties under ``least_outstanding`` go round robin, so an idle pool still spreads requests.
-        """
+    def pick(self, exclude: Collection[Backend] = (), request: RouteRequest | None = None) -> Backend | None:
+        """The backend the policy picks for ``request`` (None: no request to read, e.g. ``/v1/models``) among the
+        healthy ones not excluded; None if there is none."""
         if exclude:
             excluded = set(map(id, exclude))
             candidates = [b for b in self.backends if b.healthy and id(b) not in excluded]
@@ -91,12 +123,11 @@ class Pool:
             candidates = [b for b in self.backends if b.healthy]
         if not candidates:
             return None
-        start = self._next % len(candidates)
-        self._next += 1
-        if self.policy == "round_robin":
-            return candidates[start]
-        rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda b: b.in_flight)
+        choice = choose(self.router, self.affinity, candidates, request)
+        if self._on_choice is not None:
+            self._on_choice(self.role, choice)
+        backend: Backend = choice.backend
+        return backend
 
     def note_answer(self, backend: Backend, status: int, headers: Mapping[str, str]) -> bool:
         """Look at a backend's answer to a request: one saying it drains (:func:`is_draining`) takes it out until a
@@ -118,6 +149,10 @@ class Pool:
             log.info("%s backend %s is back", self.role, backend.url)
         else:
             log.warning("%s backend %s taken out: %s", self.role, backend.url, reason)
+            # what it held is gone when it comes back (a drain or a crash ends in a restart)
+            self.router.forget(backend)
+            if self.affinity is not None:
+                self.affinity.forget(backend)
         if self._on_change is not None:
             self._on_change(backend)
 

@@ -27,6 +27,7 @@ from pd_transfer.proxy.decode_hop import DecodeCall, DecodeHop
 from pd_transfer.proxy.intake import BodyBudget, IntakeLimits, Rejected, check_media_type, decode_json, read_body
 from pd_transfer.proxy.intake import reservation as body_reservation
 from pd_transfer.proxy.metrics import HopMeter, ProxyMetrics
+from pd_transfer.proxy.policies import RouteRequest
 from pd_transfer.proxy.release import KVReleases
 from pd_transfer.proxy.responses import (
     REQUEST_ID,
@@ -42,6 +43,7 @@ from pd_transfer.proxy.responses import (
     snippet,
 )
 from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason, prefill_without_params
+from pd_transfer.proxy.routing_setup import Routing
 from pd_transfer.proxy.upstream import ConnectFailed, Endpoint, Leftover, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -65,8 +67,9 @@ class Proxy:
         self.config = config
         self.metrics = ProxyMetrics()
         self.signal = StateSignal()
-        self.prefill = Pool("prefill", config.prefill, config.policy, on_change=self._state_changed)
-        self.decode = Pool("decode", config.decode, config.policy, on_change=self._state_changed)
+        self.routing = Routing(config, self.metrics)
+        self.prefill = self.routing.pool("prefill", config.prefill, self._state_changed)
+        self.decode = self.routing.pool("decode", config.decode, self._state_changed)
         self._meter = HopMeter(self.metrics)
         # Label children resolved once: labels() costs a lock and a dict lookup per call on the request path.
         self._request_latency = {e: self.metrics.request_latency.labels(e) for e in flow.ENDPOINTS}
@@ -132,6 +135,7 @@ class Proxy:
         self.host, self.port = host, sock.getsockname()[1]
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="pd-proxy-health")
+        await self.routing.start()
         return self.url
 
     async def close(self) -> None:
@@ -142,6 +146,7 @@ class Proxy:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.routing.close()
         await self.releases.close()
         if self._upstream is not None:
             self._upstream.close()
@@ -300,15 +305,16 @@ class Proxy:
         self, request: web.Request, endpoint: str, body: dict[str, Any], rid: str, started: float
     ) -> web.StreamResponse:
         headers = self._headers(request, rid)
+        route = RouteRequest(endpoint, body, request.headers.get(self.config.session_header))
         threshold = self.config.short_prompt_tokens
         if flow.is_batch(endpoint, body) or (threshold > 0 and flow.prompt_tokens(endpoint, body) < threshold):
             self._routes["direct"].inc()
             params = None
         else:
             self._routes["disaggregated"].inc()
-            params = await self._prefill_hop(endpoint, body, headers)
+            params = await self._prefill_hop(endpoint, body, headers, route)
         try:
-            return await self._decode(request, endpoint, body, headers, params, rid, started)
+            return await self._decode(request, endpoint, body, headers, params, rid, started, route)
         except HopError as failure:
             if params is None or failure.hop != "decode" or failure.answered != RERUN_AFTER:
                 raise
@@ -318,11 +324,11 @@ class Proxy:
             self.metrics.retries.labels("prefill", "decode_failed").inc()
             first = failure
         try:
-            params = await self._prefill_hop(endpoint, body, headers)
+            params = await self._prefill_hop(endpoint, body, headers, route)
         except HopError as again:  # no fresh KV to be had (the prefill is gone, say): the decode's failure stands
             first.args = (f"{first}; running it again from the prefill hop failed: {again}",)
             raise first from None
-        return await self._decode(request, endpoint, body, headers, params, rid, started)
+        return await self._decode(request, endpoint, body, headers, params, rid, started, route)
 
     async def _decode(
         self,
@@ -333,10 +339,11 @@ class Proxy:
         params: dict[str, Any] | None,
         rid: str,
         started: float,
+        route: RouteRequest | None = None,
     ) -> web.StreamResponse:
         """The decode hop of ``body`` with the prefill's ``params`` (None: no prefill hop); the prefill's blocks are
         released unless it answered 200."""
-        call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started)
+        call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started, route)
         upstream = self._upstream
         assert upstream is not None
         return await self.releases.decode_then(
@@ -345,7 +352,9 @@ class Proxy:
 
     # ---- hops ----
 
-    async def _prefill_hop(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    async def _prefill_hop(
+        self, endpoint: str, body: dict[str, Any], headers: dict[str, str], route: RouteRequest | None = None
+    ) -> dict[str, Any]:
         """Runs the prefill; on a connection error or a 5xx, once more on another prefill server."""
         upstream = self._upstream
         assert upstream is not None
@@ -354,7 +363,7 @@ class Proxy:
         tried: list[Backend] = []
         failure: HopError | None = None
         while len(tried) < 2:
-            backend = self.prefill.pick(exclude=tried)
+            backend = self.prefill.pick(exclude=tried, request=route)
             if backend is None:
                 break
             if failure is not None:

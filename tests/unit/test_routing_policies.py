@@ -1,0 +1,161 @@
+"""The routing policies' choices and the prefix tree's bounds, on stand-in backends (no HTTP, no clock)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from pd_transfer.proxy import flow
+from pd_transfer.proxy.block_hash import BlockHasher
+from pd_transfer.proxy.kv_index import KvIndex
+from pd_transfer.proxy.policies import (
+    Affinity,
+    Balance,
+    CacheAware,
+    KvAware,
+    PowerOfTwo,
+    RoundRobin,
+    RouteRequest,
+    choose,
+)
+from pd_transfer.proxy.prefix_tree import PrefixTree, text_chunks, token_chunks
+
+
+@dataclass(eq=False)
+class Node:
+    url: str
+    in_flight: int = 0
+
+
+SYSTEM = "You are a careful assistant. " * 40  # 1,160 characters: 19 chunks
+
+
+def completion(prompt: object, user: str | None = None) -> RouteRequest:
+    body: dict[str, object] = {"model": "m", "prompt": prompt}
+    if user is not None:
+        body["user"] = user
+    return RouteRequest(flow.COMPLETIONS, body)
+
+
+def test_prefix_tree_matches_the_longest_shared_prefix_per_worker() -> None:
+    tree = PrefixTree(1000)
+    a, b = text_chunks(SYSTEM + "question one"), text_chunks(SYSTEM + "question two")
+    tree.insert(a, 0)
+    assert tree.match(b, [0, 1]) == {0: len(a) - 1, 1: 0}  # all but the last (differing) chunk
+    assert tree.match(a, [0, 1]) == {0: len(a), 1: 0}
+    tree.insert(b, 1)
+    assert tree.match(a, [0, 1]) == {0: len(a), 1: len(a) - 1}
+    assert tree.held(0) == len(a) and tree.held(1) == len(b)
+    tree.remove_worker(1)
+    assert tree.match(b, [0, 1]) == {0: len(a) - 1, 1: 0} and tree.held(1) == 0
+
+
+def test_prefix_tree_stays_within_its_bound_evicting_the_least_recent() -> None:
+    tree = PrefixTree(50)
+    old = text_chunks("old prompt " * 100)  # 18 chunks
+    tree.insert(old, 0)
+    for i in range(20):
+        tree.insert(text_chunks(f"prompt {i} " * 40), 1)
+        tree.match(old[:1], [0])  # the old prompt's first chunk stays recent
+        assert len(tree) <= 50
+    assert tree.evicted > 0
+    assert tree.match(old, [0])[0] == 1  # its root chunk kept, the rest evicted
+    assert tree.held(0) + tree.held(1) == sum(bin(m).count("1") for m in tree._nodes.values())  # noqa: SLF001
+
+
+def test_token_and_text_chunks_are_chained_prefix_names() -> None:
+    tokens = list(range(100))
+    assert token_chunks(tokens)[:3] == token_chunks(tokens[:48])
+    assert token_chunks([5, *tokens[1:]])[0] != token_chunks(tokens)[0]
+    assert text_chunks("x" * 130) == text_chunks("x" * 128)[:2] + text_chunks("x" * 130)[2:]
+
+
+def test_cache_aware_follows_the_prefix_then_balances_a_busy_pool() -> None:
+    nodes = [Node("a"), Node("b"), Node("c")]
+    policy = CacheAware(nodes, max_entries=10_000, threshold=0.5, balance=Balance(abs=4, rel=1.5))
+    first = choose(policy, None, nodes, completion(SYSTEM + "first user"))
+    assert first.reason == "low_match"  # nothing matched: the least loaded cache
+    # the same system prompt follows the first request
+    for i in range(5):
+        again = choose(policy, None, nodes, completion(SYSTEM + f"user {i}"))
+        assert (again.backend, again.reason) == (first.backend, "prefix")
+        assert again.matched["routed"] >= again.of - 1
+    # a different prompt goes to a backend holding less of the tree
+    other = choose(policy, None, nodes, completion("A different system prompt. " * 40))
+    assert other.backend is not first.backend and other.reason == "low_match"
+    # out of balance: the busy backend is passed over although it holds the prefix
+    first.backend.in_flight = 10
+    busy = choose(policy, None, nodes, completion(SYSTEM + "late user"))
+    assert busy.reason == "balance" and busy.backend.in_flight == 0
+
+
+def test_cache_aware_forgets_a_backend_that_left() -> None:
+    nodes = [Node("a"), Node("b")]
+    policy = CacheAware(nodes, max_entries=1000)
+    first = choose(policy, None, nodes, completion(SYSTEM)).backend
+    policy.forget(first)
+    assert policy.tree.held(nodes.index(first)) == 0
+
+
+def test_power_of_two_takes_the_less_busy_of_two() -> None:
+    nodes = [Node("a", 5), Node("b", 0), Node("c", 5)]
+    policy = PowerOfTwo(random.Random(7))
+    picks = [choose(policy, None, nodes, None).backend.url for _ in range(300)]
+    # b is taken whenever it is one of the two drawn (2 pairs of 3); the other pair goes to a or c
+    assert 150 < picks.count("b") < 250 and set(picks) == {"a", "b", "c"}
+    assert choose(PowerOfTwo(), None, nodes[:1], None).backend.url == "a"
+
+
+def test_session_affinity_sticks_until_idle_past_its_ttl_or_the_backend_leaves() -> None:
+    now = [0.0]
+    nodes = [Node("a"), Node("b")]
+    affinity = Affinity(ttl_s=60, max_sessions=2, clock=lambda: now[0])
+    policy = RoundRobin()
+    first = choose(policy, affinity, nodes, completion("hi", user="alice")).backend
+    for _ in range(3):
+        now[0] += 59
+        assert choose(policy, affinity, nodes, completion("hi", user="alice")).backend is first
+    now[0] += 61  # idle past the TTL: the policy decides again (round robin moves on)
+    assert choose(policy, affinity, nodes, completion("hi", user="alice")).reason == "rotation"
+    # the header names the session before the body's user
+    header = RouteRequest(flow.COMPLETIONS, {"model": "m", "prompt": "p", "user": "x"}, session_header="s1")
+    sticky = choose(policy, affinity, nodes, header).backend
+    assert choose(policy, affinity, nodes, RouteRequest(flow.COMPLETIONS, {}, session_header="s1")).backend is sticky
+    # a backend out of rotation: its sessions go elsewhere
+    rest = [n for n in nodes if n is not sticky]
+    assert choose(policy, affinity, rest, RouteRequest(flow.COMPLETIONS, {}, session_header="s1")).backend is rest[0]
+    for i in range(5):
+        choose(policy, affinity, nodes, completion("p", user=f"u{i}"))
+    assert len(affinity) == 2  # bounded
+
+
+def test_kv_aware_scores_by_tier_and_credits_the_shared_directory_to_every_engine() -> None:
+    hasher = BlockHasher("sha256", None, block_size=4)
+    index = KvIndex(max_blocks=1000)
+    nodes = [Node("http://p0"), Node("http://p1"), Node("http://p2")]
+    policy = KvAware(index, hasher, Balance(abs=8, rel=1.5))
+    tokens = list(range(40))  # 10 blocks
+    hashes = hasher.hashes(tokens)
+    index.stored("http://p0", hashes[:5], "GPU")  # 5 x 1.0
+    index.stored("http://p1", hashes[:8], "CPU")  # 8 x 0.8
+    choice = choose(policy, None, nodes, completion(tokens))
+    assert (choice.backend.url, choice.reason, choice.matched, choice.of) == ("http://p1", "prefix", {"host": 8}, 10)
+    # the whole prompt in the shared directory (reported by p2): everyone reaches it at 0.6 past its own blocks
+    index.stored("http://p2", hashes, "DISK")
+    matches = index.match(hasher.keys(tokens), [n.url for n in nodes])
+    assert matches["http://p0"].by_tier == {"engine": 5, "shared": 5}
+    assert matches["http://p0"].score == pytest.approx(5 + 5 * 0.6)
+    assert matches["http://p1"].score == pytest.approx(8 * 0.8 + 2 * 0.6)
+    assert matches["http://p2"].score == pytest.approx(10 * 0.6)
+    assert choose(policy, None, nodes, completion(tokens)).backend.url == "http://p0"
+    # a text prompt cannot be hashed without a tokenizer: the least busy
+    nodes[0].in_flight = 1
+    assert choose(policy, None, nodes, completion("text")).reason == "no_prompt"
+    # no match at all: the least busy
+    miss = choose(policy, None, nodes, completion(list(range(100, 140))))
+    assert miss.reason == "low_match" and miss.backend.in_flight == 0
+    # out of balance: the idlest, match or not
+    nodes[0].in_flight = 20
+    assert choose(policy, None, nodes, completion(tokens)).reason == "balance"
