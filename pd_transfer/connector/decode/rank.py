@@ -44,7 +44,6 @@ from pd_transfer.connector.push_staging import LandingArea
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
-from pd_transfer.spec import Transport
 from pd_transfer.topology import PeerPlan, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import NIXL_AGENTS
@@ -58,7 +57,7 @@ from .options import DecodeOptions
 from .push_client import PushOrders
 from .reader import Reader
 from .reads import BlockReader, ReadTotals
-from .remote_engines import RemoteEngine, RemoteEngines
+from .remote_engines import Claim, RemoteEngine, RemoteEngines
 from .reports import ReaderReports
 from .request import PullRequest, PullStats
 
@@ -163,7 +162,7 @@ class DecodeRank:
             self.agent, planes, threads=lanes, timeout_s=options.read_timeout_s, tell_read=self.reports.tell_read
         )
         #: The reader of each transport an engine may be connected with (chosen once, at its connect).
-        self.readers: dict[Transport, Reader] = {
+        self.readers: dict[str, Reader] = {
             "nixl": self.reader,
             "cuda_ipc": ipc_reader,
             "host_ipc": ipc_reader,
@@ -215,6 +214,15 @@ class DecodeRank:
     def remote_plan(self, host: str, port: int) -> PeerPlan:
         """The transfer plan used for the engine at ``host:port`` (connecting first if needed)."""
         return self.remotes.connect(host, port).plan
+
+    def add_reader(self, transport: str, reader: Reader, claims: Claim) -> None:
+        """Read the engines ``claims`` takes (asked once per engine, at its connect, before the built-in choice) with
+        ``reader``, under the name ``transport`` (its pulls' ``transport`` label). Call before connecting to them; the
+        rank closes ``reader`` when it closes. ``ValueError`` for a name already in use."""
+        if transport in self.readers:
+            raise ValueError(f"decode {self.agent.name}: a reader named {transport!r} is there already")
+        self.readers[transport] = reader
+        self.remotes.claims[transport] = claims
 
     def push_ready(self, host: str, port: int, timeout_s: float) -> bool:
         """Connect to ``host:port`` and wait up to ``timeout_s`` until its source ranks answered our push setup;

@@ -2,7 +2,8 @@
 whatever moves them (NIXL reads or pushes, CUDA IPC copies, reads in place), chosen once per engine at connect.
 
 A :class:`~.remote_engines.RemoteEngine` names its ``transport`` when it is connected (``nixl``, ``cuda_ipc``,
-``host_ipc``, ``host_cma``: :mod:`.transport_choice`); the decode rank holds one :class:`Reader` per transport, made
+``host_ipc``, ``host_cma``: :mod:`.transport_choice`; or the name of a reader added to the decode rank, whose
+:data:`~.remote_engines.Claim` took the engine first); the decode rank holds one :class:`Reader` per transport, made
 once, and hands every request of that engine to it. Nothing after the connect asks what kind of reader or engine it has.
 Adding a transport: docs/architecture.md, "Adding a transport".
 """

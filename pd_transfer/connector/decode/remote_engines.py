@@ -46,7 +46,7 @@ from pd_transfer.handshake.host_identity import local_boot_id
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.same_host import MIN_DIRECT_ROW_BYTES, CmaEngine, IpcEngine, IpcUnavailable, gpu_reach, pid_namespace
-from pd_transfer.spec import KVCacheLayout, KVRegion, Transport, TransportSetting, memory_of, planes_of
+from pd_transfer.spec import KVCacheLayout, KVRegion, TransportSetting, memory_of, planes_of
 from pd_transfer.topology import PeerPlan, SourcePlan, check_compatible, expected_readers, plane_views
 from pd_transfer.topology.mapping import TopologyError
 from pd_transfer.topology.packed import PackedBlockFormat
@@ -59,6 +59,10 @@ from .staging import DEFAULT_STAGING_CHUNK_BYTES, StagingArea
 from .transport_choice import TransportChoice, choose_transport
 
 logger = logging.getLogger(__name__)
+
+#: Whether a reader added to the decode rank reads an engine (its published metadata), asked once per engine at
+#: connect, before the built-in choice; True: the engine's requests go to that reader.
+Claim = Callable[[EngineMetadata], bool]
 
 
 @dataclass
@@ -87,14 +91,9 @@ class RemoteEngine:
     packed: PackedStaging | None = None  # packed blocks of another block size: read whole, then regrouped
     ipc: IpcEngine | None = None  # its memory opened through same-host IPC (cuda_ipc, host_ipc)
     cma: CmaEngine | None = None  # its processes read in place (host_cma)
-
-    @property
-    def transport(self) -> Transport:
-        """What its requests go by, chosen at connect: "nixl", or same-host IPC ("cuda_ipc", "host_ipc",
-        "host_cma"); the decode rank's reader for it moves them."""
-        if self.cma is not None:
-            return "host_cma"
-        return "nixl" if self.ipc is None else self.ipc.transport
+    #: What its requests go by, chosen once at connect: "nixl", same-host IPC ("cuda_ipc", "host_ipc",
+    #: "host_cma"), or an added reader's name; the decode rank's reader of that name moves them.
+    transport: str = "nixl"
 
     def close_same_host(self) -> None:
         """Close what a same-host transport opened (IPC handles, the processes' watches)."""
@@ -137,6 +136,8 @@ class RemoteEngines:
     ) -> None:
         self.agent = agent
         self.transport = transport
+        #: Added readers' claims, by their transport's name, asked in order before the built-in choice.
+        self.claims: dict[str, Claim] = {}
         self._on_connected = on_connected
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self.cache = cache
@@ -293,7 +294,13 @@ class RemoteEngines:
             check_compatible(self.cache.layout, rank.layout)
         packed = self._packed_staging_if_needed(engine)
         plan = self._plan(engine, packed)
-        choice, ipc, cma = self._open_ipc(engine, plan, packed is not None)
+        claimed = next((name for name, claims in self.claims.items() if claims(engine)), None)
+        if claimed is None:
+            choice, ipc, cma = self._open_ipc(engine, plan, packed is not None)
+            transport: str = choice.transport
+            why = choice.reason
+        else:
+            transport, why, ipc, cma = claimed, "claimed by the reader added for it", None, None
         same_host = ipc is not None or cma is not None
         try:
             sources = self._add_sources(engine, plan, via_ipc=same_host)
@@ -314,10 +321,21 @@ class RemoteEngines:
             len(sources),
             "packed regroup" if packed is not None else "yes" if plan.postprocess is not None else "no",
             (time.perf_counter() - started) * 1e3,
-            choice.transport,
-            choice.reason,
+            transport,
+            why,
         )
-        return RemoteEngine(engine, host, port, plan, sources, staging=staging, packed=packed, ipc=ipc, cma=cma)
+        return RemoteEngine(
+            engine,
+            host,
+            port,
+            plan,
+            sources,
+            staging=staging,
+            packed=packed,
+            ipc=ipc,
+            cma=cma,
+            transport=transport,
+        )
 
     def _open_ipc(
         self, engine: EngineMetadata, plan: PeerPlan, packed: bool

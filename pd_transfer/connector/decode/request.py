@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from pd_transfer.connector.errors import DuplicateBlockIds
 from pd_transfer.connector.params import first_repeat
-from pd_transfer.spec import Transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +45,7 @@ class PullStats:
     confirm_seconds: float = 0.0  # after the reads, waiting for the prefill's lease confirmation (0: hold window)
     pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
-    transport: Transport = "nixl"  # what moved it: NIXL, or same-host IPC ("cuda_ipc", "host_ipc", "host_cma")
+    transport: str = "nixl"  # what moved it: NIXL, same-host IPC ("cuda_ipc", "host_ipc", "host_cma"), an added reader
 
     @property
     def gbps(self) -> float:
