@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 from engine_specs import FINGERPRINT, decode_config, layouts
+from in_process_prefill import InProcessPrefill
 from test_connector_lifecycle import (  # noqa: F401 (collected here, run with this folder's fixtures)
     test_decode_abort_before_reading_releases_the_prefill,
     test_full_request_lifecycle,
@@ -38,12 +39,8 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
-from pd_transfer.connector.prefill.options import PrefillOptions
-from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
-from pd_transfer.handshake import HandshakeServer
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
-from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout
 from pd_transfer.transfer import PeerDisconnected
@@ -93,36 +90,16 @@ def test_a_decode_of_larger_blocks_reads_every_token(
 LAYOUT = KVCacheLayout(fingerprint=FINGERPRINT, tp_size=1, tp_rank=0, block_size=16)
 
 
-class Prefill:
-    """One prefill rank in this process and its side channel, its cache filled with ``fill_pattern``."""
-
-    def __init__(self, engine_id: str, agents: AgentFactory) -> None:
-        cache = KVCache.allocate(LAYOUT, 32)
-        fill_pattern(cache, 5)
-        self.rank = PrefillRank(engine_id, cache, PrefillOptions(settings=DEFAULTS), agent_factory=agents)
-        self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
-        self.host, self.port = "127.0.0.1", self.server.port
-
-    def expected(self) -> list[KVCache]:
-        cache = KVCache.allocate(LAYOUT, 32)
-        fill_pattern(cache, 5)
-        return [cache]
-
-    def close(self) -> None:
-        self.server.stop()
-        self.rank.close()
-
-
 @pytest.fixture
-def prefill(agent_factory: AgentFactory) -> Iterator[Prefill]:
-    made = Prefill(f"one-rank-{time.monotonic_ns()}", agent_factory)
+def prefill(agent_factory: AgentFactory) -> Iterator[InProcessPrefill]:
+    made = InProcessPrefill(f"one-rank-{time.monotonic_ns()}", LAYOUT, 32, agent_factory)
     try:
         yield made
     finally:
         made.close()
 
 
-def test_a_held_request_is_pushed_and_counts_as_read(agent_factory: AgentFactory, prefill: Prefill) -> None:
+def test_a_held_request_is_pushed_and_counts_as_read(agent_factory: AgentFactory, prefill: InProcessPrefill) -> None:
     small_pushed = Settings(push_min_bytes=0)  # these requests are small: push them all the same
     decode = DecodeRank(
         f"push-decode-{time.monotonic_ns()}",
@@ -150,7 +127,7 @@ def test_a_held_request_is_pushed_and_counts_as_read(agent_factory: AgentFactory
         decode.close()
 
 
-def test_a_prefill_agent_gone_is_a_disconnected_peer(agent_factory: AgentFactory, prefill: Prefill) -> None:
+def test_a_prefill_agent_gone_is_a_disconnected_peer(agent_factory: AgentFactory, prefill: InProcessPrefill) -> None:
     decode = DecodeRank(
         f"gone-decode-{time.monotonic_ns()}",
         KVCache.allocate(LAYOUT, 32),

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import pytest
+from in_process_prefill import InProcessPrefill
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode.options import DecodeOptions
@@ -18,12 +19,9 @@ from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.reads import ReadTotals
 from pd_transfer.connector.decode.remote_engines import RemoteEngine, SourceRank
 from pd_transfer.connector.decode.request import PullRequest
-from pd_transfer.connector.prefill.options import PrefillOptions
-from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.settings import DEFAULTS
-from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.agent_protocol import AgentFactory
@@ -70,30 +68,9 @@ class MemmoveReader:
         self.closed = True
 
 
-class Prefill:
-    """One prefill rank in this process (fake agents), its cache filled with ``fill_pattern``, and its side channel."""
-
-    def __init__(self, engine_id: str, agents: AgentFactory) -> None:
-        self.engine_id = engine_id
-        cache = KVCache.allocate(LAYOUT, BLOCKS)
-        fill_pattern(cache, 11)
-        self.rank = PrefillRank(engine_id, cache, PrefillOptions(settings=DEFAULTS), agent_factory=agents)
-        self.server = serve_engine(engine_id, [self.rank.rank_metadata])
-        self.host, self.port = "127.0.0.1", self.server.port
-
-    def expected(self) -> list[KVCache]:
-        cache = KVCache.allocate(LAYOUT, BLOCKS)
-        fill_pattern(cache, 11)
-        return [cache]
-
-    def close(self) -> None:
-        self.server.stop()
-        self.rank.close()
-
-
 @pytest.fixture
-def prefill(agent_factory: AgentFactory) -> Iterator[Prefill]:
-    made = Prefill(f"toy-prefill-{time.monotonic_ns()}", agent_factory)
+def prefill(agent_factory: AgentFactory) -> Iterator[InProcessPrefill]:
+    made = InProcessPrefill(f"toy-prefill-{time.monotonic_ns()}", LAYOUT, BLOCKS, agent_factory, seed=11)
     try:
         yield made
     finally:
@@ -119,7 +96,7 @@ def claims(engine_id: str) -> Callable[[EngineMetadata], bool]:
     return lambda engine: engine.engine_id == engine_id
 
 
-def test_a_toy_reader_added_by_the_recipe_moves_the_pull(prefill: Prefill, decode: DecodeRank) -> None:
+def test_a_toy_reader_added_by_the_recipe_moves_the_pull(prefill: InProcessPrefill, decode: DecodeRank) -> None:
     toy = MemmoveReader(decode.reports.tell_read)
     decode.add_reader(TOY, toy, claims(prefill.engine_id))
     remote_ids, local_ids, tokens = [9, 2, 30, 17], [4, 0, 21, 13], 16 * 3 + 5
@@ -134,7 +111,7 @@ def test_a_toy_reader_added_by_the_recipe_moves_the_pull(prefill: Prefill, decod
 
 
 def test_block_ids_outside_the_plan_are_refused_before_the_toy_moves_anything(
-    prefill: Prefill, decode: DecodeRank
+    prefill: InProcessPrefill, decode: DecodeRank
 ) -> None:
     toy = MemmoveReader(decode.reports.tell_read)
     decode.add_reader(TOY, toy, claims(prefill.engine_id))
@@ -145,7 +122,9 @@ def test_block_ids_outside_the_plan_are_refused_before_the_toy_moves_anything(
     assert toy.requests == [] and all(a.equal(b) for a, b in zip(before, decode.cache.tensors, strict=True))
 
 
-def test_an_engine_the_claim_does_not_take_goes_by_the_built_in_choice(prefill: Prefill, decode: DecodeRank) -> None:
+def test_an_engine_the_claim_does_not_take_goes_by_the_built_in_choice(
+    prefill: InProcessPrefill, decode: DecodeRank
+) -> None:
     toy = MemmoveReader(decode.reports.tell_read)
     decode.add_reader(TOY, toy, claims("another-engine"))
     prefill.rank.hold("not-toy", [5])
