@@ -32,7 +32,6 @@ from pd_transfer.cluster.monitoring import write_scrape_config
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, stop_all, wait_ready
 from pd_transfer.cluster.up_args import (
     DEFAULT_MODEL_DIR,
-    KV_EVENTS_OFFSET,
     KV_REPLAY_OFFSET,
     SIDE_CHANNEL_OFFSET,
     add_arguments,
@@ -50,6 +49,7 @@ PROXY_START_TIMEOUT_S = 60.0
 #: kv_aware: the engines' --prefix-caching-hash-algo (vLLM's default), and the variable that seeds it
 KV_HASH_ALGO = "sha256"
 HASH_SEED_ENV = "PYTHONHASHSEED"
+IPC_PATH_MAX = 100  # a Unix socket's path: 107 bytes at most on Linux, less "ipc://"
 #: A stop drains each connector server for at most this long (the connector's default 30 s lease, then vLLM's
 #: teardown): SIGTERM to its API server, vLLM's --shutdown-timeout, then what stop_all does.
 DRAIN_S = 45.0
@@ -63,9 +63,12 @@ class PlannedServer:
     connector: bool  # False: the plain reference server of --demo
 
 
-def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list[PlannedServer]:
+def plan_servers(
+    args: argparse.Namespace, model: str, served_name: str, log_dir: Path | None = None
+) -> list[PlannedServer]:
     """The servers of the cluster: prefills, decodes, then the plain reference (``--demo``),
-    ports and CPUs assigned."""
+    ports and CPUs assigned; a kv_aware role's engines publish their KV events on an ipc socket in ``log_dir``
+    (default: the working directory)."""
     kv_roles = kv_event_roles(args)
     block_sizes = {
         role: kv_block_size(args) if role in kv_roles else getattr(args, f"{role}_block_size")
@@ -96,17 +99,19 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
             drain_seconds=DRAIN_S if connector else None,
             eager=args.eager,
             transport=args.transport if connector else None,
-            **(_kv_events(args.base_port, k) if connector and kind in kv_roles else {}),
+            **(_kv_events(args.base_port, k, log_dir or Path(".")) if connector and kind in kv_roles else {}),
             **(_offload(args) if connector else {}),
         )
         planned.append(PlannedServer(name, spec, connector))
     return planned
 
 
-def _kv_events(base_port: int, k: int) -> dict[str, Any]:
-    """The KV event fields of server ``k``'s spec: ZMQ endpoints on loopback, block hashes as the proxy computes
-    them (sha256; the seed is the environment's PYTHONHASHSEED, which the proxy is told the name of)."""
-    endpoint = f"tcp://127.0.0.1:{base_port + KV_EVENTS_OFFSET + k}"
+def _kv_events(base_port: int, k: int, folder: Path) -> dict[str, Any]:
+    """The KV event fields of server ``k``'s spec: its PUB socket an ipc socket in ``folder`` (vLLM binds ipc
+    endpoints and wildcard tcp ones, and connects to any other tcp one, which no subscriber could then reach; ipc
+    keeps the stream of prompt token ids off the network), its replay endpoint on loopback; block hashes as the
+    proxy computes them (sha256; the seed is the environment's PYTHONHASHSEED, which the proxy is told the name of)."""
+    endpoint = f"ipc://{folder.resolve() / f'kv-events-{k}'}"
     replay = f"tcp://127.0.0.1:{base_port + KV_REPLAY_OFFSET + k}"
     return {"kv_events": (endpoint, replay), "hash_algo": KV_HASH_ALGO}
 
@@ -355,7 +360,14 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     served_name = model.name
     log_dir = (args.log_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")).expanduser().resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    planned = plan_servers(args, str(model), served_name)
+    planned = plan_servers(args, str(model), served_name, log_dir)
+    too_long = [s.spec.kv_events[0] for s in planned if s.spec.kv_events and len(s.spec.kv_events[0]) > IPC_PATH_MAX]
+    if too_long:
+        print(
+            f"pd-transfer up: --log-dir is too long for an ipc socket path ({too_long[0]}); give a shorter one",
+            file=sys.stderr,
+        )
+        return 2
     if args.prefill_block_size != args.decode_block_size:
         out.say("note: prefill and decode block sizes differ; requests the connector cannot map are computed locally")
     base_env = child_environment()
@@ -398,7 +410,8 @@ def _start_servers(
             connector=server.connector,
             base_env=base_env,
             info={"role": server.name.split("-")[0], "cpu_bind": spec.cpu_bind, "tp": spec.tp_size}
-            | ({"side_channel": f"{spec.side_channel_host}:{spec.side_channel_port}"} if server.connector else {}),
+            | ({"side_channel": f"{spec.side_channel_host}:{spec.side_channel_port}"} if server.connector else {})
+            | ({"kv_events": ",".join(spec.kv_events)} if spec.kv_events else {}),
         )
         children.append(process)
         process.start()

@@ -11,8 +11,7 @@ MODEL_ENV = "PD_TRANSFER_MODEL"
 MODELS_DIR_ENV = "PD_TRANSFER_MODELS_DIR"  # where the default models are built (default: .models)
 DEFAULT_MODEL_DIR = TINY_MODEL_DIR
 SIDE_CHANNEL_OFFSET = 100  # server k: HTTP on base_port + k, side channel on base_port + 100 + k
-#: kv_aware: server k publishes its KV events on base_port + 200 + k, its replay endpoint on base_port + 300 + k
-KV_EVENTS_OFFSET = 200
+#: kv_aware: server k's KV event replay endpoint is on base_port + 300 + k (its stream: an ipc socket in the log dir)
 KV_REPLAY_OFFSET = 300
 #: The proxy's policies (pd_transfer.proxy.policies.POLICIES; the cluster layer does not import the proxy's modules)
 POLICIES = ("round_robin", "least_outstanding", "power_of_two", "cache_aware", "kv_aware")
@@ -61,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=POLICIES,
         default="round_robin",
         help="the proxy's policy for both roles (default round_robin); kv_aware turns on the engines' KV events"
-        " (vLLM's --kv-events-config, ZMQ on base port + 200 + k, replay on + 300 + k) and wires them to the proxy",
+        " (vLLM's --kv-events-config: an ipc socket in the log dir, replay on base port + 300 + k) and wires them to"
+        " the proxy",
     )
     for role in ("prefill", "decode"):
         parser.add_argument(
@@ -184,6 +184,6 @@ def kv_block_size(args: argparse.Namespace) -> int:
 
 def server_ports(base_port: int, servers: int, kv_events: bool = False) -> list[int]:
     """The HTTP ports then the side-channel ports of ``servers`` servers from ``base_port`` (then, with
-    ``kv_events``, their KV event and replay ports)."""
-    offsets = [0, SIDE_CHANNEL_OFFSET] + ([KV_EVENTS_OFFSET, KV_REPLAY_OFFSET] if kv_events else [])
+    ``kv_events``, their KV event replay ports)."""
+    offsets = [0, SIDE_CHANNEL_OFFSET] + ([KV_REPLAY_OFFSET] if kv_events else [])
     return [base_port + offset + k for offset in offsets for k in range(servers)]
