@@ -265,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_proxy = which.add_parser("proxy", help="the proxy's added latency vs calling the backends directly")
     proxy_bench.add_arguments(bench_proxy)
     bench_proxy.set_defaults(func=proxy_bench.run)
+    from pd_transfer.bench.proxy import routing as routing_bench
+
+    bench_routing = which.add_parser(
+        "routing", help="routing policies' prefix reuse and TTFT: our proxy vs vLLM's router"
+    )
+    routing_bench.add_arguments(bench_routing)
+    bench_routing.set_defaults(func=routing_bench.run)
     from pd_transfer.bench.vllm import connectors as vllm_connectors
 
     bench_vllm = which.add_parser("vllm", help="PdTransferConnector vs vLLM's NixlConnector on real vLLM servers")

@@ -82,6 +82,10 @@ class ServerSpec:
     #: vLLM's ``--enforce-eager``: no torch.compile at startup (on a CPU server of the tiny model that compile is
     #: most of its start: 11-65 s of "init engine" here, against 0.2 s without it)
     eager: bool = False
+    #: vLLM's KV events (``--kv-events-config``): the ZMQ PUB endpoint and the replay endpoint (None: no events)
+    kv_events: tuple[str, str] | None = None
+    #: vLLM's ``--prefix-caching-hash-algo`` (None: vLLM's default, sha256)
+    hash_algo: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -196,6 +200,12 @@ def vllm_command(spec: ServerSpec, python: str = sys.executable, *, connector: b
         command += ["--kv-cache-memory-bytes", str(int(spec.kvcache_gib * GIB))]
     if connector:
         command += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":"))]
+    if spec.kv_events is not None:
+        endpoint, replay = spec.kv_events
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
+        command += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    if spec.hash_algo is not None:
+        command += ["--prefix-caching-hash-algo", spec.hash_algo]
     if spec.drain_seconds is not None:
         command += ["--shutdown-timeout", str(math.ceil(spec.drain_seconds)), "--middleware", DRAIN_MIDDLEWARE]
     return [*command, *spec.extra_args]

@@ -32,16 +32,24 @@ from pd_transfer.cluster.monitoring import write_scrape_config
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, stop_all, wait_ready
 from pd_transfer.cluster.up_args import (
     DEFAULT_MODEL_DIR,
+    KV_REPLAY_OFFSET,
     SIDE_CHANNEL_OFFSET,
     add_arguments,
+    kv_block_size,
+    kv_event_roles,
+    policy_of,
     server_ports,
     validate,
 )
 from pd_transfer.settings import Settings, child_environment, read_settings
 
-__all__ = ["add_arguments", "cpu_binds", "main", "plan_servers", "run", "validate"]
+__all__ = ["add_arguments", "cpu_binds", "main", "plan_servers", "proxy_command", "run", "validate"]
 
 PROXY_START_TIMEOUT_S = 60.0
+#: kv_aware: the engines' --prefix-caching-hash-algo (vLLM's default), and the variable that seeds it
+KV_HASH_ALGO = "sha256"
+HASH_SEED_ENV = "PYTHONHASHSEED"
+IPC_PATH_MAX = 100  # a Unix socket's path: 107 bytes at most on Linux, less "ipc://"
 #: A stop drains each connector server for at most this long (the connector's default 30 s lease, then vLLM's
 #: teardown): SIGTERM to its API server, vLLM's --shutdown-timeout, then what stop_all does.
 DRAIN_S = 45.0
@@ -55,11 +63,19 @@ class PlannedServer:
     connector: bool  # False: the plain reference server of --demo
 
 
-def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list[PlannedServer]:
+def plan_servers(
+    args: argparse.Namespace, model: str, served_name: str, log_dir: Path | None = None
+) -> list[PlannedServer]:
     """The servers of the cluster: prefills, decodes, then the plain reference (``--demo``),
-    ports and CPUs assigned."""
-    kinds = [("prefill", args.prefill_tp, args.prefill_block_size, True)] * args.prefill
-    kinds += [("decode", args.decode_tp, args.decode_block_size, True)] * args.decode
+    ports and CPUs assigned; a kv_aware role's engines publish their KV events on an ipc socket in ``log_dir``
+    (default: the working directory)."""
+    kv_roles = kv_event_roles(args)
+    block_sizes = {
+        role: kv_block_size(args) if role in kv_roles else getattr(args, f"{role}_block_size")
+        for role in ("prefill", "decode")
+    }
+    kinds = [("prefill", args.prefill_tp, block_sizes["prefill"], True)] * args.prefill
+    kinds += [("decode", args.decode_tp, block_sizes["decode"], True)] * args.decode
     if args.check:
         kinds.append(("reference", 1, args.decode_block_size, False))
     binds = cpu_binds([tp for _, tp, _, _ in kinds], allowed_cpus())
@@ -83,10 +99,21 @@ def plan_servers(args: argparse.Namespace, model: str, served_name: str) -> list
             drain_seconds=DRAIN_S if connector else None,
             eager=args.eager,
             transport=args.transport if connector else None,
+            **(_kv_events(args.base_port, k, log_dir or Path(".")) if connector and kind in kv_roles else {}),
             **(_offload(args) if connector else {}),
         )
         planned.append(PlannedServer(name, spec, connector))
     return planned
+
+
+def _kv_events(base_port: int, k: int, folder: Path) -> dict[str, Any]:
+    """The KV event fields of server ``k``'s spec: its PUB socket an ipc socket in ``folder`` (vLLM binds ipc
+    endpoints and wildcard tcp ones, and connects to any other tcp one, which no subscriber could then reach; ipc
+    keeps the stream of prompt token ids off the network), its replay endpoint on loopback; block hashes as the
+    proxy computes them (sha256; the seed is the environment's PYTHONHASHSEED, which the proxy is told the name of)."""
+    endpoint = f"ipc://{folder.resolve() / f'kv-events-{k}'}"
+    replay = f"tcp://127.0.0.1:{base_port + KV_REPLAY_OFFSET + k}"
+    return {"kv_events": (endpoint, replay), "hash_algo": KV_HASH_ALGO}
 
 
 def _offload(args: argparse.Namespace) -> dict[str, Any]:
@@ -320,7 +347,8 @@ def _drain_then_stop(children: Sequence[ManagedProcess], out: _Output) -> list[s
 def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess]) -> int:
     """Start the servers and the proxy (appending each process to ``children`` as it starts), then run the demo
     and/or serve until a child exits. Returns the exit code; the caller stops ``children``."""
-    ports = server_ports(args.base_port, args.prefill + args.decode + (1 if args.check else 0))
+    servers = args.prefill + args.decode + (1 if args.check else 0)
+    ports = server_ports(args.base_port, servers, kv_events=bool(kv_event_roles(args)))
     busy = busy_ports([args.proxy_port, *ports])
     if busy:
         print(
@@ -332,7 +360,14 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     served_name = model.name
     log_dir = (args.log_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")).expanduser().resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    planned = plan_servers(args, str(model), served_name)
+    planned = plan_servers(args, str(model), served_name, log_dir)
+    too_long = [s.spec.kv_events[0] for s in planned if s.spec.kv_events and len(s.spec.kv_events[0]) > IPC_PATH_MAX]
+    if too_long:
+        print(
+            f"pd-transfer up: --log-dir is too long for an ipc socket path ({too_long[0]}); give a shorter one",
+            file=sys.stderr,
+        )
+        return 2
     if args.prefill_block_size != args.decode_block_size:
         out.say("note: prefill and decode block sizes differ; requests the connector cannot map are computed locally")
     base_env = child_environment()
@@ -375,7 +410,8 @@ def _start_servers(
             connector=server.connector,
             base_env=base_env,
             info={"role": server.name.split("-")[0], "cpu_bind": spec.cpu_bind, "tp": spec.tp_size}
-            | ({"side_channel": f"{spec.side_channel_host}:{spec.side_channel_port}"} if server.connector else {}),
+            | ({"side_channel": f"{spec.side_channel_host}:{spec.side_channel_port}"} if server.connector else {})
+            | ({"kv_events": ",".join(spec.kv_events)} if spec.kv_events else {}),
         )
         children.append(process)
         process.start()
@@ -385,13 +421,29 @@ def _backend_urls(planned: Sequence[PlannedServer], kind: str) -> list[str]:
     return [s.spec.url for s in planned if s.connector and s.name.startswith(kind)]
 
 
-def _start_proxy(
-    args: argparse.Namespace, planned: Sequence[PlannedServer], log_dir: Path, base_env: Mapping[str, str]
-) -> ManagedProcess:
-    """The proxy (``python -m pd_transfer.proxy``) over the planned prefill and decode servers, started."""
+def proxy_command(args: argparse.Namespace, planned: Sequence[PlannedServer], base_env: Mapping[str, str]) -> list[str]:
+    """``python -m pd_transfer.proxy ...`` over the planned prefill and decode servers: the policies and, for
+    kv_aware, each publishing engine's event endpoints and how the engines hash their blocks."""
     command = [sys.executable, "-m", "pd_transfer.proxy", "--prefill", *_backend_urls(planned, "prefill")]
     command += ["--decode", *_backend_urls(planned, "decode"), "--host", "127.0.0.1"]
     command += ["--port", str(args.proxy_port), "--policy", args.routing]
+    for role in ("prefill", "decode"):
+        command += [f"--{role}-policy", policy_of(args, role)]
+    if kv_event_roles(args):
+        command += ["--kv-block-size", str(kv_block_size(args)), "--kv-hash-algo", KV_HASH_ALGO]
+        if base_env.get(HASH_SEED_ENV) is not None:  # the engines seed their block hashes with it
+            command += ["--kv-hash-seed-env", HASH_SEED_ENV]
+        for server in planned:
+            if server.spec.kv_events is not None:
+                command += ["--kv-event-source", f"{server.spec.url}={','.join(server.spec.kv_events)}"]
+    return command
+
+
+def _start_proxy(
+    args: argparse.Namespace, planned: Sequence[PlannedServer], log_dir: Path, base_env: Mapping[str, str]
+) -> ManagedProcess:
+    """The proxy (:func:`proxy_command`), started."""
+    command = proxy_command(args, planned, base_env)
     proxy = ManagedProcess(
         "proxy",
         command,
@@ -453,7 +505,13 @@ def _print_ready(
     log_dir: Path,
     args: argparse.Namespace,
 ) -> None:
-    out.say(f"cluster ready after {total_s:.0f} s: proxy {proxy_url} ({args.routing})")
+    policies = {policy_of(args, role) for role in ("prefill", "decode")}
+    routing = (
+        args.routing
+        if policies == {args.routing}
+        else ", ".join(f"{role} {policy_of(args, role)}" for role in ("prefill", "decode"))
+    )
+    out.say(f"cluster ready after {total_s:.0f} s: proxy {proxy_url} ({routing})")
     for server, process in zip(planned, children, strict=False):
         spec = server.spec
         role = "reference (no connector)" if not server.connector else f"side channel {spec.side_channel_port}"

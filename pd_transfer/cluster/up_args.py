@@ -11,6 +11,12 @@ MODEL_ENV = "PD_TRANSFER_MODEL"
 MODELS_DIR_ENV = "PD_TRANSFER_MODELS_DIR"  # where the default models are built (default: .models)
 DEFAULT_MODEL_DIR = TINY_MODEL_DIR
 SIDE_CHANNEL_OFFSET = 100  # server k: HTTP on base_port + k, side channel on base_port + 100 + k
+#: kv_aware: server k's KV event replay endpoint is on base_port + 300 + k (its stream: an ipc socket in the log dir)
+KV_REPLAY_OFFSET = 300
+#: The proxy's policies (pd_transfer.proxy.policies.POLICIES; the cluster layer does not import the proxy's modules)
+POLICIES = ("round_robin", "least_outstanding", "power_of_two", "cache_aware", "kv_aware")
+#: vLLM-CPU's block size when none is given (its CPU attention's default); kv_aware hashes blocks of this size then
+VLLM_CPU_BLOCK_SIZE = 128
 MAX_SERVERS = 64
 
 
@@ -50,8 +56,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"server k listens on N+k, its side channel on N+{SIDE_CHANNEL_OFFSET}+k (default 8100)",
     )
     parser.add_argument(
-        "--routing", choices=("round_robin", "least_outstanding"), default="round_robin", help="proxy policy"
+        "--routing",
+        choices=POLICIES,
+        default="round_robin",
+        help="the proxy's policy for both roles (default round_robin); kv_aware turns on the engines' KV events"
+        " (vLLM's --kv-events-config: an ipc socket in the log dir, replay on base port + 300 + k) and wires them to"
+        " the proxy",
     )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-policy", choices=POLICIES, default=None, help=f"the proxy's {role} policy (default: --routing)"
+        )
     parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="default: runs/up-TIMESTAMP")
     parser.add_argument(
         "--startup-timeout", type=float, default=900.0, metavar="S", help="bound on the servers' startup (900)"
@@ -136,11 +151,39 @@ def validate(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be positive, not {value}")
     if args.offload_dir is not None and max(args.prefill_tp, args.decode_tp) > 1:
         problems.append("--offload-dir supports TP 1 only (PdOffloadConnector)")
+    kv_roles = kv_event_roles(args)
+    if len(kv_roles) == 2 and args.prefill_block_size != args.decode_block_size:
+        problems.append(
+            "kv_aware on both roles needs one block size (the proxy hashes blocks of one size): give"
+            " --prefill-block-size and --decode-block-size the same value"
+        )
+    if kv_roles and args.base_port + KV_REPLAY_OFFSET + servers - 1 > 65535:
+        problems.append(f"--base-port {args.base_port}: kv_aware needs ports up to base port + {KV_REPLAY_OFFSET}")
     if args.model is not None and not (args.model / "config.json").is_file():
         problems.append(f"--model {args.model}: no model folder there (no config.json)")
     return problems
 
 
-def server_ports(base_port: int, servers: int) -> list[int]:
-    """The HTTP ports then the side-channel ports of ``servers`` servers from ``base_port``."""
-    return [base_port + k for k in range(servers)] + [base_port + SIDE_CHANNEL_OFFSET + k for k in range(servers)]
+def policy_of(args: argparse.Namespace, role: str) -> str:
+    """The proxy's policy for ``role`` (``prefill`` or ``decode``)."""
+    chosen: str | None = getattr(args, f"{role}_policy", None)
+    return chosen or str(args.routing)
+
+
+def kv_event_roles(args: argparse.Namespace) -> list[str]:
+    """The roles whose engines publish KV events: those the proxy routes ``kv_aware``."""
+    return [role for role in ("prefill", "decode") if policy_of(args, role) == "kv_aware"]
+
+
+def kv_block_size(args: argparse.Namespace) -> int:
+    """The block size of the engines that publish KV events (given, else vLLM-CPU's default)."""
+    roles = kv_event_roles(args)
+    given = getattr(args, f"{roles[0]}_block_size", None) if roles else None
+    return given or VLLM_CPU_BLOCK_SIZE
+
+
+def server_ports(base_port: int, servers: int, kv_events: bool = False) -> list[int]:
+    """The HTTP ports then the side-channel ports of ``servers`` servers from ``base_port`` (then, with
+    ``kv_events``, their KV event replay ports)."""
+    offsets = [0, SIDE_CHANNEL_OFFSET] + ([KV_REPLAY_OFFSET] if kv_events else [])
+    return [base_port + offset + k for offset in offsets for k in range(servers)]

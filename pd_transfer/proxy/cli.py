@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="kv_aware: the engines' DISK medium is a disk only its engine reads (default: a directory all mount)",
     )
+    parser.add_argument(
+        "--no-tokenize",
+        action="store_true",
+        help="kv_aware: do not ask a backend's POST /tokenize for the token ids of text and chat prompts (they then"
+        " go to the least busy backend)",
+    )
     for flag, field, kind, metavar, text in _ROUTING_FLAGS:
         default = ProxyConfig.__dataclass_fields__[field].default
         parser.add_argument(
@@ -180,6 +186,13 @@ _ROUTING_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
         "S",
         "kv_aware: a stream silent S seconds is probed on its replay endpoint; no answer drops its entries",
     ),
+    (
+        "--tokenize-timeout",
+        "tokenize_timeout_s",
+        float,
+        "S",
+        "kv_aware: one POST /tokenize of a text or chat prompt; past it the prompt routes without token ids",
+    ),
 )
 
 
@@ -205,6 +218,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         kv_event_sources=list(args.kv_event_source),
         kv_hash_seed=seed,
         kv_shared_directory=not args.kv_local_disk,
+        tokenize=not args.no_tokenize,
         handshake_secret=secret,
         release_timeout_s=args.release_timeout,
         prefill=list(args.prefill),

@@ -33,6 +33,10 @@ class ProxyConfig:
     kv_shared_directory: bool = True  # the engines' DISK medium is a directory they all mount
     kv_max_blocks: int = 4_000_000  # (engine, block) entries the index holds at most
     kv_silence_s: float = 30.0  # a stream silent this long is probed on its replay endpoint (no answer: dropped)
+    # kv_aware: text and chat prompts tokenized by a backend's POST /tokenize (pd_transfer.proxy.tokenize), for the
+    # pools whose policy is kv_aware; False: such prompts go to the least busy
+    tokenize: bool = True
+    tokenize_timeout_s: float = 1.0  # one /tokenize call, connection to answer; past it the prompt goes without ids
 
     def policy_of(self, role: str) -> str:
         chosen = self.prefill_policy if role == "prefill" else self.decode_policy

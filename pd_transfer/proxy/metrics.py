@@ -146,6 +146,13 @@ class ProxyMetrics:
             ["backend"],
             registry=r,
         )
+        self.tokenize = Counter(
+            "pd_proxy_tokenize",
+            "Text and chat prompts sent to a backend's /tokenize for kv_aware, by result (ok, no_backend, error,"
+            " timeout, refused: a non-200 answer); all but ok route without token ids",
+            ["result"],
+            registry=r,
+        )
         self.kv_index_entries = Gauge(
             "pd_proxy_kv_index_entries",
             "(engine, block) entries and shared directory blocks the KV index holds",

@@ -9,8 +9,9 @@
   of the tree (where a new prefix costs least). The prompt is then recorded as sent there.
 * ``kv_aware``: the engines' own KV events (:mod:`.kv_events`, :mod:`.kv_index`): the prompt's token ids are hashed
   as the engines hash their blocks, and each backend scored by the prefix it can reuse, each block credited by the
-  tier it is in (own cache 1.0, host 0.8, shared directory 0.6, local disk 0.3). Same balance guard; no match, or a
-  prompt the proxy cannot tokenize (text: the proxy has no tokenizer), goes to the least busy.
+  tier it is in (own cache 1.0, host 0.8, shared directory 0.6, local disk 0.3). A text or chat prompt is hashed by
+  the ids the engines' ``/tokenize`` gave (:mod:`.tokenize`). Same balance guard; no match, or a prompt without ids
+  (tokenization off or failed, a batch), goes to the least busy.
 * session affinity (any policy): a request naming a session (the ``X-Session-Id`` header, else the body's ``user``)
   goes where that session's last request went while that backend is healthy and the session was used within
   ``ttl_s``; at most ``max_sessions`` are remembered (the least recently used forgotten first).
@@ -67,6 +68,7 @@ class RouteRequest:
         self._session_header = session_header
         self._chunks: list[int] | None = None
         self._tokens: list[int] | bool | None = False  # False: not looked at yet
+        self._tokenized: list[int] | None = None  # the engines' ids of a text or chat prompt (.tokenize)
 
     def session(self) -> int | None:
         """The session's key (a 64-bit hash: the proxy keeps no client string), or None when the request names none."""
@@ -79,7 +81,17 @@ class RouteRequest:
         return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"))
 
     def token_ids(self) -> list[int] | None:
-        """The prompt's token ids when the client sent ids (a completions prompt of ids, or one list of them)."""
+        """The prompt's token ids: the client's (a completions prompt of ids, or one list of them), else the ones the
+        engines gave for its text (:meth:`set_token_ids`), else None."""
+        sent = self.sent_ids()
+        return sent if sent is not None else self._tokenized
+
+    def set_token_ids(self, tokens: list[int]) -> None:
+        """The engines' token ids of a text or chat prompt (:mod:`pd_transfer.proxy.tokenize`)."""
+        self._tokenized = tokens[:MAX_HASHED_TOKENS]
+
+    def sent_ids(self) -> list[int] | None:
+        """The token ids the client sent, or None when it sent text or chat messages."""
         if self._tokens is False:
             self._tokens = None
             if self.endpoint == flow.COMPLETIONS:
@@ -91,9 +103,10 @@ class RouteRequest:
         return self._tokens if isinstance(self._tokens, list) else None
 
     def chunks(self) -> list[int]:
-        """The prompt's chained chunk names for the prefix tree (text, or token ids when it is ids)."""
+        """The prompt's chained chunk names for the prefix tree (text, or token ids when the client sent ids; never
+        the engines' ids, so that a failed tokenization does not change a prompt's names)."""
         if self._chunks is None:
-            tokens = self.token_ids()
+            tokens = self.sent_ids()
             if tokens is not None:
                 self._chunks = token_chunks(tokens)
             else:

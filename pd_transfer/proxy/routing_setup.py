@@ -57,6 +57,11 @@ class Routing:
                 raise ValueError(
                     f"--kv-event-source names {source.backend[:120]}, which is no prefill or decode backend"
                 )
+        if config.tokenize_timeout_s <= 0:
+            raise ValueError(f"--tokenize-timeout must be positive, got {config.tokenize_timeout_s}")
+        #: The roles whose requests need the engines' token ids of a text or chat prompt (kv_aware pools).
+        kv_roles = frozenset(role for role in roles if config.policy_of(role) == "kv_aware")
+        self.tokenize_roles = kv_roles if config.tokenize else frozenset()
         self.streams: list[EventStream] = []
         self._subscribers: list[EventSubscriber] = []
         self._context: zmq.asyncio.Context | None = None

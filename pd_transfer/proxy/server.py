@@ -44,6 +44,8 @@ from pd_transfer.proxy.responses import (
 )
 from pd_transfer.proxy.routing import DRAINING, Backend, Pool, StateSignal, health_reason, prefill_without_params
 from pd_transfer.proxy.routing_setup import Routing
+from pd_transfer.proxy.tokenize import RESULTS as TOKENIZE_RESULTS
+from pd_transfer.proxy.tokenize import Tokenizer
 from pd_transfer.proxy.upstream import ConnectFailed, Endpoint, Leftover, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,15 @@ class Proxy:
         # Where each hop's POST goes, request line and Host header encoded once.
         self._endpoints = {(id(b), e): Endpoint.of(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
         self._decode_hop = DecodeHop(self.decode, self._meter, self._endpoints)
+        self._tokenizer: Tokenizer | None = None
+        if self.routing.tokenize_roles:
+            counts = {result: self.metrics.tokenize.labels(result) for result in TOKENIZE_RESULTS}
+            self._tokenizer = Tokenizer(
+                [self.prefill, self.decode],
+                lambda: self._upstream,
+                config.tokenize_timeout_s,
+                lambda result: counts[result].inc(),
+            )
         for backend in self._backends():
             self.metrics.healthy.labels(backend.role, backend.url).set(1)
             # Read when scraped, not set twice per hop.
@@ -307,7 +318,12 @@ class Proxy:
         headers = self._headers(request, rid)
         route = RouteRequest(endpoint, body, request.headers.get(self.config.session_header))
         threshold = self.config.short_prompt_tokens
-        if flow.is_batch(endpoint, body) or (threshold > 0 and flow.prompt_tokens(endpoint, body) < threshold):
+        batch = flow.is_batch(endpoint, body)
+        direct = batch or (threshold > 0 and flow.prompt_tokens(endpoint, body) < threshold)
+        # a kv_aware pool this request goes through reads the engines' ids of a text or chat prompt
+        if self._tokenizer is not None and not batch and ("decode" in self.routing.tokenize_roles or not direct):
+            await self._tokenizer.fill(route, headers)
+        if direct:
             self._routes["direct"].inc()
             params = None
         else:

@@ -13,6 +13,10 @@ without a model. For the proxy's tests and benchmark.
   (between streamed chunks; all at once before a non-streamed answer). A request's ``standin_token_delay_s``
   overrides the server's;
   ``standin_drop_after: N`` makes a decode close the connection after N streamed tokens.
+- ``POST /tokenize`` (vLLM's, for the proxy's kv_aware): a deterministic tokenization, :func:`standin_tokens`
+  (one id per whitespace-separated word; a chat renders ``<|role|>`` markers and, with ``add_generation_prompt``
+  (default true), a closing ``<|assistant|>``). Its calls count in ``tokenize_calls``; ``tokenize_fail`` makes it
+  answer that status.
 - ``/health`` (toggled with ``POST /control/health {"healthy": false}``), ``/v1/models``, ``POST /control/fail
   {"status": 500, "count": 2}`` (the next requests answer that status), ``GET /control/stats``.
 
@@ -61,6 +65,8 @@ class StandIn:
     keep_bodies: bool = True
     omit_kv_transfer_params: bool = False  # a prefill misconfigured without a KV connector
     healthy: bool = True
+    tokenize_calls: int = 0
+    tokenize_fail: int = 0  # a status /tokenize answers instead of ids (0: it tokenizes)
     records: list[Record] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     host: str = ""
@@ -79,6 +85,7 @@ class StandIn:
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_post("/v1/completions", self._completions)
         self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_post("/tokenize", self._tokenize)
         self.app.router.add_post("/control/health", self._control_health)
         self.app.router.add_post("/control/fail", self._control_fail)
         self.app.router.add_get("/control/stats", self._control_stats)
@@ -144,6 +151,20 @@ class StandIn:
         return json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "pd-transfer"}]}
         )
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        self.tokenize_calls += 1
+        rid = request.headers.get(REQUEST_ID, "")
+        if self.tokenize_fail:
+            return error_response(self.tokenize_fail, "injected /tokenize failure", rid)
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError:
+            return error_response(400, "invalid JSON", rid)
+        if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str) or "messages" in body):
+            return error_response(400, "/tokenize needs a prompt (text) or messages", rid)
+        tokens = standin_tokens(body)
+        return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 4096, "token_strs": None})
 
     # ---- inference ----
 
@@ -324,6 +345,22 @@ def prompt_text(body: dict[str, Any]) -> str:
         elif isinstance(content, list):
             parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
     return " ".join(parts)
+
+
+def standin_tokens(body: dict[str, Any]) -> list[int]:
+    """The stand-ins' deterministic token ids of a completions prompt or chat messages (a /tokenize body, or a
+    completions or chat request): one id per whitespace-separated word of the rendered text, from its hash."""
+    if isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+    else:
+        parts = []
+        for message in body.get("messages") or []:
+            role = message.get("role") if isinstance(message, dict) else None
+            parts.append(f"<|{role}|> {prompt_text({'messages': [message]})}")
+        if body.get("add_generation_prompt", True):
+            parts.append("<|assistant|>")
+        text = " ".join(parts)
+    return [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "big") % 50000 for w in text.split()]
 
 
 def _digest(body: dict[str, Any]) -> str:

@@ -242,3 +242,47 @@ def test_up_offload_dir_wires_every_connector_server(tmp_path: Path) -> None:
         "--offload-dir-bytes must be positive, not 0",
         "--offload-dir supports TP 1 only (PdOffloadConnector)",
     ]
+
+
+def test_up_kv_aware_turns_on_the_engines_events_and_wires_them_to_the_proxy(tmp_path: Path) -> None:
+    """``--prefill-policy kv_aware``: each prefill (not the decodes) publishes KV events on its own ipc socket
+    with sha256 block hashes of an explicit block size, and the proxy is given each source, that block size and the
+    seed's variable when the environment sets one."""
+    import argparse
+
+    from pd_transfer.cluster import up_args
+    from pd_transfer.cluster.up import add_arguments, plan_servers, proxy_command, validate
+    from pd_transfer.proxy.policies import POLICIES
+
+    assert up_args.POLICIES == POLICIES  # up's copy of the proxy's policies
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--prefill", "2", "--prefill-policy", "kv_aware", "--base-port", "9000"])
+    assert validate(args) == []
+    planned = plan_servers(args, MODEL_DIR, "tiny", tmp_path)
+    for k, server in enumerate(planned[:2]):
+        command = vllm_command(server.spec)
+        events = json.loads(flag_value(command, "--kv-events-config"))
+        assert events == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"ipc://{tmp_path.resolve()}/kv-events-{k}",  # vLLM binds ipc (a loopback tcp one: connects)
+            "replay_endpoint": f"tcp://127.0.0.1:{9300 + k}",
+        }
+        assert flag_value(command, "--prefix-caching-hash-algo") == "sha256"
+        assert flag_value(command, "--block-size") == "128"
+    assert "--kv-events-config" not in vllm_command(planned[2].spec)
+    proxy = proxy_command(args, planned, {"PYTHONHASHSEED": "7"})
+    assert flag_value(proxy, "--prefill-policy") == "kv_aware" and flag_value(proxy, "--decode-policy") == "round_robin"
+    assert flag_value(proxy, "--kv-block-size") == "128" and flag_value(proxy, "--kv-hash-seed-env") == "PYTHONHASHSEED"
+    sources = [proxy[i + 1] for i, flag in enumerate(proxy) if flag == "--kv-event-source"]
+    assert sources == [
+        f"http://127.0.0.1:{9000 + k}=ipc://{tmp_path.resolve()}/kv-events-{k},tcp://127.0.0.1:{9300 + k}"
+        for k in (0, 1)
+    ]
+    assert "--kv-hash-seed-env" not in proxy_command(args, planned, {})
+    plain = parser.parse_args(["--routing", "cache_aware"])
+    assert validate(plain) == []
+    assert "--kv-event-source" not in proxy_command(plain, plan_servers(plain, MODEL_DIR, "tiny"), {})
+    both = parser.parse_args(["--routing", "kv_aware", "--prefill-block-size", "32"])
+    assert any("one block size" in problem for problem in validate(both))

@@ -66,14 +66,19 @@ async def cluster(
     short_prompt_tokens: int = 0,
     health_interval_s: float = 30.0,
     prefill_kwargs: dict[str, Any] | None = None,
+    settings_of: Callable[[list[StandIn], list[StandIn]], dict[str, Any]] | None = None,
     **proxy_settings: Any,
 ) -> AsyncIterator[Cluster]:
+    """Two prefill and two decode stand-ins behind a proxy; ``settings_of(prefills, decodes)``: proxy settings that
+    name the started stand-ins (their URLs)."""
     prefills = [StandIn("prefill", engine_id=f"prefill-{i}", **(prefill_kwargs or {})) for i in range(2)]
     decodes = [StandIn("decode", engine_id=f"decode-{i}") for i in range(2)]
     servers = prefills + decodes
     try:
         for server in servers:
             await server.start()
+        if settings_of is not None:
+            proxy_settings = {**proxy_settings, **settings_of(prefills, decodes)}
         proxy = Proxy(
             ProxyConfig(
                 prefill=[s.url for s in prefills],

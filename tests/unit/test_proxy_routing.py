@@ -1,6 +1,7 @@
 """The routing policies through the proxy, over HTTP stand-ins (tests/unit/test_proxy.py's cluster): cache_aware on
 the prefills keeps each system prompt on one prefill while the decodes go round robin; session affinity keeps a
-user on one decode; the choices reach /metrics; kv_aware without event sources is refused at start."""
+user on one decode; the choices reach /metrics; kv_aware without event sources is refused at start; kv_aware routes
+text and chat prompts by the backends' /tokenize."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
 
-from test_proxy import MODEL, Cluster, run
+from test_proxy import MODEL, Cluster, chat, completion, run
 
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.server import Proxy, ProxyConfig
+from pd_transfer.proxy.tokenize import tokenize_body
+from pd_transfer.sim.http_standin import StandIn, standin_tokens
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,3 +64,69 @@ def test_kv_aware_without_event_sources_is_refused_with_what_to_give() -> None:
                 prefill=["http://p"], decode=["http://d"], policy="kv_aware", kv_event_sources=["http://x=tcp://x:1"]
             )
         )
+
+
+def test_kv_aware_routes_text_and_chat_prompts_by_the_engines_tokenization() -> None:
+    """A text or chat prompt is tokenized by a backend's /tokenize (the stand-ins' deterministic ids), hashed as the
+    engines hash blocks and sent to the prefill the index says holds it; a failing /tokenize falls back, counted."""
+
+    async def scenario(c: Cluster) -> None:
+        routing = c.proxy.routing
+        assert routing.index is not None and routing.hasher is not None
+        holder = c.prefills[1]
+        text = completion(prompt=SYSTEMS[0] + " and one question")
+        talk = chat(messages=[{"role": "system", "content": SYSTEMS[1]}, {"role": "user", "content": "hi"}])
+        for body in (text, talk):
+            routing.index.stored(holder.url, routing.hasher.hashes(standin_tokens(body)), "GPU")
+        for body, endpoint in ((text, flow.COMPLETIONS), (talk, flow.CHAT)):
+            before = len(holder.records)
+            status, _, _ = await c.call(endpoint, body)
+            assert status == 200 and len(holder.records) == before + 1
+        assert sum(s.tokenize_calls for s in c.prefills) == 2
+        text_metrics = await c.metrics()
+        assert 'pd_proxy_tokenize_total{result="ok"} 2.0' in text_metrics
+        assert f'backend="{holder.url}",reason="prefix",role="prefill"' in text_metrics
+        assert 'pd_proxy_route_matched_blocks_total{role="prefill",tier="engine"}' in text_metrics
+        # a /tokenize that fails leaves the prompt without ids: the least busy prefill, counted
+        for server in c.prefills:
+            server.tokenize_fail = 500
+        status, _, _ = await c.call(flow.COMPLETIONS, text)
+        assert status == 200
+        text_metrics = await c.metrics()
+        assert 'pd_proxy_tokenize_total{result="refused"} 1.0' in text_metrics
+        assert 'reason="no_prompt",role="prefill"' in text_metrics
+
+    def sources(prefills: list[StandIn], _decodes: list[StandIn]) -> dict[str, Any]:
+        # nobody publishes there (the test fills the index itself); silence long enough never to be probed
+        return {"kv_event_sources": [f"{s.url}=tcp://127.0.0.1:9" for s in prefills]}
+
+    run(scenario, prefill_policy="kv_aware", decode_policy="round_robin", kv_silence_s=3600.0, settings_of=sources)
+
+
+def test_tokenize_body_carries_what_changes_the_rendered_prompt() -> None:
+    talk = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "tools": [],
+        "max_tokens": 3,
+        "stream": True,
+    }
+    assert tokenize_body(flow.CHAT, talk) == {
+        "model": MODEL,
+        "messages": talk["messages"],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "tools": [],
+    }
+    assert tokenize_body(flow.COMPLETIONS, {"model": MODEL, "prompt": ["one text"], "add_special_tokens": False}) == {
+        "model": MODEL,
+        "prompt": "one text",
+        "add_special_tokens": False,
+    }
+    for nothing in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": [1, 2]}):
+        assert tokenize_body(flow.COMPLETIONS, nothing) is None
+    assert tokenize_body(flow.CHAT, {"messages": []}) is None

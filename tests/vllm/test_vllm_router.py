@@ -9,6 +9,10 @@ our pulls (``vllm:pd_transfer_pull_seconds_count``), and the prefill must have s
 (``vllm:pd_transfer_leases_ended_total{reason="read"}``). Skips, with the reason, without vLLM, the test model or
 the router (``scripts/setup-deploy`` installs it).
 
+The same cluster runs ``up --prefill-policy kv_aware``: its prefill publishes vLLM's KV events, and a text prompt sent
+twice through our proxy (tokenized by the engine's ``/tokenize``) is routed the second time by the prefix blocks the
+prefill's events say it holds.
+
 ``pd-transfer bench proxy`` measures the router beside our proxy over the same stand-ins: a short run here checks
 that both fronts answer and that the router's figures sit beside ours.
 """
@@ -64,7 +68,8 @@ def setup(
     started = time.monotonic()
     router: ManagedProcess | None = None
     try:
-        with up_cluster(work) as cluster:
+        # our proxy routes the prefills kv_aware (the prefill publishes its KV events): see the last test
+        with up_cluster(work, "--prefill-policy", "kv_aware") as cluster:
             command = router_command(
                 str(deploy_tool("vllm-router")),
                 cluster.urls("prefill"),
@@ -157,3 +162,27 @@ def test_bench_proxy_measures_the_router_beside_ours() -> None:
         assert router["ms_p50"] > 8  # 20 ms prefill + 8 x 1 ms in the backends
         assert router["cpu_ms_per_request"] >= 0  # /proc counts 10 ms ticks: a short run's ~12 ms can read as 0
         assert router["added_ms_p50"] == pytest.approx(router["ms_p50"] - ours["direct_ms_p50"], abs=1e-3)
+
+
+@E2E_TIMEOUT
+def test_our_proxy_kv_aware_follows_the_prefills_kv_events(
+    setup: tuple[UpCluster, ManagedProcess, ManagedProcess],
+) -> None:
+    """``up --prefill-policy kv_aware`` wired the prefill's KV events to our proxy: a repeated text prompt (the
+    engine's /tokenize gives its ids, hashed as the engine hashes its blocks) matches the blocks its first run
+    stored, and no stream reports a hash mismatch."""
+    cluster, _, _ = setup
+    proxy = cluster.proxy
+    body = {"model": cluster.model, "prompt": _words(400, 9), "max_tokens": 2, "temperature": 0.0}
+    matched = ("pd_proxy_route_matched_blocks_total", {"role": "prefill", "tier": "engine"})
+    post_json(proxy + "/v1/completions", body)
+    entries = wait_metric(proxy, "pd_proxy_kv_index_entries", lambda v: v > 0, 30.0)
+    assert entries.reached, "the prefill's KV events never reached the proxy's index"
+    before = metric_value(proxy, matched[0], **matched[1])
+    post_json(proxy + "/v1/completions", body)
+    gained = metric_value(proxy, matched[0], **matched[1]) - before
+    print(f"\nkv_aware: index {entries.value:.0f} entries, the repeat matched {gained:.0f} engine blocks")
+    assert metric_value(proxy, "pd_proxy_tokenize_total", result="ok") >= 2
+    assert metric_value(proxy, "pd_proxy_kv_event_faults_total", kind="hash_mismatch") == 0
+    assert gained > 0, "the repeated prompt matched no block the prefill's events reported"
+    assert metric_value(proxy, "pd_proxy_route_choices_total", role="prefill", reason="prefix") >= 1
