@@ -7,7 +7,8 @@ the requests it is generating), then exits 0. Our proxy takes it out on its firs
 another server of the role, and routes nothing more to it: no client request fails.
 
 One set of servers serves the module (starting vLLM costs minutes here): prefills A and B, decodes A and B (all with
-``drain_seconds``), and a plain reference server whose greedy tokens every answer must equal. The prefill drain runs
+``drain_seconds``); the plain reference server whose greedy tokens every answer must equal is the session's
+(``shared_reference``, tests/vllm/conftest.py: never drained). The prefill drain runs
 behind a proxy over both prefills and decode A; the decode drain (prefill A is gone by then) behind a proxy over
 prefill B and both decodes. Needs vLLM in the running interpreter and the tiny model, like
 ``tests/vllm/test_vllm_pd.py``.
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +36,7 @@ from vllm_servers import (
     logs_dir,
     metric_value,
     over_tcp,
-    reference_server,
+    ready,
     start_all,
     tokens_of,
     vllm_server,
@@ -66,21 +68,22 @@ class Servers:
     prefill_b: ManagedProcess
     decode_a: ManagedProcess
     decode_b: ManagedProcess
-    reference: ManagedProcess
+    reference: ManagedProcess  # the session's (shared_reference): not this module's to start or stop
+    logs: Path
     extra: list[ManagedProcess] = field(default_factory=list)  # proxies
     expected: dict[int, list[str]] = field(default_factory=dict)  # prompt seed -> the reference's tokens
 
     def everything(self) -> list[ManagedProcess]:
-        return [self.prefill_a, self.prefill_b, self.decode_a, self.decode_b, self.reference, *self.extra]
+        """The module's own processes (the reference is the session's)."""
+        return [self.prefill_a, self.prefill_b, self.decode_a, self.decode_b, *self.extra]
 
     def proxy(self, prefill: list[ManagedProcess], decode: list[ManagedProcess]) -> ManagedProcess:
         """Our proxy over those servers (health checked every second), started and ready."""
         port = free_port()
         command = [sys.executable, "-m", "pd_transfer.proxy", "--prefill", *(p.url for p in prefill), "--decode"]
         command += [*(d.url for d in decode), "--port", str(port), "--health-interval", "1"]
-        logs = self.reference.log_path.parent
         name = f"proxy-{len(self.extra) + 1}"
-        proxy = ManagedProcess(name, command, dict(os.environ), logs / f"{name}.log", f"http://127.0.0.1:{port}")
+        proxy = ManagedProcess(name, command, dict(os.environ), self.logs / f"{name}.log", f"http://127.0.0.1:{port}")
         self.extra.append(proxy)
         start_all([proxy], timeout_s=60.0)
         return proxy
@@ -97,7 +100,7 @@ def prompt(seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: str) -> Iterator[Servers]:
+def servers(tiny_model: str, shared_reference: ManagedProcess) -> Iterator[Servers]:
     model = tiny_model
     logs = logs_dir("pd-transfer-vllm-drain")
     drained: dict[str, Any] = {"drain_seconds": DRAIN_S}
@@ -109,11 +112,13 @@ def servers(tiny_model: str) -> Iterator[Servers]:
         vllm_server("prefill-b", model, logs, cpu_index=1, lease_seconds=LEASE_S, **drained),
         over_tcp(vllm_server("decode-a", model, logs, cpu_index=0, transport="nixl", **drained)),
         vllm_server("decode-b", model, logs, cpu_index=1, **drained),
-        reference_server(model, logs),
+        shared_reference,
+        logs,
     )
     started = time.monotonic()
     start_all(made.everything())
-    print(f"\n5 vLLM servers healthy after {time.monotonic() - started:.0f} s")
+    ready(shared_reference)
+    print(f"\n4 vLLM servers and the reference healthy after {time.monotonic() - started:.0f} s")
     try:
         yield made
     finally:

@@ -4,7 +4,8 @@ killed in the middle of a request, 10,000 hostile side-channel frames during rea
 proxy. Each case ends within a bound and leaves every held-block and in-flight gauge at 0.
 
 One set of servers serves the module (starting vLLM costs 1-3 minutes here): a prefill (lease ``LEASE_S``), a decode
-of failure policy ``recompute``, one of policy ``fail`` behind the proxy, and a plain reference server. The prefill is
+of failure policy ``recompute``, one of policy ``fail`` behind the proxy; the plain reference server is the
+session's (``shared_reference``, tests/vllm/conftest.py: no case here touches it). The prefill is
 killed and restarted as the cases go; the ``recompute`` decode is killed last. Needs vLLM in the running interpreter
 and the tiny model (``pd-transfer make-model``), like ``tests/vllm/test_vllm_pd.py``.
 """
@@ -46,6 +47,7 @@ from vllm_servers import (
     logs_dir,
     metric_value,
     over_tcp,
+    ready,
     start_all,
     tokens_of,
     vllm_server,
@@ -82,12 +84,13 @@ class Cluster:
     prefill: ManagedProcess  # the current incarnation
     decode: ManagedProcess  # failure policy recompute
     decode_fail: ManagedProcess  # failure policy fail, behind the proxy
-    reference: ManagedProcess
+    reference: ManagedProcess  # the session's (shared_reference): not this module's to stop
     proxy: ManagedProcess  # prefill -> decode_fail
     incarnations: list[ManagedProcess] = field(default_factory=list)
 
     def everything(self) -> list[ManagedProcess]:
-        return [*self.incarnations, self.decode, self.decode_fail, self.reference, self.proxy]
+        """The module's own processes (the reference is the session's)."""
+        return [*self.incarnations, self.decode, self.decode_fail, self.proxy]
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ---\n{p.log_tail(30)}" for p in (self.prefill, self.decode, self.decode_fail))
@@ -118,10 +121,10 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: str) -> Iterator[Cluster]:
+def cluster(tiny_model: str, shared_reference: ManagedProcess) -> Iterator[Cluster]:
     model = tiny_model
     logs = logs_dir("pd-transfer-vllm-faults")
-    ports = iter(quiet_ports(9))
+    ports = iter(quiet_ports(7))
 
     def server(name: str, cpu: int, **changes: Any) -> ManagedProcess:
         return vllm_server(name, model, logs, cpu_index=cpu, port=next(ports), side_channel_port=next(ports), **changes)
@@ -131,14 +134,18 @@ def cluster(tiny_model: str) -> Iterator[Cluster]:
     )
     decode = over_tcp(server("decode", 1, transport="nixl"))
     decode_fail = over_tcp(server("decode-fail", 1, failure_policy="fail", transport="nixl"))
-    reference = server("reference", 0, connector=False)
-    servers = [prefill, decode, decode_fail, reference]
+    servers = [prefill, decode, decode_fail]
     started = time.monotonic()
     start_all(servers)
     proxy = proxy_process([prefill.url], [decode_fail.url], logs, next(ports))
-    start_all([proxy], timeout_s=60.0)
-    print(f"\nvLLM servers and the proxy ready after {time.monotonic() - started:.0f} s")
-    cluster = Cluster(model, prefill, decode, decode_fail, reference, proxy, [prefill])
+    try:
+        start_all([proxy], timeout_s=60.0)
+        ready(shared_reference)
+    except BaseException:
+        stop_all(servers)
+        raise
+    print(f"\nvLLM servers, the reference and the proxy ready after {time.monotonic() - started:.0f} s")
+    cluster = Cluster(model, prefill, decode, decode_fail, shared_reference, proxy, [prefill])
     try:
         yield cluster
     finally:

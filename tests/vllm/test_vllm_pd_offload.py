@@ -2,8 +2,9 @@
 ``PdTransferConnector`` then ``PdOffloadConnector``, the config ``pd_transfer.cluster.launch`` builds for
 ``pd-transfer up --offload-dir``).
 
-Three servers: ``prefill`` and ``decode`` (both with the same offload directory, KV caches of 16 blocks of 128
-tokens) and ``reference`` (no connector).
+Two servers: ``prefill`` and ``decode`` (both with the same offload directory, KV caches of 16 blocks of 128
+tokens), and the session's plain reference server (``shared_reference``, tests/vllm/conftest.py: no connector; its
+greedy tokens do not depend on its block or cache size).
 
 (b) A prefill whose prefix is in the directory (stored by the other server) loads it instead of computing it,
 and still returns its ``kv_transfer_params``; the decode pulls the rest.
@@ -34,6 +35,7 @@ from vllm_servers import (
     logs_dir,
     metric_lines,
     metric_value,
+    ready,
     tokens_of,
     vllm_server,
     wait_at_least,
@@ -63,19 +65,18 @@ def _tokens(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 2048) for _ in range(length)]
 
 
-def _server(name: str, model: str, logs: Path, cpu: int, offload_dir: Path | None) -> ManagedProcess:
+def _server(name: str, model: str, logs: Path, cpu: int, offload_dir: Path) -> ManagedProcess:
     return vllm_server(
         name,
         model,
         logs,
         cpu_index=cpu,
-        connector=offload_dir is not None,
         block_size=BLOCK,
         lease_seconds=LEASE_S,
         extra_args=("--num-gpu-blocks-override", str(CACHE_BLOCKS)),
         kvcache_gib=KV_CACHE_GIB,
         max_model_len=8 * BLOCK,
-        offload_dir=None if offload_dir is None else str(offload_dir),
+        offload_dir=str(offload_dir),
         offload_dir_bytes=DIR_BYTES,
     )
 
@@ -92,16 +93,14 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: str, serve: Serve, tmp_path_factory: pytest.TempPathFactory) -> Servers:
+def servers(
+    tiny_model: str, serve: Serve, shared_reference: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Servers:
     model = tiny_model
     logs = logs_dir("pd-transfer-vllm-pd-offload")
     directory = tmp_path_factory.mktemp("pd-offload-dir")
-    handles = [
-        _server("prefill", model, logs, 0, directory),
-        _server("decode", model, logs, 1, directory),
-        _server("reference", model, logs, 0, None),
-    ]
-    return Servers(serve(handles), model)
+    handles = [_server("prefill", model, logs, 0, directory), _server("decode", model, logs, 1, directory)]
+    return Servers([*serve(handles), ready(shared_reference)], model)
 
 
 def _external(url: str) -> float:

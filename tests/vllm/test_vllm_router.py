@@ -2,7 +2,8 @@
 unchanged: ``vllm-router --vllm-pd-disaggregation --kv-connector nixl --prefill URL --decode URL``.
 
 Real processes: ``pd-transfer up`` (a vLLM prefill and a vLLM decode with PdTransferConnector, and our proxy, which
-this test does not use), a plain vLLM server (no connector) as the reference, and the router. Completions and chats,
+this test does not use), a plain vLLM server (no connector: the session's ``shared_reference``,
+tests/vllm/conftest.py) as the reference, and the router. Completions and chats,
 streamed and not, go through the router; each greedy answer must equal the plain server's, the decode must have
 loaded every prompt token from outside (``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``) by
 our pulls (``vllm:pd_transfer_pull_seconds_count``), and the prefill must have seen its lease read
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 from deploy_tools import deploy_tool, missing_tool
 from up_cluster import UP_TIMEOUT_S, UpCluster, up_cluster
-from vllm_servers import DEFAULT_MODEL, free_port, metric_value, reference_server
+from vllm_servers import DEFAULT_MODEL, free_port, metric_value, ready
 
 from pd_transfer.bench.proxy.router import router_command
 from pd_transfer.cluster.http_client import answer_tokens, post_json, post_stream, prompt_tokens, wait_metric
@@ -57,14 +58,14 @@ def _words(count: int, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def setup(
-    tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: str, shared_reference: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[UpCluster, ManagedProcess, ManagedProcess]]:
-    """The cluster, the plain reference server and the router in front of the cluster's prefill and decode."""
+    """The cluster, the plain reference server (the session's) and the router in front of the cluster's prefill and
+    decode."""
     if (reason := missing_tool("vllm-router")) is not None:
         pytest.skip(reason)
+    reference = shared_reference
     work = tmp_path_factory.mktemp("router")
-    reference = reference_server(DEFAULT_MODEL, work)
-    reference.start()
     started = time.monotonic()
     router: ManagedProcess | None = None
     try:
@@ -80,11 +81,12 @@ def setup(
             router = ManagedProcess("vllm-router", command, dict(os.environ), work / "router.log", _url(command))
             router.start()
             wait_ready([router], ROUTER_START_TIMEOUT_S)
-            wait_ready([reference], UP_TIMEOUT_S)
+            ready(reference, UP_TIMEOUT_S)
             print(f"\ncluster, reference and router ready after {time.monotonic() - started:.0f} s: {command}")
             yield cluster, reference, router
     finally:
-        stop_all([s for s in (router, reference) if s is not None])
+        if router is not None:
+            stop_all([router])
 
 
 def _url(command: list[str]) -> str:

@@ -56,6 +56,7 @@ __all__ = [
     "metric_lines",
     "metric_value",
     "over_tcp",
+    "ready",
     "reference_server",
     "start_all",
     "tokens_of",
@@ -157,11 +158,11 @@ def reference_server(model: str, logs: Path, block_size: int | None = None, *, e
 
 
 def make_servers(model: str, logs: Path, block_size: int | None = None) -> list[ManagedProcess]:
-    """Prefill (lease ``PREFILL_LEASE_S``) on the first CPU, decode on the second, and the reference."""
+    """Prefill (lease ``PREFILL_LEASE_S``) on the first CPU and decode on the second (their reference: the session's
+    ``shared_reference``, tests/vllm/conftest.py)."""
     return [
         vllm_server("prefill", model, logs, cpu_index=0, block_size=block_size, lease_seconds=PREFILL_LEASE_S),
         vllm_server("decode", model, logs, cpu_index=1, block_size=block_size),
-        reference_server(model, logs, block_size),
     ]
 
 
@@ -190,6 +191,13 @@ def start_all(servers: Sequence[ManagedProcess], timeout_s: float = STARTUP_TIME
     except BaseException:
         stop_all(servers)
         raise
+
+
+def ready(server: ManagedProcess, timeout_s: float = STARTUP_TIMEOUT_S) -> ManagedProcess:
+    """``server`` (started elsewhere: the ``shared_reference`` fixture of tests/vllm/conftest.py) once it is healthy:
+    at once if it is, else within ``timeout_s``; ``StartupFailed`` (its log excerpt) if it exited or is late."""
+    wait_ready([server], timeout_s)
+    return server
 
 
 def over_tcp(server: ManagedProcess) -> ManagedProcess:
@@ -223,7 +231,7 @@ def main(argv: list[str]) -> int:
     SIGTERM or when one exits."""
     model = argv[1] if len(argv) > 1 else DEFAULT_MODEL
     logs = logs_dir()
-    servers = [*make_servers(model, logs), make_small_server(model, logs)]
+    servers = [*make_servers(model, logs), reference_server(model, logs), make_small_server(model, logs)]
     started = time.monotonic()
     start_all(servers)
     urls = ",".join(f"{s.name}={s.url}" for s in servers)
