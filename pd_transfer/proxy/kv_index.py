@@ -135,30 +135,11 @@ class KvIndex:
             slot = self._slots.get(engine)
             if slot is None:
                 return
-            bit = 1 << slot
-            directory = self._directory
-            for h in hashes:
-                key = block_key(h)
-                mask = directory.get(key)
-                if mask is not None and mask & bit:
-                    if mask == bit:
-                        del directory[key]
-                        self._size -= 1
-                    else:
-                        directory[key] = mask & ~bit
+            self._size -= _clear_bit(self._directory, hashes, 1 << slot)
             return
         blocks = self._engines.get(engine)
-        if blocks is None:
-            return
-        for h in hashes:
-            key = block_key(h)
-            mask = blocks.get(key)
-            if mask is not None and mask & tier:
-                if mask == tier:
-                    del blocks[key]
-                    self._size -= 1
-                else:
-                    blocks[key] = mask & ~tier
+        if blocks is not None:
+            self._size -= _clear_bit(blocks, hashes, tier)
 
     def cleared(self, engine: str) -> None:
         """The engine's own cache was emptied (``AllBlocksCleared``): its ENGINE tier bits go, other tiers stay."""
@@ -229,3 +210,18 @@ class KvIndex:
                 match.score += credits.of(tier)
             out[engine] = match
         return out
+
+
+def _clear_bit(table: dict[int, int], hashes: Iterable[bytes | int], bit: int) -> int:
+    """Clear ``bit`` of each of ``hashes``' masks in ``table``; an entry left with no bit goes (how many went)."""
+    gone = 0
+    for h in hashes:
+        key = block_key(h)
+        mask = table.get(key)
+        if mask is not None and mask & bit:
+            if mask == bit:
+                del table[key]
+                gone += 1
+            else:
+                table[key] = mask & ~bit
+    return gone
