@@ -16,7 +16,7 @@ without a model. For the proxy's tests and benchmark.
 - ``POST /tokenize`` (vLLM's, for the proxy's kv_aware): a deterministic tokenization, :func:`standin_tokens`
   (one id per whitespace-separated word; a chat renders ``<|role|>`` markers and, with ``add_generation_prompt``
   (default true), a closing ``<|assistant|>``). Its calls count in ``tokenize_calls``; ``tokenize_fail`` makes it
-  answer that status.
+  answer that status; ``tokenize_held`` (an event) holds its answers until the event is set (a backend too slow).
 - ``/health`` (toggled with ``POST /control/health {"healthy": false}``), ``/v1/models``, ``POST /control/fail
   {"status": 500, "count": 2}`` (the next requests answer that status), ``GET /control/stats``.
 
@@ -67,6 +67,7 @@ class StandIn:
     healthy: bool = True
     tokenize_calls: int = 0
     tokenize_fail: int = 0  # a status /tokenize answers instead of ids (0: it tokenizes)
+    tokenize_held: asyncio.Event | None = None  # /tokenize answers only once it is set (None: at once)
     records: list[Record] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     host: str = ""
@@ -155,6 +156,8 @@ class StandIn:
     async def _tokenize(self, request: web.Request) -> web.Response:
         self.tokenize_calls += 1
         rid = request.headers.get(REQUEST_ID, "")
+        if self.tokenize_held is not None:
+            await self.tokenize_held.wait()  # the test sets it once the proxy gave up (or the client left)
         if self.tokenize_fail:
             return error_response(self.tokenize_fail, "injected /tokenize failure", rid)
         try:

@@ -5,6 +5,7 @@ text and chat prompts by the backends' /tokenize."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -99,6 +100,30 @@ def test_kv_aware_routes_text_and_chat_prompts_by_the_engines_tokenization() -> 
     def sources(prefills: list[StandIn], _decodes: list[StandIn]) -> dict[str, Any]:
         # nobody publishes there (the test fills the index itself); silence long enough never to be probed
         return {"kv_event_sources": [f"{s.url}=tcp://127.0.0.1:9" for s in prefills]}
+
+    run(scenario, prefill_policy="kv_aware", decode_policy="round_robin", kv_silence_s=3600.0, settings_of=sources)
+
+
+def test_a_tokenize_past_its_timeout_falls_back_and_is_counted() -> None:
+    """A backend whose /tokenize does not answer within ``tokenize_timeout_s``: the request is routed without ids (the
+    least busy prefill) and answered, and the timeout is counted."""
+
+    async def scenario(c: Cluster) -> None:
+        held = asyncio.Event()
+        for server in c.prefills:
+            server.tokenize_held = held
+        try:
+            status, _, _ = await c.call(flow.COMPLETIONS, completion(prompt=SYSTEMS[0] + " and one question"))
+            assert status == 200
+            assert sum(s.tokenize_calls for s in c.prefills) == 1
+            text_metrics = await c.metrics()
+            assert 'pd_proxy_tokenize_total{result="timeout"} 1.0' in text_metrics
+            assert 'reason="no_prompt",role="prefill"' in text_metrics
+        finally:
+            held.set()
+
+    def sources(prefills: list[StandIn], _decodes: list[StandIn]) -> dict[str, Any]:
+        return {"kv_event_sources": [f"{s.url}=tcp://127.0.0.1:9" for s in prefills], "tokenize_timeout_s": 0.2}
 
     run(scenario, prefill_policy="kv_aware", decode_policy="round_robin", kv_silence_s=3600.0, settings_of=sources)
 
