@@ -73,7 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, field, kind, metavar, text in _ROUTING_FLAGS:
         default = ProxyConfig.__dataclass_fields__[field].default
         parser.add_argument(
-            flag, dest=field, type=kind, default=default, metavar=metavar, help=f"{text} (default {default})"
+            flag,
+            *_ALIASES.get(flag, ()),
+            dest=field,
+            type=kind,
+            default=default,
+            metavar=metavar,
+            help=f"{text} (default {default})",
         )
     parser.add_argument(
         "--short-prompt-tokens",
@@ -194,6 +200,9 @@ _ROUTING_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
         "kv_aware: one POST /tokenize of a text or chat prompt; past it the prompt routes without token ids",
     ),
 )
+
+#: Other names of routing flags: vLLM's router's, for a user moving from it.
+_ALIASES = {"--kv-penalty-shared": ("--kv-penalty-external",)}
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
