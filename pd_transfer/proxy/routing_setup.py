@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 import zmq.asyncio
+from prometheus_client import Counter
 
 from pd_transfer.proxy.block_hash import BlockHasher
 from pd_transfer.proxy.config import ProxyConfig
@@ -63,6 +64,8 @@ class Routing:
         kv_roles = frozenset(role for role in roles if config.policy_of(role) == "kv_aware")
         self.tokenize_roles = kv_roles if config.tokenize else frozenset()
         self.streams: list[EventStream] = []
+        #: Each (role, backend, reason) series of ``route_choices``, looked up once (the request path only counts).
+        self._choice_counts: dict[tuple[str, str, str], Counter] = {}
         self._subscribers: list[EventSubscriber] = []
         self._context: zmq.asyncio.Context | None = None
 
@@ -86,7 +89,11 @@ class Routing:
 
     def _chosen(self, role: str, choice: Choice) -> None:
         metrics = self.metrics
-        metrics.route_choices.labels(role, choice.backend.url, choice.reason).inc()
+        key = (role, choice.backend.url, choice.reason)
+        counter = self._choice_counts.get(key)
+        if counter is None:
+            counter = self._choice_counts[key] = metrics.route_choices.labels(*key)
+        counter.inc()
         if choice.of:
             metrics.route_prompt_blocks.labels(role).inc(choice.of)
             for tier, count in choice.matched.items():
