@@ -99,8 +99,6 @@ class DecodeRank:
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
         self.options = options
-        self.read_timeout_s = options.read_timeout_s
-        self.confirm_timeout_s = options.confirm_timeout_s
         name = agent_name or f"{engine_id}-decode-tp{cache.layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.confirmations = LeaseConfirmations(name)
         settings = options.settings
@@ -282,7 +280,7 @@ class DecodeRank:
         started = time.perf_counter()
         remote = self.remotes.connect(host, port)
         connected = time.perf_counter()
-        deadline = started + (self.read_timeout_s if timeout_s is None else timeout_s)
+        deadline = started + (self.options.read_timeout_s if timeout_s is None else timeout_s)
         request_id = request.request_id
         told: RemoteEngine | None = None  # already sent ReadFailed
         try:
@@ -407,7 +405,7 @@ class DecodeRank:
             # of the incarnation read from; a rank that pushed confirmed with the write
             peers = [source.peer for source in remote.sources if source.peer not in stats.pushed_peers]
             self._release_unread(request_id, host, port)
-            timeout = self.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
+            timeout = self.options.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
             waiting = time.perf_counter()
             ok, reason = self.wait_confirmed(request_id, peers, timeout) if peers else (True, "")
             confirm_seconds = time.perf_counter() - waiting
