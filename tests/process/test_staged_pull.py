@@ -10,6 +10,7 @@ lanes up.)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,19 +43,30 @@ def _untouched(decode: DecodeRank, request_blocks: Sequence[int]) -> bool:
 
 def _killing_after(reads: int, prefill: PrefillProcess, run_on_lanes: Callable) -> Callable:
     """``run_on_lanes`` whose lanes' reads kill ``prefill`` (SIGKILL, waited for) once ``reads`` of them returned:
-    the reads after it find the peer really gone. Only the moment of the fault is chosen here; the reads, their
-    failure and what the pull makes of it are the real ones."""
-    done = 0
+    every read after those (the lanes run at once) waits for the kill before it is posted, so it finds the peer
+    really gone, however the lanes' threads are scheduled. Only the moment of the fault is chosen here; the reads,
+    their failure and what the pull makes of it are the real ones."""
+    count = threading.Lock()
+    posted = returned = 0
+    killed = threading.Event()
 
     def run(jobs: Sequence[Callable[[LaneRead], object]], timeout_s: float, **kwargs: object) -> list[object]:
         def on_lane(job: Callable[[LaneRead], object]) -> Callable[[LaneRead], object]:
             def with_read(read: LaneRead) -> object:
                 def killing_read(*args: object) -> object:
-                    nonlocal done
+                    nonlocal posted, returned
+                    with count:
+                        posted += 1
+                        after_the_fault = posted > reads
+                    if after_the_fault:
+                        assert killed.wait(30), "the first reads never returned"
                     stats = read(*args)  # type: ignore[arg-type]
-                    done += 1
-                    if done == reads:
+                    with count:
+                        returned += 1
+                        last_before_the_fault = returned == reads and not after_the_fault
+                    if last_before_the_fault:
                         prefill.kill()
+                        killed.set()
                     return stats
 
                 return job(killing_read)  # type: ignore[arg-type]
