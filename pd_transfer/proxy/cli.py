@@ -181,10 +181,18 @@ _ROUTING_FLAGS: tuple[tuple[str, str, type, str, str], ...] = (
         "kv_penalty_shared",
         float,
         "F",
-        "kv_aware: credit of a block in the shared directory tier, to every engine",
+        "kv_aware: credit of a block in the shared directory tier, to every engine that stored blocks there",
     ),
     ("--kv-penalty-disk", "kv_penalty_disk", float, "F", "kv_aware: credit of a block on an engine's local disk"),
     ("--kv-max-blocks", "kv_max_blocks", int, "N", "kv_aware: (engine, block) entries the index holds at most"),
+    (
+        "--kv-routed-ttl",
+        "kv_routed_ttl_s",
+        float,
+        "S",
+        "kv_aware: a request's blocks count as its backend's own for S seconds after it is routed, until the"
+        " engine's events report them (0: not at all)",
+    ),
     (
         "--kv-silence",
         "kv_silence_s",

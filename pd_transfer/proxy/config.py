@@ -28,10 +28,11 @@ class ProxyConfig:
     kv_hash_algo: str = "sha256"  # the engines' --prefix-caching-hash-algo
     kv_hash_seed: str | None = None  # the engines' PYTHONHASHSEED (None: unset there)
     kv_penalty_host: float = 0.8  # credit of a block in an engine's host tier (its own cache: 1.0)
-    kv_penalty_shared: float = 0.6  # ... in the shared directory tier (medium DISK), credited to every engine
+    kv_penalty_shared: float = 0.6  # ... in the shared directory tier (medium DISK), to every engine mounting it
     kv_penalty_disk: float = 0.3  # ... on a disk only its engine reads (with kv_shared_directory False)
     kv_shared_directory: bool = True  # the engines' DISK medium is a directory they all mount
     kv_max_blocks: int = 4_000_000  # (engine, block) entries the index holds at most
+    kv_routed_ttl_s: float = 10.0  # a block just routed to an engine counts as its own this long (events lag)
     kv_silence_s: float = 30.0  # a stream silent this long is probed on its replay endpoint (no answer: dropped)
     # kv_aware: text and chat prompts tokenized by a backend's POST /tokenize (pd_transfer.proxy.tokenize), for the
     # pools whose policy is kv_aware; False: such prompts go to the least busy

@@ -4,13 +4,20 @@ Per engine, a dict from block key (:func:`pd_transfer.proxy.block_hash.block_key
 holding it there: the engine's own KV cache (``medium`` GPU, or none: vLLM's own blocks), its host tier (CPU) and a
 local disk. Blocks in the shared directory tier (``medium`` DISK from this project's offload connector, when the
 directory is shared: ``shared_disk``) go to one directory dict instead, with the mask of the engines that reported
-them: a shared directory is read by every engine that mounts it, so such a block credits all of them.
+them: a shared directory is read by every engine that mounts it, so such a block credits all of them. An engine
+mounts the directory once it reported a block stored there; one that never did (no offload tier, or another
+directory) is not credited with it.
+
+Blocks a request was just routed to (:meth:`KvIndex.routed`) count as that engine's own for ``routed_ttl_s``
+seconds: its events report them only once it computed them, and a request with the same prefix routed meanwhile (the
+second user of a new system prompt) should go where the first went. A later route of the same block moves it.
 
 A worker's score for a request is the credit of its longest prefix of the request's blocks that it can reach, each
 block credited by the best tier it can reach it in: the engine's own cache 1.0, its host tier ``host``, the shared
 directory ``shared``, a local disk ``disk`` (vLLM's router's defaults: 0.8, 0.6, 0.3).
 
-Memory is bounded: at most ``max_blocks`` (engine, block) entries and directory blocks together; past it each engine
+Memory is bounded: at most ``max_blocks`` (engine, block) entries and directory blocks together (and as many routed
+blocks, each kept seconds; past the bound the oldest go); past it each engine
 loses the oldest eighth of its entries (by the time they were stored), which is what a lost removal event would have
 left behind anyway. A dropped engine (restarted, silent, out of rotation) loses its dict in O(1) and its bits in the
 directory dict in one pass. Values are small ints (CPython keeps those once), keys 60-bit ints: about 90 bytes per
@@ -20,7 +27,9 @@ entry in all (``tests/unit/test_kv_index.py`` measures it).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pd_transfer.proxy.block_hash import block_key
@@ -29,7 +38,8 @@ ENGINE = 1  # the engine's own KV cache (vLLM's GPU blocks)
 HOST = 2  # the engine's host-memory tier
 DISK = 4  # a disk tier only this engine reads
 SHARED = 8  # the shared directory (a pseudo tier: held in the directory dict)
-TIER_NAMES = {ENGINE: "engine", HOST: "host", DISK: "disk", SHARED: "shared"}
+ROUTED = 16  # routed to the engine, not reported yet (a pseudo tier: held in the routed dict, credited as ENGINE)
+TIER_NAMES = {ENGINE: "engine", HOST: "host", DISK: "disk", SHARED: "shared", ROUTED: "routed"}
 TIERS = tuple(TIER_NAMES.values())
 
 #: vLLM's ``medium`` strings -> our tier bit; ``DISK`` (this project's directory tier) is SHARED when configured so.
@@ -51,7 +61,7 @@ class Credits:
                 raise ValueError(f"the {name} tier's credit must be within [0, 1], got {value}")
 
     def of(self, tier: int) -> float:
-        return {ENGINE: 1.0, HOST: self.host, SHARED: self.shared, DISK: self.disk}[tier]
+        return {ENGINE: 1.0, ROUTED: 1.0, HOST: self.host, SHARED: self.shared, DISK: self.disk}[tier]
 
 
 @dataclass
@@ -65,17 +75,31 @@ class Match:
 
 class KvIndex:
     """Engines' blocks by tier. ``shared_disk``: a ``DISK`` medium is the shared directory tier (credits every
-    engine); else a disk only its engine reads."""
+    engine that mounts it); else a disk only its engine reads. ``routed_ttl_s``: how long a block routed to an
+    engine counts as its own before its events report it (0: not at all); ``clock`` in seconds."""
 
-    def __init__(self, max_blocks: int = 4_000_000, credits: Credits | None = None, shared_disk: bool = True) -> None:
+    def __init__(
+        self,
+        max_blocks: int = 4_000_000,
+        credits: Credits | None = None,
+        shared_disk: bool = True,
+        routed_ttl_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_blocks < 8:
             raise ValueError(f"the KV index needs room for at least 8 blocks, got {max_blocks}")
+        if not (routed_ttl_s >= 0 and math.isfinite(routed_ttl_s)):
+            raise ValueError(f"the routed blocks' time to live must be finite and >= 0 s, got {routed_ttl_s}")
         self.max_blocks = max_blocks
         self.credits = credits or Credits()
         self.shared_disk = shared_disk
+        self.routed_ttl_s = routed_ttl_s
+        self._clock = clock
         self._engines: dict[str, dict[int, int]] = {}
         self._slots: dict[str, int] = {}  # engine -> its bit in the directory dict's masks
         self._directory: dict[int, int] = {}
+        self._mounts = 0  # the bits of the engines that stored a block in the directory
+        self._routed: dict[int, tuple[str, float]] = {}  # block key -> (engine, until), the oldest first
         self._size = 0
         self.trimmed = 0  # entries dropped to stay within max_blocks
 
@@ -107,6 +131,7 @@ class KvIndex:
         tier = self.tier_of(medium)
         if tier == SHARED:
             bit = 1 << self.slot(engine)
+            self._mounts |= bit
             directory = self._directory
             for h in hashes:
                 key = block_key(h)
@@ -155,10 +180,13 @@ class KvIndex:
         blocks = self._engines.pop(engine, None)
         if blocks:
             self._size -= len(blocks)
+        for key in [key for key, (routed_to, _) in self._routed.items() if routed_to == engine]:
+            del self._routed[key]
         slot = self._slots.pop(engine, None)
         if slot is None:
             return
         bit = 1 << slot
+        self._mounts &= ~bit
         directory = self._directory
         gone = [key for key, mask in directory.items() if mask == bit]
         for key in gone:
@@ -184,21 +212,45 @@ class KvIndex:
 
     # ---- what a request can reuse ----
 
+    def routed(self, engine: str, keys: Sequence[int]) -> None:
+        """A request of the blocks ``keys`` was routed to ``engine``: they count as its own until its events report
+        them or ``routed_ttl_s`` passes. At most ``max_blocks`` such blocks (the oldest forgotten first)."""
+        if not self.routed_ttl_s:
+            return
+        routed = self._routed
+        now = self._clock()
+        until = now + self.routed_ttl_s
+        for key in keys:
+            routed.pop(key, None)  # re-inserted last: the dict's order is the order of expiry
+            routed[key] = (engine, until)
+        while routed:
+            key, (_, first_until) = next(iter(routed.items()))
+            if first_until > now and len(routed) <= self.max_blocks:
+                break
+            del routed[key]
+
+    def routed_blocks(self) -> int:
+        return len(self._routed)
+
     def match(self, keys: Sequence[int], engines: Sequence[str]) -> dict[str, Match]:
         """Each engine's reachable prefix of the blocks ``keys`` (:func:`block_key` values), with its credit."""
         credits = self.credits
-        directory = self._directory
+        directory, routed, now = self._directory, self._routed, self._clock()
         out: dict[str, Match] = {}
         for engine in engines:
             blocks = self._engines.get(engine, {})
+            slot = self._slots.get(engine)
+            mounts = slot is not None and bool(self._mounts >> slot & 1)
             match = Match()
             for key in keys:
                 mask = blocks.get(key, 0)
                 if mask & ENGINE:
                     tier = ENGINE
+                elif (entry := routed.get(key)) is not None and entry[0] == engine and entry[1] > now:
+                    tier = ROUTED
                 elif mask & HOST:
                     tier = HOST
-                elif key in directory:
+                elif mounts and key in directory:
                     tier = SHARED
                 elif mask & DISK:
                     tier = DISK

@@ -9,7 +9,8 @@
   of the tree (where a new prefix costs least). The prompt is then recorded as sent there.
 * ``kv_aware``: the engines' own KV events (:mod:`.kv_events`, :mod:`.kv_index`): the prompt's token ids are hashed
   as the engines hash their blocks, and each backend scored by the prefix it can reuse, each block credited by the
-  tier it is in (own cache 1.0, host 0.8, shared directory 0.6, local disk 0.3). A text or chat prompt is hashed by
+  tier it is in (own cache 1.0, host 0.8, shared directory 0.6, local disk 0.3); the blocks of a request just
+  routed count as its backend's own until the events catch up. A text or chat prompt is hashed by
   the ids the engines' ``/tokenize`` gave (:mod:`.tokenize`). Same balance guard; no match, or a prompt without ids
   (tokenization off or failed, a batch), goes to the least busy.
 * session affinity (any policy): a request naming a session (the ``X-Session-Id`` header, else the body's ``user``)
@@ -269,13 +270,17 @@ class KvAware(RoundRobin):
             return Choice(min(rotated, key=_load), "no_prompt")
         keys = self.hasher.keys(tokens)
         if self.balance.broken(rotated):
-            return Choice(min(rotated, key=_load), "balance", {}, len(keys))
-        matches = self.index.match(keys, [c.url for c in rotated])
-        best = max(rotated, key=lambda c: (matches[c.url].score, -c.in_flight))
-        match = matches[best.url]
-        if match.score <= 0:
-            return Choice(min(rotated, key=_load), "low_match", {}, len(keys))
-        return Choice(best, "prefix", dict(match.by_tier), len(keys))
+            choice = Choice(min(rotated, key=_load), "balance", {}, len(keys))
+        else:
+            matches = self.index.match(keys, [c.url for c in rotated])
+            best = max(rotated, key=lambda c: (matches[c.url].score, -c.in_flight))
+            match = matches[best.url]
+            if match.score <= 0:
+                choice = Choice(min(rotated, key=_load), "low_match", {}, len(keys))
+            else:
+                choice = Choice(best, "prefix", dict(match.by_tier), len(keys))
+        self.index.routed(choice.backend.url, keys)
+        return choice
 
     def forget(self, backend: Candidate) -> None:
         self.index.drop(backend.url)

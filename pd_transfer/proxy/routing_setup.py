@@ -50,6 +50,7 @@ class Routing:
                 config.kv_max_blocks,
                 Credits(config.kv_penalty_host, config.kv_penalty_shared, config.kv_penalty_disk),
                 shared_disk=config.kv_shared_directory,
+                routed_ttl_s=config.kv_routed_ttl_s,
             )
             metrics.kv_index_entries.set_function(self.index.__len__)
         known = {url.rstrip("/") for url in [*config.prefill, *config.decode]}

@@ -111,7 +111,8 @@ def test_drop_forgets_an_engine_including_its_directory_reports() -> None:
     index.stored(ENGINE, HASHER.hashes(tokens), "DISK")
     index.stored("http://p1", HASHER.hashes(tokens)[:1], "DISK")
     index.drop(ENGINE)
-    assert matched(index, tokens, "http://p2") == {"shared": 1}  # p1's report of block 0 stands
+    assert matched(index, tokens, "http://p1") == {"shared": 1}  # p1's report of block 0 stands
+    assert matched(index, tokens, "http://p2") == {}  # an engine that never stored there does not mount it
     assert len(index) == 1
 
 

@@ -131,9 +131,9 @@ def test_session_affinity_sticks_until_idle_past_its_ttl_or_the_backend_leaves()
     assert len(affinity) == 2  # bounded
 
 
-def test_kv_aware_scores_by_tier_and_credits_the_shared_directory_to_every_engine() -> None:
+def test_kv_aware_scores_by_tier_and_credits_the_shared_directory_to_every_engine_mounting_it() -> None:
     hasher = BlockHasher("sha256", None, block_size=4)
-    index = KvIndex(max_blocks=1000)
+    index = KvIndex(max_blocks=1000, routed_ttl_s=0)  # routed blocks: the test below
     nodes = [Node("http://p0"), Node("http://p1"), Node("http://p2")]
     policy = KvAware(index, hasher, Balance(abs=8, rel=1.5))
     tokens = list(range(40))  # 10 blocks
@@ -142,14 +142,28 @@ def test_kv_aware_scores_by_tier_and_credits_the_shared_directory_to_every_engin
     index.stored("http://p1", hashes[:8], "CPU")  # 8 x 0.8
     choice = choose(policy, None, nodes, completion(tokens))
     assert (choice.backend.url, choice.reason, choice.matched, choice.of) == ("http://p1", "prefix", {"host": 8}, 10)
-    # the whole prompt in the shared directory (reported by p2): everyone reaches it at 0.6 past its own blocks
+    # the whole prompt in the shared directory (reported by p2): every engine that mounts it (has stored a block
+    # there) reaches it at 0.6 past its own blocks; p1 never did (no offload tier there): its own blocks only
     index.stored("http://p2", hashes, "DISK")
+    index.stored("http://p0", hasher.hashes(list(range(500, 504))), "DISK")
     matches = index.match(hasher.keys(tokens), [n.url for n in nodes])
     assert matches["http://p0"].by_tier == {"engine": 5, "shared": 5}
     assert matches["http://p0"].score == pytest.approx(5 + 5 * 0.6)
-    assert matches["http://p1"].score == pytest.approx(8 * 0.8 + 2 * 0.6)
+    assert matches["http://p1"].by_tier == {"host": 8}
     assert matches["http://p2"].score == pytest.approx(10 * 0.6)
     assert choose(policy, None, nodes, completion(tokens)).backend.url == "http://p0"
+    # only in the directory: its mounts, never p1
+    index.cleared("http://p0")
+    index.removed("http://p1", hashes, "CPU")
+    matches = index.match(hasher.keys(tokens), [n.url for n in nodes])
+    assert {url: m.by_tier for url, m in matches.items()} == {
+        "http://p0": {"shared": 10},
+        "http://p1": {},
+        "http://p2": {"shared": 10},
+    }
+    index.drop("http://p0")  # a dropped engine no longer mounts it
+    assert index.match(hasher.keys(tokens), ["http://p0"])["http://p0"].blocks == 0
+    index.stored("http://p0", hashes[:5], "GPU")
     # a text prompt cannot be hashed without a tokenizer: the least busy
     nodes[0].in_flight = 1
     assert choose(policy, None, nodes, completion("text")).reason == "no_prompt"
@@ -159,3 +173,35 @@ def test_kv_aware_scores_by_tier_and_credits_the_shared_directory_to_every_engin
     # out of balance: the idlest, match or not
     nodes[0].in_flight = 20
     assert choose(policy, None, nodes, completion(tokens)).reason == "balance"
+
+
+def test_kv_aware_credits_a_routed_prefix_to_its_backend_until_the_events_catch_up() -> None:
+    hasher = BlockHasher("sha256", None, block_size=4)
+    now = [0.0]
+    index = KvIndex(max_blocks=1000, routed_ttl_s=5.0, clock=lambda: now[0])
+    nodes = [Node("http://p0"), Node("http://p1")]
+    policy = KvAware(index, hasher, Balance(abs=8, rel=1.5))
+    system = list(range(32))  # 8 blocks no engine reported
+    first = choose(policy, None, nodes, completion([*system, 900, 901, 902, 903]))
+    assert first.reason == "low_match"
+    first.backend.in_flight = 1  # still prefilling: the other backend is idler
+    # the same system prompt, another user, before any event: where the first went, by its routed blocks
+    second = choose(policy, None, nodes, completion([*system, 700, 701, 702, 703]))
+    assert (second.backend, second.reason, second.matched) == (first.backend, "prefix", {"routed": 8})
+    # the engine's events report the blocks: the engine's own tier from then on
+    index.stored(first.backend.url, hasher.hashes(system), "GPU")
+    assert index.match(hasher.keys(system), [first.backend.url])[first.backend.url].by_tier == {"engine": 8}
+    # never reported (the request failed, or was cut short): forgotten after the time to live
+    index.removed(first.backend.url, hasher.hashes(system), "GPU")
+    now[0] = 5.1
+    assert choose(policy, None, nodes, completion(system)).reason == "low_match"
+    assert index.routed_blocks() == 8  # this last choice's own blocks; the expired ones went
+    # bounded: at most max_blocks routed blocks, the oldest go first
+    index.routed("http://p1", list(range(2000)))
+    assert index.routed_blocks() == 1000
+    assert index.match([1999], ["http://p1"])["http://p1"].by_tier == {"routed": 1}
+    assert index.match([0], ["http://p1"])["http://p1"].blocks == 0
+    index.drop("http://p1")
+    assert index.routed_blocks() == 0
+    with pytest.raises(ValueError, match="time to live"):
+        KvIndex(routed_ttl_s=float("nan"))
