@@ -11,6 +11,12 @@ another: our proxy (``python -m pd_transfer.proxy``) with the prefill policy ``r
 mode) with ``round_robin``, ``cache_aware`` and ``kv_aware`` (``--pd-kv-events`` naming the same event streams). The
 decode hop is round robin everywhere (one decode).
 
+Each engine's KV cache is ``kvcache_gib`` (0.2 GiB: about 150 blocks of 32 tokens of the float32 model), which
+holds about two thirds of the default workload's prefixes: a policy that sends each system prompt to one prefill
+keeps its half of them cached, one that spreads them makes each engine cycle through all of them. (``--kvcache-gib
+1`` holds them all: every policy then misses each system prompt once per engine it reaches, and little separates
+them.)
+
 The workload: ``systems`` long system prompts, each shared by ``users`` users, each user holding a ``turns``-turn
 chat (the history grows by a fixed assistant reply and the next question each turn); each turn's requests of all
 users are sent interleaved (in an order shuffled the same way for every front), ``concurrency`` at a time, streamed,
@@ -62,12 +68,15 @@ REPLY = "Understood. I have noted that and will keep it in mind for what follows
 
 @dataclass(frozen=True)
 class Workload:
-    systems: int = 3
+    systems: int = 8
     users: int = 3
     turns: int = 3
-    system_words: int = 300
+    system_words: int = 600
     max_tokens: int = 4
     concurrency: int = 2
+
+
+KVCACHE_GIB = 0.2
 
 
 def _words(rng: random.Random, count: int) -> str:
@@ -160,9 +169,9 @@ class Cluster:
 
 
 @contextmanager
-def up_cluster(work: Path, model: Path | None, startup_s: float) -> Iterator[Cluster]:
-    """``pd-transfer up``: 2 prefills (publishing KV events) and 1 decode, ``BLOCK``-token blocks, eager; stopped
-    after."""
+def up_cluster(work: Path, model: Path | None, startup_s: float, kvcache_gib: float) -> Iterator[Cluster]:
+    """``pd-transfer up``: 2 prefills (publishing KV events) and 1 decode, ``BLOCK``-token blocks, eager,
+    ``kvcache_gib`` of KV cache each; stopped after."""
     for _ in range(100):
         base = random.randrange(20001, 30000)
         ports = [base - 1] + [base + o + k for o in (0, 100, 300) for k in range(3)]
@@ -171,7 +180,8 @@ def up_cluster(work: Path, model: Path | None, startup_s: float) -> Iterator[Clu
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--prefill", "2", "--decode", "1", "--eager"]
     command += ["--prefill-policy", "kv_aware", "--prefill-block-size", str(BLOCK), "--decode-block-size", str(BLOCK)]
     command += ["--base-port", str(base), "--proxy-port", str(base - 1), "--log-dir", str(work / "logs")]
-    command += ["--startup-timeout", str(startup_s)] + (["--model", str(model)] if model else [])
+    command += ["--startup-timeout", str(startup_s), "--kvcache-gib", str(kvcache_gib)]
+    command += ["--model", str(model)] if model else []
     output = work / "up.out"
     with open(output, "wb") as out:
         process = subprocess.Popen(
@@ -306,13 +316,15 @@ def measure(
             process.wait(10)
 
 
-def run_bench(workload: Workload, model: Path | None, startup_s: float, router: str | None) -> dict[str, Any]:
+def run_bench(
+    workload: Workload, model: Path | None, startup_s: float, router: str | None, kvcache_gib: float = KVCACHE_GIB
+) -> dict[str, Any]:
     started_utc = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load_before = os.getloadavg()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pd-bench-routing-") as folder:
         work = Path(folder)
-        with up_cluster(work, model, startup_s) as cluster:
+        with up_cluster(work, model, startup_s, kvcache_gib) as cluster:
             fronts: list[tuple[str, str]] = [("ours", p) for p in OURS]
             fronts += [("vllm_router", p) for p in ROUTER] if router else []
             for k, (front, policy) in enumerate(fronts):
@@ -330,7 +342,14 @@ def run_bench(workload: Workload, model: Path | None, startup_s: float, router: 
         "benchmark": "routing",
         "started_utc": started_utc,
         "model": model_name,
-        "cluster": {"prefills": 2, "decodes": 1, "block_size": BLOCK, "device": "cpu", "cpus": os.cpu_count()},
+        "cluster": {
+            "prefills": 2,
+            "decodes": 1,
+            "block_size": BLOCK,
+            "kvcache_gib": kvcache_gib,
+            "device": "cpu",
+            "cpus": os.cpu_count(),
+        },
         "workload": asdict(workload),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -347,6 +366,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag, type=int, default=getattr(defaults, name), metavar="N", help=f"default {getattr(defaults, name)}"
         )
     parser.add_argument("--model", type=Path, default=None, metavar="DIR", help="default: pd-transfer up's (SmolLM2)")
+    parser.add_argument(
+        "--kvcache-gib", type=float, default=KVCACHE_GIB, metavar="GIB", help=f"KV cache per engine ({KVCACHE_GIB})"
+    )
     parser.add_argument("--startup-timeout", type=float, default=900.0, metavar="S", help="the servers' startup (900)")
     parser.add_argument(
         "--vllm-router", default=None, metavar="PATH", help="vllm-router (default: found as bench proxy)"
@@ -363,7 +385,10 @@ def run(args: argparse.Namespace) -> int:
     router = (
         None if args.no_router else find_router(args.vllm_router or child_environment().get("PD_TRANSFER_VLLM_ROUTER"))
     )
-    report = run_bench(workload, args.model, args.startup_timeout, router)
+    if not args.kvcache_gib > 0:
+        print("bench routing: --kvcache-gib must be positive", file=sys.stderr)
+        return 2
+    report = run_bench(workload, args.model, args.startup_timeout, router, args.kvcache_gib)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"written to {args.out}")
