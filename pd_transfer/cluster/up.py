@@ -100,7 +100,7 @@ def plan_servers(
             eager=args.eager,
             transport=args.transport if connector else None,
             **(_kv_events(args.base_port, k, log_dir or Path(".")) if connector and kind in kv_roles else {}),
-            **(_offload(args) if connector else {}),
+            **(_offload(args) if connector and _mounts_offload(args, kind, counts[kind] - 1) else {}),
         )
         planned.append(PlannedServer(name, spec, connector))
     return planned
@@ -114,6 +114,12 @@ def _kv_events(base_port: int, k: int, folder: Path) -> dict[str, Any]:
     endpoint = f"ipc://{folder.resolve() / f'kv-events-{k}'}"
     replay = f"tcp://127.0.0.1:{base_port + KV_REPLAY_OFFSET + k}"
     return {"kv_events": (endpoint, replay), "hash_algo": KV_HASH_ALGO}
+
+
+def _mounts_offload(args: argparse.Namespace, kind: str, index: int) -> bool:
+    """Whether the ``index``-th server of ``kind`` mounts ``--offload-dir`` (every decode; the first
+    ``--offload-prefills`` prefills, default all)."""
+    return kind != "prefill" or args.offload_prefills is None or index < args.offload_prefills
 
 
 def _offload(args: argparse.Namespace) -> dict[str, Any]:

@@ -93,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--offload-dir-bytes", type=int, default=None, metavar="N", help="with --offload-dir: its size (10 GiB)"
     )
     parser.add_argument(
+        "--offload-prefills",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --offload-dir: only the first N prefills mount it (default: all), as in a pool where some nodes"
+        " reach the shared store and others do not",
+    )
+    parser.add_argument(
         "--transport",
         choices=("auto", "nixl", "ipc"),
         default="auto",
@@ -143,6 +151,12 @@ def validate(args: argparse.Namespace) -> list[str]:
         )
     elif args.proxy_port in server_ports(args.base_port, servers):
         problems.append(f"--proxy-port {args.proxy_port} is one of the servers' ports (--base-port {args.base_port})")
+    if args.offload_prefills is not None and args.offload_dir is None:
+        problems.append("--offload-prefills goes with --offload-dir")
+    elif args.offload_prefills is not None and not 0 <= args.offload_prefills <= args.prefill:
+        problems.append(
+            f"--offload-prefills must be between 0 and --prefill ({args.prefill}), not {args.offload_prefills}"
+        )
     for name in ("offload_dir_bytes", "offload_host_bytes"):
         value = getattr(args, name)
         if value is not None and args.offload_dir is None:

@@ -235,6 +235,14 @@ def test_up_offload_dir_wires_every_connector_server(tmp_path: Path) -> None:
         }
     assert "--kv-transfer-config" not in vllm_command(planned[3].spec, connector=planned[3].connector)
     assert planned[3].spec.offload_dir is None
+    # a pool where only some prefills mount the directory: the first N (every decode still does)
+    some = parser.parse_args(["--prefill", "3", "--offload-dir", str(shared), "--offload-prefills", "1"])
+    assert validate(some) == []
+    mounts = {p.name: p.spec.offload_dir is not None for p in plan_servers(some, MODEL_DIR, "tiny")}
+    assert mounts == {"prefill-0": True, "prefill-1": False, "prefill-2": False, "decode-0": True}
+    assert validate(parser.parse_args(["--offload-prefills", "1"])) == ["--offload-prefills goes with --offload-dir"]
+    too_many = parser.parse_args(["--offload-dir", str(shared), "--offload-prefills", "2"])
+    assert validate(too_many) == ["--offload-prefills must be between 0 and --prefill (1), not 2"]
     bad = parser.parse_args(["--offload-host-bytes", "1", "--decode-tp", "2"])
     assert validate(bad) == ["--offload-host-bytes goes with --offload-dir"]
     bad = parser.parse_args(["--offload-dir", str(shared), "--offload-dir-bytes", "0", "--decode-tp", "2"])
