@@ -272,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     routing_bench.add_arguments(bench_routing)
     bench_routing.set_defaults(func=routing_bench.run)
+    from pd_transfer.bench.proxy import directory_routing
+
+    bench_directory = which.add_parser(
+        "routing-directory",
+        help="a prefix only in the shared directory tier: kv_aware loads it, round robin recomputes it",
+    )
+    directory_routing.add_arguments(bench_directory)
+    bench_directory.set_defaults(func=directory_routing.run)
     from pd_transfer.bench.vllm import connectors as vllm_connectors
 
     bench_vllm = which.add_parser("vllm", help="PdTransferConnector vs vLLM's NixlConnector on real vLLM servers")

@@ -53,7 +53,14 @@ from typing import Any
 import aiohttp
 
 from pd_transfer.bench.proxy.router import find_router, router_command
-from pd_transfer.cluster.http_client import busy_ports, free_port, is_healthy, metric_value, scrape_metrics
+from pd_transfer.cluster.http_client import (
+    RequestFailed,
+    busy_ports,
+    free_port,
+    is_healthy,
+    metric_value,
+    scrape_metrics,
+)
 from pd_transfer.settings import child_environment
 
 BLOCK = 32  # vLLM-CPU's attention takes multiples of 32 only
@@ -169,9 +176,11 @@ class Cluster:
 
 
 @contextmanager
-def up_cluster(work: Path, model: Path | None, startup_s: float, kvcache_gib: float) -> Iterator[Cluster]:
+def up_cluster(
+    work: Path, model: Path | None, startup_s: float, kvcache_gib: float, extra: Sequence[str] = ()
+) -> Iterator[Cluster]:
     """``pd-transfer up``: 2 prefills (publishing KV events) and 1 decode, ``BLOCK``-token blocks, eager,
-    ``kvcache_gib`` of KV cache each; stopped after."""
+    ``kvcache_gib`` of KV cache each, ``extra`` flags of ``up``; stopped after."""
     for _ in range(100):
         base = random.randrange(20001, 30000)
         ports = [base - 1] + [base + o + k for o in (0, 100, 300) for k in range(3)]
@@ -181,7 +190,7 @@ def up_cluster(work: Path, model: Path | None, startup_s: float, kvcache_gib: fl
     command += ["--prefill-policy", "kv_aware", "--prefill-block-size", str(BLOCK), "--decode-block-size", str(BLOCK)]
     command += ["--base-port", str(base), "--proxy-port", str(base - 1), "--log-dir", str(work / "logs")]
     command += ["--startup-timeout", str(startup_s), "--kvcache-gib", str(kvcache_gib)]
-    command += ["--model", str(model)] if model else []
+    command += [*extra, "--model", str(model)] if model else [*extra]
     output = work / "up.out"
     with open(output, "wb") as out:
         process = subprocess.Popen(
@@ -238,7 +247,7 @@ def their_command(binary: str, cluster: Cluster, policy: str, port: int) -> list
     return command
 
 
-def _start(command: list[str], log: Path, url: str) -> subprocess.Popen[bytes]:
+def start_front(command: list[str], log: Path, url: str) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + FRONT_START_S
@@ -271,6 +280,26 @@ def _our_choices(url: str) -> dict[str, float]:
     return out
 
 
+def _router_kv_metrics(command: list[str]) -> dict[str, float]:
+    """vLLM's router's own Prometheus series about KV events, caches and policy choices (whatever it names so), to
+    show what its ``kv_aware`` made of our engines' streams; empty when it exports none or cannot be read."""
+    port = command[command.index("--prometheus-port") + 1]
+    try:
+        text = scrape_metrics(f"http://127.0.0.1:{port}")
+    except RequestFailed:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if line.startswith("#") or not any(word in name for word in ("kv", "cache", "event", "policy", "prefix")):
+            continue
+        try:
+            out[line.rsplit(" ", 1)[0][:160]] = float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+    return dict(list(out.items())[:40])
+
+
 def measure(
     front: str, policy: str, command: list[str], port: int, cluster: Cluster, workload: Workload, work: Path, salt: int
 ) -> dict[str, Any]:
@@ -278,7 +307,7 @@ def measure(
     url = f"http://127.0.0.1:{port}"
     result: dict[str, Any] = {"front": front, "policy": policy}
     try:
-        process = _start(command, work / f"{front}-{policy}.log", url)
+        process = start_front(command, work / f"{front}-{policy}.log", url)
     except RuntimeError as e:
         return result | {"error": str(e)[-600:]}
     try:
@@ -302,6 +331,8 @@ def measure(
         }
         if front == "ours":
             result["choices"] = _our_choices(url)
+        else:
+            result["router_metrics"] = _router_kv_metrics(command)
         log = (work / f"{front}-{policy}.log").read_text(errors="replace").splitlines()
         notes = [line[-300:] for line in log if "ERROR" in line or "WARN" in line or "error" in line]
         if notes:
