@@ -181,14 +181,13 @@ def _wait_servers(servers: Sequence[ManagedProcess], timeout_s: float, out: _Out
     wait_ready(servers, timeout_s, on_poll=show, hint=" (--startup-timeout)")
 
 
-def _write_state(
-    log_dir: Path, state: str, proxy_url: str, served_name: str, children: Sequence[ManagedProcess]
-) -> None:
+def _write_state(log_dir: Path, state: str, proxy_url: str, model: Path, children: Sequence[ManagedProcess]) -> None:
     data = {
         "state": state,
         "pid": os.getpid(),
         "proxy": proxy_url,
-        "model": served_name,
+        "model": model.name,  # the served name
+        "model_dir": str(model.resolve()),
         "log_dir": str(log_dir),
         "processes": [
             {
@@ -379,7 +378,7 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     base_env = child_environment()
     _start_servers(planned, log_dir, base_env, children)
     proxy_url = f"http://127.0.0.1:{args.proxy_port}"
-    _write_state(log_dir, "starting", proxy_url, served_name, children)
+    _write_state(log_dir, "starting", proxy_url, model, children)
     started = time.monotonic()
     out.say(
         f"starting {len(planned)} vLLM servers ({served_name}; logs in {log_dir}); this takes a few minutes"
@@ -391,7 +390,7 @@ def _run(args: argparse.Namespace, out: _Output, children: list[ManagedProcess])
     out.say(f"vLLM servers healthy after {time.monotonic() - started:.0f} s")
     children.append(_start_proxy(args, planned, log_dir, base_env))
     _wait_servers(children[-1:], PROXY_START_TIMEOUT_S, out)
-    _write_state(log_dir, "ready", proxy_url, served_name, children)
+    _write_state(log_dir, "ready", proxy_url, model, children)
     _print_ready(out, proxy_url, served_name, planned, children, time.monotonic() - started, log_dir, args)
     if args.demo:
         problems = _demo(args, out, planned, proxy_url, served_name)

@@ -172,7 +172,8 @@ class Cluster:
     prefills: list[str]
     decodes: list[str]
     events: dict[str, tuple[str, str]]  # prefill URL -> (endpoint, replay endpoint)
-    model: str
+    model: str  # the served name
+    model_dir: str = ""  # the model's folder (its tokenizer)
 
 
 @contextmanager
@@ -209,7 +210,8 @@ def up_cluster(
         for p in prefills:
             endpoint, replay = str(p["kv_events"]).split(",")
             events[str(p["url"])] = (endpoint, replay)
-        yield Cluster(process, work / "logs", list(events), decodes, events, str(state["model"]))
+        model_dir = str(state["model_dir"])
+        yield Cluster(process, work / "logs", list(events), decodes, events, str(state["model"]), model_dir)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
@@ -232,6 +234,15 @@ def our_command(cluster: Cluster, policy: str, port: int) -> list[str]:
     return command
 
 
+def front_environment(front: str, cluster: Cluster) -> dict[str, str]:
+    """The front's environment: vLLM's router is given the model's tokenizer (``VLLM_ROUTER_TOKENIZER``, a local
+    folder; without it its cache_aware and kv_aware see no tokens in P/D mode and fall back to load balancing)."""
+    env = child_environment()
+    if front != "ours" and cluster.model_dir:
+        env["VLLM_ROUTER_TOKENIZER"] = cluster.model_dir
+    return env
+
+
 def their_command(binary: str, cluster: Cluster, policy: str, port: int) -> list[str]:
     command = router_command(binary, cluster.prefills, cluster.decodes, port, free_port(), policy)
     if policy == "kv_aware":
@@ -247,9 +258,9 @@ def their_command(binary: str, cluster: Cluster, policy: str, port: int) -> list
     return command
 
 
-def start_front(command: list[str], log: Path, url: str) -> subprocess.Popen[bytes]:
+def start_front(command: list[str], log: Path, url: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + FRONT_START_S
     while not is_healthy(url + "/health"):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -307,7 +318,7 @@ def measure(
     url = f"http://127.0.0.1:{port}"
     result: dict[str, Any] = {"front": front, "policy": policy}
     try:
-        process = start_front(command, work / f"{front}-{policy}.log", url)
+        process = start_front(command, work / f"{front}-{policy}.log", url, front_environment(front, cluster))
     except RuntimeError as e:
         return result | {"error": str(e)[-600:]}
     try:
