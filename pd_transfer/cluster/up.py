@@ -95,7 +95,7 @@ def plan_servers(
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             seed=0,
-            extra_args=("--served-model-name", served_name),
+            extra_args=("--served-model-name", served_name, *args.vllm_arg),
             drain_seconds=DRAIN_S if connector else None,
             eager=args.eager,
             transport=args.transport if connector else None,

@@ -81,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, metavar="N", help="vLLM --max-model-len (2048)")
     parser.add_argument("--kvcache-gib", type=float, default=1.0, metavar="GIB", help="KV cache per server (1)")
     parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument of every vLLM server's command line (repeatable; a flag that starts with a dash is"
+        " given as --vllm-arg=--flag), e.g. --vllm-arg=--enable-scale-out, the render endpoints vLLM's router"
+        " tokenizes with",
+    )
+    parser.add_argument(
         "--offload-dir",
         type=Path,
         default=None,

@@ -235,6 +235,11 @@ def test_up_offload_dir_wires_every_connector_server(tmp_path: Path) -> None:
         }
     assert "--kv-transfer-config" not in vllm_command(planned[3].spec, connector=planned[3].connector)
     assert planned[3].spec.offload_dir is None
+    # more vLLM arguments, for every server
+    extra = parser.parse_args(["--vllm-arg=--enable-scale-out", "--vllm-arg=--max-num-seqs", "--vllm-arg=4"])
+    assert validate(extra) == []
+    for server in plan_servers(extra, MODEL_DIR, "tiny"):
+        assert vllm_command(server.spec)[-3:] == ["--enable-scale-out", "--max-num-seqs", "4"]
     # a pool where only some prefills mount the directory: the first N (every decode still does)
     some = parser.parse_args(["--prefill", "3", "--offload-dir", str(shared), "--offload-prefills", "1"])
     assert validate(some) == []
