@@ -16,9 +16,10 @@ index follows the engines' events from the start):
 3. *ask*: the prefix plus a question goes through the proxy, ``asks`` times (different questions).
 
 Reported per ask: the prefill it reached (the one whose ``vllm:prefix_cache_queries`` moved), the blocks the proxy
-matched by tier (its route metrics), what that prefill loaded from the directory
-(``vllm:pd_transfer_offload_loaded_bytes_total`` and hits), its own prefix-cache hits, and the TTFT; and the lines
-of ``prefill-0``'s log that report offload loads.
+matched by tier (its route metrics), the tokens a connector gave that prefill (``vllm:external_prefix_cache_hits``:
+on a prefill, only the offload connector gives any), its own prefix-cache hits, and the TTFT. At the end: each
+prefill's offload counters over the whole run (``vllm:pd_transfer_offload_loaded_bytes_total`` and hits, which vLLM
+may publish a step late) and the lines of ``prefill-0``'s log that report offload loads.
 Results go to ``--out`` (default ``benchmarks/routing-directory.json``).
 """
 
@@ -50,8 +51,10 @@ from pd_transfer.bench.proxy.routing import (
 from pd_transfer.cluster.http_client import free_port, metric_value, scrape_metrics
 
 KVCACHE_GIB = 0.1
-LOADED = 'vllm:pd_transfer_offload_loaded_bytes_total{tier="disk"}'
-OFFLOAD_HITS = 'vllm:pd_transfer_offload_hits_total{tier="disk"}'
+LOADED = "vllm:pd_transfer_offload_loaded_bytes_total"  # tier="disk": the directory
+OFFLOAD_HITS = "vllm:pd_transfer_offload_hits_total"
+#: tokens a KV connector gave the engine (counted in the step; for a prefill only the offload connector gives any)
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 PROMPT_WORDS = 900  # about 30 blocks of 32 tokens: a long system prompt
 FILLER_WORDS = 1500  # about 48 blocks: two of them exceed a 70-block cache
 
@@ -66,8 +69,9 @@ def _counters(url: str) -> dict[str, float]:
     return {
         "prompt_tokens_looked_up": metric_value(url, QUERIES),
         "prefix_hits": metric_value(url, HITS),
-        "directory_loaded_bytes": metric_value(url, LOADED),
-        "directory_hits": metric_value(url, OFFLOAD_HITS),
+        "connector_hit_tokens": metric_value(url, EXTERNAL_HITS),
+        "directory_loaded_bytes": metric_value(url, LOADED, tier="disk"),
+        "directory_hits": metric_value(url, OFFLOAD_HITS, tier="disk"),
     }
 
 
@@ -159,6 +163,10 @@ def run_bench(model: Path | None, startup_s: float, kvcache_gib: float, fillers:
                 result = run_policy(cluster, policy, work, fillers, asks, salt=2000 + k)
                 print(json.dumps(result), flush=True)
                 results.append(result)
+            # the offload connector's own counters, over the whole run (vLLM may publish them a step late)
+            totals = {
+                name: _counters(url) for name, url in zip(("prefill-0", "prefill-1"), cluster.prefills, strict=True)
+            }
             log = json.loads((cluster.log_dir / "cluster.json").read_text())
             prefill0 = next(Path(p["log"]) for p in log["processes"] if p.get("name") == "prefill-0")
             engine_lines = _offload_lines(prefill0)
@@ -170,6 +178,7 @@ def run_bench(model: Path | None, startup_s: float, kvcache_gib: float, fillers:
         "cluster": {"prefills": 2, "mounting_the_directory": ["prefill-0"], "decodes": 1, "kvcache_gib": kvcache_gib},
         "cpus": os.cpu_count(),
         "results": results,
+        "prefill_counters_at_the_end": totals,
         "prefill_0_log_offload_lines": engine_lines[-6:],
     }
 
