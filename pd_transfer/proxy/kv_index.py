@@ -144,6 +144,7 @@ class KvIndex:
         else:
             self.slot(engine)
             blocks = self._engines.setdefault(engine, {})
+            routed = self._routed if tier == ENGINE else {}
             for h in hashes:
                 key = block_key(h)
                 mask = blocks.pop(key, None)  # re-inserted last: the dict's order is the order of storing
@@ -151,6 +152,8 @@ class KvIndex:
                     self._size += 1
                     mask = 0
                 blocks[key] = mask | tier
+                if key in routed and routed[key][0] == engine:
+                    del routed[key]  # reported: the engine tier from now on
         if self._size > self.max_blocks:
             self._trim()
 
@@ -162,6 +165,12 @@ class KvIndex:
                 return
             self._size -= _clear_bit(self._directory, hashes, 1 << slot)
             return
+        if tier == ENGINE:  # evicted: no longer credited as routed there either
+            routed = self._routed
+            hashes = list(hashes)
+            for key in map(block_key, hashes):
+                if key in routed and routed[key][0] == engine:
+                    del routed[key]
         blocks = self._engines.get(engine)
         if blocks is not None:
             self._size -= _clear_bit(blocks, hashes, tier)
@@ -214,7 +223,8 @@ class KvIndex:
 
     def routed(self, engine: str, keys: Sequence[int]) -> None:
         """A request of the blocks ``keys`` was routed to ``engine``: they count as its own until its events report
-        them or ``routed_ttl_s`` passes. At most ``max_blocks`` such blocks (the oldest forgotten first)."""
+        them stored or removed, or ``routed_ttl_s`` passes. At most ``max_blocks`` such blocks (the oldest forgotten
+        first)."""
         if not self.routed_ttl_s:
             return
         routed = self._routed

@@ -188,11 +188,15 @@ def test_kv_aware_credits_a_routed_prefix_to_its_backend_until_the_events_catch_
     # the same system prompt, another user, before any event: where the first went, by its routed blocks
     second = choose(policy, None, nodes, completion([*system, 700, 701, 702, 703]))
     assert (second.backend, second.reason, second.matched) == (first.backend, "prefix", {"routed": 8})
-    # the engine's events report the blocks: the engine's own tier from then on
+    # the engine's events report the blocks: the engine's own tier from then on (the routed entries go)
     index.stored(first.backend.url, hasher.hashes(system), "GPU")
     assert index.match(hasher.keys(system), [first.backend.url])[first.backend.url].by_tier == {"engine": 8}
-    # never reported (the request failed, or was cut short): forgotten after the time to live
+    assert index.routed_blocks() == 2  # the two users' own last blocks, not reported yet
+    # evicted right after: nothing credited, not even as routed
+    choose(policy, None, nodes, completion(system))
     index.removed(first.backend.url, hasher.hashes(system), "GPU")
+    assert index.match(hasher.keys(system), [first.backend.url])[first.backend.url].blocks == 0
+    # never reported (the request failed, or was cut short): forgotten after the time to live
     now[0] = 5.1
     assert choose(policy, None, nodes, completion(system)).reason == "low_match"
     assert index.routed_blocks() == 8  # this last choice's own blocks; the expired ones went
