@@ -191,6 +191,9 @@ def up_cluster(
     command += ["--prefill-policy", "kv_aware", "--prefill-block-size", str(BLOCK), "--decode-block-size", str(BLOCK)]
     command += ["--base-port", str(base), "--proxy-port", str(base - 1), "--log-dir", str(work / "logs")]
     command += ["--startup-timeout", str(startup_s), "--kvcache-gib", str(kvcache_gib)]
+    # vLLM's router tokenizes a P/D request through the prefill's render endpoints (403 without this flag: its
+    # cache_aware and kv_aware then see no tokens and balance load only)
+    command += ["--vllm-arg=--enable-scale-out"]
     command += [*extra, "--model", str(model)] if model else [*extra]
     output = work / "up.out"
     with open(output, "wb") as out:
@@ -235,8 +238,8 @@ def our_command(cluster: Cluster, policy: str, port: int) -> list[str]:
 
 
 def front_environment(front: str, cluster: Cluster) -> dict[str, str]:
-    """The front's environment: vLLM's router is given the model's tokenizer (``VLLM_ROUTER_TOKENIZER``, a local
-    folder; without it its cache_aware and kv_aware see no tokens in P/D mode and fall back to load balancing)."""
+    """The front's environment: vLLM's router is given the model's tokenizer too (``VLLM_ROUTER_TOKENIZER``, a
+    local folder), beside the prefills' render endpoints it asks in P/D mode (``--enable-scale-out``)."""
     env = child_environment()
     if front != "ours" and cluster.model_dir:
         env["VLLM_ROUTER_TOKENIZER"] = cluster.model_dir
