@@ -33,7 +33,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from pd_transfer.bench.proxy.routing import (
     Cluster,
     our_command,
     start_front,
+    stream_ttft,
     up_cluster,
 )
 from pd_transfer.cluster.http_client import free_port, metric_value, scrape_metrics
@@ -75,27 +75,14 @@ def _counters(url: str) -> dict[str, float]:
     }
 
 
-async def _complete(session: aiohttp.ClientSession, url: str, model: str, prompt: str) -> float:
+def complete(url: str, model: str, prompt: str) -> float:
     """Seconds from sending a streamed completion of ``prompt`` (one token) to its first token."""
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
-    started = time.perf_counter()
-    first: float | None = None
-    async with session.post(url + "/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{url} answered {response.status}: {(await response.text())[:200]}")
-        async for line in response.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - started
-    if first is None:
-        raise RuntimeError(f"{url}: a stream without tokens")
-    return first
 
-
-def complete(url: str, model: str, prompt: str) -> float:
     async def once() -> float:
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            return await _complete(session, url, model, prompt)
+            return await stream_ttft(session, url, body, "/v1/completions")
 
     return asyncio.run(once())
 

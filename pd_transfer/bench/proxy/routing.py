@@ -118,15 +118,19 @@ def conversations(workload: Workload, salt: int) -> list[list[list[dict[str, str
     return turns
 
 
-async def _ttft(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
-    """Seconds from sending a streamed chat request to its first content chunk (the stream read to its end)."""
+async def stream_ttft(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> float:
+    """Seconds from sending a streamed request (``body`` to ``url + path``, a chat or a completion) to its first
+    chunk of content (the stream read to its end)."""
+    marker = b'"content":"' if path.endswith("/chat/completions") else b'"text":"'
     started = time.perf_counter()
     first: float | None = None
-    async with session.post(url + "/v1/chat/completions", json=body) as response:
+    async with session.post(url + path, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url} answered {response.status}: {(await response.text())[:200]}")
         async for line in response.content:
-            if first is None and line.startswith(b"data: {") and b'"content":"' in line:
+            if first is None and line.startswith(b"data: {") and marker in line:
                 first = time.perf_counter() - started
     if first is None:
         raise RuntimeError(f"{url}: a stream without content")
@@ -142,7 +146,7 @@ async def _drive(url: str, model: str, workload: Workload, salt: int) -> list[fl
     async def one(session: aiohttp.ClientSession, messages: list[dict[str, str]]) -> None:
         body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens, "temperature": 0.0}
         async with gate:
-            ttfts.append(await _ttft(session, url, {**body, "stream": True}))
+            ttfts.append(await stream_ttft(session, url, {**body, "stream": True}))
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for requests in conversations(workload, salt):
