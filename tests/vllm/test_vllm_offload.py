@@ -48,6 +48,9 @@ from pd_transfer.cluster.http_client import get_text  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
 from pd_transfer.integrations.vllm.offload.scheduler import OffloadScheduler  # noqa: E402
 from pd_transfer.integrations.vllm.offload.worker import OffloadWorkerSide, StepResults  # noqa: E402
+from pd_transfer.proxy.block_hash import BlockHasher  # noqa: E402
+from pd_transfer.proxy.kv_index import KvIndex  # noqa: E402
+from pd_transfer.settings import child_environment  # noqa: E402
 
 BLOCK = 128
 GROUP = 4
@@ -232,6 +235,19 @@ def test_tiers_publish_vllm_kv_events(servers: Servers) -> None:
         assert [e.token_ids for e in events] == blocks
         assert [h for e in events for h in e.block_hashes] == engine_hashes[: len(blocks)]
         assert events[0].parent_block_hash is None and events[1].parent_block_hash == events[0].block_hashes[0]
+    # what the proxy's kv_aware index makes of them, by the hashes it computes from the prompt's own tokens: the
+    # host tier credits off1; once only the directory holds the prefix, it credits off1 (it stored blocks there:
+    # it mounts it), not an engine that never did
+    index = KvIndex(1000)
+    for medium, events in got.items():
+        for event in events:
+            index.stored(servers.off1, event.block_hashes, medium)
+    keys = BlockHasher("sha256", child_environment().get("PYTHONHASHSEED"), BLOCK).keys(prompt)[: len(blocks)]
+    index.cleared(servers.off1)  # the engine's own copy evicted
+    assert index.match(keys, [servers.off1])[servers.off1].by_tier == {"host": len(blocks)}
+    index.removed(servers.off1, [h for e in got["CPU"] for h in e.block_hashes], "CPU")
+    matches = index.match(keys, [servers.off1, "http://127.0.0.1:1"])
+    assert matches[servers.off1].by_tier == {"shared": len(blocks)} and matches["http://127.0.0.1:1"].blocks == 0
 
 
 @pytest.mark.smoke
