@@ -18,8 +18,8 @@ index follows the engines' events from the start):
 Reported per ask: the prefill it reached (the one whose ``vllm:prefix_cache_queries`` moved), the blocks the proxy
 matched by tier (its route metrics), the tokens a connector gave that prefill (``vllm:external_prefix_cache_hits``:
 on a prefill, only the offload connector gives any), its own prefix-cache hits, and the TTFT. At the end: each
-prefill's offload counters over the whole run (``vllm:pd_transfer_offload_loaded_bytes_total`` and hits, which vLLM
-may publish a step late) and the lines of ``prefill-0``'s log that report offload loads.
+prefill's offload counters over the whole run (``vllm:pd_transfer_offload_loaded_bytes_total`` and hits, tier
+``disk``) and the lines of ``prefill-0``'s log that report offload loads.
 Results go to ``--out`` (default ``benchmarks/routing-directory.json``).
 """
 
@@ -150,7 +150,7 @@ def run_bench(model: Path | None, startup_s: float, kvcache_gib: float, fillers:
                 result = run_policy(cluster, policy, work, fillers, asks, salt=2000 + k)
                 print(json.dumps(result), flush=True)
                 results.append(result)
-            # the offload connector's own counters, over the whole run (vLLM may publish them a step late)
+            # the offload connector's own counters, over the whole run
             totals = {
                 name: _counters(url) for name, url in zip(("prefill-0", "prefill-1"), cluster.prefills, strict=True)
             }
