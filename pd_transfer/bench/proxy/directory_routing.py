@@ -119,7 +119,9 @@ def run_policy(cluster: Cluster, policy: str, work: Path, fillers: int, asks: in
             tiers = _route_tiers(proxy_url)
             ttft = complete(proxy_url, cluster.model, f"{prefix}\nQuestion {k}: {_text(rng, 8, 'why')}?")
             changes = {url: _delta(_counters(url), before[url]) for url in cluster.prefills}
-            reached = next(url for url, change in changes.items() if change.get("prompt_tokens_looked_up"))
+            reached = next((url for url, change in changes.items() if change.get("prompt_tokens_looked_up")), None)
+            if reached is None:
+                raise RuntimeError(f"ask {k} under {policy}: no prefill's prefix-cache lookups moved")
             asked.append(
                 {
                     "ttft_ms": round(1000 * ttft, 1),
