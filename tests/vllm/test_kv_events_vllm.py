@@ -97,6 +97,18 @@ async def until(condition: Any, subscriber: EventSubscriber, deadline_s: float =
         await subscriber.step(0.5)
 
 
+async def publish_until(engine: Engine, subscriber: EventSubscriber, heard: Any, first: int) -> int:
+    """Publish ``prompt(first)``, ``prompt(first + 1)``, ... reading 0.2 s after each, until ``heard()`` (a SUB
+    socket joins at some point); bounded by 200 batches. Returns how many were published."""
+    n = 0
+    while not heard():
+        engine.publish(stored(prompt(first + n)))
+        n += 1
+        await subscriber.step(0.2)
+        assert n < 200, "the subscriber never heard the publisher"
+    return n
+
+
 def test_subscriber_heals_from_replay_follows_a_restart_and_drops_a_silent_engine(tmp_path: Path) -> None:
     hasher = BlockHasher("sha256", None, BLOCK)
     index = KvIndex(10_000)
@@ -114,12 +126,7 @@ def test_subscriber_heals_from_replay_follows_a_restart_and_drops_a_silent_engin
             )
             try:
                 # the SUB socket joins at some point: keep publishing until a batch arrives live
-                sent = 2
-                while stream.expected is None:
-                    engine.publish(stored(prompt(sent)))
-                    sent += 1
-                    await subscriber.step(0.2)
-                    assert sent < 200, "the subscriber never received a live batch"
+                sent = 2 + await publish_until(engine, subscriber, lambda: stream.expected is not None, 2)
                 await until(lambda: stream.expected == sent, subscriber)
                 assert all(held(index, prompt(i), hasher) == 2 for i in range(sent))
                 assert index.match(hasher.keys(prompt(1)), [ENGINE])[ENGINE].by_tier == {"host": 2}
@@ -137,12 +144,9 @@ def test_subscriber_heals_from_replay_follows_a_restart_and_drops_a_silent_engin
                 engine.close()
                 restarted = Engine(tmp_path)
                 try:
-                    n = 0
-                    while not (stream.stats.faults or {}).get("restart"):
-                        restarted.publish(stored(prompt(1000 + n)))
-                        n += 1
-                        await subscriber.step(0.2)
-                        assert n < 200, "the restarted publisher was never heard"
+                    n = await publish_until(
+                        restarted, subscriber, lambda: bool((stream.stats.faults or {}).get("restart")), 1000
+                    )
                     await until(lambda: stream.expected == n, subscriber)
                     assert held(index, prompt(500), hasher) == 0  # the old incarnation's blocks are gone
                     assert all(held(index, prompt(1000 + i), hasher) == 2 for i in range(n))
@@ -170,12 +174,7 @@ def test_events_with_another_seed_are_refused_naming_the_fix(tmp_path: Path) -> 
         context = zmq.asyncio.Context()
         subscriber = EventSubscriber(EventSource(ENGINE, engine.endpoint, engine.replay), stream, context)
         try:
-            n = 0
-            while stream.expected is None:
-                engine.publish(stored(prompt(n)))
-                n += 1
-                await subscriber.step(0.2)
-                assert n < 200
+            await publish_until(engine, subscriber, lambda: stream.expected is not None, 0)
         finally:
             await subscriber.close()
             context.term()
