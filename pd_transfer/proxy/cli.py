@@ -92,6 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens each",
     )
     parser.add_argument(
+        "--max-local-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="conditional disaggregation: a prompt a decode holds all but at most N tokens of (the next turn of a "
+        "chat it decoded, another user of a system prompt it holds) is prefilled by that decode, with no prefill "
+        "hop and no transfer; needs --decode-policy kv_aware and the decodes' KV events (default 0: off)",
+    )
+    parser.add_argument(
         "--health-interval",
         type=float,
         default=5.0,
@@ -242,6 +251,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         decode=list(args.decode),
         policy=args.policy,
         short_prompt_tokens=args.short_prompt_tokens,
+        max_local_prefill_tokens=args.max_local_prefill,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         connect_timeout_s=args.connect_timeout,

@@ -44,6 +44,9 @@ class ProxyConfig:
         return chosen or self.policy
 
     short_prompt_tokens: int = 0  # prompts with fewer (estimated) tokens skip the prefill hop; 0: never skip
+    # conditional disaggregation (pd_transfer.proxy.local_prefill): a prompt a decode holds all but at most this many
+    # tokens of is prefilled by that decode, no prefill hop; needs the decode policy kv_aware; 0: off
+    max_local_prefill_tokens: int = 0
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0

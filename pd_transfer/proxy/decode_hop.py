@@ -72,6 +72,7 @@ class DecodeCall:
     rid: str
     started: float
     route: RouteRequest | None = None  # what the routing policy reads of the request
+    decode: Backend | None = None  # the decode chosen before the hop (a local prefill's): tried first
 
 
 class DecodeHop:
@@ -96,7 +97,7 @@ class DecodeHop:
         tried: list[Backend] = []
         failure: HopError | None = None
         while len(tried) < 2:
-            backend = self.pool.pick(exclude=tried, request=call.route)
+            backend = self.pool.pick(exclude=tried, request=call.route, prefer=call.decode)
             if backend is None:
                 break
             if failure is not None:

@@ -10,7 +10,8 @@ directory) is not credited with it.
 
 Blocks a request was just routed to (:meth:`KvIndex.routed`) count as that engine's own for ``routed_ttl_s``
 seconds: its events report them only once it computed them, and a request with the same prefix routed meanwhile (the
-second user of a new system prompt) should go where the first went. A later route of the same block moves it.
+second user of a new system prompt) should go where the first went. Each (engine, block) pair is kept apart: a block
+routed to a prefill and then to a decode (which receives it) credits both.
 
 A worker's score for a request is the credit of its longest prefix of the request's blocks that it can reach, each
 block credited by the best tier it can reach it in: the engine's own cache 1.0, its host tier ``host``, the shared
@@ -99,7 +100,7 @@ class KvIndex:
         self._slots: dict[str, int] = {}  # engine -> its bit in the directory dict's masks
         self._directory: dict[int, int] = {}
         self._mounts = 0  # the bits of the engines that stored a block in the directory
-        self._routed: dict[int, tuple[str, float]] = {}  # block key -> (engine, until), the oldest first
+        self._routed: dict[tuple[str, int], float] = {}  # (engine, block key) -> until, the oldest first
         self._size = 0
         self.trimmed = 0  # entries dropped to stay within max_blocks
 
@@ -152,8 +153,8 @@ class KvIndex:
                     self._size += 1
                     mask = 0
                 blocks[key] = mask | tier
-                if key in routed and routed[key][0] == engine:
-                    del routed[key]  # reported: the engine tier from now on
+                if routed:
+                    routed.pop((engine, key), None)  # reported: the engine tier from now on
         if self._size > self.max_blocks:
             self._trim()
 
@@ -169,8 +170,7 @@ class KvIndex:
             routed = self._routed
             hashes = list(hashes)
             for key in map(block_key, hashes):
-                if key in routed and routed[key][0] == engine:
-                    del routed[key]
+                routed.pop((engine, key), None)
         blocks = self._engines.get(engine)
         if blocks is not None:
             self._size -= _clear_bit(blocks, hashes, tier)
@@ -189,8 +189,8 @@ class KvIndex:
         blocks = self._engines.pop(engine, None)
         if blocks:
             self._size -= len(blocks)
-        for key in [key for key, (routed_to, _) in self._routed.items() if routed_to == engine]:
-            del self._routed[key]
+        for pair in [pair for pair in self._routed if pair[0] == engine]:
+            del self._routed[pair]
         slot = self._slots.pop(engine, None)
         if slot is None:
             return
@@ -231,13 +231,14 @@ class KvIndex:
         now = self._clock()
         until = now + self.routed_ttl_s
         for key in keys:
-            routed.pop(key, None)  # re-inserted last: the dict's order is the order of expiry
-            routed[key] = (engine, until)
+            pair = (engine, key)
+            routed.pop(pair, None)  # re-inserted last: the dict's order is the order of expiry
+            routed[pair] = until
         while routed:
-            key, (_, first_until) = next(iter(routed.items()))
+            pair, first_until = next(iter(routed.items()))
             if first_until > now and len(routed) <= self.max_blocks:
                 break
-            del routed[key]
+            del routed[pair]
 
     def routed_blocks(self) -> int:
         return len(self._routed)
@@ -256,7 +257,7 @@ class KvIndex:
                 mask = blocks.get(key, 0)
                 if mask & ENGINE:
                     tier = ENGINE
-                elif (entry := routed.get(key)) is not None and entry[0] == engine and entry[1] > now:
+                elif routed.get((engine, key), 0.0) > now:
                     tier = ROUTED
                 elif mask & HOST:
                     tier = HOST

@@ -38,7 +38,8 @@ class ProxyMetrics:
         )
         self.routes = Counter(
             "pd_proxy_routes",
-            "Requests by path: disaggregated (prefill then decode) or direct (short prompt or batch: decode only)",
+            "Requests by path: disaggregated (prefill then decode), direct (short prompt or batch: decode only) or"
+            " local_prefill (a decode that held the prompt's prefix prefilled the rest itself)",
             ["path"],
             registry=r,
         )

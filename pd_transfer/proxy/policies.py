@@ -39,7 +39,17 @@ from pd_transfer.proxy.prefix_tree import PrefixTree, text_chunks, token_chunks
 
 POLICIES = ("round_robin", "least_outstanding", "power_of_two", "cache_aware", "kv_aware")
 #: Why a backend was chosen (the ``reason`` label of ``pd_proxy_route_choices_total``).
-REASONS = ("rotation", "least_busy", "two_choices", "balance", "prefix", "low_match", "no_prompt", "session")
+REASONS = (
+    "rotation",
+    "least_busy",
+    "two_choices",
+    "balance",
+    "prefix",
+    "low_match",
+    "no_prompt",
+    "session",
+    "local_prefill",  # a decode prefills the request itself (.local_prefill)
+)
 SESSION_HEADER = "X-Session-Id"
 #: The longest prompt (tokens) kv_aware hashes: 64k tokens, beyond which a longer shared prefix changes no choice.
 MAX_HASHED_TOKENS = 65536
@@ -70,6 +80,7 @@ class RouteRequest:
         self._chunks: list[int] | None = None
         self._tokens: list[int] | bool | None = False  # False: not looked at yet
         self._tokenized: list[int] | None = None  # the engines' ids of a text or chat prompt (.tokenize)
+        self._keys: tuple[BlockHasher, list[int]] | None = None  # the block keys of token_ids(), and by whom
 
     def session(self) -> int | None:
         """The session's key (a 64-bit hash: the proxy keeps no client string), or None when the request names none."""
@@ -90,6 +101,18 @@ class RouteRequest:
     def set_token_ids(self, tokens: list[int]) -> None:
         """The engines' token ids of a text or chat prompt (:mod:`pd_transfer.proxy.tokenize`)."""
         self._tokenized = tokens[:MAX_HASHED_TOKENS]
+        self._keys = None
+
+    def block_keys(self, hasher: BlockHasher) -> list[int]:
+        """The keys of the full blocks of :meth:`token_ids` (none without ids), hashed by ``hasher`` once per request
+        (both pools and the local prefill read them)."""
+        cached = self._keys
+        if cached is not None and cached[0] is hasher:
+            return cached[1]
+        tokens = self.token_ids()
+        keys = hasher.keys(tokens) if tokens is not None else []
+        self._keys = (hasher, keys)
+        return keys
 
     def sent_ids(self) -> list[int] | None:
         """The token ids the client sent, or None when it sent text or chat messages."""
@@ -265,10 +288,9 @@ class KvAware(RoundRobin):
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest | None) -> Choice:
         rotated = self.turn(candidates)
-        tokens = request.token_ids() if request is not None else None
-        if tokens is None:
+        if request is None or request.token_ids() is None:
             return Choice(min(rotated, key=_load), "no_prompt")
-        keys = self.hasher.keys(tokens)
+        keys = request.block_keys(self.hasher)
         if self.balance.broken(rotated):
             choice = Choice(min(rotated, key=_load), "balance", {}, len(keys))
         else:

@@ -113,9 +113,14 @@ class Pool:
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
-    def pick(self, exclude: Collection[Backend] = (), request: RouteRequest | None = None) -> Backend | None:
+    def pick(
+        self, exclude: Collection[Backend] = (), request: RouteRequest | None = None, prefer: Backend | None = None
+    ) -> Backend | None:
         """The backend the policy picks for ``request`` (None: no request to read, e.g. ``/v1/models``) among the
-        healthy ones not excluded; None if there is none."""
+        healthy ones not excluded; None if there is none. ``prefer``: a backend chosen before (and reported,
+        :meth:`report`), taken while it is healthy and not excluded."""
+        if prefer is not None and prefer.healthy and all(prefer is not b for b in exclude):
+            return prefer
         if exclude:
             excluded = set(map(id, exclude))
             candidates = [b for b in self.backends if b.healthy and id(b) not in excluded]
@@ -124,10 +129,14 @@ class Pool:
         if not candidates:
             return None
         choice = choose(self.router, self.affinity, candidates, request)
-        if self._on_choice is not None:
-            self._on_choice(self.role, choice)
+        self.report(choice)
         backend: Backend = choice.backend
         return backend
+
+    def report(self, choice: Choice) -> None:
+        """Tell ``on_choice`` of a choice among this pool's backends (made by :meth:`pick`, or before it)."""
+        if self._on_choice is not None:
+            self._on_choice(self.role, choice)
 
     def note_answer(self, backend: Backend, status: int, headers: Mapping[str, str]) -> bool:
         """Look at a backend's answer to a request: one saying it drains (:func:`is_draining`) takes it out until a

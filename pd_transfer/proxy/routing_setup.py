@@ -18,6 +18,7 @@ from pd_transfer.proxy.block_hash import BlockHasher
 from pd_transfer.proxy.config import ProxyConfig
 from pd_transfer.proxy.kv_events import FAULTS, EventSource, EventStream, EventSubscriber
 from pd_transfer.proxy.kv_index import Credits, KvIndex
+from pd_transfer.proxy.local_prefill import LocalPrefill
 from pd_transfer.proxy.metrics import ProxyMetrics
 from pd_transfer.proxy.policies import POLICIES, Affinity, Balance, CacheAware, Choice, KvAware, Policy
 from pd_transfer.proxy.routing import Backend, Pool
@@ -53,6 +54,7 @@ class Routing:
                 routed_ttl_s=config.kv_routed_ttl_s,
             )
             metrics.kv_index_entries.set_function(self.index.__len__)
+        self.local_prefill = self._local_prefill()
         known = {url.rstrip("/") for url in [*config.prefill, *config.decode]}
         for source in self.sources:
             if source.backend not in known:
@@ -69,6 +71,21 @@ class Routing:
         self._choice_counts: dict[tuple[str, str, str], Counter] = {}
         self._subscribers: list[EventSubscriber] = []
         self._context: zmq.asyncio.Context | None = None
+
+    def _local_prefill(self) -> LocalPrefill | None:
+        """Conditional disaggregation, when asked for (``max_local_prefill_tokens``); it reads what the decodes hold
+        from their KV events, so it needs the decode pool kv_aware."""
+        bound = self.config.max_local_prefill_tokens
+        if bound < 0:
+            raise ValueError(f"--max-local-prefill must be >= 0 tokens (0: off), got {bound}")
+        if not bound:
+            return None
+        if self.config.policy_of("decode") != "kv_aware" or self.index is None or self.hasher is None:
+            raise ValueError(
+                "--max-local-prefill needs the decode policy kv_aware (--decode-policy kv_aware and the decodes'"
+                " --kv-event-source): what a decode holds is read from its KV events"
+            )
+        return LocalPrefill(self.index, self.hasher, bound)
 
     def pool(self, role: str, urls: list[str], on_change: Callable[[Backend], None] | None) -> Pool:
         config = self.config

@@ -75,7 +75,7 @@ class Proxy:
         self._meter = HopMeter(self.metrics)
         # Label children resolved once: labels() costs a lock and a dict lookup per call on the request path.
         self._request_latency = {e: self.metrics.request_latency.labels(e) for e in flow.ENDPOINTS}
-        self._routes = {path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated")}
+        self._routes = {path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated", "local_prefill")}
         self._requests: dict[tuple[str, int], Any] = {}
         # Where each hop's POST goes, request line and Host header encoded once.
         self._endpoints = {(id(b), e): Endpoint.of(b.url + e) for b in self._backends() for e in flow.ENDPOINTS}
@@ -323,14 +323,20 @@ class Proxy:
         # a kv_aware pool this request goes through reads the engines' ids of a text or chat prompt
         if self._tokenizer is not None and not batch and ("decode" in self.routing.tokenize_roles or not direct):
             await self._tokenizer.fill(route, headers)
-        if direct:
-            self._routes["direct"].inc()
+        local = None
+        if not direct and self.routing.local_prefill is not None:
+            local = self.routing.local_prefill.decode_for(self.decode.healthy(), route)
+        if direct or local is not None:
+            self._routes["direct" if direct else "local_prefill"].inc()
             params = None
+            if local is not None:
+                self.decode.report(local)
         else:
             self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers, route)
         try:
-            return await self._decode(request, endpoint, body, headers, params, rid, started, route)
+            prefer = local.backend if local is not None else None
+            return await self._decode(request, endpoint, body, headers, params, rid, started, route, prefer)
         except HopError as failure:
             if params is None or failure.hop != "decode" or failure.answered != RERUN_AFTER:
                 raise
@@ -356,10 +362,11 @@ class Proxy:
         rid: str,
         started: float,
         route: RouteRequest | None = None,
+        prefer: Backend | None = None,
     ) -> web.StreamResponse:
-        """The decode hop of ``body`` with the prefill's ``params`` (None: no prefill hop); the prefill's blocks are
-        released unless it answered 200."""
-        call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started, route)
+        """The decode hop of ``body`` with the prefill's ``params`` (None: no prefill hop), to ``prefer`` first when
+        given; the prefill's blocks are released unless it answered 200."""
+        call = DecodeCall(request, endpoint, flow.decode_body(body, params), headers, rid, started, route, prefer)
         upstream = self._upstream
         assert upstream is not None
         return await self.releases.decode_then(

@@ -1,7 +1,7 @@
 """The routing policies through the proxy, over HTTP stand-ins (tests/unit/test_proxy.py's cluster): cache_aware on
 the prefills keeps each system prompt on one prefill while the decodes go round robin; session affinity keeps a
 user on one decode; the choices reach /metrics; kv_aware without event sources is refused at start; kv_aware routes
-text and chat prompts by the backends' /tokenize."""
+text and chat prompts by the backends' /tokenize; a decode holding most of a prompt prefills the rest itself."""
 
 from __future__ import annotations
 
@@ -102,6 +102,64 @@ def test_kv_aware_routes_text_and_chat_prompts_by_the_engines_tokenization() -> 
         return {"kv_event_sources": [f"{s.url}=tcp://127.0.0.1:9" for s in prefills]}
 
     run(scenario, prefill_policy="kv_aware", decode_policy="round_robin", kv_silence_s=3600.0, settings_of=sources)
+
+
+def test_a_decode_holding_most_of_a_prompt_prefills_the_rest_itself() -> None:
+    """--max-local-prefill: a prompt a decode holds all but a few tokens of goes to that decode alone (no prefill hop,
+    no kv_transfer_params), counted as ``local_prefill``; one no decode holds goes through P/D; a decode out of
+    rotation is credited with nothing."""
+
+    async def scenario(c: Cluster) -> None:
+        routing = c.proxy.routing
+        assert routing.index is not None and routing.hasher is not None
+        holder = c.decodes[1]
+        # the decode decoded the system prompt before (11 full blocks of 16 stand-in tokens, 4 tokens left over)
+        routing.index.stored(holder.url, routing.hasher.hashes(standin_tokens(completion(prompt=SYSTEMS[0]))), "GPU")
+        status, _, _ = await c.call(flow.COMPLETIONS, completion(prompt=SYSTEMS[0] + " and one question?"))
+        assert status == 200
+        assert not any(s.records for s in c.prefills)
+        assert [r.kv_transfer_params for r in holder.records] == [None] and not c.decodes[0].records
+        # 183 tokens, none held: through a prefill, its params to a decode
+        status, _, _ = await c.call(flow.COMPLETIONS, completion(prompt=SYSTEMS[1] + " and one question?"))
+        assert status == 200
+        assert sum(len(s.records) for s in c.prefills) == 1
+        others = [r for s in c.decodes for r in s.records if r is not holder.records[0]]
+        assert len(others) == 1 and others[0].kv_transfer_params is not None
+        text = await c.metrics()
+        assert 'pd_proxy_routes_total{path="local_prefill"} 1.0' in text
+        assert 'pd_proxy_routes_total{path="disaggregated"} 1.0' in text
+        assert f'backend="{holder.url}",reason="local_prefill",role="decode"' in text
+        # the holder goes out of rotation: what it held is forgotten, the next turn goes through P/D
+        c.proxy.decode.set_health(c.backend(holder), False, "test")
+        status, _, _ = await c.call(flow.COMPLETIONS, completion(prompt=SYSTEMS[0] + " and one more question?"))
+        assert status == 200
+        assert sum(len(s.records) for s in c.prefills) == 2 and len(holder.records) == 1
+
+    def sources(prefills: list[StandIn], decodes: list[StandIn]) -> dict[str, Any]:
+        return {
+            "kv_event_sources": [f"{s.url}=tcp://127.0.0.1:9" for s in prefills + decodes],
+            "max_local_prefill_tokens": 40,
+        }
+
+    run(scenario, policy="kv_aware", kv_silence_s=3600.0, settings_of=sources)
+
+
+def test_local_prefill_without_the_decodes_events_is_refused() -> None:
+    sources = ["http://p=tcp://127.0.0.1:9"]
+    for decode_policy in ("round_robin", "cache_aware"):
+        with pytest.raises(ValueError, match="--max-local-prefill needs the decode policy kv_aware"):
+            Proxy(
+                ProxyConfig(
+                    prefill=["http://p"],
+                    decode=["http://d"],
+                    prefill_policy="kv_aware",
+                    decode_policy=decode_policy,
+                    kv_event_sources=sources,
+                    max_local_prefill_tokens=64,
+                )
+            )
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"], max_local_prefill_tokens=-1))
 
 
 def test_a_tokenize_past_its_timeout_falls_back_and_is_counted() -> None:

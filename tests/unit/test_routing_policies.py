@@ -10,6 +10,7 @@ import pytest
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.block_hash import BlockHasher
 from pd_transfer.proxy.kv_index import KvIndex
+from pd_transfer.proxy.local_prefill import LocalPrefill
 from pd_transfer.proxy.policies import (
     Affinity,
     Balance,
@@ -207,5 +208,41 @@ def test_kv_aware_credits_a_routed_prefix_to_its_backend_until_the_events_catch_
     assert index.match([0], ["http://p1"])["http://p1"].blocks == 0
     index.drop("http://p1")
     assert index.routed_blocks() == 0
+    # a request's blocks routed to a prefill, then to the decode that receives them: both credited, apart
+    index.routed("http://p0", [7, 8])
+    index.routed("http://d0", [7, 8])
+    matches = index.match([7, 8], ["http://p0", "http://d0"])
+    assert matches["http://p0"].by_tier == matches["http://d0"].by_tier == {"routed": 2}
+    index.stored("http://d0", [7], "GPU")  # the decode's report ends the decode's routed entry only
+    assert index.match([7], ["http://p0"])["http://p0"].by_tier == {"routed": 1}
+    index.drop("http://p0")
+    assert index.match([7, 8], ["http://d0"])["http://d0"].by_tier == {"engine": 1, "routed": 1}
     with pytest.raises(ValueError, match="time to live"):
         KvIndex(routed_ttl_s=float("nan"))
+
+
+def test_local_prefill_takes_the_decode_holding_all_but_at_most_its_bound() -> None:
+    hasher = BlockHasher("sha256", None, block_size=4)
+    index = KvIndex(max_blocks=1000, routed_ttl_s=5.0, clock=lambda: 0.0)
+    decodes = [Node("http://d0"), Node("http://d1")]
+    local = LocalPrefill(index, hasher, max_tokens=6)
+    history = list(range(40))  # 10 blocks
+    index.stored("http://d1", hasher.hashes(history[:32]), "GPU")  # 8 blocks
+    index.stored("http://d0", hasher.hashes(history[:16]), "CPU")  # 4, in its host tier
+    # 38 tokens, 32 held on d1: 6 to compute, within the bound
+    chosen = local.decode_for(decodes, completion(history[:38]))
+    assert chosen is not None and (chosen.backend.url, chosen.reason) == ("http://d1", "local_prefill")
+    assert (chosen.matched, chosen.of) == ({"engine": 8}, 9)
+    # ... and credited with the prompt's blocks it will hold (the 9th, routed)
+    assert index.match(hasher.keys(history[:36]), ["http://d1"])["http://d1"].by_tier == {"engine": 8, "routed": 1}
+    # one token more than the bound: through P/D
+    assert local.decode_for(decodes, completion([*history[:32], 100, 101, 102, 103, 104, 105, 106])) is None
+    # a short prompt nobody holds costs as little: the least busy decode
+    decodes[1].in_flight = 2
+    short = local.decode_for(decodes, completion([500, 501, 502]))
+    assert short is not None and short.backend.url == "http://d0" and short.matched == {}
+    # a prompt without ids (text, no tokenizer), or no healthy decode: nothing to go on
+    assert local.decode_for(decodes, completion("a text prompt")) is None
+    assert local.decode_for([], completion(history[:38])) is None
+    with pytest.raises(ValueError, match="at least 1 token"):
+        LocalPrefill(index, hasher, max_tokens=0)

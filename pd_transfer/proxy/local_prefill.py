@@ -1,0 +1,53 @@
+"""Conditional disaggregation: a request whose prompt a decode already holds, but for a few tokens, is prefilled by
+that decode itself; no prefill hop, no KV transfer.
+
+A decode holds the prompts it decoded (the KV it pulled, and the tokens it generated after them) until its cache
+evicts them: the next turn of a chat, or another user of a system prompt it decoded, finds most of its prompt there.
+Sending such a request through a prefill costs an HTTP hop, a prefill step and a pull for the few tokens the decode
+lacks; computing those tokens on the decode costs one step of its own. ``max_tokens`` bounds what a decode computes
+that way (its other requests wait for that step); a prompt with more uncached tokens goes through P/D as before.
+
+What a decode holds comes from its KV events (the decode pool's ``kv_aware`` index, :mod:`.kv_index`): the blocks it
+reported stored in any tier it reaches, and the blocks of requests just routed to it. The uncached part is counted
+in tokens: the prompt's length less the held prefix's blocks times the block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pd_transfer.proxy.block_hash import BlockHasher
+from pd_transfer.proxy.kv_index import KvIndex
+from pd_transfer.proxy.policies import MAX_HASHED_TOKENS, Candidate, Choice, RouteRequest
+
+#: The route choice's reason (``pd_proxy_route_choices_total{role="decode"}``) of a request prefilled on its decode.
+LOCAL_PREFILL = "local_prefill"
+
+
+class LocalPrefill:
+    """Picks the decode that prefills a request itself, when one holds all but at most ``max_tokens`` of its prompt
+    (``max_tokens`` >= 1). ``index`` and ``hasher``: the decode pool's ``kv_aware`` ones."""
+
+    def __init__(self, index: KvIndex, hasher: BlockHasher, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"the local prefill bound must be at least 1 token, got {max_tokens}")
+        self.index = index
+        self.hasher = hasher
+        self.max_tokens = max_tokens
+
+    def decode_for(self, candidates: Sequence[Candidate], request: RouteRequest) -> Choice | None:
+        """The decode among ``candidates`` (healthy ones) that holds the longest prefix of the request's prompt, if
+        that leaves at most ``max_tokens`` tokens to compute (ties: the least busy); None otherwise, and for a prompt
+        whose token ids are unknown or longer than the proxy hashes. The chosen decode is credited with the
+        prompt's blocks (:meth:`KvIndex.routed`): it will hold them."""
+        tokens = request.token_ids()
+        if not candidates or tokens is None or len(tokens) >= MAX_HASHED_TOKENS:
+            return None
+        keys = request.block_keys(self.hasher)
+        matches = self.index.match(keys, [c.url for c in candidates])
+        best = max(candidates, key=lambda c: (matches[c.url].blocks, -c.in_flight))
+        held = matches[best.url]
+        if len(tokens) - held.blocks * self.hasher.block_size > self.max_tokens:
+            return None
+        self.index.routed(best.url, keys)
+        return Choice(best, LOCAL_PREFILL, dict(held.by_tier), len(keys))
