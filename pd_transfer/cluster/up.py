@@ -434,6 +434,8 @@ def proxy_command(args: argparse.Namespace, planned: Sequence[PlannedServer], ba
     command += ["--port", str(args.proxy_port), "--policy", args.routing]
     for role in ("prefill", "decode"):
         command += [f"--{role}-policy", policy_of(args, role)]
+    if args.max_local_prefill:
+        command += ["--max-local-prefill", str(args.max_local_prefill)]
     if kv_event_roles(args):
         command += ["--kv-block-size", str(kv_block_size(args)), "--kv-hash-algo", KV_HASH_ALGO]
         if base_env.get(HASH_SEED_ENV) is not None:  # the engines seed their block hashes with it

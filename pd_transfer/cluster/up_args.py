@@ -67,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             f"--{role}-policy", choices=POLICIES, default=None, help=f"the proxy's {role} policy (default: --routing)"
         )
+    parser.add_argument(
+        "--max-local-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the proxy's conditional disaggregation: a prompt a decode holds all but at most N tokens of is"
+        " prefilled by that decode, no prefill hop (needs --decode-policy kv_aware; default 0: off)",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="default: runs/up-TIMESTAMP")
     parser.add_argument(
         "--startup-timeout", type=float, default=900.0, metavar="S", help="bound on the servers' startup (900)"
@@ -175,6 +183,13 @@ def validate(args: argparse.Namespace) -> list[str]:
     if args.offload_dir is not None and max(args.prefill_tp, args.decode_tp) > 1:
         problems.append("--offload-dir supports TP 1 only (PdOffloadConnector)")
     kv_roles = kv_event_roles(args)
+    if args.max_local_prefill < 0:
+        problems.append(f"--max-local-prefill must be >= 0 tokens, not {args.max_local_prefill}")
+    elif args.max_local_prefill and "decode" not in kv_roles:
+        problems.append(
+            "--max-local-prefill needs --decode-policy kv_aware (the proxy reads what a decode holds from its KV"
+            " events)"
+        )
     if len(kv_roles) == 2 and args.prefill_block_size != args.decode_block_size:
         problems.append(
             "kv_aware on both roles needs one block size (the proxy hashes blocks of one size): give"

@@ -1,5 +1,6 @@
 """``bench routing``'s workload and fronts, without a cluster: users of one system prompt share it, each turn extends
-the user's history, every front gets its own text; the kv_aware fronts are given the prefills' event streams."""
+the user's history, every front gets its own text; the kv_aware fronts are given the prefills' event streams (and
+the decode's, with local prefills)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,19 @@ def test_kv_aware_fronts_read_the_prefills_event_streams() -> None:
         ["http://127.0.0.1:1", "http://127.0.0.1:2"],
         ["http://127.0.0.1:3"],
         {"http://127.0.0.1:1": ("tcp://a:1", "tcp://a:2"), "http://127.0.0.1:2": ("tcp://b:1", "tcp://b:2")},
+        {"http://127.0.0.1:3": ("tcp://c:1", "tcp://c:2")},
         "m",
     )
     cluster.process.wait(10)
     ours = our_command(cluster, "kv_aware", 9)
     assert "http://127.0.0.1:1=tcp://a:1,tcp://a:2" in ours and ours[ours.index("--kv-block-size") + 1] == "32"
     assert "--kv-event-source" not in our_command(cluster, "cache_aware", 9)
+    assert "tcp://c:1" not in " ".join(ours) and "--max-local-prefill" not in ours
+    # kv_aware_local: the decode's stream too, kv_aware on both roles, the local prefill's bound
+    local = our_command(cluster, "kv_aware_local", 9, max_local_prefill=128)
+    assert "http://127.0.0.1:3=tcp://c:1,tcp://c:2" in local and "http://127.0.0.1:1=tcp://a:1,tcp://a:2" in local
+    assert local[local.index("--decode-policy") + 1] == local[local.index("--prefill-policy") + 1] == "kv_aware"
+    assert local[local.index("--max-local-prefill") + 1] == "128"
     theirs = their_command("vllm-router", cluster, "kv_aware", 9)
     assert theirs[theirs.index("--prefill-policy") + 1] == "kv_aware" and "--policy" not in theirs
     assert "http://127.0.0.1:2=tcp://b:1" in theirs

@@ -299,3 +299,16 @@ def test_up_kv_aware_turns_on_the_engines_events_and_wires_them_to_the_proxy(tmp
     assert "--kv-event-source" not in proxy_command(plain, plan_servers(plain, MODEL_DIR, "tiny"), {})
     both = parser.parse_args(["--routing", "kv_aware", "--prefill-block-size", "32"])
     assert any("one block size" in problem for problem in validate(both))
+    # conditional disaggregation: the decodes publish too, and the proxy is told the bound
+    local = parser.parse_args(["--routing", "kv_aware", "--max-local-prefill", "256", "--base-port", "9000"])
+    assert validate(local) == []
+    planned = plan_servers(local, MODEL_DIR, "tiny", tmp_path)
+    assert "--kv-events-config" in vllm_command(planned[1].spec)
+    assert flag_value(proxy_command(local, planned, {}), "--max-local-prefill") == "256"
+    assert "--max-local-prefill" not in proxy_command(args, plan_servers(args, MODEL_DIR, "tiny", tmp_path), {})
+    assert validate(parser.parse_args(["--prefill-policy", "kv_aware", "--max-local-prefill", "64"])) == [
+        "--max-local-prefill needs --decode-policy kv_aware (the proxy reads what a decode holds from its KV events)"
+    ]
+    assert validate(parser.parse_args(["--max-local-prefill", "-1"])) == [
+        "--max-local-prefill must be >= 0 tokens, not -1"
+    ]

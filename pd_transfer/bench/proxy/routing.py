@@ -3,13 +3,13 @@ proxy and for vLLM's router, over one real cluster, in one sitting.
 
 The cluster: ``pd-transfer up`` with 2 prefills and 1 decode of the default model (SmolLM2-135M-Instruct), every
 engine with 32-token blocks (vLLM-CPU's smallest; vLLM's router is told so with ``--kv-event-block-size``, its
-``--pd-kv-events`` otherwise assuming 16) and the prefills publishing
-their KV events (``--prefill-policy kv_aware``: an ipc socket each, which every subscriber reads; ``up``'s own proxy
-is not measured). In front of it, one after
-another: our proxy (``python -m pd_transfer.proxy``) with the prefill policy ``round_robin``, ``cache_aware``,
-``kv_aware`` (the engines' events, text tokenized by their ``/tokenize``), then vLLM's router (``vllm-router``, P/D
-mode) with ``round_robin``, ``cache_aware`` and ``kv_aware`` (``--pd-kv-events`` naming the same event streams). The
-decode hop is round robin everywhere (one decode).
+``--pd-kv-events`` otherwise assuming 16) and publishing its KV events (``--routing kv_aware``: an ipc socket each,
+which every subscriber reads; ``up``'s own proxy is not measured). In front of it, one after another: our proxy
+(``python -m pd_transfer.proxy``) with the prefill policy ``round_robin``, ``cache_aware``, ``kv_aware`` (the
+prefills' events, text tokenized by their ``/tokenize``) and ``kv_aware_local`` (``kv_aware`` on both roles and
+``--max-local-prefill``: a prompt the decode holds all but that many tokens of is prefilled by the decode itself),
+then vLLM's router (``vllm-router``, P/D mode) with ``round_robin``, ``cache_aware`` and ``kv_aware``
+(``--pd-kv-events`` naming the prefills' streams). The decode hop is round robin elsewhere (one decode).
 
 Each engine's KV cache is ``kvcache_gib`` (0.2 GiB: about 150 blocks of 32 tokens of the float32 model), which
 holds about two thirds of the default workload's prefixes: a policy that sends each system prompt to one prefill
@@ -25,7 +25,11 @@ Every front gets its own text (a fresh salt): what an earlier front left in the 
 a later one.
 
 Per front: ``prefix_hit_tokens`` (the prefills' ``vllm:prefix_cache_hits`` over the front's run, out of
-``prefix_query_tokens``), ``ttft_ms_p50``/``_p99`` (client side, request sent to first streamed token),
+``prefix_query_tokens``); ``prompt_tokens`` (the answers' usage), ``computed_tokens`` (prompt tokens computed on any
+engine: ``vllm:prompt_tokens_by_source{source="local_compute"}`` of all three) and ``reused_tokens``, their
+difference (the prompt tokens no engine computed: equal to the prefills' hits when every request goes through P/D, a
+decode computing nothing of a prompt it pulled; counting the decode's own hits when it prefills a request itself);
+``ttft_ms_p50``/``_p99`` (client side, request sent to first streamed token),
 ``total_s``, the front's process ``cpu_s`` (user + system), and how its choices fell (ours: the proxy's route
 metrics). The load average at both ends says how busy the host was. Results go to ``--out`` (default
 ``benchmarks/routing.json``).
@@ -67,9 +71,11 @@ BLOCK = 32  # vLLM-CPU's attention takes multiples of 32 only
 READY_LINE = "Ctrl-C stops the cluster."
 FRONT_START_S = 120.0
 REQUEST_TIMEOUT_S = 300.0
-OURS = ("round_robin", "cache_aware", "kv_aware")
+OURS = ("round_robin", "cache_aware", "kv_aware", "kv_aware_local")
+MAX_LOCAL_PREFILL = 256  # kv_aware_local: tokens a decode computes of a prompt it holds the rest of
 ROUTER = ("round_robin", "cache_aware", "kv_aware")
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 REPLY = "Understood. I have noted that and will keep it in mind for what follows."
 
 
@@ -123,35 +129,53 @@ async def stream_ttft(
 ) -> float:
     """Seconds from sending a streamed request (``body`` to ``url + path``, a chat or a completion) to its first
     chunk of content (the stream read to its end)."""
+    return (await stream_request(session, url, body, path))[0]
+
+
+async def stream_request(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> tuple[float, int | None]:
+    """:func:`stream_ttft`, and the prompt's tokens by the stream's usage chunk (None: it sent none; ask for one
+    with ``stream_options: {"include_usage": true}``)."""
     marker = b'"content":"' if path.endswith("/chat/completions") else b'"text":"'
     started = time.perf_counter()
     first: float | None = None
+    prompt_tokens: int | None = None
     async with session.post(url + path, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url} answered {response.status}: {(await response.text())[:200]}")
         async for line in response.content:
             if first is None and line.startswith(b"data: {") and marker in line:
                 first = time.perf_counter() - started
+            elif line.startswith(b"data: {") and b'"usage":{' in line:
+                usage = json.loads(line[len(b"data: ") :]).get("usage") or {}
+                prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
     if first is None:
         raise RuntimeError(f"{url}: a stream without content")
-    return first
+    return first, prompt_tokens
 
 
-async def _drive(url: str, model: str, workload: Workload, salt: int) -> list[float]:
-    """The workload through the front at ``url``; each request's TTFT."""
+async def _drive(url: str, model: str, workload: Workload, salt: int) -> tuple[list[float], int]:
+    """The workload through the front at ``url``: each request's TTFT, and the prompt tokens of all (their usage)."""
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     gate = asyncio.Semaphore(workload.concurrency)
     ttfts: list[float] = []
+    prompt_tokens = [0]
 
     async def one(session: aiohttp.ClientSession, messages: list[dict[str, str]]) -> None:
         body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens, "temperature": 0.0}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
         async with gate:
-            ttfts.append(await stream_ttft(session, url, {**body, "stream": True}))
+            ttft, tokens = await stream_request(session, url, body)
+        if tokens is None:
+            raise RuntimeError(f"{url}: a stream without usage")
+        ttfts.append(ttft)
+        prompt_tokens[0] += tokens
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for requests in conversations(workload, salt):
             await asyncio.gather(*(one(session, messages) for messages in requests))
-    return ttfts
+    return ttfts, prompt_tokens[0]
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -169,6 +193,11 @@ def _prefix_counts(prefills: Sequence[str]) -> tuple[float, float]:
     return sum(metric_value(u, HITS) for u in prefills), sum(metric_value(u, QUERIES) for u in prefills)
 
 
+def _computed(engines: Sequence[str]) -> float:
+    """Prompt tokens the ``engines`` computed so far (not found in a cache, not transferred)."""
+    return sum(metric_value(u, BY_SOURCE, source="local_compute") for u in engines)
+
+
 @dataclass
 class Cluster:
     process: subprocess.Popen[bytes]
@@ -176,6 +205,7 @@ class Cluster:
     prefills: list[str]
     decodes: list[str]
     events: dict[str, tuple[str, str]]  # prefill URL -> (endpoint, replay endpoint)
+    decode_events: dict[str, tuple[str, str]]  # decode URL -> (endpoint, replay endpoint)
     model: str  # the served name
     model_dir: str = ""  # the model's folder (its tokenizer)
 
@@ -184,7 +214,7 @@ class Cluster:
 def up_cluster(
     work: Path, model: Path | None, startup_s: float, kvcache_gib: float, extra: Sequence[str] = ()
 ) -> Iterator[Cluster]:
-    """``pd-transfer up``: 2 prefills (publishing KV events) and 1 decode, ``BLOCK``-token blocks, eager,
+    """``pd-transfer up``: 2 prefills and 1 decode, all publishing KV events, ``BLOCK``-token blocks, eager,
     ``kvcache_gib`` of KV cache each, ``extra`` flags of ``up``; stopped after."""
     for _ in range(100):
         base = random.randrange(20001, 30000)
@@ -192,7 +222,7 @@ def up_cluster(
         if not busy_ports(ports):
             break
     command = [sys.executable, "-m", "pd_transfer.cluster", "up", "--prefill", "2", "--decode", "1", "--eager"]
-    command += ["--prefill-policy", "kv_aware", "--prefill-block-size", str(BLOCK), "--decode-block-size", str(BLOCK)]
+    command += ["--routing", "kv_aware", "--prefill-block-size", str(BLOCK), "--decode-block-size", str(BLOCK)]
     command += ["--base-port", str(base), "--proxy-port", str(base - 1), "--log-dir", str(work / "logs")]
     command += ["--startup-timeout", str(startup_s), "--kvcache-gib", str(kvcache_gib)]
     # vLLM's router tokenizes a P/D request through the prefill's render endpoints (403 without this flag: its
@@ -211,14 +241,16 @@ def up_cluster(
                 raise RuntimeError(f"pd-transfer up did not come up: {output.read_text(errors='replace')[-2000:]}")
             time.sleep(1.0)
         state = json.loads((work / "logs" / "cluster.json").read_text())
-        prefills = [p for p in state["processes"] if p.get("role") == "prefill"]
-        decodes = [str(p["url"]) for p in state["processes"] if p.get("role") == "decode"]
-        events: dict[str, tuple[str, str]] = {}
-        for p in prefills:
-            endpoint, replay = str(p["kv_events"]).split(",")
-            events[str(p["url"])] = (endpoint, replay)
+        events: dict[str, dict[str, tuple[str, str]]] = {"prefill": {}, "decode": {}}
+        for p in state["processes"]:
+            if p.get("role") in events:
+                endpoint, replay = str(p["kv_events"]).split(",")
+                events[p["role"]][str(p["url"])] = (endpoint, replay)
+        prefills, decodes = events["prefill"], events["decode"]
         model_dir = str(state["model_dir"])
-        yield Cluster(process, work / "logs", list(events), decodes, events, str(state["model"]), model_dir)
+        yield Cluster(
+            process, work / "logs", list(prefills), list(decodes), prefills, decodes, str(state["model"]), model_dir
+        )
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
@@ -229,15 +261,23 @@ def up_cluster(
                 process.wait(10)
 
 
-def our_command(cluster: Cluster, policy: str, port: int) -> list[str]:
+def our_command(cluster: Cluster, policy: str, port: int, max_local_prefill: int = MAX_LOCAL_PREFILL) -> list[str]:
+    """Our proxy with ``policy`` on the prefills (``kv_aware_local``: ``kv_aware`` on both roles and local
+    prefills of up to ``max_local_prefill`` tokens), round robin on the decode otherwise."""
     command = [sys.executable, "-m", "pd_transfer.proxy", "--prefill", *cluster.prefills, "--decode", *cluster.decodes]
-    command += ["--port", str(port), "--prefill-policy", policy, "--decode-policy", "round_robin"]
-    if policy == "kv_aware":
+    local = policy == "kv_aware_local"
+    prefill_policy = "kv_aware" if local else policy
+    command += ["--port", str(port), "--prefill-policy", prefill_policy]
+    command += ["--decode-policy", "kv_aware" if local else "round_robin"]
+    if prefill_policy == "kv_aware":
         command += ["--kv-block-size", str(BLOCK), "--kv-hash-algo", "sha256"]
         if child_environment().get("PYTHONHASHSEED") is not None:
             command += ["--kv-hash-seed-env", "PYTHONHASHSEED"]
-        for url, (endpoint, replay) in cluster.events.items():
+        sources = {**cluster.events, **(cluster.decode_events if local else {})}
+        for url, (endpoint, replay) in sources.items():
             command += ["--kv-event-source", f"{url}={endpoint},{replay}"]
+    if local:
+        command += ["--max-local-prefill", str(max_local_prefill)]
     return command
 
 
@@ -285,6 +325,9 @@ def _our_choices(url: str) -> dict[str, float]:
         if line.startswith("pd_proxy_route_choices_total{") and 'role="prefill"' in line:
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pd_proxy_routes_total{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            out[f"routes.{path}"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("pd_proxy_kv_index_entries "):
             out["kv_index_entries"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("pd_proxy_kv_event_faults_total{") and float(line.rsplit(" ", 1)[1]) > 0:
@@ -329,20 +372,25 @@ def measure(
     except RuntimeError as e:
         return result | {"error": str(e)[-600:]}
     try:
-        hits, queries = _prefix_counts(cluster.prefills)
+        engines = [*cluster.prefills, *cluster.decodes]
+        hits, queries, computed = *_prefix_counts(cluster.prefills), _computed(engines)
         cpu, started = cpu_seconds(process.pid), time.perf_counter()
         try:
-            ttfts = asyncio.run(_drive(url, cluster.model, workload, salt))
+            ttfts, prompt_tokens = asyncio.run(_drive(url, cluster.model, workload, salt))
         except (RuntimeError, aiohttp.ClientError, TimeoutError) as e:
             return result | {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
         total = time.perf_counter() - started
         result["cpu_s"] = round(cpu_seconds(process.pid) - cpu, 3)
         # the prefills finished their requests before the decode streamed: their counters are final by now
         hits_after, queries_after = _prefix_counts(cluster.prefills)
+        computed_tokens = int(_computed(engines) - computed)
         result |= {
             "requests": len(ttfts),
             "prefix_hit_tokens": int(hits_after - hits),
             "prefix_query_tokens": int(queries_after - queries),
+            "prompt_tokens": prompt_tokens,
+            "computed_tokens": computed_tokens,
+            "reused_tokens": prompt_tokens - computed_tokens,
             "ttft_ms_p50": round(1000 * _percentile(ttfts, 0.5), 1),
             "ttft_ms_p99": round(1000 * _percentile(ttfts, 0.99), 1),
             "total_s": round(total, 2),
@@ -366,7 +414,12 @@ def measure(
 
 
 def run_bench(
-    workload: Workload, model: Path | None, startup_s: float, router: str | None, kvcache_gib: float = KVCACHE_GIB
+    workload: Workload,
+    model: Path | None,
+    startup_s: float,
+    router: str | None,
+    kvcache_gib: float = KVCACHE_GIB,
+    max_local_prefill: int = MAX_LOCAL_PREFILL,
 ) -> dict[str, Any]:
     started_utc = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load_before = os.getloadavg()
@@ -379,7 +432,7 @@ def run_bench(
             for k, (front, policy) in enumerate(fronts):
                 port = free_port()
                 command = (
-                    our_command(cluster, policy, port)
+                    our_command(cluster, policy, port, max_local_prefill)
                     if front == "ours"
                     else their_command(str(router), cluster, policy, port)
                 )
@@ -396,6 +449,7 @@ def run_bench(
             "decodes": 1,
             "block_size": BLOCK,
             "kvcache_gib": kvcache_gib,
+            "max_local_prefill": max_local_prefill,
             "device": "cpu",
             "cpus": os.cpu_count(),
         },
@@ -418,6 +472,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kvcache-gib", type=float, default=KVCACHE_GIB, metavar="GIB", help=f"KV cache per engine ({KVCACHE_GIB})"
     )
+    parser.add_argument(
+        "--max-local-prefill",
+        type=int,
+        default=MAX_LOCAL_PREFILL,
+        metavar="N",
+        help=f"kv_aware_local: tokens the decode computes of a prompt it holds the rest of ({MAX_LOCAL_PREFILL})",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900.0, metavar="S", help="the servers' startup (900)")
     parser.add_argument(
         "--vllm-router", default=None, metavar="PATH", help="vllm-router (default: found as bench proxy)"
@@ -434,10 +495,10 @@ def run(args: argparse.Namespace) -> int:
     router = (
         None if args.no_router else find_router(args.vllm_router or child_environment().get("PD_TRANSFER_VLLM_ROUTER"))
     )
-    if not args.kvcache_gib > 0:
-        print("bench routing: --kvcache-gib must be positive", file=sys.stderr)
+    if not args.kvcache_gib > 0 or args.max_local_prefill < 1:
+        print("bench routing: --kvcache-gib and --max-local-prefill must be positive", file=sys.stderr)
         return 2
-    report = run_bench(workload, args.model, args.startup_timeout, router, args.kvcache_gib)
+    report = run_bench(workload, args.model, args.startup_timeout, router, args.kvcache_gib, args.max_local_prefill)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"written to {args.out}")
