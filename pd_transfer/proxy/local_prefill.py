@@ -5,7 +5,10 @@ A decode holds the prompts it decoded (the KV it pulled, and the tokens it gener
 evicts them: the next turn of a chat, or another user of a system prompt it decoded, finds most of its prompt there.
 Sending such a request through a prefill costs an HTTP hop, a prefill step and a pull for the few tokens the decode
 lacks; computing those tokens on the decode costs one step of its own. ``max_tokens`` bounds what a decode computes
-that way (its other requests wait for that step); a prompt with more uncached tokens goes through P/D as before.
+that way (its other requests wait for that step); a prompt with more uncached tokens goes through P/D as before. When
+the index knows the prefills' blocks too (the prefill pool ``kv_aware``), a decode takes the request only if it holds
+at least as many of its blocks as the best prefill: a local prefill never computes more than the prefill hop would
+(a decode whose cache evicted part of a system prompt the prefill still holds leaves it to the prefill).
 
 What a decode holds comes from its KV events (the decode pool's ``kv_aware`` index, :mod:`.kv_index`): the blocks it
 reported stored in any tier it reaches, and the blocks of requests just routed to it. The uncached part is counted
@@ -35,19 +38,24 @@ class LocalPrefill:
         self.hasher = hasher
         self.max_tokens = max_tokens
 
-    def decode_for(self, candidates: Sequence[Candidate], request: RouteRequest) -> Choice | None:
+    def decode_for(
+        self, candidates: Sequence[Candidate], request: RouteRequest, prefills: Sequence[str] = ()
+    ) -> Choice | None:
         """The decode among ``candidates`` (healthy ones) that holds the longest prefix of the request's prompt, if
-        that leaves at most ``max_tokens`` tokens to compute (ties: the least busy); None otherwise, and for a prompt
+        that leaves at most ``max_tokens`` tokens to compute (ties: the least busy) and no engine of ``prefills``
+        (the healthy prefills' URLs, when the index follows them) holds more of it; None otherwise, and for a prompt
         whose token ids are unknown or longer than the proxy hashes. The chosen decode is credited with the
         prompt's blocks (:meth:`KvIndex.routed`): it will hold them."""
         tokens = request.token_ids()
         if not candidates or tokens is None or len(tokens) >= MAX_HASHED_TOKENS:
             return None
         keys = request.block_keys(self.hasher)
-        matches = self.index.match(keys, [c.url for c in candidates])
+        matches = self.index.match(keys, [*[c.url for c in candidates], *prefills])
         best = max(candidates, key=lambda c: (matches[c.url].blocks, -c.in_flight))
         held = matches[best.url]
         if len(tokens) - held.blocks * self.hasher.block_size > self.max_tokens:
+            return None
+        if any(matches[url].blocks > held.blocks for url in prefills):
             return None
         self.index.routed(best.url, keys)
         return Choice(best, LOCAL_PREFILL, dict(held.by_tier), len(keys))

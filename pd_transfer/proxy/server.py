@@ -325,7 +325,8 @@ class Proxy:
             await self._tokenizer.fill(route, headers)
         local = None
         if not direct and self.routing.local_prefill is not None:
-            local = self.routing.local_prefill.decode_for(self.decode.healthy(), route)
+            rivals = [b.url for b in self.prefill.healthy()] if self.prefill.policy == "kv_aware" else []
+            local = self.routing.local_prefill.decode_for(self.decode.healthy(), route, rivals)
         if direct or local is not None:
             self._routes["direct" if direct else "local_prefill"].inc()
             params = None

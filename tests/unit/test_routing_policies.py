@@ -235,6 +235,10 @@ def test_local_prefill_takes_the_decode_holding_all_but_at_most_its_bound() -> N
     assert (chosen.matched, chosen.of) == ({"engine": 8}, 9)
     # ... and credited with the prompt's blocks it will hold (the 9th, routed)
     assert index.match(hasher.keys(history[:36]), ["http://d1"])["http://d1"].by_tier == {"engine": 8, "routed": 1}
+    # a prefill holding more of a prompt (d1 holds 9 blocks of these 10): the prefill hop computes less
+    index.stored("http://p0", hasher.hashes(history), "GPU")
+    assert local.decode_for(decodes, completion([*history, 1, 2]), prefills=["http://p0"]) is None
+    assert local.decode_for(decodes, completion([*history[:36], 1, 2]), prefills=["http://p0"]) is not None  # a tie
     # one token more than the bound: through P/D
     assert local.decode_for(decodes, completion([*history[:32], 100, 101, 102, 103, 104, 105, 106])) is None
     # a short prompt nobody holds costs as little: the least busy decode

@@ -10,9 +10,10 @@ our pulls (``vllm:pd_transfer_pull_seconds_count``), and the prefill must have s
 (``vllm:pd_transfer_leases_ended_total{reason="read"}``). Skips, with the reason, without vLLM, the test model or
 the router (``scripts/setup-deploy`` installs it).
 
-The same cluster runs ``up --prefill-policy kv_aware``: its prefill publishes vLLM's KV events, and a text prompt sent
-twice through our proxy (tokenized by the engine's ``/tokenize``) is routed the second time by the prefix blocks the
-prefill's events say it holds.
+The same cluster runs ``up --routing kv_aware --max-local-prefill 200``: its engines publish vLLM's KV events; a text
+prompt extended and sent again through our proxy (tokenized by the engine's ``/tokenize``) is routed the second time
+by the prefix blocks the prefill's events say it holds, and a third time, extended by a few words only, is prefilled
+by the decode itself, by the blocks the decode's events say it holds (the answer equal to the plain server's).
 
 ``pd-transfer bench proxy`` measures the router beside our proxy over the same stand-ins: a short run here checks
 that both fronts answer and that the router's figures sit beside ours.
@@ -40,6 +41,7 @@ PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
 PULLS = "vllm:pd_transfer_pull_seconds_count"
 LEASES_READ = ("vllm:pd_transfer_leases_ended_total", {"reason": "read"})
 MAX_TOKENS = 12
+LOCAL_PREFILL = 200  # tokens the decode computes of a prompt it holds the rest of (more than a 128-token block)
 ROUTER_START_TIMEOUT_S = 60.0
 RUN_SALT = time.time_ns() % 10**9
 E2E_TIMEOUT = pytest.mark.timeout(UP_TIMEOUT_S + 900)  # the first test also waits for the servers' startup
@@ -69,8 +71,8 @@ def setup(
     started = time.monotonic()
     router: ManagedProcess | None = None
     try:
-        # our proxy routes the prefills kv_aware (the prefill publishes its KV events): see the last test
-        with up_cluster(work, "--prefill-policy", "kv_aware") as cluster:
+        # our proxy routes kv_aware, with local prefills (the engines publish their KV events): the last tests
+        with up_cluster(work, "--routing", "kv_aware", "--max-local-prefill", str(LOCAL_PREFILL)) as cluster:
             command = router_command(
                 str(deploy_tool("vllm-router")),
                 cluster.urls("prefill"),
@@ -170,9 +172,9 @@ def test_bench_proxy_measures_the_router_beside_ours() -> None:
 def test_our_proxy_kv_aware_follows_the_prefills_kv_events(
     setup: tuple[UpCluster, ManagedProcess, ManagedProcess],
 ) -> None:
-    """``up --prefill-policy kv_aware`` wired the prefill's KV events to our proxy: a repeated text prompt (the
-    engine's /tokenize gives its ids, hashed as the engine hashes its blocks) matches the blocks its first run
-    stored, and no stream reports a hash mismatch."""
+    """``up --routing kv_aware`` wired the engines' KV events to our proxy: a text prompt extended by more than
+    the decode would compute itself (the engine's /tokenize gives its ids, hashed as the engine hashes its blocks)
+    matches the blocks its first run stored on the prefill, and no stream reports a hash mismatch."""
     cluster, _, _ = setup
     proxy = cluster.proxy
     body = {"model": cluster.model, "prompt": _words(400, 9), "max_tokens": 2, "temperature": 0.0}
@@ -181,10 +183,45 @@ def test_our_proxy_kv_aware_follows_the_prefills_kv_events(
     entries = wait_metric(proxy, "pd_proxy_kv_index_entries", lambda v: v > 0, 30.0)
     assert entries.reached, "the prefill's KV events never reached the proxy's index"
     before = metric_value(proxy, matched[0], **matched[1])
-    post_json(proxy + "/v1/completions", body)
+    post_json(proxy + "/v1/completions", body | {"prompt": body["prompt"] + " " + _words(300, 10)})
     gained = metric_value(proxy, matched[0], **matched[1]) - before
     print(f"\nkv_aware: index {entries.value:.0f} entries, the repeat matched {gained:.0f} engine blocks")
     assert metric_value(proxy, "pd_proxy_tokenize_total", result="ok") >= 2
     assert metric_value(proxy, "pd_proxy_kv_event_faults_total", kind="hash_mismatch") == 0
     assert gained > 0, "the repeated prompt matched no block the prefill's events reported"
     assert metric_value(proxy, "pd_proxy_route_choices_total", role="prefill", reason="prefix") >= 1
+
+
+@E2E_TIMEOUT
+def test_our_proxy_prefills_on_the_decode_what_the_decode_holds(
+    setup: tuple[UpCluster, ManagedProcess, ManagedProcess],
+) -> None:
+    """``--max-local-prefill``: once the decode's KV events report a prompt's blocks (it pulled them in a P/D
+    request), the same prompt and a few words more goes to the decode alone: no prefill hop, no pull, the decode's
+    own prefix cache hit; the answer equals a plain vLLM server's."""
+    cluster, reference, _ = setup
+    proxy, (prefill,), (decode,) = cluster.proxy, cluster.urls("prefill"), cluster.urls("decode")
+    common = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
+    prompt = _words(400, 11)
+    batches = ("pd_proxy_kv_event_batches", {"backend": decode})
+    batches_before = metric_value(proxy, batches[0], **batches[1])
+    post_json(proxy + "/v1/completions", {**common, "model": cluster.model, "prompt": prompt})  # through P/D
+    heard = wait_metric(proxy, batches[0], lambda v: v > batches_before, 30.0, labels=batches[1])
+    assert heard.reached, "the decode's KV events never reached the proxy's index"
+    local = ("pd_proxy_routes_total", {"path": "local_prefill"})
+    held = ("pd_proxy_route_matched_blocks_total", {"role": "decode", "tier": "engine"})
+    before = {name: metric_value(proxy, name, **labels) for name, labels in (local, held)}
+    prefill_queries, pulls = metric_value(prefill, "vllm:prefix_cache_queries_total"), metric_value(decode, PULLS)
+    hits = metric_value(decode, "vllm:prefix_cache_hits_total")
+    next_turn = {**common, "prompt": prompt + " and then what happened"}
+    answer = post_json(proxy + "/v1/completions", {**next_turn, "model": cluster.model})
+    expected = post_json(reference.url + "/v1/completions", {**next_turn, "model": DEFAULT_MODEL})
+    gained = {name: metric_value(proxy, name, **labels) - before[name] for name, labels in (local, held)}
+    hits_gained = metric_value(decode, "vllm:prefix_cache_hits_total") - hits
+    print(f"\nlocal prefill: {gained}, decode prefix hits +{hits_gained:.0f}")
+    assert gained[local[0]] == 1, "the next turn was not prefilled on the decode"
+    assert gained[held[0]] > 0, "the decode was chosen without its own events' blocks"
+    assert metric_value(prefill, "vllm:prefix_cache_queries_total") == prefill_queries, "the prefill saw the request"
+    assert metric_value(decode, PULLS) == pulls, "the decode pulled"
+    assert hits_gained > 0, "the decode's own cache was not hit"
+    assert answer_tokens(answer) == answer_tokens(expected)
