@@ -27,7 +27,7 @@ from pd_transfer.proxy.decode_hop import DecodeCall, DecodeHop
 from pd_transfer.proxy.intake import BodyBudget, IntakeLimits, Rejected, check_media_type, decode_json, read_body
 from pd_transfer.proxy.intake import reservation as body_reservation
 from pd_transfer.proxy.metrics import HopMeter, ProxyMetrics
-from pd_transfer.proxy.policies import RouteRequest
+from pd_transfer.proxy.policies import Choice, RouteRequest
 from pd_transfer.proxy.release import KVReleases
 from pd_transfer.proxy.responses import (
     REQUEST_ID,
@@ -323,15 +323,10 @@ class Proxy:
         # a kv_aware pool this request goes through reads the engines' ids of a text or chat prompt
         if self._tokenizer is not None and not batch and ("decode" in self.routing.tokenize_roles or not direct):
             await self._tokenizer.fill(route, headers)
-        local = None
-        if not direct and self.routing.local_prefill is not None:
-            rivals = [b.url for b in self.prefill.healthy()] if self.prefill.policy == "kv_aware" else []
-            local = self.routing.local_prefill.decode_for(self.decode.healthy(), route, rivals)
+        local = None if direct else self._local_prefill(route)
         if direct or local is not None:
             self._routes["direct" if direct else "local_prefill"].inc()
             params = None
-            if local is not None:
-                self.decode.report(local)
         else:
             self._routes["disaggregated"].inc()
             params = await self._prefill_hop(endpoint, body, headers, route)
@@ -352,6 +347,18 @@ class Proxy:
             first.args = (f"{first}; running it again from the prefill hop failed: {again}",)
             raise first from None
         return await self._decode(request, endpoint, body, headers, params, rid, started, route)
+
+    def _local_prefill(self, route: RouteRequest) -> Choice | None:
+        """The decode that prefills ``route`` itself (:mod:`.local_prefill`; the prefills it must hold at least as
+        much as, when the index follows them), told to the decode pool; None when there is none, or it is off."""
+        chooser = self.routing.local_prefill
+        if chooser is None:
+            return None
+        rivals = [b.url for b in self.prefill.healthy()] if self.prefill.policy == "kv_aware" else []
+        local = chooser.decode_for(self.decode.healthy(), route, rivals)
+        if local is not None:
+            self.decode.report(local)
+        return local
 
     async def _decode(
         self,
