@@ -6,7 +6,7 @@ evicts them: the next turn of a chat, or another user of a system prompt it deco
 Sending such a request through a prefill costs an HTTP hop, a prefill step and a pull for the few tokens the decode
 lacks; computing those tokens on the decode costs one step of its own. ``max_tokens`` bounds what a decode computes
 that way (its other requests wait for that step); a prompt with more uncached tokens goes through P/D as before. When
-the index knows the prefills' blocks too (the prefill pool ``kv_aware``), a decode takes the request only if it holds
+the index follows the prefills' events too, a decode takes the request only if it holds
 at least as many of its blocks as the best prefill: a local prefill never computes more than the prefill hop would
 (a decode whose cache evicted part of a system prompt the prefill still holds leaves it to the prefill).
 
@@ -17,7 +17,7 @@ in tokens: the prompt's length less the held prefix's blocks times the block siz
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pd_transfer.proxy.block_hash import BlockHasher
 from pd_transfer.proxy.kv_index import KvIndex
@@ -29,33 +29,38 @@ LOCAL_PREFILL = "local_prefill"
 
 class LocalPrefill:
     """Picks the decode that prefills a request itself, when one holds all but at most ``max_tokens`` of its prompt
-    (``max_tokens`` >= 1). ``index`` and ``hasher``: the decode pool's ``kv_aware`` ones."""
+    (``max_tokens`` >= 1). ``index`` and ``hasher``: the decode pool's ``kv_aware`` ones; ``followed``: the backends
+    whose events the index reads (a prefill among them is weighed against the decodes)."""
 
-    def __init__(self, index: KvIndex, hasher: BlockHasher, max_tokens: int) -> None:
+    def __init__(
+        self, index: KvIndex, hasher: BlockHasher, max_tokens: int, followed: Collection[str] = frozenset()
+    ) -> None:
         if max_tokens < 1:
             raise ValueError(f"the local prefill bound must be at least 1 token, got {max_tokens}")
         self.index = index
         self.hasher = hasher
         self.max_tokens = max_tokens
+        self.followed = frozenset(followed)
 
     def decode_for(
-        self, candidates: Sequence[Candidate], request: RouteRequest, prefills: Sequence[str] = ()
+        self, candidates: Sequence[Candidate], request: RouteRequest, prefills: Sequence[Candidate] = ()
     ) -> Choice | None:
         """The decode among ``candidates`` (healthy ones) that holds the longest prefix of the request's prompt, if
-        that leaves at most ``max_tokens`` tokens to compute (ties: the least busy) and no engine of ``prefills``
-        (the healthy prefills' URLs, when the index follows them) holds more of it; None otherwise, and for a prompt
-        whose token ids are unknown or longer than the proxy hashes. The chosen decode is credited with the
-        prompt's blocks (:meth:`KvIndex.routed`): it will hold them."""
+        that leaves at most ``max_tokens`` tokens to compute (ties: the least busy) and no prefill of ``prefills``
+        (the healthy ones) whose events the index follows holds more of it; None otherwise, and for a prompt whose
+        token ids are unknown or longer than the proxy hashes. The chosen decode is credited with the prompt's
+        blocks (:meth:`KvIndex.routed`): it will hold them."""
         tokens = request.token_ids()
         if not candidates or tokens is None or len(tokens) >= MAX_HASHED_TOKENS:
             return None
         keys = request.block_keys(self.hasher)
-        matches = self.index.match(keys, [*[c.url for c in candidates], *prefills])
+        rivals = [p.url for p in prefills if p.url in self.followed]
+        matches = self.index.match(keys, [*[c.url for c in candidates], *rivals])
         best = max(candidates, key=lambda c: (matches[c.url].blocks, -c.in_flight))
         held = matches[best.url]
         if len(tokens) - held.blocks * self.hasher.block_size > self.max_tokens:
             return None
-        if any(matches[url].blocks > held.blocks for url in prefills):
+        if any(matches[url].blocks > held.blocks for url in rivals):
             return None
         self.index.routed(best.url, keys)
         return Choice(best, LOCAL_PREFILL, dict(held.by_tier), len(keys))

@@ -54,13 +54,13 @@ class Routing:
                 routed_ttl_s=config.kv_routed_ttl_s,
             )
             metrics.kv_index_entries.set_function(self.index.__len__)
-        self.local_prefill = self._local_prefill()
         known = {url.rstrip("/") for url in [*config.prefill, *config.decode]}
         for source in self.sources:
             if source.backend not in known:
                 raise ValueError(
                     f"--kv-event-source names {source.backend[:120]}, which is no prefill or decode backend"
                 )
+        self.local_prefill = self._local_prefill()
         if config.tokenize_timeout_s <= 0:
             raise ValueError(f"--tokenize-timeout must be positive, got {config.tokenize_timeout_s}")
         #: The roles whose requests need the engines' token ids of a text or chat prompt (kv_aware pools).
@@ -85,7 +85,7 @@ class Routing:
                 "--max-local-prefill needs the decode policy kv_aware (--decode-policy kv_aware and the decodes'"
                 " --kv-event-source): what a decode holds is read from its KV events"
             )
-        return LocalPrefill(self.index, self.hasher, bound)
+        return LocalPrefill(self.index, self.hasher, bound, {source.backend for source in self.sources})
 
     def pool(self, role: str, urls: list[str], on_change: Callable[[Backend], None] | None) -> Pool:
         config = self.config

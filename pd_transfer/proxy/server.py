@@ -349,13 +349,12 @@ class Proxy:
         return await self._decode(request, endpoint, body, headers, params, rid, started, route)
 
     def _local_prefill(self, route: RouteRequest) -> Choice | None:
-        """The decode that prefills ``route`` itself (:mod:`.local_prefill`; the prefills it must hold at least as
-        much as, when the index follows them), told to the decode pool; None when there is none, or it is off."""
+        """The decode that prefills ``route`` itself (:mod:`.local_prefill`), told to the decode pool; None when
+        there is none, or it is off."""
         chooser = self.routing.local_prefill
         if chooser is None:
             return None
-        rivals = [b.url for b in self.prefill.healthy()] if self.prefill.policy == "kv_aware" else []
-        local = chooser.decode_for(self.decode.healthy(), route, rivals)
+        local = chooser.decode_for(self.decode.healthy(), route, self.prefill.healthy())
         if local is not None:
             self.decode.report(local)
         return local

@@ -225,7 +225,7 @@ def test_local_prefill_takes_the_decode_holding_all_but_at_most_its_bound() -> N
     hasher = BlockHasher("sha256", None, block_size=4)
     index = KvIndex(max_blocks=1000, routed_ttl_s=5.0, clock=lambda: 0.0)
     decodes = [Node("http://d0"), Node("http://d1")]
-    local = LocalPrefill(index, hasher, max_tokens=6)
+    local = LocalPrefill(index, hasher, max_tokens=6, followed={"http://d0", "http://d1", "http://p0"})
     history = list(range(40))  # 10 blocks
     index.stored("http://d1", hasher.hashes(history[:32]), "GPU")  # 8 blocks
     index.stored("http://d0", hasher.hashes(history[:16]), "CPU")  # 4, in its host tier
@@ -237,8 +237,12 @@ def test_local_prefill_takes_the_decode_holding_all_but_at_most_its_bound() -> N
     assert index.match(hasher.keys(history[:36]), ["http://d1"])["http://d1"].by_tier == {"engine": 8, "routed": 1}
     # a prefill holding more of a prompt (d1 holds 9 blocks of these 10): the prefill hop computes less
     index.stored("http://p0", hasher.hashes(history), "GPU")
-    assert local.decode_for(decodes, completion([*history, 1, 2]), prefills=["http://p0"]) is None
-    assert local.decode_for(decodes, completion([*history[:36], 1, 2]), prefills=["http://p0"]) is not None  # a tie
+    prefill = [Node("http://p0")]
+    assert local.decode_for(decodes, completion([*history, 1, 2]), prefills=prefill) is None
+    assert local.decode_for(decodes, completion([*history[:36], 1, 2]), prefills=prefill) is not None  # a tie
+    # a prefill whose events the index does not follow is not weighed
+    unfollowed = LocalPrefill(index, hasher, max_tokens=6, followed={"http://d0", "http://d1"})
+    assert unfollowed.decode_for(decodes, completion([*history, 1, 2]), prefills=prefill) is not None
     # one token more than the bound: through P/D
     assert local.decode_for(decodes, completion([*history[:32], 100, 101, 102, 103, 104, 105, 106])) is None
     # a short prompt nobody holds costs as little: the least busy decode
