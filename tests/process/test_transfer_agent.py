@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,6 +159,9 @@ def test_read_against_frozen_tcp_peer_times_out(monkeypatch: pytest.MonkeyPatch)
         agent.read(local_list, np.arange(2), remote, np.arange(2), timeout_s=20)
         os.kill(peer.process.pid, signal.SIGSTOP)
         try:
+            # kill() returns before the stop takes hold; a loaded machine ran the peer on long enough for the whole
+            # read to finish (once, in a fresh clone's run): read only once every thread of it is stopped
+            wait_stopped(peer.process.pid, timeout_s=10.0)
             started = time.monotonic()
             with pytest.raises(TransferTimeout):
                 agent.read(
@@ -173,6 +177,24 @@ def test_read_against_frozen_tcp_peer_times_out(monkeypatch: pytest.MonkeyPatch)
     finally:
         agent.close()
         peer.close()
+
+
+def wait_stopped(pid: int, timeout_s: float) -> None:
+    """Returns once every thread of process ``pid`` is stopped (``T`` or ``t`` in ``/proc/PID/task/*/stat``); fails the
+    test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"process {pid} not stopped {timeout_s} s after SIGSTOP: thread states {states}")
+        time.sleep(0.005)  # polling a condition, bounded by the deadline
 
 
 def test_bad_descriptors_are_refused_with_a_clear_error(local: tuple[TransferAgent, list[torch.Tensor]]) -> None:
