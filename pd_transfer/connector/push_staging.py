@@ -8,7 +8,7 @@ memory runs at the stream's rate. So:
   order of the order's rows) a chunk of ``chunk_bytes`` at a time into one of ``slots`` slots of a host pool
   registered with its writing agent, and hands each chunk to ``send`` (which WRITEs it) as soon as its bytes are
   there. On a GPU a chunk is gathered into a device buffer of its slot by the row kernel
-  (:class:`~pd_transfer.topology.address_rows.AddressedRows`; torch where the kernel is not available) on the
+  (:class:`~pd_transfer.rows.AddressedRows`; torch where the kernel is not available) on the
   stager's compute stream, then copied into the slot's pinned host memory on its copy stream; the first ``slots``
   chunks are queued at once, so chunk ``i + 1`` is gathered and copied out while chunk ``i`` is written, and a
   slot's next chunk is queued only once its write returned. Events order the streams: a copy out waits for its
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.topology.address_rows import AddressedRows
+from pd_transfer.rows import AddressedRows
 from pd_transfer.transfer.errors import TransferTimeout
 
 #: Bytes of one chunk a prefill gathers and writes at a time (one slot of its pool).
@@ -113,7 +113,7 @@ class _Streams:
 class PushStager:
     """The prefill side: pushes of the rows of ``tensors`` (a cache, on one device) through ``slots`` slots of
     ``chunk_bytes`` of host memory; see the module docstring. ``one_kernel`` as
-    :class:`~pd_transfer.topology.address_rows.AddressedRows`. The buffers are made on first use
+    :class:`~pd_transfer.rows.AddressedRows`. The buffers are made on first use
     (:meth:`pool_span`), so a prefill that is never asked to push holds none. One push at a time (a lock)."""
 
     def __init__(

@@ -11,12 +11,11 @@ through one of ``buffers`` staging buffers on the device, taken in turn:
   run of consecutive host rows moves the staging rows out;
 * from the host (:meth:`BlockCopier.from_host`), the mirror: the host rows are copied into staging, then scattered.
 
-The gather (scatter) of a chunk is one launch of the row kernel
-(:func:`~pd_transfer.topology.row_copy.copy_rows`: every (tensor, block) row of the chunk given as a source and a
-target address) per distinct page width (one, for a model whose layers' pages are all one size), where the kernel
-is available (:func:`~pd_transfer.topology.row_copy.kernel_available`: CUDA and Triton); else one ``index_select``
-(``index_copy_``) per cache tensor. ``one_kernel=True`` on CPU tensors runs the kernel's addresses through its host
-reference (:func:`~pd_transfer.topology.row_copy.copy_rows_on_host`), for tests.
+The gather (scatter) of a chunk is one call of the row mover (:func:`~pd_transfer.rows.move_rows`: every (tensor,
+block) page of the chunk given as a source and a target address): where its kernel runs (a CUDA device and Triton,
+:func:`~pd_transfer.rows.kernel_available`) one launch per distinct page width (one, for a model whose layers' pages
+are all one size); else torch's gather (scatter) per cache tensor. ``one_kernel=True`` on CPU tensors runs the very
+kernel under Triton's interpreter, for tests.
 
 On a CUDA device the gathers and scatters run on the copier's compute stream and the host copies on its copy stream,
 so the PCIe copy of chunk ``i`` overlaps the gather of chunk ``i + 1`` (a load: the scatter of chunk ``i`` overlaps
@@ -42,7 +41,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_transfer.topology.row_copy import RowAddresses, copy_rows, copy_rows_on_host, kernel_available
+from pd_transfer.rows import (
+    RowAddresses,
+    RowCopy,
+    RowMemory,
+    by_row_size,
+    kernel_upload,
+    launch_rows,
+    move_rows,
+    upload_to,
+    use_kernel,
+)
 
 from .errors import OffloadInputError
 
@@ -64,21 +73,10 @@ class Chunk:
     runs: tuple[tuple[int, int, int], ...]
 
 
-@dataclass(frozen=True)
-class _Width:
-    """The cache tensors of one page width (bytes), in cache order: their base addresses, row strides (bytes) and
-    column offsets in a staging row (bytes)."""
-
-    width: int
-    bases: np.ndarray
-    strides: np.ndarray
-    lows: np.ndarray
-
-
 class _Uploaded:
-    """:func:`copy_rows`' ``upload`` for one job: every array the job's launches will ask for, in their order, put on
-    the device by one ``non_blocking`` copy from pinned memory when the job starts; each call hands out the next
-    one (checked equal to what it is asked for)."""
+    """:func:`~pd_transfer.rows.move_rows`' ``upload`` for one job: the array each chunk's launches will ask for,
+    in their order, put on the device by one ``non_blocking`` copy from pinned memory when the job starts; each call
+    hands out the next one (checked equal to what it is asked for)."""
 
     def __init__(self, arrays: Sequence[np.ndarray], device: torch.device) -> None:
         self._host = np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, np.int64)
@@ -107,8 +105,8 @@ class BlockCopier:
         one_kernel: bool | None = None,
     ) -> None:
         """``staging_bytes``: all staging buffers together (``buffers`` of them, each at least one block);
-        ``one_kernel``: gather and scatter a chunk by the row kernel's addresses (None: where the kernel is available;
-        True on CPU tensors: through its host reference). Raises :class:`OffloadInputError` unless ``caches`` are
+        ``one_kernel``: gather and scatter a chunk by the row kernel (None: where the kernel is available; True on
+        CPU tensors: under Triton's interpreter). Raises :class:`OffloadInputError` unless ``caches`` are
         2-D uint8/int8 tensors of one device and block count, each row contiguous, ``buffers`` is positive and the
         kernel asked for can run here."""
         if not caches:
@@ -123,17 +121,16 @@ class BlockCopier:
                 raise OffloadInputError(f"cache tensor {index} differs from the first in device or block count")
         self.caches = [cache.view(torch.uint8) for cache in caches]
         widths = [int(cache.shape[1]) for cache in caches]
-        starts = [sum(widths[:index]) for index in range(len(widths))]
-        self._columns = [(start, start + width) for start, width in zip(starts, widths, strict=True)]
+        self._lows = [sum(widths[:index]) for index in range(len(widths))]  # each tensor's column in a staging row
         self.block_bytes = sum(widths)
         self._cuda = self.device.type == "cuda"
-        self.one_kernel = kernel_available(self.device) if one_kernel is None else one_kernel
-        if self.one_kernel and self._cuda and not kernel_available(self.device):
-            raise OffloadInputError("the row kernel needs Triton, which cannot be imported here")
-        if self.one_kernel and self.device.type not in ("cuda", "cpu"):
-            raise OffloadInputError(f"no row kernel for memory on {self.device}")
-        self._widths = self._by_width(starts)
-        #: Gather and scatter calls queued so far: row-kernel launches, or torch calls (one per tensor and chunk).
+        try:
+            self.one_kernel = use_kernel(self.device, one_kernel)
+        except ValueError as error:
+            raise OffloadInputError(str(error)) from error
+        self._upload = upload_to(self.device)
+        #: Gather and scatter calls queued so far: row-kernel launches, or torch calls (at least one per tensor and
+        #: chunk).
         self.gather_calls = 0
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None  # gathers and scatters
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None  # copies to and from the host
@@ -149,6 +146,7 @@ class BlockCopier:
                 staging.record_stream(self._copy_stream)  # freed (with the copier) only after its copies ran
         #: Per staging buffer, the event after which it may be written again (None: it may now).
         self._released: list[torch.cuda.Event | None] = [None] * buffers
+        self._memory = RowMemory([*self.caches, *self._staging])  # what torch's gathers and scatters view
         if self.one_kernel:
             self._warm_up()
 
@@ -231,21 +229,11 @@ class BlockCopier:
         return chunks
 
     def row_addresses(self, block_ids: Sequence[int], chunk: Chunk, *, to_staging: bool) -> list[RowAddresses]:
-        """The rows the kernel copies for ``chunk`` of a job of ``block_ids``, one list per page width: each block's
-        page of each cache tensor of that width, and its place in the chunk's staging buffer (row ``i`` for position
-        ``chunk.start + i``, at the tensor's column offset), block by block, tensors in order within a block.
-        ``to_staging``: cache to staging (a store's gather), else staging to cache (a load's scatter)."""
-        blocks = np.asarray(block_ids[chunk.start : chunk.start + chunk.count], dtype=np.int64)
-        staging_rows = (
-            self._staging[chunk.buffer].data_ptr() + np.arange(chunk.count, dtype=np.int64) * self.block_bytes
-        )
-        out = []
-        for width in self._widths:
-            in_cache = (width.bases[None, :] + blocks[:, None] * width.strides[None, :]).reshape(-1)
-            in_staging = (staging_rows[:, None] + width.lows[None, :]).reshape(-1)
-            sources, targets = (in_cache, in_staging) if to_staging else (in_staging, in_cache)
-            out.append(RowAddresses(sources, targets, width.width))
-        return out
+        """The rows the kernel copies for ``chunk`` of a job of ``block_ids``, one list per page width (one launch
+        each): each block's page of each cache tensor of that width, and its place in the chunk's staging buffer
+        (row ``i`` for position ``chunk.start + i``, at the tensor's column offset). ``to_staging``: cache to staging
+        (a store's gather), else staging to cache (a load's scatter)."""
+        return by_row_size(self._pages(block_ids, chunk, to_staging=to_staging))
 
     # ------------------------------------------------------------------ internals
     def _warm_up(self) -> None:
@@ -253,73 +241,47 @@ class BlockCopier:
         engine's cache, which its kernels may be writing), so that Triton compiles it while the copier is built, not
         in the first job (a job whose addresses allow only narrower elements compiles that variant then)."""
         base = self._staging[0].data_ptr()
+        lows: dict[int, int] = {}  # page width -> the column of its first tensor
+        for cache, low in zip(self.caches, self._lows, strict=True):
+            lows.setdefault(int(cache.shape[1]), low)
+        rows = [RowAddresses(np.array([base + low]), np.array([base + low]), width) for width, low in lows.items()]
         with self._on(self._stream, None):
-            for width in self._widths:
-                at = np.array([base + int(width.lows[0])], dtype=np.int64)
-                rows = RowAddresses(at, at.copy(), width.width)
-                if self._cuda:
-                    copy_rows(rows, self._upload)
-                else:
-                    copy_rows_on_host(rows)
+            launch_rows(rows, self._upload)
 
-    def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """``values`` (int64) on the device, by a ``non_blocking`` copy from pinned memory on the current stream."""
-        return torch.from_numpy(values).pin_memory().to(self.device, non_blocking=True)
-
-    def _by_width(self, starts: Sequence[int]) -> list[_Width]:
-        """The cache tensors grouped by page width, in order of each width's first tensor."""
-        groups: dict[int, list[int]] = {}
-        for index, cache in enumerate(self.caches):
-            groups.setdefault(int(cache.shape[1]), []).append(index)
-        return [
-            _Width(
-                width,
-                np.array([self.caches[t].data_ptr() for t in tensors], dtype=np.int64),
-                np.array([self.caches[t].stride(0) for t in tensors], dtype=np.int64),
-                np.array([starts[t] for t in tensors], dtype=np.int64),
-            )
-            for width, tensors in groups.items()
-        ]
+    def _pages(self, block_ids: Sequence[int], chunk: Chunk, *, to_staging: bool) -> list[RowAddresses]:
+        """The rows of ``chunk`` of a job of ``block_ids``, one list per cache tensor (see :meth:`row_addresses`)."""
+        blocks = np.asarray(block_ids[chunk.start : chunk.start + chunk.count], dtype=np.int64)
+        staging_rows = (
+            self._staging[chunk.buffer].data_ptr() + np.arange(chunk.count, dtype=np.int64) * self.block_bytes
+        )
+        out = []
+        for cache, low in zip(self.caches, self._lows, strict=True):
+            in_cache = cache.data_ptr() + blocks * cache.stride(0)
+            in_staging = staging_rows + low
+            sources, targets = (in_cache, in_staging) if to_staging else (in_staging, in_cache)
+            out.append(RowAddresses(sources, targets, int(cache.shape[1])))
+        return out
 
     def _prepare(
         self, block_ids: Sequence[int], chunks: Sequence[Chunk], *, to_staging: bool
     ) -> Callable[[Chunk], None]:
-        """What queues a chunk's gather (``to_staging``) or scatter on the current stream (on the CPU: does it), by
-        the row kernel, its host reference or torch; the job's addresses or block ids go to the device now, on the
-        compute stream, all in one copy."""
-        if not self.one_kernel:
+        """What queues a chunk's gather (``to_staging``) or scatter on the current stream (on the CPU: does it) by
+        the row mover; for the kernel on a device, the job's addresses go there now, on the compute stream, all in
+        one copy."""
+        copies = {
+            chunk.start: [RowCopy(rows, self._memory) for rows in self._pages(block_ids, chunk, to_staging=to_staging)]
+            for chunk in chunks
+        }
+        upload = self._upload
+        if self.one_kernel and self._cuda:
+            arrays = [kernel_upload(by_row_size(copy.addresses for copy in copies[c.start])) for c in chunks]
             with self._on(self._stream, None):
-                index = self._device_index(block_ids)
+                upload = _Uploaded(arrays, self.device)
 
-            def by_torch(chunk: Chunk) -> None:
-                staging = self._staging[chunk.buffer][: chunk.count]
-                blocks = index[chunk.start : chunk.start + chunk.count]
-                for cache, (low, high) in zip(self.caches, self._columns, strict=True):
-                    if to_staging:
-                        staging[:, low:high] = cache.index_select(0, blocks)
-                    else:
-                        cache.index_copy_(0, blocks, staging[:, low:high])
-                    self.gather_calls += 1
+        def move(chunk: Chunk) -> None:
+            self.gather_calls += move_rows(copies[chunk.start], upload, one_kernel=self.one_kernel)
 
-            return by_torch
-        addresses = {chunk.start: self.row_addresses(block_ids, chunk, to_staging=to_staging) for chunk in chunks}
-        if not self._cuda:
-
-            def on_host(chunk: Chunk) -> None:
-                for rows in addresses[chunk.start]:
-                    copy_rows_on_host(rows)
-                    self.gather_calls += 1
-
-            return on_host
-        arrays = [np.concatenate([rows.sources, rows.targets]) for c in chunks for rows in addresses[c.start]]
-        with self._on(self._stream, None):
-            upload = _Uploaded(arrays, self.device)
-
-        def by_kernel(chunk: Chunk) -> None:
-            for rows in addresses[chunk.start]:
-                self.gather_calls += copy_rows(rows, upload)
-
-        return by_kernel
+        return move
 
     @contextlib.contextmanager
     def _on(self, stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> Iterator[None]:
@@ -354,10 +316,3 @@ class BlockCopier:
             return None
         self._stream.wait_stream(self._copy_stream)
         return self._record(self._stream)
-
-    def _device_index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The block ids as an int64 tensor on the device, copied from pinned memory without blocking."""
-        index = torch.tensor([int(block) for block in block_ids], dtype=torch.int64)
-        if not self._cuda:
-            return index
-        return index.pin_memory().to(self.device, non_blocking=True)

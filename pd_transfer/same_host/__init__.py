@@ -13,7 +13,7 @@ decode. No connector types: the connector's same-host readers (:mod:`pd_transfer
 from .cma_engine import MIN_DIRECT_ROW_BYTES, CmaEngine, CmaSource
 from .common import IpcUnavailable, pid_namespace
 from .exporting import export_cache, shareable_host_buffer
-from .ipc_engine import IpcEngine, IpcSource, run_copies
+from .ipc_engine import IpcEngine, IpcSource
 from .opening import gpu_reach
 
 __all__ = [
@@ -26,6 +26,5 @@ __all__ = [
     "export_cache",
     "gpu_reach",
     "pid_namespace",
-    "run_copies",
     "shareable_host_buffer",
 ]

@@ -18,8 +18,8 @@ from vllm_gpu_caches import LAYERS, geometry, layer_caches
 from pd_transfer.integrations.vllm_cache_layouts import block_rows
 from pd_transfer.offload import HostPool, PageFormat, TierBlocks, TransferJob, TransferWorker, chain_block_keys
 from pd_transfer.offload.device_copy import BlockCopier
+from pd_transfer.rows import kernel_available
 from pd_transfer.spec import ModelFingerprint
-from pd_transfer.topology.row_copy import kernel_available
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,7 +1,8 @@
-"""On a GPU with Triton: the row kernel (pd_transfer.topology.row_copy) copies a pull's rows in one launch, equal to
+"""On a GPU with Triton: the row mover's kernel (pd_transfer.rows) copies a pull's rows in one launch, equal to
 torch's gather and scatter of the same rows and to the prefill's KV, element by element, in every fused regroup case
 (rows of whole blocks, 4 KiB head slices, TP head slices, a head's token for a layout change); and a 16,384-row pull
-of 32 KiB rows (512 MiB) is one launch. tests/unit/test_row_copy.py checks the same addresses on CPU. Skipped
+of 32 KiB rows (512 MiB) is one launch. tests/unit/test_row_copy.py runs the same kernel under Triton's interpreter on
+CPU tensors against the planner's oracle. Skipped
 without CUDA or Triton."""
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import torch
 from engine_specs import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.same_host.ipc_engine import ChunkCopy, IpcSource, rows_by_size, run_copies, storages
+from pd_transfer.rows import RowCopy, by_row_size, kernel_available, launch_rows, move_rows
+from pd_transfer.same_host.ipc_engine import IpcSource, storages
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.topology import PeerPlan
-from pd_transfer.topology.row_copy import copy_rows, kernel_available
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,7 +42,7 @@ def upload(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(values).to("cuda")
 
 
-def direct_copies(prefills: list[KVCache], decode: KVCache, remote: list[int], local: list[int]) -> list[ChunkCopy]:
+def direct_copies(prefills: list[KVCache], decode: KVCache, remote: list[int], local: list[int]) -> list[RowCopy]:
     plan = PeerPlan.build(
         decode.layout,
         list(decode.regions),
@@ -51,7 +52,7 @@ def direct_copies(prefills: list[KVCache], decode: KVCache, remote: list[int], l
     )
     assert plan.postprocess is None
     by_rank = {c.layout.tp_rank: c for c in prefills}
-    copies: list[ChunkCopy] = []
+    copies: list[RowCopy] = []
     for source in plan.sources:
         segments = storages(by_rank[source.remote_rank].tensors)
         opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode.tensors))
@@ -85,8 +86,8 @@ def test_the_kernel_equals_torch_and_the_prefill_s_kv(
         local = rng.choice(BLOCKS, -(-TOKENS // decode[1]), replace=False).tolist()
         by_kernel = KVCache.allocate(layout(decode[0], rank, decode[1], decode[2]), BLOCKS, device="cuda")
         by_torch = KVCache.allocate(layout(decode[0], rank, decode[1], decode[2]), BLOCKS, device="cuda")
-        launches = run_copies(direct_copies(prefills, by_kernel, remote, local), upload, one_kernel=True)
-        run_copies(direct_copies(prefills, by_torch, remote, local), upload)
+        launches = move_rows(direct_copies(prefills, by_kernel, remote, local), upload, one_kernel=True)
+        move_rows(direct_copies(prefills, by_torch, remote, local), upload, one_kernel=False)
         torch.cuda.synchronize()
         assert launches == 1
         assert all(torch.equal(a, b) for a, b in zip(by_kernel.tensors, by_torch.tensors, strict=True))
@@ -109,8 +110,8 @@ def test_16384_rows_of_32_kib_are_one_launch_and_land_right() -> None:
     segments = storages(prefill.tensors)
     opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode.tensors))
     copies = opened.copies(*source.indices(remote, local, 256 * 16))
-    (rows,) = rows_by_size(copies)
+    (rows,) = by_row_size(copy.addresses for copy in copies)
     assert (rows.rows, rows.row_bytes) == (16_384, 32_768)
-    assert copy_rows(rows, upload) == 1
+    assert launch_rows([rows], upload) == 1
     torch.cuda.synchronize()
     assert received_correctly(decode, local, [prefill], remote, 256 * 16)

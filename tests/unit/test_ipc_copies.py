@@ -1,7 +1,8 @@
 """The IPC path's copies on CPU tensors, in one process: a plan's rows located in the prefill's segments and ours,
-copied one group per segment pair (never one per block), fixed up, and equal to the prefill's KV bit for bit, across
-TP sizes, block sizes and layouts. (The segments here are the prefill cache's own storages, as an opened handle would
-give them; tests/process opens them in another process, tests/gpu on a GPU.)"""
+copied by the row mover's torch fallback a group per segment pair (never a call per block), fixed up, and equal to
+the prefill's KV bit for bit, across TP sizes, block sizes and layouts. (The segments here are the prefill cache's
+own storages, as an opened handle would give them; tests/process opens them in another process, tests/gpu on a
+GPU.)"""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import numpy as np
 import pytest
 import torch
 from engine_specs import kv_layout as kv_layout_of
+from row_pulls import storage_pairs
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.handshake.messages import RankIpc
+from pd_transfer.rows import move_rows
+from pd_transfer.rows.by_torch import FEW_RUNS
 from pd_transfer.same_host.common import IpcUnavailable, pid_namespace
-from pd_transfer.same_host.ipc_engine import IpcSource, locate, run_copies, storages
+from pd_transfer.same_host.ipc_engine import IpcSource, locate, storages
 from pd_transfer.same_host.opening import OwnerWatch
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
@@ -32,8 +36,9 @@ def layout(tp: int, rank: int, block_size: int, kv_layout: str = "HND") -> KVCac
 
 def copy_request(
     prefills: list[KVCache], decode: KVCache, remote_ids: list[int], local_ids: list[int], tokens: int
-) -> list[int]:
-    """Plan, locate, copy and fix up one request the way the IPC path does; returns the copies made per source."""
+) -> list[tuple[int, int]]:
+    """Plan, locate, copy and fix up one request the way the IPC path does; returns, per source, the torch calls
+    made and the pairs of storages (prefill's, ours) the rows touch."""
     plan = PeerPlan.build(
         decode.layout,
         list(decode.regions),
@@ -47,8 +52,7 @@ def copy_request(
         opened = IpcSource.open(segments, [s.data_ptr() for s in segments], source, storages(decode.tensors))
         local_rows, remote_rows = source.indices(remote_ids, local_ids, tokens)
         copies = opened.copies(local_rows, remote_rows)
-        run_copies(copies, torch.from_numpy)
-        made.append(len(copies))
+        made.append((move_rows(copies, torch.from_numpy, one_kernel=False), storage_pairs(copies)))
     if plan.postprocess is not None:
         plan.postprocess.apply(plane_views(decode.tensors, decode.regions), local_ids, tokens)
     return made
@@ -85,15 +89,17 @@ def test_a_request_copied_through_the_ipc_path_equals_the_prefill_s_kv(
         remote_ids = rng.choice(BLOCKS, -(-tokens // prefill[1]), replace=False).tolist()
         local_ids = rng.choice(BLOCKS, -(-tokens // decode[1]), replace=False).tolist()
         made = copy_request(prefills, local, remote_ids, local_ids, tokens)
-        assert made == [1] * len(made), "one copy per (prefill storage, our storage), however many blocks"
+        # per pair of storages, a slice copy per run where they are few, else a gather and a scatter at most
+        assert all(calls <= max(FEW_RUNS, 2) * pairs for calls, pairs in made), made
         assert received_correctly(local, local_ids, prefills, remote_ids, tokens)
 
 
-def test_one_run_of_blocks_is_one_slice_copy_and_k_v_in_one_block_are_located() -> None:
+def test_one_run_of_blocks_is_one_pair_of_storages_and_k_v_in_one_block_are_located() -> None:
     prefills = prefill_caches(1, 16, kv_split=False)
     local = KVCache.allocate(layout(1, 0, 16), BLOCKS, kv_split=False)
     remote_ids, local_ids = list(range(4, 9)), list(range(10, 15))
-    assert copy_request(prefills, local, remote_ids, local_ids, 80) == [1]
+    ((calls, pairs),) = copy_request(prefills, local, remote_ids, local_ids, 80)
+    assert pairs == 1 and calls <= 2
     assert received_correctly(local, local_ids, prefills, remote_ids, 80)
 
 

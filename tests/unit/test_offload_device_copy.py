@@ -1,11 +1,10 @@
 """The device copier's pipeline (issue 34 item 5), what CI can check on CPU tensors: a job's blocks go to host rows and
 come back element by element equal, whatever the chunks (staging buffers much smaller than the job, taken in turn
 and reused across jobs), the host rows (consecutive or not) and the cache tensors (several page widths, rows further
-apart than their length); two ways of gathering and scattering a chunk agree: the row kernel's addresses copied by its
-host reference (:func:`copy_rows_on_host`: the very addresses the kernel would get on a GPU) and torch's
-``index_select`` / ``index_copy_`` per tensor. The addresses of a chunk cover its staging rows exactly once, and a
-chunk is one kernel launch per page width. The streams and events (the overlap itself) need a GPU:
-tests/gpu/test_gpu_offload.py."""
+apart than their length); two ways of gathering and scattering a chunk agree: the row mover's Triton kernel, run
+under Triton's interpreter on the very addresses it gets on a GPU, and torch's gathers and scatters per tensor. The
+addresses of a chunk cover its staging rows exactly once, and a chunk is one kernel launch per page width. The
+streams and events (the overlap itself) need a GPU: tests/gpu/test_gpu_offload.py."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 
 from pd_transfer.offload import OffloadInputError
 from pd_transfer.offload.device_copy import BlockCopier, Chunk
+from pd_transfer.rows.by_torch import FEW_RUNS
 
 WIDTHS = (96, 160, 64, 160, 36)  # four distinct page widths, two tensors of one; 36: rows aligned to 4 bytes only
 BLOCKS = 40
@@ -70,7 +70,7 @@ def round_trip(
     return host, source, target, loading
 
 
-@pytest.mark.parametrize("one_kernel", [True, False], ids=["kernel-addresses", "torch"])
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize(
     "rows",
     [list(range(5, 5 + 17)), [40, 3, 4, 5, 6, 22, 23, 0, 47, 46, 12, 13, 14, 15, 16, 17, 30]],
@@ -94,8 +94,10 @@ def test_blocks_come_back_element_by_element(
     assert all(torch.equal(a[others], b[others]) for a, b in zip(target, untouched_target, strict=True))
     chunks = len(copier.chunks(rows))
     assert chunks == -(-len(rows) // copier.chunk_rows)
-    calls_per_chunk = len(set(WIDTHS)) if one_kernel else len(WIDTHS)  # one launch per width, or a call per tensor
-    assert copier.gather_calls == chunks * calls_per_chunk
+    if one_kernel:  # one launch per page width
+        assert copier.gather_calls == chunks * len(set(WIDTHS))
+    else:  # per tensor, a gather (scatter), or a slice copy per run where a chunk's blocks make few runs
+        assert chunks * len(WIDTHS) <= copier.gather_calls <= chunks * len(WIDTHS) * FEW_RUNS
 
 
 def test_the_kernel_addresses_and_torch_agree_byte_for_byte() -> None:
@@ -171,7 +173,7 @@ def test_any_job_round_trips(data: st.DataObject) -> None:
     sources = data.draw(st.permutations(range(BLOCKS)))[:count]
     targets = data.draw(st.permutations(range(BLOCKS)))[:count]
     staging_blocks, buffers = data.draw(st.integers(1, 25)), data.draw(st.integers(1, 4))
-    one_kernel = data.draw(st.booleans())
+    one_kernel = data.draw(st.sampled_from([True, False, False, False, False]))  # interpreted kernel: ~1 ms a row
     host, source, target, _ = round_trip(
         sources, rows, targets, staging_blocks=staging_blocks, buffers=buffers, one_kernel=one_kernel
     )

@@ -1,6 +1,7 @@
-"""Push through host staging (issue 34 item 4) on host tensors: rows gathered and scattered by address (row kernel's
-host reference and torch), a prefill's chunked staging pool, a decode's landing area, and a request pushed end to end
-through both with fake agents, checked element by element against the prefill's cache."""
+"""Push through host staging (issue 34 item 4) on host tensors: rows gathered and scattered by address (the row
+mover's Triton kernel under Triton's interpreter, and torch), a prefill's chunked staging pool, a decode's landing
+area, and a request pushed end to end through both with fake agents, checked element by element against the
+prefill's cache."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.connector.push_staging import LandingArea, PushStager, StagedChunk
 from pd_transfer.handshake import HandshakeServer
+from pd_transfer.rows import AddressedRows
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
-from pd_transfer.topology.address_rows import AddressedRows
 from pd_transfer.transfer.agent_protocol import AgentFactory
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +59,7 @@ def _rows(tensors: list[torch.Tensor], row_bytes: int) -> tuple[np.ndarray, list
     return addresses, expected
 
 
-@pytest.mark.parametrize("one_kernel", [True, False], ids=["kernel-reference", "torch"])
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["kernel", "torch"])
 def test_rows_by_address_gather_and_scatter_back(one_kernel: bool) -> None:
     tensors = _tensors()
     rows = AddressedRows(tensors, one_kernel=one_kernel)
@@ -95,7 +96,7 @@ def test_rows_outside_the_tensors_are_refused() -> None:
         rows.gather(np.array([tensors[0].data_ptr()], dtype=np.int64), 48, torch.zeros(47, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("one_kernel", [True, False], ids=["kernel-reference", "torch"])
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["kernel", "torch"])
 def test_the_stager_sends_every_chunk_staged_in_order_through_its_slots(one_kernel: bool) -> None:
     tensors = _tensors()
     row_bytes = 48
@@ -137,11 +138,12 @@ def test_a_failed_send_stops_the_push() -> None:
     assert sent == [0, 2]
 
 
-def test_the_landing_area_lands_rows_at_their_addresses() -> None:
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["kernel", "torch"])
+def test_the_landing_area_lands_rows_at_their_addresses(one_kernel: bool) -> None:
     tensors = _tensors()
     row_bytes = 48
     addresses, _ = _rows(tensors, row_bytes)
-    area = LandingArea(tensors, landing_bytes=4096, chunk_bytes=100, one_kernel=False)
+    area = LandingArea(tensors, landing_bytes=4096, chunk_bytes=100, one_kernel=one_kernel)
     at, capacity = area.part(1, 2, row_bytes)
     assert capacity == 2048 // row_bytes and at == area.span[0] + 2048
     payload = np.random.default_rng(1).integers(0, 256, len(addresses) * row_bytes, dtype=np.uint8)

@@ -26,7 +26,8 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.remote_engines import RemoteEngine
-from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, run_copies, storages
+from pd_transfer.rows import move_rows
+from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, storages
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
@@ -61,7 +62,7 @@ def device_copy_seconds(
     source: KVCache, target: KVCache, remote_ids: list[int], local_ids: list[int], tokens: int
 ) -> float:
     """The in-process copy of the same rows on the caches' device: the fastest of the copies our path makes
-    (:func:`~pd_transfer.same_host.ipc_engine.run_copies`, planned from ``source`` in this process), a
+    (:func:`~pd_transfer.rows.move_rows` by torch, planned from ``source`` in this process), a
     gather/scatter per plane of the same blocks, and a copy per plane and run of consecutive blocks."""
     device = target.tensors[0].device
     plan = PeerPlan.build(target.layout, list(target.regions), {0: source.layout}, {0: list(source.regions)})
@@ -70,7 +71,7 @@ def device_copy_seconds(
     mine = storages(source.tensors)
     copier = IpcSource.open(mine, [s.data_ptr() for s in mine], rows_plan, storages(target.tensors))
     copies = copier.copies(local_rows, remote_rows)
-    ours = _synchronized(device, lambda: run_copies(copies, lambda values: torch.from_numpy(values).to(device)))
+    ours = _synchronized(device, lambda: move_rows(copies, lambda v: torch.from_numpy(v).to(device), one_kernel=False))
     source_ids = torch.tensor(remote_ids, device=device)
     target_ids = torch.tensor(local_ids, device=device)
     pairs = list(zip(plane_tensors(source), plane_tensors(target), strict=True))

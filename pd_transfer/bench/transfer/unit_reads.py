@@ -47,9 +47,8 @@ def _ipc_copies(reader: IpcReader, remote: RemoteEngine, samples: int) -> list[f
     if ipc.owner_exited():
         raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process whose memory is open exited")
     source = ipc.sources[0]
-    first = int(source.remote_rows.chunk[0])
-    segment = source.remote_segments[int(source.remote_rows.segment[0])]
-    row = segment[first : first + source.chunks_per_row]
+    (segment,), (offset,) = source.memory.locate(source.remote_at[:1], source.row_bytes)
+    row = source.memory.storages[int(segment)][int(offset) : int(offset) + source.row_bytes]
     scratch = torch.empty_like(row)
     seconds = []
     for _ in range(samples):

@@ -3,9 +3,9 @@ same-host IPC (:class:`~pd_transfer.same_host.ipc_engine.IpcEngine`, once per en
 NIXL.
 
 **Per request** (:meth:`IpcReader.read`): the rows of the engine's direct plan (every row lands in place: a
-block-size regroup, a TP head slice or a layout change is done by the copy itself), copied on a GPU with Triton by one
-kernel launch for all of them (:mod:`pd_transfer.topology.row_copy`), else one group at a time (a gather and a
-scatter per pair of segments they touch, :func:`~pd_transfer.same_host.ipc_engine.run_copies`). On a GPU all of it is
+block-size regroup, a TP head slice or a layout change is done by the copy itself), copied by the row mover
+(:func:`pd_transfer.rows.move_rows`): on a GPU with Triton one kernel launch for all of them, else torch's gathers
+and scatters per pair of segments they touch. On a GPU all of it is
 queued on the decode rank's own CUDA stream and an event recorded after it is waited for before anything else happens:
 the prefill hears ``ReadDone`` (the lease protocol is unchanged) and the engine is told the blocks are loaded only once
 the copy is complete. Host caches (in shareable memory) take the same path, synchronously: that is what CI runs.
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.same_host import IpcSource, IpcUnavailable, run_copies
+from pd_transfer.rows import kernel_available, move_rows
+from pd_transfer.same_host import IpcSource, IpcUnavailable
 from pd_transfer.spec import MemoryPlace
 from pd_transfer.topology import PeerPlan
-from pd_transfer.topology.row_copy import kernel_available
 from pd_transfer.transfer.errors import PeerDisconnected
 
 from .reads import ReadTotals
@@ -118,7 +118,7 @@ class IpcReader:
                 for source, (mine, theirs) in zip(sources, rows, strict=True)
                 for copy in source.copies(mine, theirs)
             ]
-            run_copies(copies, stream.upload, one_kernel=self.one_kernel)
+            move_rows(copies, stream.upload, one_kernel=self.one_kernel)
             copied = time.perf_counter()
             postprocess = opened.plan.postprocess
             if postprocess is not None:
