@@ -167,8 +167,8 @@ def _group(
 
 
 def _spacing(offsets: np.ndarray) -> int:
-    """The largest distance every row lies at from the first, a multiple of which separates any two (the gcd of
-    the distances; 0 when all rows are at one place)."""
+    """The largest distance of which every row's distance from the lowest is a multiple, and so is the distance
+    between any two (the gcd of the distances; 0 when all rows are at one place)."""
     return int(np.gcd.reduce(offsets - offsets.min()))
 
 

@@ -19,6 +19,7 @@ from pd_transfer.integrations.vllm_cache_layouts import block_rows
 from pd_transfer.offload import HostPool, PageFormat, TierBlocks, TransferJob, TransferWorker, chain_block_keys
 from pd_transfer.offload.device_copy import BlockCopier
 from pd_transfer.rows import kernel_available
+from pd_transfer.rows.by_torch import FEW_RUNS
 from pd_transfer.spec import ModelFingerprint
 
 pytestmark = [
@@ -154,7 +155,11 @@ def test_the_pipeline_stores_and_loads_every_byte(one_kernel: bool, staging_bloc
         assert torch.equal(host_block(target, t), host_block(source, s)), f"block {t}"
     others = [b for b in range(BLOCKS) if b not in targets]
     assert all(torch.equal(a[others], b[others]) for a, b in zip(target, before, strict=True))
-    assert storing.gather_calls == len(storing.chunks(rows)) * (len(set(WIDTHS)) if one_kernel else len(WIDTHS))
+    calls = len(storing.chunks(rows)) * (len(set(WIDTHS)) if one_kernel else len(WIDTHS))
+    if one_kernel:  # one launch per page width and chunk
+        assert storing.gather_calls == calls
+    else:  # per tensor and chunk, a gather, or a slice copy per run where the chunk's blocks make few runs
+        assert calls <= storing.gather_calls <= calls * FEW_RUNS
 
 
 @pytest.mark.parametrize("one_kernel", PATHS)
