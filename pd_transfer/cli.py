@@ -20,8 +20,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     settings = apply_process_defaults(read_settings(), net_devices="lo")  # the command's edge: read once
     from pd_transfer.connector.cache import KVCache
-    from pd_transfer.connector.decode.options import DecodeOptions
     from pd_transfer.connector.decode.rank import DecodeRank
+    from pd_transfer.connector.options import DecodeOptions
     from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
     from pd_transfer.sim.shape import Shape
     from pd_transfer.sim.verify import received_correctly

@@ -36,12 +36,6 @@ KVLayout = Literal["HND", "NHD"]
 PlaneKind = Literal["k", "v", "latent"]
 MemoryKind = Literal["host", "cuda"]
 DeviceIndex = Annotated[int, msgspec.Meta(ge=0, le=1023)]
-#: How a decode reads a prefill engine, as set (``ConnectorConfig.transport``): same-host IPC where it can ("auto"),
-#: never ("nixl") or only ("ipc").
-TransportSetting = Literal["auto", "nixl", "ipc"]
-#: What a pull went by (the ``transport`` label of the pull metrics).
-Transport = Literal["nixl", "cuda_ipc", "host_ipc", "host_cma"]
-TRANSPORTS: tuple[Transport, ...] = ("nixl", "cuda_ipc", "host_ipc", "host_cma")
 
 #: Bytes per element of the dtypes a KV cache may use.
 DTYPE_SIZES: dict[str, int] = {

@@ -1,4 +1,5 @@
-"""Messages between a decode reader and a prefill sender, carried as NIXL notifications.
+"""Messages between a decode reader and a prefill sender, carried as NIXL notifications (or, for a transport that
+carries them itself, on its own connection: :mod:`pd_transfer.connector.transports.seam`).
 
 Tagged msgspec structs, msgpack on the wire; anything that does not decode is dropped and counted.
 
@@ -7,10 +8,10 @@ Decode -> prefill: ``ReadDone`` (attached to the last read; carries ``reply_to``
 this prefill rank's copy), ``LeaseHeartbeat`` (still coming: extend the lease).
 Prefill -> decode: ``LeaseConfirm`` (were the blocks still held when the ``ReadDone`` arrived?).
 
-Push (the prefill writes instead of the decode reading; see :mod:`.prefill.pushes`): decode -> prefill ``PushSetup``
-(once per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request); prefill -> decode
-``PushReady`` (the setup's answer: a prefill that does not know these messages never answers, and is read from)
-and ``PushOutcome`` (a successful one rides on the WRITE, so it arrives after the data).
+Push (the prefill writes instead of the decode reading; see :mod:`.transports.nixl.push_writer`): decode -> prefill
+``PushSetup`` (once per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request);
+prefill -> decode ``PushReady`` (the setup's answer: a prefill that does not know these messages never answers, and is
+read from) and ``PushOutcome`` (a successful one rides on the WRITE, so it arrives after the data).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from pd_transfer.connector.prefill.leases import hold_window
+from pd_transfer.connector.leases import hold_window
 from pd_transfer.connector.prefill.rank import serve_engine
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.handshake.server import HandshakeServer

@@ -25,7 +25,7 @@ import torch
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.contract import SchedulerContract, WorkerContract
-from pd_transfer.connector.prefill.leases import LeaseLedger
+from pd_transfer.connector.leases import LeaseLedger
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings
 from pd_transfer.sim.child import ChildProcess, commands

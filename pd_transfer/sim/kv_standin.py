@@ -254,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--transport",
-        choices=("auto", "nixl", "ipc"),
         default="auto",
-        help="decode: how it reads a prefill on its host (auto: in place where offered; nixl: as between hosts)",
+        help="the connector's transport setting (decode: the transports it opens prefills with, in order; prefill:"
+        " those it offers): auto (same-host IPC where offered, else NIXL), nixl (as between hosts), ipc, or names,"
+        " one of them module:attribute of a transport of your own",
     )
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens when the request sets none")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

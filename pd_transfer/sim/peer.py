@@ -57,7 +57,8 @@ class PrefillSpec:
     ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
     device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
     shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
-    offer_ipc: bool = True  # offer the caches to same-host decodes (shared memory, or read in place)
+    # the transports the child's ranks offer (``PrefillOptions.transport``; "nixl": no same-host offer)
+    transport: str = "auto"
     # the child's settings (None: read from its environment, inherited from the parent, at its start); with
     # ``sim_busy_engine`` it also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
     settings: Settings | None = None
@@ -115,11 +116,11 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     settings = apply_process_defaults(  # this child's edge
         spec.settings or read_settings(), net_devices="lo", vram=spec.device.startswith("cuda")
     )
-    from pd_transfer.connector.prefill.options import PrefillOptions
+    from pd_transfer.connector.options import PrefillOptions
     from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 
     ranks = [
-        PrefillRank(spec.engine_id, cache, PrefillOptions(settings=settings, offer_ipc=spec.offer_ipc))
+        PrefillRank(spec.engine_id, cache, PrefillOptions(settings=settings, transport=spec.transport))
         for cache in spec.caches(settings=settings)
     ]
     server = serve_engine(

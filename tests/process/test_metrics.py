@@ -10,8 +10,8 @@ from test_metric_counts import LAYOUT, samples
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.params import remote_prefill_params
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.settings import DEFAULTS

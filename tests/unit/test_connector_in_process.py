@@ -36,9 +36,9 @@ from test_hold_window import (  # noqa: F401 (collected here, run with this fold
 )
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.sim.verify import received_correctly
@@ -118,7 +118,11 @@ def test_a_held_request_is_pushed_and_counts_as_read(agent_factory: AgentFactory
         assert decode.confirmations.received == 0  # the write proved the lease: no LeaseConfirm
         # an unheld request is refused for push, read instead, and its confirmation tells the truth
         stats = decode.pull("never-held", prefill.host, prefill.port, [1, 2], [3, 4], 20)
-        assert stats.pushed_peers == () and decode.pushes is not None and decode.pushes.read_instead == 1
+        assert (
+            stats.pushed_peers == ()
+            and decode.ends["nixl"].pushes is not None
+            and decode.ends["nixl"].pushes.read_instead == 1
+        )
         with pytest.raises(LeaseNotConfirmed):
             decode.pull_confirmed(
                 "never-held-2", prefill.host, prefill.port, [5], [6], 16, confirm_timeout_s=0.5

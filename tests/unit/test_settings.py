@@ -261,14 +261,14 @@ def test_the_package_as_it_is_passes_the_check(package_copy: Path) -> None:
 
 @pytest.mark.parametrize("planted", list(PLANTED), ids=list(PLANTED.values()))
 def test_a_read_planted_outside_settings_fails_the_check(package_copy: Path, planted: str) -> None:
-    target = package_copy / "pd_transfer" / "connector" / "prefill" / "leases.py"
+    target = package_copy / "pd_transfer" / "connector" / "leases.py"
     target.write_text(target.read_text() + "\n\n" + planted)
     done = _ruff_check(package_copy)
     print(done.stdout)  # the failure, as ruff reports it (pytest -s shows it)
     assert done.returncode == 1
     hits = [line for line in done.stdout.splitlines() if "TID251" in line]
     assert hits == done.stdout.splitlines()[:1], done.stdout  # the read, and nothing else
-    assert "pd_transfer/connector/prefill/leases.py" in hits[0], hits
+    assert "pd_transfer/connector/leases.py" in hits[0], hits
     assert f"`{PLANTED[planted]}` is banned" in hits[0], hits
 
 

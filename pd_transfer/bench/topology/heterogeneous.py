@@ -28,15 +28,12 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank, PullStats
-from pd_transfer.connector.decode.reads import DEFAULT_STAGED_JOBS_PER_LANE
-from pd_transfer.connector.decode.staging import DEFAULT_STAGING_CHUNK_BYTES
+from pd_transfer.connector.options import DEFAULT_STAGED_JOBS_PER_LANE, DEFAULT_STAGING_CHUNK_BYTES, DecodeOptions
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import received_correctly
-from pd_transfer.spec import TransportSetting
 
 from ..device import parse_device, topology_section
 from ..transfer.reads import QUICK_SHAPE, host_copy_gbps
@@ -108,7 +105,7 @@ def run(
     repeats: int = REPEATS,
     seed: int = 11,
     device: str | None = None,
-    transport: TransportSetting = "auto",
+    transport: str = "auto",
     settings: Settings = DEFAULTS,
 ) -> dict:
     """Heterogeneous TP and block sizes against the homogeneous read, side by side. ``device``: where both sides'

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.remote_engines import RemoteEngine
+from pd_transfer.connector.options import DecodeOptions
+from pd_transfer.connector.transports.ipc.transport import SameHostLink
 from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, run_copies, storages
 from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
@@ -115,10 +116,9 @@ def _case(
         result = decode.pull(request_id, host, port, remote_ids, local_ids, num_tokens)
         ours.append(result.seconds)
         copies.append(device_copy_seconds(expected, scratch, remote_ids, local_ids, num_tokens))
-        if isinstance(remote.ipc, IpcEngine):
-            raw_ipc.append(
-                _raw_ipc_copy_seconds(remote.ipc.sources[0], storages(scratch.tensors)[0], result.bytes, device)
-            )
+        opened = remote.link.opened if isinstance(remote.link, SameHostLink) else None
+        if isinstance(opened, IpcEngine):
+            raw_ipc.append(_raw_ipc_copy_seconds(opened.sources[0], storages(scratch.tensors)[0], result.bytes, device))
     assert result is not None
     verified = received_correctly(decode.cache, local_ids, [expected], remote_ids, num_tokens)
     raw_nixl = _raw_nixl_seconds(decode, remote, plan, local_rows, remote_rows)

@@ -9,9 +9,10 @@ environment for the section (:func:`pd_transfer.settings.process_environment`: U
 process inherits them); the JSON names them and the transports UCX chose. GiB/s throughout (``gbps`` keys, 2**30
 bytes per second).
 
-Over TCP the decode asks the prefill to push (``PD_TRANSFER_PUSH=auto``, :mod:`pd_transfer.connector.prefill.pushes`):
-the ``gbps`` and ``ratio_vs_tcp_stream`` keys are then the pushed pulls, and ``read_gbps``, ``read_ratio_vs_tcp_stream``
-the same requests read, each right after its pushed twin.
+Over TCP the decode asks the prefill to push (``PD_TRANSFER_PUSH=auto``,
+:mod:`pd_transfer.connector.transports.nixl.push_writer`): the ``gbps`` and ``ratio_vs_tcp_stream`` keys are then
+the pushed pulls, and ``read_gbps``, ``read_ratio_vs_tcp_stream`` the same requests read (by a second decode rank that
+never asks to push), each right after its pushed twin.
 """
 
 from __future__ import annotations

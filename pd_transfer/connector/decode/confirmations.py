@@ -3,7 +3,7 @@ cannot rely on the prefill's hold window, see :meth:`.rank.DecodeRank.pull_confi
 
 While a request is awaited (``awaiting``), its ``ReadDone`` notifications carry ``reply_to`` and each
 prefill rank read from answers with a ``LeaseConfirm``: ok only if the request's blocks were still held when
-the ``ReadDone`` arrived (see :mod:`pd_transfer.connector.prefill.leases`). ``wait`` returns once every rank
+the ``ReadDone`` arrived (see :mod:`pd_transfer.connector.leases`). ``wait`` returns once every rank
 confirmed, one refused, or the time ran out. Notifications that do not decode, that are not a
 ``LeaseConfirm``, or that answer a request no longer awaited are dropped and counted.
 
