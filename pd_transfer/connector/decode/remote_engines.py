@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pd_transfer.connector.cache import KVCache
@@ -76,7 +76,6 @@ class RemoteEngines:
     ``(host, port)``; thread-safe.
 
     ``ends``: the decode ends of the transports the rank prefers, by name, in order of preference.
-    ``on_connected(remote)`` is called for each engine once it is connected (before any request uses it).
     """
 
     def __init__(
@@ -87,13 +86,11 @@ class RemoteEngines:
         ends: Mapping[str, DecodeEnd],
         *,
         metrics: TransferMetrics | None = None,
-        on_connected: Callable[[RemoteEngine], None] | None = None,
     ) -> None:
         self.name = name
         self.cache = cache
         self.client = client
         self.ends = dict(ends)
-        self._on_connected = on_connected
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self._remotes: dict[tuple[str, int], RemoteEngine] = {}
         self._lock = threading.Lock()  # guards _remotes and _engine_locks
@@ -167,8 +164,6 @@ class RemoteEngines:
             self._dropped.discard(key)
         if again or reason != "reconnect":
             self.metrics.peer_rehandshakes.labels(reason).inc()
-        if self._on_connected is not None:
-            self._on_connected(remote)
 
     def _drop(self, key: tuple[str, int], remote: RemoteEngine) -> None:
         """Unregister ``remote`` (if still the engine at ``key``) after a failure or a restart and close its link;
