@@ -133,7 +133,7 @@ def test_the_offer_names_the_gpu_and_the_legacy_handles() -> None:
     from pd_transfer.same_host.exporting import export_cache
 
     cache = KVCache.allocate(layout(16), BLOCKS, device="cuda")
-    offer, why_not = export_cache(cache.tensors, cache.regions)
+    offer, why_not = export_cache(cache.tensors, cache.regions, "cuda")
     assert offer is not None, why_not
     assert offer.pid == os.getpid() and len(offer.segments) == 1  # one allocation holds the whole cache
     (segment,) = offer.segments
@@ -148,7 +148,7 @@ from pd_transfer.same_host.exporting import export_cache
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 fingerprint = ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=8, head_size=128)
 cache = KVCache.allocate(KVCacheLayout(fingerprint=fingerprint, tp_size=1, tp_rank=0, block_size=16), 64, device="cuda")
-offer, why_not = export_cache(cache.tensors, cache.regions)
+offer, why_not = export_cache(cache.tensors, cache.regions, "cuda")
 print(json.dumps({"offered": offer is not None, "why_not": why_not}))
 """
 
