@@ -58,8 +58,9 @@ class PrefillSpec:
     device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
     shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
     offer_ipc: bool = True  # offer the caches to same-host decodes (shared memory, or read in place)
-    # the child's settings (None: read from its environment, inherited from the parent, at its start); with
-    # ``sim_busy_engine`` it also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
+    # the child also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
+    busy_engine: bool = False
+    # the child's settings (None: read from its environment, inherited from the parent, at its start: its edge)
     settings: Settings | None = None
 
     def caches(self, device: str | None = None, settings: Settings = DEFAULTS) -> list[KVCache]:
@@ -126,7 +127,7 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
     )
     stop_engine = threading.Event()
-    if settings.sim_busy_engine:
+    if spec.busy_engine:
         threading.Thread(target=_busy_engine, args=(stop_engine,), name="busy-engine", daemon=True).start()
     conn.send(("ready", server.port))
     try:

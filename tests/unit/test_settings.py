@@ -62,7 +62,6 @@ def test_every_kind_of_value_is_parsed() -> None:
             "PD_TRANSFER_TCP_SEGMENTS": "0",
             "PD_TRANSFER_THREAD_CPUS": "0-2,5",
             "PD_TRANSFER_LOG_LEVEL": "debug",
-            "PD_TRANSFER_SIM_BUSY_ENGINE": "1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
             "UCX_TLS": "tcp,self",
             "NOT_OURS": "ignored",
@@ -71,7 +70,7 @@ def test_every_kind_of_value_is_parsed() -> None:
     assert (settings.push, settings.push_min_bytes, settings.read_lanes, settings.huge_pages) == ("on", 0, 3, "0")
     assert settings.native_progress_ms == 3  # rounded up: NIXL waits whole milliseconds
     assert (settings.busy_poll_s, settings.read_wait_s) == (math.inf, 500e-6)
-    assert (settings.tcp_segments, settings.sim_busy_engine, settings.log_level) == (False, True, "DEBUG")
+    assert (settings.tcp_segments, settings.log_level) == (False, "DEBUG")
     assert settings.thread_cpu_set == {0, 1, 2, 5}
     assert (settings.side_channel_port, settings.ucx_tls) == (5601, "tcp,self")
     assert not settings.own_huge_pages and not settings.registered_huge_pages
@@ -328,3 +327,33 @@ def test_a_settings_default_planted_below_the_edge_is_found(package_copy: Path) 
     target = package_copy / "pd_transfer" / "connector" / "cache.py"
     target.write_text(target.read_text() + "\n\ndef planted(settings: Settings = DEFAULTS) -> None:\n    pass\n")
     assert [hit.split(":")[0] for hit in settings_defaults(package_copy / "pd_transfer")] == ["connector/cache.py"]
+
+
+#: Where the product is not: the benchmarks, the stand-ins and the command that runs them.
+BESIDE_THE_PRODUCT = ("bench/", "sim/", "cli.py")
+
+
+def settings_only_beside_the_product(names: list[str], package: Path) -> list[str]:
+    """Of the :class:`Settings` fields ``names``, those that no product module reads (as ``.name``: an attribute of
+    the settings): fields that exist for a benchmark, a stand-in or a test. A variable another program reads
+    (``UCX_*``, declared to be documented and put in force) counts as read."""
+    product = [
+        path.read_text()
+        for path in sorted(package.rglob("*.py"))
+        if not path.relative_to(package).as_posix().startswith(BESIDE_THE_PRODUCT)
+    ]
+    variables = {f.name: f.metadata["variable"].name for f in fields(Settings)}
+    return [
+        name
+        for name in names
+        if not variables.get(name, "").startswith("UCX_")
+        and not any(re.search(rf"\.{name}\b", text) for text in product)
+    ]
+
+
+def test_every_setting_is_the_products() -> None:
+    """No field of :class:`Settings` exists for a benchmark's, a stand-in's or a test's sake: each is read by the
+    product (a benchmark takes its own values as arguments). ``vllm_router``, once a field only ``bench proxy``
+    read, is found as one."""
+    assert settings_only_beside_the_product([f.name for f in fields(Settings)], PACKAGE) == []
+    assert settings_only_beside_the_product(["vllm_router"], PACKAGE) == ["vllm_router"]

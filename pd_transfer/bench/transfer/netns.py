@@ -163,6 +163,7 @@ def run_netns(
     repeats: int,
     idle_seconds: float,
     wire_gbit: float | None = None,
+    busy_prefill: bool = False,
     settings: Settings = DEFAULTS,
 ) -> dict:
     """:func:`.tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
@@ -180,6 +181,7 @@ def run_netns(
                 decode_host=net.outer_address,
                 stream_prefix=["ip", "netns", "exec", net.ns],
                 prefill_options={"netns": net.ns, "ucx_net_devices": net.inner},
+                busy_prefill=busy_prefill,
                 settings=settings,
             )
         result["veth_rx_bytes"] = rx_bytes(net.outer) - received

@@ -214,10 +214,12 @@ def run(
     seed: int = 7,
     read_lanes: int | None = None,
     prefill_options: dict[str, str] | None = None,
+    busy_prefill: bool = False,
     settings: Settings = DEFAULTS,
 ) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
     default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``);
+    ``busy_prefill``: the prefill process's engine loop holds the GIL (:class:`PrefillSpec`'s ``busy_engine``);
     ``settings``: the command's (both sides run with them), with the UCX variables in force now."""
     settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
@@ -228,6 +230,7 @@ def run(
         num_blocks=shape.cache_blocks,
         seed=seed,
         settings=settings,
+        busy_engine=busy_prefill,
         **(prefill_options or {}),  # type: ignore[arg-type]
     )
     contiguous, scattered = request_ids(shape, seed)
@@ -257,7 +260,7 @@ def run(
                 "ucx_env": {k: v for k, v in sorted(environment().items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
                 "huge_pages": settings.huge_pages,
-                "busy_prefill_engine": settings.sim_busy_engine,
+                "busy_prefill_engine": busy_prefill,
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
                 "push": pushes,  # the decode asks the prefill to write (PD_TRANSFER_PUSH; auto: over TCP)
             }
