@@ -230,7 +230,7 @@ class PrefillEngines(ChildProcess):
 
 class LocalPrefillEngines:
     """The engines of :class:`PrefillEngines` in this process, behind the same methods: for tests whose agents are
-    in-process fakes (:mod:`pd_transfer.sim.fake_agent`), where a child's real agents could not reach them. Use as a
+    in-process fakes (``tests/support/fake_agent.py``), where a child's real agents could not reach them. Use as a
     context manager. ``settings``: the engines' (default: the defaults, whatever this process's environment says).
     ``agent_factory``: makes the engines' agents (a fake fabric's, for the tests this class is for)."""
 

@@ -1,5 +1,5 @@
 """The unit tests' engines: prefill and decode engines in the test process whose agents are fakes
-(:mod:`pd_transfer.sim.fake_agent`: reads and writes are memory copies, notifications a thread's hand-off), so that
+(``tests/support/fake_agent.py``: reads and writes are memory copies, notifications a thread's hand-off), so that
 the connector's logic runs end to end without a child process. Each module gets its own fabric and engines. These,
 and the engines and ranks its tests make, are handed the ``agent_factory`` fixture (the fabric's ``new_agent``;
 tests/process/conftest.py's makes NIXL agents) where production code gets NIXL's by default: nothing is patched."""
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 from engine_specs import FINGERPRINT, decode_config, layouts, prefill_specs
+from fake_agent import FakeFabric
 
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
-from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.transfer.agent_protocol import AgentFactory
 
 
