@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings, set_process_environment
+from pd_transfer.settings import Settings, apply_process_defaults, read_settings, set_process_environment
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 
@@ -63,9 +63,10 @@ class PrefillSpec:
     # the child's settings (None: read from its environment, inherited from the parent, at its start: its edge)
     settings: Settings | None = None
 
-    def caches(self, device: str | None = None, settings: Settings = DEFAULTS) -> list[KVCache]:
+    def caches(self, device: str | None = None, *, huge_pages: bool = False) -> list[KVCache]:
         """The caches the child holds, recomputed in this process (on ``device``, default the spec's; host caches in
-        huge pages unless ``settings`` say not)."""
+        huge pages with ``huge_pages``: the child's own, as its settings say; a copy to check reads against needs
+        none)."""
         out = []
         for layout in self.layouts:
             cache = KVCache.allocate(
@@ -74,7 +75,7 @@ class PrefillSpec:
                 kv_split=self.kv_split,
                 device=device or self.device,
                 shareable=self.shareable,
-                huge_pages=settings.own_huge_pages,
+                huge_pages=huge_pages,
             )
             fill_pattern(cache, self.seed)
             out.append(cache)
@@ -121,7 +122,7 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
 
     ranks = [
         PrefillRank(spec.engine_id, cache, PrefillOptions(settings=settings, offer_ipc=spec.offer_ipc))
-        for cache in spec.caches(settings=settings)
+        for cache in spec.caches(huge_pages=settings.own_huge_pages)
     ]
     server = serve_engine(
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret

@@ -12,6 +12,7 @@ import pytest
 from engine_specs import FINGERPRINT, decode_config, layouts, prefill_specs
 from fake_agent import FakeFabric
 
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.transfer.agent_protocol import AgentFactory
 
@@ -31,7 +32,7 @@ def agent_factory(fake_agents: FakeFabric) -> AgentFactory:
 @pytest.fixture(scope="module")
 def prefills(agent_factory: AgentFactory) -> Iterator[LocalPrefillEngines]:
     """The engines of :func:`engine_specs.prefill_specs`, in this process."""
-    with LocalPrefillEngines(prefill_specs(), agent_factory=agent_factory) as engines:
+    with LocalPrefillEngines(prefill_specs(), agent_factory=agent_factory, settings=DEFAULTS) as engines:
         yield engines
 
 
@@ -39,7 +40,9 @@ def prefills(agent_factory: AgentFactory) -> Iterator[LocalPrefillEngines]:
 def decode(agent_factory: AgentFactory) -> Iterator[DecodeEngine]:
     """A TP 1 decode engine, failure policy ``recompute``."""
     config = decode_config(failure_policy="recompute")
-    with DecodeEngine("d-recompute", layouts(FINGERPRINT, 1), 512, config, agent_factory=agent_factory) as engine:
+    with DecodeEngine(
+        "d-recompute", layouts(FINGERPRINT, 1), 512, config, agent_factory=agent_factory, settings=DEFAULTS
+    ) as engine:
         yield engine
 
 
@@ -47,5 +50,7 @@ def decode(agent_factory: AgentFactory) -> Iterator[DecodeEngine]:
 def decode_fail(agent_factory: AgentFactory) -> Iterator[DecodeEngine]:
     """A TP 1 decode engine, failure policy ``fail``."""
     config = decode_config(failure_policy="fail")
-    with DecodeEngine("d-fail", layouts(FINGERPRINT, 1), 256, config, agent_factory=agent_factory) as engine:
+    with DecodeEngine(
+        "d-fail", layouts(FINGERPRINT, 1), 256, config, agent_factory=agent_factory, settings=DEFAULTS
+    ) as engine:
         yield engine

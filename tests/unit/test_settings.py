@@ -290,21 +290,47 @@ def test_the_settings_command_prints_them_resolved_and_refuses_a_bad_one(
     assert "PD_TRANSFER_READ_LANES must be a number, not 'many'" in capsys.readouterr().err
 
 
-#: Where a process's settings are read (its edges: the CLI, the stand-ins' and benchmarks' entry points) and
-#: ``settings.py`` itself; every other package gets them handed down.
-EDGES = ("cli.py", "settings.py", "sim/", "bench/")
+#: Where a process's settings may be given a default: the command (``cli.py``, the CLI's edge) and ``settings.py``
+#: itself; every other module, the stand-ins (``sim/``) and benchmarks (``bench/``) included, gets them handed down.
+EDGES = ("cli.py", "settings.py")
+#: Settings fields whose default is no default: ``None`` there means that the child process the spec starts reads its
+#: own settings at its edge (its environment, inherited from the parent).
+CHILD_READS_ITS_OWN = {"sim/peer.py PrefillSpec.settings"}
+
+
+def _is_settings(annotation: ast.expr | None) -> bool:
+    return annotation is not None and "Settings" in ast.unparse(annotation)
+
+
+def _a_default(value: ast.expr | None) -> bool:
+    """Whether a class field's value gives it a default (``field(kw_only=True)`` alone does not)."""
+    if value is None:
+        return False
+    if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("field"):
+        return any(keyword.arg in ("default", "default_factory") for keyword in value.keywords)
+    return True
 
 
 def settings_defaults(package: Path) -> list[str]:
-    """``path:line name`` of every parameter annotated ``Settings`` (or ``Settings | None``) that has a default, in
-    the product packages below the edges: a caller that forgot to hand the process's settings down would silently run
-    on defaults there."""
+    """``path:line name`` of every parameter and every class field (a dataclass's or a ``Struct``'s: a parameter of
+    the class) annotated ``Settings`` (or ``Settings | None``) that has a default, below the CLI: a caller that
+    forgot to hand the process's settings down would silently run on defaults there."""
     found = []
     for path in sorted(package.rglob("*.py")):
         relative = path.relative_to(package).as_posix()
         if relative.startswith(EDGES):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for statement in node.body:
+                    if (
+                        isinstance(statement, ast.AnnAssign)
+                        and _a_default(statement.value)
+                        and isinstance(statement.target, ast.Name)
+                        and _is_settings(statement.annotation)
+                        and f"{relative} {node.name}.{statement.target.id}" not in CHILD_READS_ITS_OWN
+                    ):
+                        found.append(f"{relative}:{statement.lineno} {node.name}.{statement.target.id}")
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             arguments = node.args
@@ -312,21 +338,26 @@ def settings_defaults(package: Path) -> list[str]:
             pairs = list(zip(positional[len(positional) - len(arguments.defaults) :], arguments.defaults, strict=True))
             pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True) if d is not None]
             for argument, _ in pairs:
-                if argument.annotation is not None and "Settings" in ast.unparse(argument.annotation):
+                if _is_settings(argument.annotation):
                     found.append(f"{relative}:{node.lineno} {node.name}({argument.arg})")
     return found
 
 
-def test_no_product_signature_defaults_the_settings() -> None:
-    """Settings are read once at a process's edge and handed down: below the edges a ``settings`` parameter has no
-    default (``settings: Settings = DEFAULTS`` would turn a missing hand-down into a process running on defaults)."""
+def test_no_signature_below_the_cli_defaults_the_settings() -> None:
+    """Settings are read once at a process's edge and handed down: below the CLI a ``settings`` parameter or field
+    has no default (``settings: Settings = DEFAULTS`` would turn a missing hand-down into a process running on
+    defaults), the stand-ins' and benchmarks' included."""
     assert settings_defaults(PACKAGE) == []
 
 
 def test_a_settings_default_planted_below_the_edge_is_found(package_copy: Path) -> None:
     target = package_copy / "pd_transfer" / "connector" / "cache.py"
     target.write_text(target.read_text() + "\n\ndef planted(settings: Settings = DEFAULTS) -> None:\n    pass\n")
-    assert [hit.split(":")[0] for hit in settings_defaults(package_copy / "pd_transfer")] == ["connector/cache.py"]
+    field = package_copy / "pd_transfer" / "sim" / "kv_model.py"
+    field.write_text(field.read_text() + "\n\nclass Planted:\n    settings: Settings = DEFAULTS\n")
+    found = settings_defaults(package_copy / "pd_transfer")
+    assert [hit.split(":")[0] for hit in found] == ["connector/cache.py", "sim/kv_model.py"], found
+    assert found[1].endswith(" Planted.settings"), found
 
 
 #: Where the product is not: the benchmarks, the stand-ins and the command that runs them.

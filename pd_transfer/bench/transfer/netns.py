@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_transfer.settings import DEFAULTS, Settings, process_environment
+from pd_transfer.settings import Settings, process_environment
 from pd_transfer.sim.shape import Shape
 
 from .tcp import run
@@ -164,7 +164,7 @@ def run_netns(
     idle_seconds: float,
     wire_gbit: float | None = None,
     busy_prefill: bool = False,
-    settings: Settings = DEFAULTS,
+    settings: Settings,
 ) -> dict:
     """:func:`.tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
     (:func:`shape_wire`; the result's ``wire_gbit``); ``{"skipped": reason}`` where that cannot be built."""

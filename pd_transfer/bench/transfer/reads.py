@@ -18,7 +18,7 @@ import torch
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
+from pd_transfer.settings import Settings, apply_process_defaults, environment
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
@@ -215,7 +215,7 @@ def run(
     read_lanes: int | None = None,
     prefill_options: dict[str, str] | None = None,
     busy_prefill: bool = False,
-    settings: Settings = DEFAULTS,
+    settings: Settings,
 ) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
     default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``);
@@ -235,7 +235,7 @@ def run(
     )
     contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
-        expected = spec.caches()
+        expected = spec.caches(huge_pages=settings.own_huge_pages)  # also the memcpy yardstick's source
         own_huge_pages = settings.own_huge_pages
         decode = DecodeRank(
             "bench-decode",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.sim.shape import Shape
 
 from . import reads, tcp
@@ -20,7 +20,7 @@ def run_sections(
     idle_seconds: float,
     wire_gbit: float | None = None,
     busy_prefill: bool = False,
-    settings: Settings = DEFAULTS,
+    settings: Settings,
 ) -> dict:
     """The benchmark's sections by name: ``default`` (the transports UCX picks: CMA on one host) at the top level,
     ``tcp`` and ``tcp_netns`` (across a veth, where network namespaces can be made; ``wire_gbit``: the veth shaped

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pd_transfer.settings import DEFAULTS, Settings, process_environment
+from pd_transfer.settings import Settings, process_environment
 from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
@@ -49,7 +49,7 @@ def run(
     stream_prefix: Sequence[str] = (),
     prefill_options: dict[str, str] | None = None,
     busy_prefill: bool = False,
-    settings: Settings = DEFAULTS,
+    settings: Settings,
 ) -> dict:
     """The transfer benchmark over UCX's tcp transport, the TCP stream measured before and after it (the median of
     both is the stream's rate the ratios use). ``extra_env``: UCX settings to try on top of the defaults;
