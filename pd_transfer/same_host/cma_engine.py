@@ -2,7 +2,7 @@
 opened once per engine.
 
 Each source rank offered its cache (a :class:`~pd_transfer.handshake.messages.CmaSegment`); we watch its process (a
-pidfd: we share its pid namespace) and read its probe back (:func:`~.handles.check_probe`), so its pid is known to
+pidfd: we share its pid namespace) and read its probe back (:func:`~.opening.check_probe`), so its pid is known to
 be the prefill. The plan read by is one whose rows land in place (direct) where those rows are at least
 :data:`MIN_DIRECT_ROW_BYTES`: a block-size regroup is then done by the copy itself, a remote block landing as a piece
 per head; else the engine's own plan, with its fix-up after the reads.

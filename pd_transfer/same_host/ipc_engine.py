@@ -1,4 +1,4 @@
-"""A prefill engine's memory opened through same-host IPC (:mod:`.handles`), and the row copies out of it.
+"""A prefill engine's memory opened through same-host IPC (:mod:`.opening`), and the row copies out of it.
 
 **Opening** (:meth:`IpcEngine.open`, once per engine): each source rank's segments are opened, and every row of the
 plan's two descriptor grids is located: in which segment (the prefill's opened segments for the remote grid, our

@@ -1,7 +1,7 @@
 """The sending side: one prefill TP rank whose blocks decode ranks read, and the server that
 publishes an engine's ranks on the side channel.
 
-A rank offers its cache for same-host IPC where it can (``offer_ipc``; :mod:`pd_transfer.same_host.handles`: a GPU cache
+A rank offers its cache for same-host IPC if it can (``offer_ipc``; :mod:`pd_transfer.same_host.exporting`: a GPU cache
 in memory a legacy CUDA IPC handle can share, or a host cache allocated shareable): the handles are made once, here,
 and the side channel sends them only to decode processes that proved they run on this host. The rank keeps its
 cache registered until ``close``; the cache itself is the engine's and outlives the rank, so closing a rank whose
