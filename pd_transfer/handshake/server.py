@@ -145,7 +145,6 @@ class HandshakeServer:
             offer_host = isinstance(engine, EngineMetadata) and any(rank.ipc is not None for rank in engine.ranks)
         self._offer_host = offer_host
         self._host_token: HostToken | None = None  # made on the first Hello, if offered
-        self.ipc_handles_sent = 0  # Metadata replies that kept the ranks' IPC sections (host proven)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -376,7 +375,6 @@ class HandshakeServer:
         if not same_host:
             ranks = [rank.without_ipc() for rank in ranks]
         elif any(rank.ipc is not None for rank in ranks):
-            self.ipc_handles_sent += 1
             logger.info("engine %r: IPC handles of ranks %s sent to %s (same host)", engine.engine_id, wanted, peer)
         served = msgspec.structs.replace(engine, ranks=ranks)
         mac = reply_mac(self._secret, request.client_nonce, encode_engine(served)) if self._secret else b""
