@@ -87,7 +87,8 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: KVLayout = "HND"
     #: Set when the elements inside each (block, head) follow an engine's own packing rather than ``layout``
     #: (e.g. ``"vllm-cpu-attn:vec"``): such blocks are copied whole between equal block sizes, and regrouped
-    #: element by element (:mod:`.packed`) when block sizes differ. Both sides must name the same packing.
+    #: element by element (:mod:`pd_transfer.topology.packed`) when block sizes differ. Both sides must name the
+    #: same packing.
     packing: ShortName | None = None
 
     @property

@@ -8,7 +8,7 @@ NixlConnector uses: ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_P
 caller, the process's edge, passes).
 
 **Failure policy** (``failure_policy``): what a decode worker reports when a request's KV could not be
-loaded, or was loaded but not confirmed (see :mod:`.prefill.leases`):
+loaded, or was loaded but not confirmed (see :mod:`.leases`):
 
 * ``"recompute"`` (default): the request's local block ids are reported as load errors; the engine
   recomputes the prompt (from the first bad block) and the client never sees the failure. The commonest

@@ -147,7 +147,6 @@ class HandshakeServer:
             offer_host = isinstance(engine, EngineMetadata) and any(_same_host_offer(rank) for rank in engine.ranks)
         self._offer_host = offer_host
         self._host_token: HostToken | None = None  # made on the first Hello, if offered
-        self.ipc_handles_sent = 0  # Metadata replies that kept the ranks' same-host offers (host proven)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -378,7 +377,6 @@ class HandshakeServer:
         if not same_host:
             ranks = [rank.without_same_host() for rank in ranks]
         elif any(_same_host_offer(rank) for rank in ranks):
-            self.ipc_handles_sent += 1
             logger.info("engine %r: same-host offers of ranks %s sent to %s", engine.engine_id, wanted, peer)
         ranks = [rank.for_version(request.protocol_version) for rank in ranks]
         served = msgspec.structs.replace(engine, ranks=ranks)

@@ -21,8 +21,6 @@ PROTOCOL_VERSION = 5
 SUPPORTED_VERSIONS: frozenset[int] = frozenset({3, 4, 5})
 #: The first version that has ``Release``.
 RELEASE_VERSION = 2
-#: The first version whose regions carry their memory kind (and whose ranks may offer same-host IPC).
-MEMORY_KIND_VERSION = 3
 #: The first version whose ranks may offer their host cache to ``process_vm_readv`` (``CmaSegment``).
 CMA_VERSION = 4
 #: The first version whose ranks publish their transports' offers by name (``RankMetadata.offers``).

@@ -19,7 +19,7 @@ from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.params import InvalidTransferParams, RemotePrefill, parse_transfer_params
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.sim.block_pool import BlockPool
 from pd_transfer.sim.kv_model import KVModel, holds_pattern, kv_pattern
 
@@ -32,7 +32,7 @@ class DecodeKV:
     model: KVModel
     config: ConnectorConfig
     hold_window: bool = False  # trust the prefill's hold window as the vLLM connector does (else always confirm)
-    settings: Settings = DEFAULTS  # the process's, read at its edge
+    settings: Settings = field(kw_only=True)  # the process's, read at its edge
     pulls: int = 0
     failures: int = 0
     bytes_moved: int = 0

@@ -59,7 +59,9 @@ def metrics() -> TransferMetrics:
 
 @pytest.fixture
 def decode(metrics: TransferMetrics) -> Iterator[DecodeEngine]:
-    with DecodeEngine("d-restarts", layouts(FINGERPRINT, 1), 1024, decode_config(), metrics=metrics) as engine:
+    with DecodeEngine(
+        "d-restarts", layouts(FINGERPRINT, 1), 1024, decode_config(), metrics=metrics, settings=DEFAULTS
+    ) as engine:
         yield engine
 
 

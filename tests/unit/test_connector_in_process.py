@@ -60,7 +60,9 @@ def _freed(prefills: LocalPrefillEngines, engine_id: str, request_ids: list[str]
 def test_two_decode_ranks_read_one_prefill_rank_and_both_report(
     agent_factory: AgentFactory, prefills: LocalPrefillEngines
 ) -> None:
-    with DecodeEngine("d-tp2", layouts(FINGERPRINT, 2), 32, decode_config(), agent_factory=agent_factory) as decode:
+    with DecodeEngine(
+        "d-tp2", layouts(FINGERPRINT, 2), 32, decode_config(), agent_factory=agent_factory, settings=DEFAULTS
+    ) as decode:
         out = prefills.prefill("p1", "tp1-to-2", prompt_len=45)
         got = decode.receive("dec-tp1-to-2", 45, out["params"])
         assert got.ok, got
@@ -76,7 +78,7 @@ def test_a_decode_of_larger_blocks_reads_every_token(
 ) -> None:
     decode_layouts = layouts(FINGERPRINT, 1, decode_block)
     with DecodeEngine(
-        f"d-block-{decode_block}", decode_layouts, 16, decode_config(), agent_factory=agent_factory
+        f"d-block-{decode_block}", decode_layouts, 16, decode_config(), agent_factory=agent_factory, settings=DEFAULTS
     ) as decode:
         out = prefills.prefill("p1", f"blocks-{decode_block}", prompt_len=100)
         got = decode.receive(f"dec-blocks-{decode_block}", 100, out["params"])

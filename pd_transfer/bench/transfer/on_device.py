@@ -28,7 +28,7 @@ from pd_transfer.connector.decode.remote_engines import RemoteEngine
 from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.transports.ipc.transport import SameHostLink
 from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, run_copies, storages
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
+from pd_transfer.settings import Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
@@ -184,7 +184,7 @@ def _copy_rate_gbps(device: torch.device, nbytes: int, repeats: int = 5) -> floa
     return nbytes / statistics.median(seconds) / 2**30
 
 
-def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings: Settings = DEFAULTS) -> dict:
+def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings: Settings) -> dict:
     """The whole benchmark on ``device`` ("cuda", "cuda:N" or "cpu"); returns the JSON-ready ``gpu`` section.
     ``settings``: the command's (both sides run with them)."""
     where = torch.device(device)
@@ -204,7 +204,7 @@ def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings:
     )
     contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
-        (expected,) = spec.caches(settings=settings)
+        (expected,) = spec.caches(huge_pages=settings.own_huge_pages)
         cache = KVCache.allocate(layout, shape.cache_blocks, device=where)
         decode = DecodeRank("bench-device-decode", cache, DecodeOptions(read_lanes=1, settings=settings))
         scratch = KVCache.allocate(layout, shape.cache_blocks, device=where)

@@ -18,7 +18,7 @@ import torch
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.options import DecodeOptions
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
+from pd_transfer.settings import Settings, apply_process_defaults, environment
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
@@ -213,10 +213,12 @@ def run(
     seed: int = 7,
     read_lanes: int | None = None,
     prefill_options: dict[str, str] | None = None,
-    settings: Settings = DEFAULTS,
+    busy_prefill: bool = False,
+    settings: Settings,
 ) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
     default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``);
+    ``busy_prefill``: the prefill process's engine loop holds the GIL (:class:`PrefillSpec`'s ``busy_engine``);
     ``settings``: the command's (both sides run with them), with the UCX variables in force now."""
     settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
@@ -227,11 +229,12 @@ def run(
         num_blocks=shape.cache_blocks,
         seed=seed,
         settings=settings,
+        busy_engine=busy_prefill,
         **(prefill_options or {}),  # type: ignore[arg-type]
     )
     contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
-        expected = spec.caches()
+        expected = spec.caches(huge_pages=settings.own_huge_pages)  # also the memcpy yardstick's source
         own_huge_pages = settings.own_huge_pages
         # our NIXL read path, against a raw NIXL READ (same-host reads in place: bench topology)
         options = DecodeOptions(read_lanes=read_lanes, settings=settings, transport="nixl")
@@ -261,7 +264,7 @@ def run(
                 "ucx_env": {k: v for k, v in sorted(environment().items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
                 "huge_pages": settings.huge_pages,
-                "busy_prefill_engine": settings.sim_busy_engine,
+                "busy_prefill_engine": busy_prefill,
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
                 "push": pushes,  # the decode asks the prefill to write (PD_TRANSFER_PUSH; auto: over TCP)
             }

@@ -14,8 +14,8 @@ with:
 ``pull`` reads; ``pull_confirmed`` reads, then makes sure the read saw live blocks: it ended inside the hold
 window the prefill promised in its params (no round trip), or the prefill confirms the blocks were still held.
 
-A prefill restarted at the same address (new NIXL agents, maybe a new engine id) is recognised and handshaken
-afresh (:meth:`.RemoteEngines.refresh`): by ``check_engine`` when a request names another engine id than the
+A prefill restarted at the same address (new NIXL agents, maybe a new engine id) is recognised and handshaken afresh
+(:meth:`.remote_engines.RemoteEngines.refresh`): by ``check_engine`` when a request names another engine id than the
 one connected there (for a second, an engine id found not served at an address is refused without asking
 again), and by ``pull`` when a read fails because the peer disconnected: if the address then publishes a new
 incarnation, the read is made once more from it, within the pull's deadline (whether the new incarnation holds
