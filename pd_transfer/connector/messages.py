@@ -1,7 +1,7 @@
 """Messages between a decode reader and a prefill sender, carried as NIXL notifications (or, for a transport that
 carries them itself, on its own connection: :mod:`pd_transfer.connector.transports.seam`).
 
-Tagged msgspec structs, msgpack on the wire; anything that does not decode is dropped and counted.
+Tagged msgspec structs, msgpack on the wire; anything that does not decode is dropped and logged.
 
 Decode -> prefill: ``ReadDone`` (attached to the last read; carries ``reply_to`` when the reader wants a
 ``LeaseConfirm``), ``ReadFailed`` (gave up, or will never read), ``ReleaseUnread`` (no decode rank reads

@@ -146,7 +146,7 @@ class DecodeRank:
 
     def _on_notification(self, peer: str, payload: bytes) -> None:
         """A NIXL notification from prefill rank ``peer``: decoded once, then :meth:`_on_message` (a malformed one
-        to :attr:`confirmations`, which counts and logs it)."""
+        to :attr:`confirmations`, which logs it)."""
         try:
             message = messages.decode(payload)
         except Exception:

@@ -99,10 +99,6 @@ class PrefillRank:
         self._replies = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpinning(settings.thread_cpu_set)
         )
-        self.malformed_notifications = 0
-        self.unexpected_notifications = 0
-        self.confirms_sent = 0
-        self.confirms_failed = 0
         rank = cache.layout.tp_rank
         self.agent: Agent = agent_factory(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
@@ -187,7 +183,6 @@ class PrefillRank:
         try:
             message = messages.decode(payload)
         except Exception as error:
-            self.malformed_notifications += 1
             logger.warning("prefill %s: malformed notification from %s dropped: %s", self.agent.name, peer, error)
             return
         self.receive(peer, message, None)
@@ -206,7 +201,6 @@ class PrefillRank:
             message,
             messages.LeaseConfirm | messages.PushReady | messages.PushOutcome | messages.PushSetup | messages.PushOrder,
         ):
-            self.unexpected_notifications += 1
             logger.warning("prefill %s: unexpected %s from %s dropped", self.agent.name, type(message).__name__, peer)
             return
         self._take_report(peer, message, answer)
@@ -273,9 +267,7 @@ class PrefillRank:
             if answer is None:
                 raise TransferError(f"no way back to reader {reply.to}")
             answer(messages.encode(reply.confirm))
-            self.confirms_sent += 1
         except Exception as error:
-            self.confirms_failed += 1
             logger.warning(
                 "prefill %s: could not confirm request %s to %s (it will count as unconfirmed): %s",
                 self.agent.name,

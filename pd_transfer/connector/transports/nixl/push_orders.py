@@ -80,7 +80,6 @@ class PushOrders:
         self._ready: dict[str, bool | None] = {}  # prefill agent -> ready, refused, or asked (None)
         self._outcomes: dict[str, dict[str, messages.PushOutcome]] = {}  # awaited request -> prefill agent -> outcome
         self._setups: dict[str, bytes] = {}  # prefill agent -> the setup sent to it (sent again when it asks)
-        self.late_outcomes = 0
         self.pushed = 0  # sources that wrote a request
         self.read_instead = 0  # sources asked to write that said to read
 
@@ -191,9 +190,7 @@ class PushOrders:
         if isinstance(message, messages.PushOutcome):
             with self._cond:
                 answers = self._outcomes.get(message.request_id)
-                if answers is None:
-                    self.late_outcomes += 1
-                else:
+                if answers is not None:  # else a late answer: nobody waits for it any more
                     answers[message.prefill_agent] = message
                     self._cond.notify_all()
                 again = message.setup_again and message.prefill_agent in self._setups

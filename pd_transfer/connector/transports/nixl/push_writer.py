@@ -118,7 +118,6 @@ class PushWriter:
             1, thread_name_prefix="pd-transfer-push", initializer=unpinning(owner.settings.thread_cpu_set)
         )
         self.writes = 0
-        self.refusals = 0
 
     # ------------------------------------------------------------------ the notification thread
     def on_message(self, peer: str, message: messages.PushSetup | messages.PushOrder) -> None:
@@ -311,7 +310,6 @@ class PushWriter:
             self._on_freed(freed)
 
     def _refuse(self, peer: str, request_id: str, reason: str, *, may_read: bool, setup_again: bool = False) -> None:
-        self.refusals += 1
         name = self.owner.name
         logger.info("prefill %s: request %s: not pushed to %s: %s", name, request_id, peer, reason[:200])
         reason = reason[:MAX_REASON_CHARS]
