@@ -15,8 +15,7 @@ import multiprocessing as mp
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
-from pd_transfer.connector.prefill.options import PrefillOptions
+from pd_transfer.connector.options import DecodeOptions, PrefillOptions
 from pd_transfer.settings import Settings, apply_process_defaults, read_settings
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 

@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,8 +19,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     settings = apply_process_defaults(read_settings(), net_devices="lo")  # the command's edge: read once
     from pd_transfer.connector.cache import KVCache
-    from pd_transfer.connector.decode.options import DecodeOptions
     from pd_transfer.connector.decode.rank import DecodeRank
+    from pd_transfer.connector.options import DecodeOptions
     from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
     from pd_transfer.sim.shape import Shape
     from pd_transfer.sim.verify import received_correctly
@@ -84,8 +83,6 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     if args.device is not None:
         return _bench_transfer_device(args, shape)
     settings = read_settings()  # the command's edge: read once, handed to both sides
-    if args.busy_prefill:
-        settings = replace(settings, sim_busy_engine=True)
     sections = [
         s
         for s, on in (("default", not args.only_tcp), ("tcp", args.tcp or args.only_tcp), ("tcp_netns", args.netns))
@@ -100,6 +97,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         repeats=3 if args.quick else args.repeats,
         idle_seconds=1.0 if args.quick else 5.0,
         wire_gbit=args.wire_gbit,
+        busy_prefill=args.busy_prefill,
         settings=settings,
     )
     print(json.dumps(result) if args.json else "\n".join(summary_lines(result)))

@@ -5,6 +5,9 @@ choices or bounds), its default and one line of doc. A process's edge (``pd-tran
 connector's processes, the stand-ins' entry points and child processes, the benchmarks) calls :func:`read_settings`
 once and hands the object, or the values in it, to what it makes: agents, ranks, lanes, pollers. Library users pass
 their own (``Settings()``: the defaults; ``Settings.from_environ(os.environ)``: their environment, read at their edge).
+Every field is one the product reads: a benchmark or a stand-in takes its own values as command-line arguments
+(``bench vllm --model``, ``bench proxy --vllm-router``, ``bench transfer --busy-prefill``), and a test reads its own
+variables (tests/unit/test_settings.py checks that no field is read only beside the product).
 
 No other module of the package reads or writes ``os.environ`` (ruff's TID251, configured in ``pyproject.toml``): a
 child process's environment starts from :func:`child_environment`, and the UCX variables that UCX itself reads when
@@ -329,32 +332,6 @@ class Settings:
             Text("a folder"),
             "`pd-transfer up`: where the default models are built",
             "`.models`",
-        ),
-    )
-    vllm_model: str | None = field(
-        default=None,
-        metadata=_declare(
-            "PD_TRANSFER_VLLM_MODEL",
-            Text("a folder"),
-            "`bench vllm`, `bench offload --end-to-end`, `bench soak`: the model to serve",
-            "`.models/tiny-llama-f32`",
-        ),
-    )
-    vllm_router: str | None = field(
-        default=None,
-        metadata=_declare(
-            "PD_TRANSFER_VLLM_ROUTER",
-            Text("a path"),
-            "`bench proxy`: vLLM's router executable",
-            "`vllm-router` on `PATH`, else `.venv-deploy/bin/vllm-router`",
-        ),
-    )
-    sim_busy_engine: bool = field(
-        default=False,
-        metadata=_declare(
-            "PD_TRANSFER_SIM_BUSY_ENGINE",
-            Flag(),
-            "a stand-in prefill process also runs a loop that holds the GIL (`bench transfer --busy-prefill` sets it)",
         ),
     )
     side_channel_host: str | None = field(

@@ -36,12 +36,6 @@ KVLayout = Literal["HND", "NHD"]
 PlaneKind = Literal["k", "v", "latent"]
 MemoryKind = Literal["host", "cuda"]
 DeviceIndex = Annotated[int, msgspec.Meta(ge=0, le=1023)]
-#: How a decode reads a prefill engine, as set (``ConnectorConfig.transport``): same-host IPC where it can ("auto"),
-#: never ("nixl") or only ("ipc").
-TransportSetting = Literal["auto", "nixl", "ipc"]
-#: What a pull went by (the ``transport`` label of the pull metrics).
-Transport = Literal["nixl", "cuda_ipc", "host_ipc", "host_cma"]
-TRANSPORTS: tuple[Transport, ...] = ("nixl", "cuda_ipc", "host_ipc", "host_cma")
 
 #: Bytes per element of the dtypes a KV cache may use.
 DTYPE_SIZES: dict[str, int] = {
@@ -93,7 +87,8 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: KVLayout = "HND"
     #: Set when the elements inside each (block, head) follow an engine's own packing rather than ``layout``
     #: (e.g. ``"vllm-cpu-attn:vec"``): such blocks are copied whole between equal block sizes, and regrouped
-    #: element by element (:mod:`.packed`) when block sizes differ. Both sides must name the same packing.
+    #: element by element (:mod:`pd_transfer.topology.packed`) when block sizes differ. Both sides must name the
+    #: same packing.
     packing: ShortName | None = None
 
     @property

@@ -17,7 +17,7 @@ from pd_transfer.cluster.http_client import (
     prompt_tokens,
     scrape_metrics,
 )
-from pd_transfer.spec import TRANSPORTS
+from pd_transfer.connector.transports.registry import BUILT_IN
 
 __all__ = ["DemoResult", "demo_passage", "demo_requests", "run_demo"]
 
@@ -28,6 +28,8 @@ PD_PREFIXES = ("vllm:pd_transfer_", "pd_transfer_")
 PULLED_BYTES = "pulled_bytes_total"
 PULL_SECONDS = "pull_seconds_sum"
 PULLS = "pulls_total"  # labelled with the transport that moved each load
+#: The transports whose loads the demo counts (the built-in ones).
+TRANSPORTS = tuple(transport.name for transport in BUILT_IN)
 #: How the demo says what moved a load: "KV of N prompt tokens loaded ...".
 TRANSPORT_PHRASES = {
     "nixl": "over NIXL",

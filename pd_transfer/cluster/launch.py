@@ -7,6 +7,7 @@ that the connector reads (``kv_connector_extra_config.secret_env``). This module
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from pd_transfer.cluster.processes import ManagedProcess
+from pd_transfer.connector.config import transport_names
 from pd_transfer.settings import child_environment
 
 __all__ = [
@@ -30,9 +32,20 @@ __all__ = [
     "cpu_binds",
     "kv_transfer_config",
     "server_process",
+    "transport_setting",
     "vllm_command",
     "vllm_env",
 ]
+
+
+def transport_setting(text: str) -> str:
+    """A command line's connector ``transport`` setting, checked (an argparse type: what is wrong named)."""
+    try:
+        transport_names(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -62,7 +75,7 @@ class ServerSpec:
     tp_size: int = 1
     lease_seconds: float | None = None
     failure_policy: str | None = None
-    #: the connector's transport setting: auto, nixl or ipc (:mod:`pd_transfer.connector.decode.transport_choice`);
+    #: the connector's transport setting: auto, nixl, ipc or names (:mod:`pd_transfer.connector.transports.registry`);
     #: None: auto
     transport: str | None = None
     secret_env: str | None = None
@@ -107,8 +120,11 @@ class ServerSpec:
             problems.append(f"lease_seconds must be positive, not {self.lease_seconds}")
         if self.failure_policy is not None and self.failure_policy not in ("recompute", "fail"):
             problems.append(f"failure_policy must be recompute or fail, not {self.failure_policy!r}")
-        if self.transport is not None and self.transport not in ("auto", "nixl", "ipc"):
-            problems.append(f"transport must be auto, nixl or ipc, not {self.transport!r}")
+        if self.transport is not None:
+            try:
+                transport_names(self.transport)
+            except ValueError as error:
+                problems.append(f"transport: {error}")
         if self.secret_env is not None and not self.secret_env:
             problems.append("secret_env must name an environment variable")
         if self.offload_dir is not None and (not self.offload_dir or self.offload_dir_bytes < 1):

@@ -8,7 +8,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
-from pd_transfer.cluster.launch import ROLES, ServerSpec, vllm_command, vllm_env
+from pd_transfer.cluster.launch import ROLES, ServerSpec, transport_setting, vllm_command, vllm_env
 from pd_transfer.settings import child_environment
 
 __all__ = ["add_arguments", "main", "run", "shell_line", "spec_from_args"]
@@ -34,9 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--transport",
-        choices=("auto", "nixl", "ipc"),
+        type=transport_setting,
         default=None,
-        help="how a decode reads a prefill on its host: auto (default: in place where it can, else NIXL), nixl, ipc",
+        help="the transports a decode opens prefills with, in order, and a prefill offers: auto (default: same-host"
+        " IPC where it can, else NIXL), nixl, ipc, or names (module:attribute for a transport of your own)",
     )
     parser.add_argument(
         "--secret-env",

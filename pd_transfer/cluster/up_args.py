@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pd_transfer.cluster.launch import TINY_MODEL_DIR
+from pd_transfer.cluster.launch import TINY_MODEL_DIR, transport_setting
 
 MODEL_ENV = "PD_TRANSFER_MODEL"
 MODELS_DIR_ENV = "PD_TRANSFER_MODELS_DIR"  # where the default models are built (default: .models)
@@ -119,9 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--transport",
-        choices=("auto", "nixl", "ipc"),
+        type=transport_setting,
         default="auto",
-        help="how a decode reads a prefill on its host: auto (in place, where it can; else NIXL), nixl, ipc",
+        help="the transports a decode opens prefills with, in order, and a prefill offers: auto (default: same-host"
+        " IPC where it can, else NIXL), nixl, ipc, or names (module:attribute for a transport of your own)",
     )
     parser.add_argument(
         "--offload-host-bytes",

@@ -8,7 +8,7 @@ NixlConnector uses: ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``VLLM_NIXL_SIDE_CHANNEL_P
 caller, the process's edge, passes).
 
 **Failure policy** (``failure_policy``): what a decode worker reports when a request's KV could not be
-loaded, or was loaded but not confirmed (see :mod:`.prefill.leases`):
+loaded, or was loaded but not confirmed (see :mod:`.leases`):
 
 * ``"recompute"`` (default): the request's local block ids are reported as load errors; the engine
   recomputes the prompt (from the first bad block) and the client never sees the failure. The commonest
@@ -20,6 +20,7 @@ Either way no stale or partial KV is ever used, and nothing raises into the engi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
@@ -27,10 +28,25 @@ from typing import Literal
 import msgspec
 
 from pd_transfer.settings import PushMode, Settings
-from pd_transfer.spec import TransportSetting
 
 FailurePolicy = Literal["fail", "recompute"]
 _NO_ENVIRONMENT: Mapping[str, str] = MappingProxyType({})
+
+
+#: A transport's name (``nixl``, ``cuda_ipc``, a name of your own) or the ``module:attribute`` of one.
+_TRANSPORT_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}|[A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,99}")
+
+
+def transport_names(setting: str) -> tuple[str, ...]:
+    """The names in a ``transport`` setting, in order (``"toy, nixl"`` -> ``("toy", "nixl")``); ``ValueError`` for an
+    empty setting, a repeated name or one that is neither a transport's name nor a ``module:attribute``."""
+    names = tuple(name.strip() for name in setting.split(","))
+    for name in names:
+        if not _TRANSPORT_NAME.fullmatch(name):
+            raise ValueError(f"{name[:80]!r} is no transport name (lowercase letters, digits, _) nor module:attribute")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a transport is named twice in {setting[:200]!r}")
+    return names
 
 
 class ConfigError(ValueError):
@@ -63,10 +79,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # "off", which on a prefill also refuses such requests); None: the process's PD_TRANSFER_PUSH, else "auto"
     # (pd_transfer.transfer.tcp.push_mode: the one rule, the same for the prefill and the decode)
     push: PushMode | None = None
-    # how a decode reads prefills on its own host: "auto" (same-host IPC where the prefill offers its memory and it
-    # can be read, CUDA IPC for GPU caches; else NIXL), "nixl" (never IPC; a prefill then offers none either), "ipc"
-    # (IPC or the engine is refused)
-    transport: TransportSetting = "auto"
+    # the transports a decode opens prefill engines with, in order of preference, and a prefill offers: "auto"
+    # (same-host IPC where the prefill offers its memory and it can be read, CUDA IPC for GPU caches; else NIXL),
+    # "nixl" (never IPC; a prefill then offers none either), "ipc" (IPC or the engine is refused), or names separated
+    # by commas: built-in ones (nixl, cuda_ipc, host_ipc, host_cma) or "module:attribute" of a transport of your own
+    # (pd_transfer.connector.transports.registry; docs/architecture.md, "Adding a transport")
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,6 +111,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
             problems.append(f"load_threads: must be at least 1, got {self.load_threads}")
         if self.secret is not None and not self.secret:
             problems.append("secret: must not be empty (leave it out for no authentication)")
+        try:
+            transport_names(self.transport)
+        except ValueError as error:
+            problems.append(f"transport: {error}")
         if problems:
             raise ConfigError("; ".join(problems))
 

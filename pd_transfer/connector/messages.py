@@ -1,16 +1,17 @@
-"""Messages between a decode reader and a prefill sender, carried as NIXL notifications.
+"""Messages between a decode reader and a prefill sender, carried as NIXL notifications (or, for a transport that
+carries them itself, on its own connection: :mod:`pd_transfer.connector.transports.seam`).
 
-Tagged msgspec structs, msgpack on the wire; anything that does not decode is dropped and counted.
+Tagged msgspec structs, msgpack on the wire; anything that does not decode is dropped and logged.
 
 Decode -> prefill: ``ReadDone`` (attached to the last read; carries ``reply_to`` when the reader wants a
 ``LeaseConfirm``), ``ReadFailed`` (gave up, or will never read), ``ReleaseUnread`` (no decode rank reads
 this prefill rank's copy), ``LeaseHeartbeat`` (still coming: extend the lease).
 Prefill -> decode: ``LeaseConfirm`` (were the blocks still held when the ``ReadDone`` arrived?).
 
-Push (the prefill writes instead of the decode reading; see :mod:`.prefill.pushes`): decode -> prefill ``PushSetup``
-(once per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request); prefill -> decode
-``PushReady`` (the setup's answer: a prefill that does not know these messages never answers, and is read from)
-and ``PushOutcome`` (a successful one rides on the WRITE, so it arrives after the data).
+Push (the prefill writes instead of the decode reading; see :mod:`.transports.nixl.push_writer`): decode -> prefill
+``PushSetup`` (once per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request);
+prefill -> decode ``PushReady`` (the setup's answer: a prefill that does not know these messages never answers, and is
+read from) and ``PushOutcome`` (a successful one rides on the WRITE, so it arrives after the data).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class LeaseConfirm(msgspec.Struct, tag="lease_confirm", frozen=True, forbid_unkn
 
 class PushPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One source of a decode rank's plan (:class:`~pd_transfer.topology.plan.SourcePlan`), as the prefill rank it
-    names rebuilds it: its scalars and both grids, each packed by :func:`.push_plans.pack_rows`. "local" is the
-    decode's side, "remote" the prefill's, as in the plan."""
+    names rebuilds it: its scalars and both grids, each packed by :func:`.transports.nixl.push_plans.pack_rows`.
+    "local" is the decode's side, "remote" the prefill's, as in the plan."""
 
     remote_rank: int
     first_global_head: int
@@ -94,11 +95,12 @@ class PushPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PushSetup(msgspec.Struct, tag="push_setup", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A decode rank asks to be written to: its NIXL agent's metadata *with* its memory, and the plan's rows.
 
-    With ``landing_rows`` (a decode whose cache is on a GPU: :mod:`.push_staging`), the prefill writes an order's rows
-    not to the plan's local rows but back to back, in the order's row order, from byte ``landing_address`` of the
-    decode's host memory (``landing_rows`` rows of the plan's ``unit_bytes`` at most; a larger order is refused with
-    ``may_read``). The two fields are left out where unset (``omit_defaults``), so a setup without them decodes in a
-    prefill that predates them; one with them does not (it is dropped there, never answered, and the decode reads).
+    With ``landing_rows`` (a decode whose cache is on a GPU: :mod:`.transports.nixl.push_staging`), the prefill writes
+    an order's rows not to the plan's local rows but back to back, in the order's row order, from byte
+    ``landing_address`` of the decode's host memory (``landing_rows`` rows of the plan's ``unit_bytes`` at most; a
+    larger order is refused with ``may_read``). The two fields are left out where unset (``omit_defaults``), so a setup
+    without them decodes in a prefill that predates them; one with them does not (it is dropped there, never answered,
+    and the decode reads).
     """
 
     reader_engine_id: str

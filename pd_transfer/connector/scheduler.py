@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from pd_transfer.connector.prefill.leases import hold_window
+from pd_transfer.connector.leases import hold_window
 from pd_transfer.connector.prefill.rank import serve_engine
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.handshake.server import HandshakeServer
@@ -114,8 +114,6 @@ class SchedulerSide:
         self._incarnation: str | None = None  # prefill side: names this process's ranks in the params
         self._reset_step()
         self.invalid_params = 0
-        self.loads_scheduled = 0
-        self.loads_failed = 0
         self.releases = 0
 
     def _reset_step(self) -> None:
@@ -297,7 +295,6 @@ class SchedulerSide:
                     incarnation=remote.params.incarnation,
                 )
                 remote.phase = "loading"
-                self.loads_scheduled += 1
         except Exception:
             logger.exception("request %s: update_state_after_alloc failed", request_id)
 
@@ -454,7 +451,6 @@ class SchedulerSide:
                 errors = set(load_error_block_ids)
                 failed = set(failed_requests)
                 if errors or failed:
-                    self.loads_failed += len(failed)
                     logger.warning(
                         "KV loads failed: requests %s, block ids to recompute %s", sorted(failed), sorted(errors)
                     )

@@ -32,9 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pd_transfer.affinity import unpinning
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank, PullStats
-from pd_transfer.connector.prefill.options import PrefillOptions
+from pd_transfer.connector.options import DecodeOptions, PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, ReadyEvent
 from pd_transfer.handshake.errors import HandshakeError
 from pd_transfer.handshake.messages import RankMetadata

@@ -15,7 +15,7 @@ raise ``HandshakeBackoff`` at once (naming the endpoint, the failure, and when i
 after the window is the probe (others still fail fast while it runs); a success or ``forget()`` clears the record.
 
 Same-host IPC: a client made with ``prove_host`` answers a ``Challenge`` that names the prefill's host with a proof
-that it runs there (:mod:`.host_identity`), and so gets the ranks' IPC sections; others never do.
+that it runs there (:mod:`.host_identity`), and so gets the ranks' same-host offers; others never do.
 
 Knocking: when the failure was that nobody accepted the connection (refused, or no TCP connection in time: the
 prefill is down or restarting), a fetch inside the window first knocks, at most once per ``knock_interval_s``
@@ -426,6 +426,7 @@ class HandshakeClient:
                 fields,
                 peer=peer,
             )
+        engine = msgspec.structs.replace(engine, ranks=[rank.with_offers() for rank in engine.ranks])
         got = [rank.tp_rank for rank in engine.ranks]
         if tp_ranks is not None and got != sorted(set(tp_ranks)):
             raise HandshakeError(

@@ -26,6 +26,13 @@ the ``Metadata`` keep the ranks' ``ipc`` sections, so a remote peer is never sen
 
 Since version 4, a rank whose cache is in other host memory offers it to be read in place with ``process_vm_readv``
 (:class:`CmaSegment`); a version 3 client is sent the rank without that offer.
+
+Since version 5, a rank publishes what each of its transports offers under the transport's name
+(``RankMetadata.offers``: :class:`TransportOffer`, the payload the transport's own,
+:mod:`pd_transfer.connector.transports`); the same-host offers (``same_host``) are kept only for a client that proved it
+runs on the prefill's host, as ``ipc`` was. The built-in same-host transports' payload is an encoded :class:`RankIpc`
+(:func:`encode_rank_ipc`): a version 3 or 4 client is sent it as ``ipc`` (:meth:`RankMetadata.for_version`), and a
+version 4 server's ``ipc`` reads as such an offer (:meth:`RankMetadata.with_offers`).
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from pd_transfer.spec import Address, Count, KVCacheLayout, KVRegion, ModelFingerprint, Name, ShortName
 
-from .versions import CMA_VERSION, PROTOCOL_VERSION
+from .versions import CMA_VERSION, OFFERS_VERSION, PROTOCOL_VERSION
 
 #: Largest frame the server or the client will try to decode (bytes).
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -47,12 +55,17 @@ MAX_REQUEST_BYTES = 64 * 1024
 MAX_TP_RANKS = 1024
 #: Most cache regions one rank may describe (layers x K/V, with room for engines that split them further).
 MAX_REGIONS = 16384
+#: Most transports one rank may publish offers of, and the largest offer (bytes).
+MAX_OFFERS = 16
+MAX_OFFER_BYTES = 4 * 1024 * 1024
 
 Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
 #: An opaque handle of another process's memory (a CUDA IPC handle, torch's reference-counter file name).
 Handle = Annotated[bytes, msgspec.Meta(max_length=1024)]
 FieldName = Annotated[str, msgspec.Meta(max_length=64)]
+#: A transport's name: lowercase letters, digits and ``_``.
+TransportName = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[a-z][a-z0-9_]*$")]
 TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_RANKS)]
 
 ErrorCode = Literal[
@@ -119,29 +132,69 @@ class RankIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     segments: Annotated[list[Union[CudaSegment, HostSegment, CmaSegment]], msgspec.Meta(max_length=MAX_REGIONS)]
 
 
+class TransportOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Version 5: what one transport of a rank offers decodes, opaque to the side channel (``payload``: the transport's
+    own encoding). ``same_host``: for decodes on this host only, sent only to a client that proved it runs here."""
+
+    transport: TransportName
+    payload: Annotated[bytes, msgspec.Meta(max_length=MAX_OFFER_BYTES)]
+    same_host: bool = False
+
+
+#: The built-in same-host transports whose offer is an encoded :class:`RankIpc`, in the order a version 3 or 4 client
+#: is sent one of them as ``ipc``; version 3 knows no ``host_cma``.
+LEGACY_IPC_TRANSPORTS = ("cuda_ipc", "host_ipc", "host_cma")
+
+
 class RankMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One TP rank of an engine: its NIXL agent and where its cache lives in its process. ``ipc`` (version 3) is
-    present in a ``Metadata`` only for a client that proved it is on the same host (and the rank offers it)."""
+    """One TP rank of an engine: its NIXL agent, where its cache lives in its process, and what its transports offer
+    (``offers``, version 5: absent on the wire for older clients, which get the same-host offer as ``ipc``)."""
 
     tp_rank: TpRank
     agent_name: Name
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=4 * 1024 * 1024)]  # nixl_agent.get_agent_metadata()
     layout: KVCacheLayout
     regions: Annotated[list[KVRegion], msgspec.Meta(max_length=MAX_REGIONS)]
-    ipc: RankIpc | None = None
+    ipc: RankIpc | None = None  # versions 3 and 4 only: the same-host offer
+    offers: Union[Annotated[list[TransportOffer], msgspec.Meta(max_length=MAX_OFFERS)], UnsetType] = UNSET
 
-    def without_ipc(self) -> RankMetadata:
-        """This rank as a client that has not proved it is on the same host sees it."""
-        return self if self.ipc is None else msgspec.structs.replace(self, ipc=None)
+    def offer(self, transport: str) -> bytes | None:
+        """The payload this rank offers under ``transport`` (None: no such offer)."""
+        if isinstance(self.offers, UnsetType):
+            return None
+        return next((offer.payload for offer in self.offers if offer.transport == transport), None)
+
+    def without_same_host(self) -> RankMetadata:
+        """This rank as a client that has not proved it is on the same host sees it: no same-host offer."""
+        if isinstance(self.offers, UnsetType) or not any(offer.same_host for offer in self.offers):
+            return self if self.ipc is None else msgspec.structs.replace(self, ipc=None)
+        kept = [offer for offer in self.offers if not offer.same_host]
+        return msgspec.structs.replace(self, ipc=None, offers=kept)
 
     def for_version(self, version: int) -> RankMetadata:
-        """This rank as a client speaking protocol ``version`` can decode it: before version 4, without an offer
-        read by ``process_vm_readv`` (:class:`CmaSegment`)."""
-        if self.ipc is None or version >= CMA_VERSION:
+        """This rank as a client speaking protocol ``version`` can decode it: before version 5, without ``offers``
+        and with the first built-in same-host offer as ``ipc`` (before version 4, not one read by
+        ``process_vm_readv``: :class:`CmaSegment`)."""
+        if version >= OFFERS_VERSION or isinstance(self.offers, UnsetType):
             return self
-        if any(isinstance(segment, CmaSegment) for segment in self.ipc.segments):
-            return self.without_ipc()
-        return self
+        legacy = LEGACY_IPC_TRANSPORTS if version >= CMA_VERSION else LEGACY_IPC_TRANSPORTS[:2]
+        payload = next((p for name in legacy if (p := self.offer(name)) is not None), None)
+        ipc = None if payload is None else decode_rank_ipc(payload)
+        return msgspec.structs.replace(self, ipc=ipc, offers=UNSET)
+
+    def with_offers(self) -> RankMetadata:
+        """This rank as a version 5 client reads it: a version 4 server's ``ipc`` as the offer of the transport its
+        segments are for (segments of mixed kinds: no offer)."""
+        if self.ipc is None:
+            return self
+        kinds = {type(segment) for segment in self.ipc.segments}
+        transport = _LEGACY_IPC_KINDS.get(kinds.pop()) if len(kinds) == 1 else None
+        offers = [] if transport is None else [TransportOffer(transport, encode_rank_ipc(self.ipc), same_host=True)]
+        return msgspec.structs.replace(self, ipc=None, offers=offers)
+
+
+#: The built-in same-host transport an older server's ``ipc`` offer is for, by the kind of its segments.
+_LEGACY_IPC_KINDS: dict[type, str] = {CudaSegment: "cuda_ipc", HostSegment: "host_ipc", CmaSegment: "host_cma"}
 
 
 class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -232,6 +285,7 @@ Message = Union[Hello, Challenge, GetMetadata, Metadata, Release, ReleaseReply, 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _engine_encoder = msgspec.msgpack.Encoder()
+_rank_ipc_decoder = msgspec.msgpack.Decoder(RankIpc)
 
 
 def encode(message: Message) -> bytes:
@@ -243,6 +297,16 @@ def decode(frame: bytes) -> Message:
     if len(frame) > MAX_FRAME_BYTES:
         raise ValueError(f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
     return _decoder.decode(frame)
+
+
+def encode_rank_ipc(ipc: RankIpc) -> bytes:
+    """The payload of a built-in same-host transport's offer."""
+    return _encoder.encode(ipc)
+
+
+def decode_rank_ipc(payload: bytes) -> RankIpc:
+    """A built-in same-host transport's offer; ``msgspec.DecodeError`` / ``ValidationError`` if malformed."""
+    return _rank_ipc_decoder.decode(payload)
 
 
 def encode_engine(engine: EngineMetadata) -> bytes:

@@ -7,10 +7,11 @@ Each request is one frame from a DEALER client; the ROUTER sees ``[identity, pay
 without reading its replies costs bounded memory: ZMQ queues at most ``PEER_REQUEST_QUEUE`` of its requests (then TCP
 holds it back) and ``PEER_REPLY_QUEUE`` replies to it (then drops them).
 
-Where a rank offers its cache for same-host IPC (``RankMetadata.ipc``), the server makes a host token
-(:mod:`.host_identity`) on the first ``Hello``, names it in every ``Challenge``, and keeps the ranks' ``ipc``
-sections in a ``Metadata`` only for a request whose ``host_proof`` verifies under a fresh nonce of its own (used up
-then, as a MAC's is); everyone else gets the ranks without them. The token file is removed by :meth:`stop`.
+Where a rank has an offer for decodes on its host (a ``TransportOffer`` with ``same_host``, e.g. same-host IPC), the
+server makes a host token (:mod:`.host_identity`) on the first ``Hello``, names it in every ``Challenge``, and keeps
+those offers in a ``Metadata`` only for a request whose ``host_proof`` verifies under a fresh nonce of its own (used up
+then, as a MAC's is); everyone else gets the ranks without them. The token file is removed by :meth:`stop`. Each client
+gets the ranks as its protocol version reads them (:meth:`~.messages.RankMetadata.for_version`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .messages import (
     Hello,
     HostIdentity,
     Metadata,
+    RankMetadata,
     Release,
     ReleaseOutcome,
     ReleaseReply,
@@ -142,10 +144,9 @@ class HandshakeServer:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         if offer_host is None:
-            offer_host = isinstance(engine, EngineMetadata) and any(rank.ipc is not None for rank in engine.ranks)
+            offer_host = isinstance(engine, EngineMetadata) and any(_same_host_offer(rank) for rank in engine.ranks)
         self._offer_host = offer_host
         self._host_token: HostToken | None = None  # made on the first Hello, if offered
-        self.ipc_handles_sent = 0  # Metadata replies that kept the ranks' IPC sections (host proven)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -372,12 +373,12 @@ class HandshakeServer:
             message = f"engine {engine.engine_id!r} does not serve TP rank(s) {shown}; it serves {sorted(by_rank)}"
             return self._refuse(peer, "unknown_rank", message)
 
-        ranks = [by_rank[tp_rank].for_version(request.protocol_version) for tp_rank in wanted]
+        ranks = [by_rank[tp_rank] for tp_rank in wanted]
         if not same_host:
-            ranks = [rank.without_ipc() for rank in ranks]
-        elif any(rank.ipc is not None for rank in ranks):
-            self.ipc_handles_sent += 1
-            logger.info("engine %r: IPC handles of ranks %s sent to %s (same host)", engine.engine_id, wanted, peer)
+            ranks = [rank.without_same_host() for rank in ranks]
+        elif any(_same_host_offer(rank) for rank in ranks):
+            logger.info("engine %r: same-host offers of ranks %s sent to %s", engine.engine_id, wanted, peer)
+        ranks = [rank.for_version(request.protocol_version) for rank in ranks]
         served = msgspec.structs.replace(engine, ranks=ranks)
         mac = reply_mac(self._secret, request.client_nonce, encode_engine(served)) if self._secret else b""
         self.stats["served"] += 1
@@ -475,3 +476,8 @@ def _peer_label(identity: bytes, frames: list[zmq.Frame]) -> str:
         except Exception:  # only a log label: never fail over it
             pass
     return f"{address} (identity {identity.hex()})"
+
+
+def _same_host_offer(rank: RankMetadata) -> bool:
+    """Whether ``rank`` offers anything for decodes on its host only."""
+    return rank.ipc is not None or rank != rank.without_same_host()

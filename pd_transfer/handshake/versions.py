@@ -12,13 +12,16 @@ server still answers and a client still accepts.
   metadata (and would read GPU addresses as host ones), so versions 1 and 2 are refused, naming both versions.
 * 4: a rank's host cache may be offered to be read in place with ``process_vm_readv`` (a ``CmaSegment`` in
   ``RankMetadata.ipc``); a version 4 server answers version 3 clients without that offer.
+* 5: a rank publishes each transport's offer under the transport's name (``RankMetadata.offers``); a version 5 server
+  answers version 3 and 4 clients with the same-host offer as ``ipc``, and a version 5 client reads a version 4
+  server's ``ipc`` as that offer.
 """
 
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS: frozenset[int] = frozenset({3, 4})
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS: frozenset[int] = frozenset({3, 4, 5})
 #: The first version that has ``Release``.
 RELEASE_VERSION = 2
-#: The first version whose regions carry their memory kind (and whose ranks may offer same-host IPC).
-MEMORY_KIND_VERSION = 3
 #: The first version whose ranks may offer their host cache to ``process_vm_readv`` (``CmaSegment``).
 CMA_VERSION = 4
+#: The first version whose ranks publish their transports' offers by name (``RankMetadata.offers``).
+OFFERS_VERSION = 5

@@ -20,8 +20,6 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-ALGORITHM = "xxh3_64"
-
 
 def payload_checksum(pages: Sequence[np.ndarray]) -> int:
     """The checksum of ``pages`` (contiguous 1-D uint8 arrays) hashed in order as one stream: an integer in

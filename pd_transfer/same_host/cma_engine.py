@@ -1,8 +1,8 @@
-"""A prefill engine read in place with ``process_vm_readv`` (:mod:`pd_transfer.connector.decode.cma_reads` reads it):
-opened once per engine.
+"""A prefill engine read in place with ``process_vm_readv`` (:mod:`pd_transfer.connector.transports.ipc.cma_reads`
+reads it): opened once per engine.
 
 Each source rank offered its cache (a :class:`~pd_transfer.handshake.messages.CmaSegment`); we watch its process (a
-pidfd: we share its pid namespace) and read its probe back (:func:`~.handles.check_probe`), so its pid is known to
+pidfd: we share its pid namespace) and read its probe back (:func:`~.opening.check_probe`), so its pid is known to
 be the prefill. The plan read by is one whose rows land in place (direct) where those rows are at least
 :data:`MIN_DIRECT_ROW_BYTES`: a block-size regroup is then done by the copy itself, a remote block landing as a piece
 per head; else the engine's own plan, with its fix-up after the reads.
@@ -10,10 +10,10 @@ per head; else the engine's own plan, with its fix-up after the reads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pd_transfer.handshake.messages import CmaSegment, EngineMetadata
-from pd_transfer.spec import Transport
+from pd_transfer.handshake.messages import CmaSegment, RankIpc
 from pd_transfer.topology import PeerPlan, SourcePlan
 from pd_transfer.transfer.cma import CmaCall, plan_calls
 
@@ -45,21 +45,20 @@ class CmaEngine(WatchedSources[CmaSource]):
     """A prefill engine read in place: the plan read by (``plan``), a :class:`CmaSource` per source of it and a
     watch on each source's process (``owners``). ``close`` releases the watches."""
 
-    transport: Transport = "host_cma"
-
-    def __init__(self, plan: PeerPlan, sources: list[CmaSource], owners: list[OwnerWatch]) -> None:
+    def __init__(self, engine_id: str, plan: PeerPlan, sources: list[CmaSource], owners: list[OwnerWatch]) -> None:
         super().__init__(sources, owners)
+        self.engine_id = engine_id
         self.plan = plan
 
     @classmethod
-    def open(cls, engine: EngineMetadata, plan: PeerPlan) -> CmaEngine:
-        """Watch and probe each rank ``plan`` reads; ``IpcUnavailable`` where one cannot be read in place."""
-        by_rank = {rank.tp_rank: rank for rank in engine.ranks}
+    def open(cls, engine_id: str, offers: Mapping[int, RankIpc], plan: PeerPlan) -> CmaEngine:
+        """Watch and probe each rank ``plan`` reads (its offer in ``offers``, by TP rank); ``IpcUnavailable`` where one
+        cannot be read in place."""
         sources: list[CmaSource] = []
         owners: list[OwnerWatch] = []
         try:
             for source in plan.sources:
-                offer = by_rank[source.remote_rank].ipc
+                offer = offers.get(source.remote_rank)
                 segment = offer.segments[0] if offer is not None and offer.segments else None
                 if offer is None or not isinstance(segment, CmaSegment):
                     raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no memory to read in place")
@@ -73,4 +72,4 @@ class CmaEngine(WatchedSources[CmaSource]):
             for owner in owners:
                 owner.close()
             raise
-        return cls(plan, sources, owners)
+        return cls(engine_id, plan, sources, owners)

@@ -1,6 +1,6 @@
 """The owner's half of same-host IPC: handles of a rank's cache memory, made once when the rank is created
-(:func:`export_cache`), for readers on the same host (:mod:`.opening` opens them). Torch and the standard library
-only: no engine, no transport.
+(:func:`export_cache`, once per kind offered), for readers on the same host (:mod:`.opening` opens them). Torch and
+the standard library only: no engine, no transport.
 
 * **GPU memory**: one legacy CUDA IPC handle per torch storage, made as ``torch.multiprocessing`` shares a CUDA
   storage (``UntypedStorage._share_cuda_``). Memory from CUDA's virtual memory API (PyTorch's expandable segments,
@@ -8,7 +8,7 @@ only: no engine, no transport.
   (``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE``) and the export is refused with that reason; NIXL moves such
   caches.
 * **Host memory**: a cache allocated shareable (:func:`shareable_host_buffer`) lives in a memfd the owner keeps open
-  for as long as the memory is mapped. Other host memory is offered to be read in place with ``process_vm_readv``
+  for as long as the memory is mapped. Any host memory is offered to be read in place with ``process_vm_readv``
   (:class:`CmaSegment`), with random probe bytes the reader reads back before it trusts the pid.
 
 The owner keeps its cache (an engine's cache lives as long as the engine). Torch's reference counter of a shared CUDA
@@ -26,6 +26,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -95,17 +96,28 @@ def _shared_mapping_of(address: int, nbytes: int) -> _SharedMapping | None:
     return None
 
 
-def export_cache(tensors: Sequence[torch.Tensor], regions: Sequence[KVRegion]) -> tuple[RankIpc | None, str]:
-    """(the handles of the memory behind ``tensors``, "") for same-host readers, or (None, why it cannot be
-    shared). Call once per rank: every call makes new CUDA IPC handles."""
+#: What a cache can be offered as: GPU memory through CUDA IPC handles, host memory in a memfd, or host memory read in
+#: place with ``process_vm_readv``.
+ExportKind = Literal["cuda", "memfd", "cma"]
+
+
+def export_cache(
+    tensors: Sequence[torch.Tensor], regions: Sequence[KVRegion], kind: ExportKind
+) -> tuple[RankIpc | None, str]:
+    """(the memory behind ``tensors`` offered as ``kind``, "") for same-host readers, or (None, why it cannot be
+    offered so). Call once per rank and kind: every call makes new CUDA IPC handles."""
     place = memory_of(list(regions))
+    if (kind == "cuda") == place.is_host:
+        return None, f"the cache is in {place}"
     boot_id = local_boot_id()
     if not boot_id:
         return None, "this host has no readable boot id"
     storages = _distinct_storages(tensors)
     try:
-        if place.is_host:
-            segments = _host_segments(storages)
+        if kind == "memfd":
+            segments = _memfd_segments(storages)
+        elif kind == "cma":
+            segments = [_cma_segment()]
         else:
             segments = [_cuda_segment(storage, place.device_index) for storage in storages]
     except IpcUnavailable as error:
@@ -122,15 +134,13 @@ def _distinct_storages(tensors: Sequence[torch.Tensor]) -> list[torch.UntypedSto
     return list(found.values())
 
 
-def _host_segments(storages: Sequence[torch.UntypedStorage]) -> list[Segment]:
-    """One memfd segment per shareable mapping holding the storages; where one is elsewhere, the whole cache offered
-    to ``process_vm_readv`` instead (one :class:`CmaSegment`); ``IpcUnavailable`` where this host has no such
-    call."""
+def _memfd_segments(storages: Sequence[torch.UntypedStorage]) -> list[Segment]:
+    """One memfd segment per shareable mapping holding the storages; ``IpcUnavailable`` where one is elsewhere."""
     segments: dict[int, Segment] = {}
     for storage in storages:
         mapping = _shared_mapping_of(storage.data_ptr(), storage.nbytes())
         if mapping is None:
-            return [_cma_segment()]
+            raise IpcUnavailable("the cache is not in shareable host memory (a memfd)")
         segments[mapping.start] = HostSegment(
             base_address=mapping.start, nbytes=mapping.nbytes, pid=os.getpid(), fd=mapping.fd, name=mapping.name
         )

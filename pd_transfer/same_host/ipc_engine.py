@@ -13,16 +13,16 @@ else torch's calls per pair of segments the rows touch, never one per block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pd_transfer.handshake.messages import CudaSegment, EngineMetadata, HostSegment
+from pd_transfer.handshake.messages import CudaSegment, HostSegment, RankIpc
 from pd_transfer.rows import RowAddresses, RowCopy, RowMemory, RowsOutside, storages
 from pd_transfer.rows import locate as locate_rows
-from pd_transfer.spec import MemoryPlace, Transport
+from pd_transfer.spec import MemoryPlace
 from pd_transfer.topology import PeerPlan, SourcePlan
 
 from .common import IpcUnavailable
@@ -77,32 +77,30 @@ class IpcEngine(WatchedSources[IpcSource]):
     and a watch on each source's process (``owners``). ``close`` drops every opened segment (the handles close once
     no copy holds them any more)."""
 
-    def __init__(
-        self, transport: Transport, sources: list[IpcSource], owners: list[OwnerWatch], plan: PeerPlan
-    ) -> None:
+    def __init__(self, engine_id: str, sources: list[IpcSource], owners: list[OwnerWatch], plan: PeerPlan) -> None:
         super().__init__(sources, owners)
-        self.transport = transport
+        self.engine_id = engine_id
         self.plan = plan  # what its requests are copied by (rows into place: no fix-up, see ``open``)
 
     @classmethod
     def open(
         cls,
-        transport: Transport,
-        engine: EngineMetadata,
+        engine_id: str,
+        offers: Mapping[int, RankIpc],
         plan: PeerPlan,
         tensors: list[torch.Tensor],
         place: MemoryPlace,
     ) -> IpcEngine:
-        """Open the segments of each rank ``plan`` reads and map its grids; ``IpcUnavailable`` if that fails.
-        ``plan`` should land every row in place (a direct plan, no fix-up): a copy writes rows anywhere, so a
-        block-size regroup, a TP head slice or a layout change is done by the copy itself, with no second pass."""
-        by_rank = {rank.tp_rank: rank for rank in engine.ranks}
+        """Open the segments each rank ``plan`` reads offered (``offers``, by TP rank) and map its grids;
+        ``IpcUnavailable`` if that fails. ``plan`` should land every row in place (a direct plan, no fix-up): a copy
+        writes rows anywhere, so a block-size regroup, a TP head slice or a layout change is done by the copy itself,
+        with no second pass."""
         local = storages(tensors)
         sources: list[IpcSource] = []
         owners: list[OwnerWatch] = []
         try:
             for source in plan.sources:
-                offer = by_rank[source.remote_rank].ipc
+                offer = offers.get(source.remote_rank)
                 if offer is None:
                     raise IpcUnavailable(f"prefill rank {source.remote_rank} offers no IPC")
                 owners.append(OwnerWatch(offer))
@@ -113,4 +111,4 @@ class IpcEngine(WatchedSources[IpcSource]):
             for owner in owners:
                 owner.close()
             raise
-        return cls(transport, sources, owners, plan)
+        return cls(engine_id, sources, owners, plan)

@@ -6,8 +6,8 @@ standard library only: no engine, no transport.
   (``rebuild_cuda_tensor``), on the reader's own GPU: the same one, or a peer it can access (:func:`gpu_reach`).
 * **Host memory**: a reader opens ``/proc/<pid>/fd/<fd>`` (same host, same user, a pid namespace that sees the
   owner), checks it opened that memfd (its name carries a random token), and maps it read-only. Memory offered to
-  ``process_vm_readv`` is read in place (:mod:`pd_transfer.connector.decode.cma_reads`) once the owner's probe bytes
-  read back right.
+  ``process_vm_readv`` is read in place (:mod:`pd_transfer.connector.transports.ipc.cma_reads`) once the owner's
+  probe bytes read back right.
 
 Lifetimes: opened segments are tensors: the mapping (host) or the IPC mapping (GPU, through torch's cache of opened
 handles) ends when the last tensor on it is dropped, which :class:`~.ipc_engine.IpcEngine` does when its engine is

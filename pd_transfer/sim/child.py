@@ -10,8 +10,12 @@ import multiprocessing.connection
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Self
+
+#: Seconds between checks that a child that has not answered yet is still running.
+_ALIVE_CHECK_S = 0.5
 
 
 def commands(conn: multiprocessing.connection.Connection, poll_s: float = 1.0) -> Iterator[tuple[Any, ...]]:
@@ -58,8 +62,15 @@ class ChildProcess:
         self._conn.send(command)
 
     def receive(self, timeout_s: float) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"{self.what} (pid {self.pid}) did not answer within {timeout_s:.0f} s")
+        """The child's next message, within ``timeout_s``; ``ChildProcessError`` at once if the child exited first
+        (its traceback is on its stderr), ``TimeoutError`` if it is still silent then."""
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(max(0.0, min(_ALIVE_CHECK_S, deadline - time.monotonic()))):
+            if not self._process.is_alive():
+                code = self._process.exitcode
+                raise ChildProcessError(f"{self.what} (pid {self.pid}) exited with {code} before it answered")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.what} (pid {self.pid}) did not answer within {timeout_s:.0f} s")
         return self._conn.recv()
 
     def kill(self) -> None:

@@ -25,9 +25,9 @@ import torch
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.contract import SchedulerContract, WorkerContract
-from pd_transfer.connector.prefill.leases import LeaseLedger
+from pd_transfer.connector.leases import LeaseLedger
 from pd_transfer.metrics import TransferMetrics
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings
+from pd_transfer.settings import Settings, apply_process_defaults, read_settings
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 from pd_transfer.transfer.agent import NIXL_AGENTS
@@ -47,13 +47,14 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 1
     side_channel_port: int = 0  # 0: any free port; a fixed one to restart an engine where it was
 
-    def caches(self, settings: Settings = DEFAULTS) -> list[KVCache]:
-        """The ranks' caches, filled as the child fills them (recomputed here to check what was read)."""
+    def caches(self, *, huge_pages: bool = False) -> list[KVCache]:
+        """The ranks' caches, filled as the child fills them (recomputed here to check what was read); in huge pages
+        with ``huge_pages`` (an engine's own, as its settings say)."""
         from pd_transfer.sim.peer import fill_pattern
 
         caches = []
         for layout in self.layouts:
-            cache = KVCache.allocate(layout, self.num_blocks, huge_pages=settings.own_huge_pages)
+            cache = KVCache.allocate(layout, self.num_blocks, huge_pages=huge_pages)
             fill_pattern(cache, self.seed)
             caches.append(cache)
         return caches
@@ -77,7 +78,7 @@ class _PrefillEngine:
         from pd_transfer.connector.worker import OutputAggregator, WorkerSide
 
         self.spec = spec
-        self.caches = spec.caches(settings)
+        self.caches = spec.caches(huge_pages=settings.own_huge_pages)
         config = ConnectorConfig(
             side_channel_host="127.0.0.1", side_channel_port=spec.side_channel_port, lease_seconds=spec.lease_seconds
         )
@@ -230,12 +231,12 @@ class PrefillEngines(ChildProcess):
 
 class LocalPrefillEngines:
     """The engines of :class:`PrefillEngines` in this process, behind the same methods: for tests whose agents are
-    in-process fakes (:mod:`pd_transfer.sim.fake_agent`), where a child's real agents could not reach them. Use as a
-    context manager. ``settings``: the engines' (default: the defaults, whatever this process's environment says).
-    ``agent_factory``: makes the engines' agents (a fake fabric's, for the tests this class is for)."""
+    in-process fakes (``tests/support/fake_agent.py``), where a child's real agents could not reach them. Use as a
+    context manager. ``settings``: the engines'. ``agent_factory``: makes the engines' agents (a fake fabric's, for
+    the tests this class is for)."""
 
     def __init__(
-        self, specs: Sequence[EngineSpec], settings: Settings = DEFAULTS, *, agent_factory: AgentFactory = NIXL_AGENTS
+        self, specs: Sequence[EngineSpec], settings: Settings, *, agent_factory: AgentFactory = NIXL_AGENTS
     ) -> None:
         self.specs = {spec.engine_id: spec for spec in specs}
         self._engines: dict[str, _PrefillEngine] = {}
@@ -315,7 +316,7 @@ class DecodeEngine:
         config: ConnectorConfig,
         *,
         metrics: TransferMetrics | None = None,
-        settings: Settings = DEFAULTS,
+        settings: Settings,
         agent_factory: AgentFactory = NIXL_AGENTS,
     ):
         from pd_transfer.connector.scheduler import SchedulerSide

@@ -16,10 +16,10 @@ from typing import Any
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.params import InvalidTransferParams, RemotePrefill, parse_transfer_params
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.sim.block_pool import BlockPool
 from pd_transfer.sim.kv_model import KVModel, holds_pattern, kv_pattern
 
@@ -32,7 +32,7 @@ class DecodeKV:
     model: KVModel
     config: ConnectorConfig
     hold_window: bool = False  # trust the prefill's hold window as the vLLM connector does (else always confirm)
-    settings: Settings = DEFAULTS  # the process's, read at its edge
+    settings: Settings = field(kw_only=True)  # the process's, read at its edge
     pulls: int = 0
     failures: int = 0
     bytes_moved: int = 0
@@ -92,6 +92,7 @@ class DecodeKV:
             "confirm_ms": round(stats.confirm_seconds * 1e3, 3),
             "in_window": trust_until is not None and stats.confirm_seconds == 0.0,
             "verify_ms": round((time.perf_counter() - pulled) * 1e3, 3),
+            "transport": stats.transport,
             "verified": verified,
         }
 

@@ -20,7 +20,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.connector.worker import OutputAggregator, WorkerSide
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.sim.block_pool import BlockPool
 from pd_transfer.sim.kv_model import KVModel, kv_pattern, write_pattern
 
@@ -31,7 +31,7 @@ class PrefillKV:
     """A TP 1 prefill engine as the connector sees it: a scheduler side (with the side channel), one worker, an
     aggregator, a block pool. Not thread-safe: drive it from one thread (the event loop)."""
 
-    def __init__(self, engine_id: str, model: KVModel, config: ConnectorConfig, settings: Settings = DEFAULTS) -> None:
+    def __init__(self, engine_id: str, model: KVModel, config: ConnectorConfig, settings: Settings) -> None:
         self.layout = model.layout()
         self.cache = KVCache.allocate(self.layout, model.num_blocks, huge_pages=settings.own_huge_pages)
         self.pool = BlockPool(model.num_blocks)

@@ -39,7 +39,7 @@ from pd_transfer.connector.drain import Draining
 from pd_transfer.connector.params import InvalidTransferParams
 from pd_transfer.proxy.routing import DRAINING_HEADER
 from pd_transfer.proxy.server import REQUEST_ID
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings
+from pd_transfer.settings import Settings, apply_process_defaults, read_settings
 from pd_transfer.sim.http_standin import StandIn, error_response, json_response
 from pd_transfer.sim.kv_decode import DecodeKV
 from pd_transfer.sim.kv_model import KVModel, prompt_tokens
@@ -170,7 +170,7 @@ def make_engine(
     config: ConnectorConfig,
     *,
     hold_window: bool = False,
-    settings: Settings = DEFAULTS,
+    settings: Settings,
 ) -> PrefillKV | DecodeKV:
     if role == "prefill":
         return PrefillKV(engine_id, model, config, settings)
@@ -254,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--transport",
-        choices=("auto", "nixl", "ipc"),
         default="auto",
-        help="decode: how it reads a prefill on its host (auto: in place where offered; nixl: as between hosts)",
+        help="the connector's transport setting (decode: the transports it opens prefills with, in order; prefill:"
+        " those it offers): auto (same-host IPC where offered, else NIXL), nixl (as between hosts), ipc, or names,"
+        " one of them module:attribute of a transport of your own",
     )
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens when the request sets none")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

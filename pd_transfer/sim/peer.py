@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, read_settings, set_process_environment
+from pd_transfer.settings import Settings, apply_process_defaults, read_settings, set_process_environment
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
 
@@ -57,14 +57,17 @@ class PrefillSpec:
     ucx_net_devices: str = ""  # the child's UCX_NET_DEVICES ("": the parent's, else lo)
     device: str = "cpu"  # where the caches are ("cuda", "cuda:1", ...)
     shareable: bool = False  # host caches in shareable memory (offered to same-host decodes through IPC)
-    offer_ipc: bool = True  # offer the caches to same-host decodes (shared memory, or read in place)
-    # the child's settings (None: read from its environment, inherited from the parent, at its start); with
-    # ``sim_busy_engine`` it also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
+    # the transports the child's ranks offer (``PrefillOptions.transport``; "nixl": no same-host offer)
+    transport: str = "auto"
+    # the child also runs :func:`_busy_engine`, as a serving engine's Python loop keeps the GIL busy
+    busy_engine: bool = False
+    # the child's settings (None: read from its environment, inherited from the parent, at its start: its edge)
     settings: Settings | None = None
 
-    def caches(self, device: str | None = None, settings: Settings = DEFAULTS) -> list[KVCache]:
+    def caches(self, device: str | None = None, *, huge_pages: bool = False) -> list[KVCache]:
         """The caches the child holds, recomputed in this process (on ``device``, default the spec's; host caches in
-        huge pages unless ``settings`` say not)."""
+        huge pages with ``huge_pages``: the child's own, as its settings say; a copy to check reads against needs
+        none)."""
         out = []
         for layout in self.layouts:
             cache = KVCache.allocate(
@@ -73,7 +76,7 @@ class PrefillSpec:
                 kv_split=self.kv_split,
                 device=device or self.device,
                 shareable=self.shareable,
-                huge_pages=settings.own_huge_pages,
+                huge_pages=huge_pages,
             )
             fill_pattern(cache, self.seed)
             out.append(cache)
@@ -115,18 +118,18 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     settings = apply_process_defaults(  # this child's edge
         spec.settings or read_settings(), net_devices="lo", vram=spec.device.startswith("cuda")
     )
-    from pd_transfer.connector.prefill.options import PrefillOptions
+    from pd_transfer.connector.options import PrefillOptions
     from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 
     ranks = [
-        PrefillRank(spec.engine_id, cache, PrefillOptions(settings=settings, offer_ipc=spec.offer_ipc))
-        for cache in spec.caches(settings=settings)
+        PrefillRank(spec.engine_id, cache, PrefillOptions(settings=settings, transport=spec.transport))
+        for cache in spec.caches(huge_pages=settings.own_huge_pages)
     ]
     server = serve_engine(
         spec.engine_id, [rank.rank_metadata for rank in ranks], host=spec.host, port=spec.port, secret=spec.secret
     )
     stop_engine = threading.Event()
-    if settings.sim_busy_engine:
+    if spec.busy_engine:
         threading.Thread(target=_busy_engine, args=(stop_engine,), name="busy-engine", daemon=True).start()
     conn.send(("ready", server.port))
     try:

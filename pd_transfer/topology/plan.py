@@ -254,7 +254,6 @@ class PeerPlan:
     strategy: Strategy
     sources: tuple[SourcePlan, ...]
     postprocess: Postprocess | None
-    plane_keys: tuple[tuple[int, str], ...]  # (layer, kind) of plane i, both sides
     #: remote rank -> how many decode ranks of this decode engine read it (what the prefill waits for)
     readers_hint: dict[int, int] = field(default_factory=dict)
 
@@ -355,7 +354,7 @@ class PeerPlan:
                 )
         any_remote = remote_layouts[sources[0].remote_rank]
         readers = {rank: expected_readers(rank, any_remote, local_layout.tp_size) for rank in sorted(remote_planes)}
-        return cls(local_layout, remote_tp, chosen, tuple(plans), postprocess, keys, readers)
+        return cls(local_layout, remote_tp, chosen, tuple(plans), postprocess, readers)
 
     def indices(
         self, remote_block_ids: BlockIds, local_block_ids: BlockIds, num_tokens: int

@@ -3,8 +3,8 @@
 :class:`Agent` is that surface: memory, peers, descriptor lists, reads and writes (on read lanes too),
 notifications, polling, closing. It extends :class:`~.lanes.LaneAgent`, the part the read lanes use of each lane
 and of their owner. :class:`~.agent.TransferAgent` (NIXL) satisfies it, and so does
-:class:`pd_transfer.sim.fake_agent.FakeAgent` (memory copies, for unit tests): mypy checks both, where each is
-defined, through :class:`AgentFactory`.
+the tests' ``FakeAgent`` (``tests/support/fake_agent.py``: memory copies, for unit tests): mypy checks both, where
+each is defined, through :class:`AgentFactory`.
 
 Whatever makes agents (the connector's ranks) takes an :class:`AgentFactory` handed in at the edge where it is
 made: the engine's integration, the CLI and the stand-ins' engines use the default, :data:`~.agent.NIXL_AGENTS`;

@@ -1,5 +1,6 @@
 """Reading another process's memory on this host with Linux's ``process_vm_readv`` (cross-memory attach), many rows
-a call: the same-host read path for host caches (:mod:`pd_transfer.connector.decode.cma_reads`) and the bench's ceiling.
+a call: the same-host read path for host caches (:mod:`pd_transfer.connector.transports.ipc.cma_reads`) and the
+bench's ceiling.
 
 A call takes up to :data:`MAX_IOV` entries on each side, and the kernel fills the local entries in order from the
 remote ones taken together: a remote row may land as several local pieces (a block-size regroup done by the copy

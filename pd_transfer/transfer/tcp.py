@@ -15,8 +15,8 @@ into its environment once, before the first agent (:func:`pd_transfer.settings.a
 ``UCX_*`` variable the user set as it is; ``PD_TRANSFER_TCP_SEGMENTS=0`` leaves UCX's own sizes. They only concern
 UCX's tcp transport: reads over CMA on one host do not change.
 
-Push (:mod:`pd_transfer.connector.prefill.pushes`) is decided here too: :func:`push_mode` (one source, the same for a
-prefill and a decode) and, in mode "auto", :func:`push_to`.
+Push (:mod:`pd_transfer.connector.transports.nixl.push_writer`) is decided here too: :func:`push_mode` (one source,
+the same for a prefill and a decode) and, in mode "auto", :func:`push_to`.
 """
 
 from __future__ import annotations

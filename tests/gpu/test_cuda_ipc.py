@@ -17,13 +17,13 @@ import torch
 from engine_specs import kv_layout as kv_layout_of
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.handshake.messages import CudaSegment
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.verify import received_correctly
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint, TransportSetting
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,7 +86,7 @@ def test_library_pulls_between_cuda_caches_are_verified(
     prefills: dict[str, PrefillProcess],
     prefill_name: str,
     decode_layouts: list[KVCacheLayout],
-    transport: TransportSetting,
+    transport: str,
 ) -> None:
     prefill = prefills[prefill_name]
     for decode_layout in decode_layouts:
@@ -110,20 +110,20 @@ def test_forgotten_and_restarted_prefills_close_their_handles(prefills: dict[str
     try:
         assert pull_verified(decode, shared, "lifetime-1") == "cuda_ipc"
         first = decode.remotes.get(shared.host, shared.port)
-        assert first is not None and first.ipc is not None
+        assert first is not None and first.link.opened is not None
         decode.forget(shared.host, shared.port)
-        assert first.ipc.closed
+        assert first.link.opened.closed
         gc.collect()
         assert pull_verified(decode, shared, "lifetime-2") == "cuda_ipc"  # opened afresh
         with PrefillProcess(PrefillSpec("gpu-restart", [layout(16)], BLOCKS, seed=10, device="cuda")) as old:
             port = old.port
             assert pull_verified(decode, old, "before-restart") == "cuda_ipc"
             stale = decode.remotes.get(old.host, port)
-        assert stale is not None and stale.ipc is not None and stale.ipc.owner_exited()
+        assert stale is not None and stale.link.opened is not None and stale.link.opened.owner_exited()
         spec = PrefillSpec("gpu-restart", [layout(16)], BLOCKS, seed=11, device="cuda", port=port)
         with PrefillProcess(spec) as new:
             assert pull_verified(decode, new, "after-restart") == "cuda_ipc"
-        assert stale.ipc.closed
+        assert stale.link.opened.closed
     finally:
         decode.close()
 
@@ -133,7 +133,7 @@ def test_the_offer_names_the_gpu_and_the_legacy_handles() -> None:
     from pd_transfer.same_host.exporting import export_cache
 
     cache = KVCache.allocate(layout(16), BLOCKS, device="cuda")
-    offer, why_not = export_cache(cache.tensors, cache.regions)
+    offer, why_not = export_cache(cache.tensors, cache.regions, "cuda")
     assert offer is not None, why_not
     assert offer.pid == os.getpid() and len(offer.segments) == 1  # one allocation holds the whole cache
     (segment,) = offer.segments
@@ -148,7 +148,7 @@ from pd_transfer.same_host.exporting import export_cache
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 fingerprint = ModelFingerprint(model="m", dtype="bfloat16", num_layers=2, total_num_kv_heads=8, head_size=128)
 cache = KVCache.allocate(KVCacheLayout(fingerprint=fingerprint, tp_size=1, tp_rank=0, block_size=16), 64, device="cuda")
-offer, why_not = export_cache(cache.tensors, cache.regions)
+offer, why_not = export_cache(cache.tensors, cache.regions, "cuda")
 print(json.dumps({"offered": offer is not None, "why_not": why_not}))
 """
 

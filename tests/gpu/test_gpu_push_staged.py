@@ -16,11 +16,10 @@ import torch
 
 from pd_transfer.bench.transfer.tcp_stream import stream_gbps
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
-from pd_transfer.connector.prefill.options import PrefillOptions
+from pd_transfer.connector.options import DecodeOptions, PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
-from pd_transfer.connector.push_staging import LandingArea, PushStager, StagedChunk
+from pd_transfer.connector.transports.nixl.push_staging import LandingArea, PushStager, StagedChunk
 from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
@@ -116,7 +115,11 @@ def test_a_gpu_cache_is_pushed_over_tcp_exactly_at_the_stream_rate(tcp_settings:
         DecodeOptions(settings=tcp_settings, transport="nixl", push_landing_bytes=600 * 2**20),
     )
     try:
-        assert prefill.pushes.staging is not None and decode.pushes is not None and decode.pushes.landing is not None
+        assert (
+            prefill.ends["nixl"].writer.staging is not None
+            and decode.ends["nixl"].pushes is not None
+            and decode.ends["nixl"].pushes.landing is not None
+        )
         assert decode.push_ready(server.host, server.port, timeout_s=60)
         ids = np.random.default_rng(4).permutation(BLOCKS).tolist()
         remote_ids, local_ids, tokens = ids, list(range(BLOCKS)), BLOCKS * 16

@@ -25,8 +25,8 @@ from staged_pulls import (
 )
 from topology_sim import check_received
 
-from pd_transfer.connector.decode.slot_fences import SlotFences, mark
-from pd_transfer.connector.decode.staging import StagingArea
+from pd_transfer.connector.transports.nixl.slot_fences import SlotFences, mark
+from pd_transfer.connector.transports.nixl.staging import StagingArea
 from pd_transfer.spec import MemoryPlace
 from pd_transfer.topology import restage_blocks
 from pd_transfer.topology.postprocess import index_on, scatter_staged

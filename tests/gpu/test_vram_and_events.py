@@ -10,8 +10,8 @@ import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.decode.ipc_reads import CopyStream
 from pd_transfer.connector.metadata import StepMetadata
+from pd_transfer.connector.transports.ipc.ipc_reads import CopyStream
 from pd_transfer.connector.worker import WorkerSide
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.spec import KVCacheLayout, MemoryPlace, ModelFingerprint

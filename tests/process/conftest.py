@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from engine_specs import FINGERPRINT, decode_config, layouts, prefill_specs
 
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
 from pd_transfer.transfer.agent import NIXL_AGENTS
 from pd_transfer.transfer.agent_protocol import AgentFactory
@@ -30,12 +31,16 @@ def prefills() -> Iterator[PrefillEngines]:
 @pytest.fixture(scope="session")
 def decode() -> Iterator[DecodeEngine]:
     """A TP 1 decode engine, failure policy ``recompute``."""
-    with DecodeEngine("d-recompute", layouts(FINGERPRINT, 1), 512, decode_config(failure_policy="recompute")) as engine:
+    with DecodeEngine(
+        "d-recompute", layouts(FINGERPRINT, 1), 512, decode_config(failure_policy="recompute"), settings=DEFAULTS
+    ) as engine:
         yield engine
 
 
 @pytest.fixture(scope="session")
 def decode_fail() -> Iterator[DecodeEngine]:
     """A TP 1 decode engine, failure policy ``fail``."""
-    with DecodeEngine("d-fail", layouts(FINGERPRINT, 1), 256, decode_config(failure_policy="fail")) as engine:
+    with DecodeEngine(
+        "d-fail", layouts(FINGERPRINT, 1), 256, decode_config(failure_policy="fail"), settings=DEFAULTS
+    ) as engine:
         yield engine

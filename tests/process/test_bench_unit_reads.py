@@ -13,11 +13,11 @@ from engine_specs import kv_layout
 
 from pd_transfer.bench.transfer.unit_reads import one_unit_read_latencies
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
-from pd_transfer.spec import ModelFingerprint, Transport
+from pd_transfer.spec import ModelFingerprint
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,7 +40,7 @@ SAMPLES = 5
         ),
     ],
 )
-def test_the_probe_times_one_unit_by_the_engines_transport(transport: Transport, shareable: bool) -> None:
+def test_the_probe_times_one_unit_by_the_engines_transport(transport: str, shareable: bool) -> None:
     spec = PrefillSpec(f"probe-{transport}", [LAYOUT], BLOCKS, secret=SECRET, shareable=shareable)
     with PrefillProcess(spec) as prefill:
         cache = KVCache.allocate(LAYOUT, BLOCKS)

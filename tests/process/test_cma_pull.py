@@ -19,12 +19,12 @@ from same_host import pull
 
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.handshake import HandshakeClient
-from pd_transfer.handshake.messages import CmaSegment
+from pd_transfer.handshake.messages import CmaSegment, RankIpc, RankMetadata, decode_rank_ipc
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.same_host.cma_engine import CmaEngine
 from pd_transfer.same_host.common import IpcUnavailable
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint, TransportSetting
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -57,9 +57,7 @@ def tp1() -> Iterator[PrefillProcess]:
         yield process
 
 
-def decode_rank(
-    name: str, decode_layout: KVCacheLayout, transport: TransportSetting = "auto", **more: object
-) -> DecodeRank:
+def decode_rank(name: str, decode_layout: KVCacheLayout, transport: str = "auto", **more: object) -> DecodeRank:
     return same_host.decode_rank(name, decode_layout, SECRET, transport, **more)
 
 
@@ -85,8 +83,8 @@ def test_a_same_host_decode_reads_in_place_and_the_lease_is_confirmed(
         assert decode.reads_confirmed == 1  # ReadDone reached every rank read, which confirmed the held blocks
         assert process.wait_released(name, timeout_s=10) == [1] * len(process.spec.layouts)
         remote = decode.remotes.get(process.host, process.port)
-        assert remote is not None and remote.cma is not None
-        assert (remote.cma.plan.postprocess is None) is in_place
+        assert remote is not None and remote.link.opened is not None
+        assert (remote.link.opened.plan.postprocess is None) is in_place
         assert pull(decode, process, f"{name}-again", first=20) == ("host_cma", True)
     finally:
         decode.close()
@@ -94,15 +92,23 @@ def test_a_same_host_decode_reads_in_place_and_the_lease_is_confirmed(
     assert 'pd_transfer_pulls_total{outcome="ok",transport="host_cma"} 2.0' in text
 
 
-def test_the_offer_goes_to_a_proven_version_4_client_only(tp1: PrefillProcess) -> None:
+def offer_of(rank: RankMetadata, transport: str) -> RankIpc | None:
+    payload = rank.offer(transport)
+    return None if payload is None else decode_rank_ipc(payload)
+
+
+def test_the_offer_goes_to_proven_clients_only_and_to_older_ones_as_they_read_it(tp1: PrefillProcess) -> None:
     with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0) as unproven:
-        assert all(rank.ipc is None for rank in unproven.fetch(tp1.host, tp1.port).ranks)
-    with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0, prove_host=True) as proven:
-        offered = proven.fetch(tp1.host, tp1.port).ranks
-    assert all(rank.ipc is not None and rank.ipc.pid == tp1.pid != os.getpid() for rank in offered)
-    assert all(isinstance(segment, CmaSegment) for rank in offered for segment in rank.ipc.segments)  # type: ignore[union-attr]
+        assert all(rank.offer("host_cma") is None for rank in unproven.fetch(tp1.host, tp1.port).ranks)
+    for version in (5, 4):  # a version 4 client is sent it as the rank's ipc, read back as the offer
+        with HandshakeClient(
+            FINGERPRINT, secret=SECRET, retries=0, prove_host=True, protocol_version=version
+        ) as proven:
+            offers = [offer_of(rank, "host_cma") for rank in proven.fetch(tp1.host, tp1.port).ranks]
+        assert all(offer is not None and offer.pid == tp1.pid != os.getpid() for offer in offers)
+        assert all(isinstance(segment, CmaSegment) for offer in offers for segment in offer.segments)  # type: ignore[union-attr]
     with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0, prove_host=True, protocol_version=3) as old:
-        assert all(rank.ipc is None for rank in old.fetch(tp1.host, tp1.port).ranks)  # it could not decode it
+        assert all(rank.offer("host_cma") is None for rank in old.fetch(tp1.host, tp1.port).ranks)  # not for it
 
 
 def test_the_setting_nixl_reads_with_nixl(tp1: PrefillProcess) -> None:
@@ -120,16 +126,15 @@ def test_a_probe_that_differs_is_not_read_in_place(tp1: PrefillProcess) -> None:
     decode = decode_rank("cma-decode-probe", layout())
     try:
         plan = decode.remotes.connect(tp1.host, tp1.port).plan
-        offer = engine.ranks[0].ipc
+        offer = offer_of(engine.ranks[0], "host_cma")
         assert offer is not None and isinstance(offer.segments[0], CmaSegment)
         segment = offer.segments[0]
         elsewhere = msgspec.structs.replace(offer, pid=os.getpid())
         wrong = msgspec.structs.replace(offer, segments=[msgspec.structs.replace(segment, probe=bytes(16))])
         for bad in (elsewhere, wrong):
-            forged = msgspec.structs.replace(engine, ranks=[msgspec.structs.replace(engine.ranks[0], ipc=bad)])
             with pytest.raises(IpcUnavailable, match="is not the prefill"):
-                CmaEngine.open(forged, plan)
-        opened = CmaEngine.open(engine, plan)
+                CmaEngine.open(engine.engine_id, {0: bad}, plan)
+        opened = CmaEngine.open(engine.engine_id, {0: offer}, plan)
         assert not opened.owner_exited()
         opened.close()
         assert opened.closed
@@ -144,13 +149,13 @@ def test_a_restarted_prefill_is_probed_afresh_and_an_exited_one_is_never_read() 
             port = old.port
             assert pull(decode, old, "cma-before") == ("host_cma", True)
             old_remote = decode.remotes.get(old.host, port)
-            assert old_remote is not None and old_remote.cma is not None
-        assert old_remote.cma.owner_exited()  # its pid may name another process now: never read again
+            assert old_remote is not None and old_remote.link.opened is not None
+        assert old_remote.link.opened.owner_exited()  # its pid may name another process now: never read again
         with PrefillProcess(spec("cma-restart", port=port, seed=8)) as new:
             assert pull(decode, new, "cma-after") == ("host_cma", True)  # the address handshaken afresh
-            assert old_remote.cma.closed
+            assert old_remote.link.opened.closed
             remote = decode.remotes.get(new.host, port)
-            assert remote is not None and remote.cma is not None
-            assert remote.cma.sources[0].pid == new.pid
+            assert remote is not None and remote.link.opened is not None
+            assert remote.link.opened.sources[0].pid == new.pid
     finally:
         decode.close()

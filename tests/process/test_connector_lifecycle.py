@@ -15,6 +15,7 @@ import time
 import pytest
 from engine_specs import FINGERPRINT, ONE_HEAD, SHORT_LEASE_S, decode_config, layouts
 
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.transfer.agent_protocol import AgentFactory
@@ -68,7 +69,9 @@ def test_heterogeneous_tp_prefill_2_to_decode_1(prefills: PrefillEngines, decode
 def test_replicated_heads_the_unread_rank_is_released_too(
     prefills: PrefillEngines, agent_factory: AgentFactory
 ) -> None:
-    with DecodeEngine("d-one-head", layouts(ONE_HEAD, 1), 32, decode_config(), agent_factory=agent_factory) as decode:
+    with DecodeEngine(
+        "d-one-head", layouts(ONE_HEAD, 1), 32, decode_config(), agent_factory=agent_factory, settings=DEFAULTS
+    ) as decode:
         out = prefills.prefill("prep", "rep-1", prompt_len=33)
         got = decode.receive("dec-rep-1", 33, out["params"])
         assert got.ok, got
@@ -124,7 +127,9 @@ def test_stale_read_after_the_lease_is_refused_and_never_used(
 
 def test_heartbeats_keep_a_queued_request_alive(prefills: PrefillEngines, agent_factory: AgentFactory) -> None:
     config = decode_config(lease_seconds=SHORT_LEASE_S, heartbeat_seconds=0.25)
-    with DecodeEngine("d-heartbeat", layouts(FINGERPRINT, 1), 16, config, agent_factory=agent_factory) as decode:
+    with DecodeEngine(
+        "d-heartbeat", layouts(FINGERPRINT, 1), 16, config, agent_factory=agent_factory, settings=DEFAULTS
+    ) as decode:
         params = prefills.prefill("pshort", "beat-1", prompt_len=40)["params"]
         decode.scheduler.on_new_request("dec-beat-1", params, prompt_len=40)
         queued_until = time.monotonic() + 2 * SHORT_LEASE_S  # queued for two leases, the engine stepping

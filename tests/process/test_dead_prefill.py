@@ -22,6 +22,7 @@ from metric_samples import metric_samples
 
 from pd_transfer.connector.worker import LoadOutcome, WorkerSide
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import DecodeEngine, EngineSpec, PrefillEngines, Received
 from pd_transfer.sim.verify import received_correctly
 
@@ -56,7 +57,9 @@ def decodes() -> Iterator[Decodes]:
         engines: Decodes = {}
         for name in ("warm", "cold", "slept"):
             metrics = TransferMetrics()
-            engine = DecodeEngine(f"d-{name}", layouts(FINGERPRINT, 1), 256, decode_config(), metrics=metrics)
+            engine = DecodeEngine(
+                f"d-{name}", layouts(FINGERPRINT, 1), 256, decode_config(), metrics=metrics, settings=DEFAULTS
+            )
             engines[name] = (stack.enter_context(engine), metrics)
             worker = engine.workers[0]
             assert isinstance(worker, WorkerSide)

@@ -16,10 +16,10 @@ import pytest
 from engine_specs import SHORT_LEASE_S
 
 from pd_transfer.connector.decode.rank import DecodeRank
-from pd_transfer.connector.decode.request import PullRequest
 from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.leases import hold_window
 from pd_transfer.connector.params import HOLD_MARGIN_S, parse_transfer_params
-from pd_transfer.connector.prefill.leases import hold_window
+from pd_transfer.connector.transports.requests import PullRequest
 from pd_transfer.sim.engines import DecodeEngine, PrefillEngines
 from pd_transfer.sim.verify import received_correctly
 

@@ -50,7 +50,7 @@ def test_the_contracts_hold_for_the_package_as_it_is(package_copy: Path) -> None
     [
         ("connector/errors.py", "import vllm", "Only pd_transfer.integrations imports vllm"),
         ("handshake/auth.py", "import nixl", "Only pd_transfer.transfer imports nixl"),
-        ("connector/prefill/leases.py", "import pd_transfer.sim.verify", "Layers: data flows one way, downward"),
+        ("connector/leases.py", "import pd_transfer.sim.verify", "Layers: data flows one way, downward"),
         ("topology/grids.py", "import pd_transfer.connector.cache", "Layers: data flows one way, downward"),
         ("cluster/launch.py", "import aiohttp", "speaks HTTP with aiohttp"),
     ],

@@ -18,12 +18,12 @@ from prometheus_client import generate_latest
 from same_host import pull
 
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.transports.seam import NoTransport
 from pd_transfer.handshake import HandshakeClient
-from pd_transfer.handshake.messages import HostSegment
+from pd_transfer.handshake.messages import HostSegment, decode_rank_ipc
 from pd_transfer.metrics import TransferMetrics
-from pd_transfer.same_host.common import IpcUnavailable
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint, TransportSetting
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -41,7 +41,10 @@ def layout(block_size: int = 16, tp: int = 1, rank: int = 0, kv_layout: str = "H
 
 def spec(engine_id: str, *, tp: int = 1, offer: bool = True, port: int = 0, seed: int = 7) -> PrefillSpec:
     layouts = [layout(16, tp, rank) for rank in range(tp)]
-    return PrefillSpec(engine_id, layouts, BLOCKS, seed=seed, secret=SECRET, port=port, shareable=True, offer_ipc=offer)
+    transport = "auto" if offer else "nixl"
+    return PrefillSpec(
+        engine_id, layouts, BLOCKS, seed=seed, secret=SECRET, port=port, shareable=True, transport=transport
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +53,7 @@ def shared() -> Iterator[PrefillProcess]:
         yield process
 
 
-def decode_rank(
-    name: str, decode_layout: KVCacheLayout, transport: TransportSetting = "auto", **more: object
-) -> DecodeRank:
+def decode_rank(name: str, decode_layout: KVCacheLayout, transport: str = "auto", **more: object) -> DecodeRank:
     return same_host.decode_rank(name, decode_layout, SECRET, transport, **more)
 
 
@@ -87,11 +88,13 @@ def test_a_same_host_decode_copies_through_ipc_and_the_lease_is_confirmed(
 
 def test_handles_go_only_to_a_client_that_proves_it_is_on_the_host(shared: PrefillProcess) -> None:
     with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0) as unproven:
-        assert all(rank.ipc is None for rank in unproven.fetch(shared.host, shared.port).ranks)
+        assert all(rank.offers == [] for rank in unproven.fetch(shared.host, shared.port).ranks)
     with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0, prove_host=True) as proven:
         offered = proven.fetch(shared.host, shared.port).ranks
-    assert all(rank.ipc is not None and rank.ipc.pid != os.getpid() for rank in offered)
-    assert all(isinstance(segment, HostSegment) for rank in offered for segment in rank.ipc.segments)  # type: ignore[union-attr]
+    offers = [decode_rank_ipc(payload) for rank in offered if (payload := rank.offer("host_ipc")) is not None]
+    assert len(offers) == len(offered) and all(offer.pid != os.getpid() for offer in offers)
+    assert all(isinstance(segment, HostSegment) for offer in offers for segment in offer.segments)
+    assert all(rank.offer("host_cma") is not None for rank in offered)  # any host cache may be read in place too
 
 
 def test_the_setting_nixl_reads_with_nixl_and_ipc_refuses_a_prefill_that_offers_none(shared: PrefillProcess) -> None:
@@ -103,7 +106,7 @@ def test_the_setting_nixl_reads_with_nixl_and_ipc_refuses_a_prefill_that_offers_
     with PrefillProcess(spec("private-prefill", offer=False)) as private:
         decode = decode_rank("ipc-decode-forced", layout(), transport="ipc")
         try:
-            with pytest.raises(IpcUnavailable, match="transport ipc: engine private-prefill: prefill rank 0: no IPC"):
+            with pytest.raises(NoTransport, match=r"engine private-prefill .*host_ipc: prefill rank 0: no host_ipc"):
                 decode.connect(private.host, private.port)
         finally:
             decode.close()
@@ -139,13 +142,13 @@ def test_a_restarted_prefill_is_opened_afresh_and_its_old_memory_closed() -> Non
             assert pull(decode, old, "before") == ("host_ipc", True)
             stale = mapped_memfds()
             old_remote = decode.remotes.get(old.host, port)
-            assert old_remote is not None and old_remote.ipc is not None
+            assert old_remote is not None and old_remote.link.opened is not None
         # the old prefill exited while its memory was open here: the mapping stays readable, and is known stale
-        assert old_remote.ipc.owner_exited()
-        assert old_remote.ipc.sources[0].remote_segments[0].sum().item() != 0
+        assert old_remote.link.opened.owner_exited()
+        assert old_remote.link.opened.sources[0].remote_segments[0].sum().item() != 0
         with PrefillProcess(spec("restart-prefill", port=port, seed=8)) as new:
             assert pull(decode, new, "after") == ("host_ipc", True)  # its process exited: the address handshaken afresh
-            assert old_remote.ipc.closed
+            assert old_remote.link.opened.closed
             gc.collect()
             assert not stale & mapped_memfds()
     finally:

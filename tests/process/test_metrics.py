@@ -10,8 +10,8 @@ from test_metric_counts import LAYOUT, samples
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.params import remote_prefill_params
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.settings import DEFAULTS
@@ -53,7 +53,7 @@ def test_failed_loads_are_counted_by_kind_and_a_wrong_engine_id_is_not_asked_aga
 ) -> None:
     metrics = TransferMetrics()
     config = ConnectorConfig(side_channel_host="127.0.0.1", side_channel_port=0, handshake_timeout_s=2.0)
-    with DecodeEngine("metrics-decode-engine", [LAYOUT], 16, config, metrics=metrics) as decode:
+    with DecodeEngine("metrics-decode-engine", [LAYOUT], 16, config, metrics=metrics, settings=DEFAULTS) as decode:
         params = remote_prefill_params(
             engine_id="not-this-one",
             request_id="r",

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint

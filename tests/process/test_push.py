@@ -15,14 +15,13 @@ from pd_transfer.bench.transfer.ucx_transports import ucx_transports
 from pd_transfer.cluster.http_client import free_port
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode import push_client
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
-from pd_transfer.connector.decode.request import PullRequest
 from pd_transfer.connector.errors import LeaseNotConfirmed
-from pd_transfer.connector.prefill.options import PrefillOptions
+from pd_transfer.connector.options import DecodeOptions, PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
-from pd_transfer.connector.push_plans import plan_to_wire
+from pd_transfer.connector.transports.nixl import push_orders
+from pd_transfer.connector.transports.nixl.push_plans import plan_to_wire
+from pd_transfer.connector.transports.requests import PullRequest
 from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec, fill_pattern
 from pd_transfer.sim.verify import received_correctly
@@ -73,12 +72,14 @@ def decode(tcp_settings: Settings) -> Iterator[DecodeRank]:
 
 
 def test_a_held_request_is_pushed_exactly_and_counts_as_read(prefill: PrefillProcess, decode: DecodeRank) -> None:
-    assert decode.pushes is not None  # auto: UCX_TLS names tcp only
+    assert decode.ends["nixl"].pushes is not None  # auto: UCX_TLS names tcp only
     assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
     remote_ids, local_ids, tokens = [17, 3, 29, 8, 30, 12], [5, 33, 0, 21, 22, 9], 16 * 5 + 7
     prefill.request("hold", "req-pushed", remote_ids)
     stats = decode.pull_confirmed("req-pushed", prefill.host, prefill.port, remote_ids, local_ids, tokens)
-    assert stats.pushed_peers == tuple(decode.remotes.source_peers(prefill.host, prefill.port))
+    assert stats.pushed_peers == tuple(
+        source.peer for source in decode.remotes.connect(prefill.host, prefill.port).sources
+    )
     assert stats.bytes == 6 * 3 * 2 * 4 * 16 * 16 * 2
     assert stats.confirm_seconds < 1.0  # no LeaseConfirm asked: the write proved the lease
     assert received_correctly(decode.cache, local_ids, prefill.spec.caches(), remote_ids, tokens)
@@ -95,7 +96,7 @@ def test_an_unheld_request_is_read_instead_and_not_confirmed(prefill: PrefillPro
     remote_ids, local_ids = [1, 2], [3, 4]
     stats = decode.pull("req-never-held", prefill.host, prefill.port, remote_ids, local_ids, 20)
     assert stats.pushed_peers == ()  # refused with may_read: read as before
-    assert decode.pushes is not None and decode.pushes.read_instead == 1
+    assert decode.ends["nixl"].pushes is not None and decode.ends["nixl"].pushes.read_instead == 1
     assert received_correctly(decode.cache, local_ids, prefill.spec.caches(), remote_ids, 20)
     with pytest.raises(LeaseNotConfirmed):  # and the read's confirmation tells the truth
         decode.pull_confirmed("req-never-held-2", prefill.host, prefill.port, [5], [6], 16, confirm_timeout_s=10)
@@ -111,11 +112,11 @@ def test_block_ids_outside_the_lease_are_refused(prefill: PrefillProcess, decode
 def test_a_malformed_order_is_refused_without_a_read(prefill: PrefillProcess, decode: DecodeRank) -> None:
     # the decode validates ids before it orders; a reader that did not is refused by the prefill (no may_read)
     assert decode.push_ready(prefill.host, prefill.port, timeout_s=30)
-    assert decode.pushes is not None
+    assert decode.ends["nixl"].pushes is not None
     prefill.request("hold", "req-malformed", [1])
     remote = decode.remotes.connect(prefill.host, prefill.port)
     malformed = PullRequest("req-malformed", [NUM_BLOCKS + 5], [0], 10)
-    outcomes = decode.pushes.push(malformed, remote.sources, time.perf_counter() + 20)
+    outcomes = decode.ends["nixl"].pushes.push(malformed, remote.sources, time.perf_counter() + 20)
     (outcome,) = outcomes.values()
     assert not outcome.ok and not outcome.may_read and "malformed" in outcome.reason
     for tensor in decode.cache.tensors:
@@ -133,7 +134,7 @@ def test_a_setup_outside_the_prefill_cache_is_refused_and_read_instead(
         grid[:, 0] += np.uint64(1 << 40)  # the prefill's rows moved to where it has no cache
         return plan_to_wire(dataclasses.replace(plan, remote_grid=grid))
 
-    monkeypatch.setattr(push_client, "plan_to_wire", shifted)
+    monkeypatch.setattr(push_orders, "plan_to_wire", shifted)
     assert not decode.push_ready(prefill.host, prefill.port, timeout_s=30)
     prefill.request("hold", "req-refused-setup", [4, 5])
     stats = decode.pull_confirmed("req-refused-setup", prefill.host, prefill.port, [4, 5], [6, 7], 32)
@@ -163,7 +164,7 @@ def test_a_reader_dropped_by_the_prefill_sets_up_again(tcp_settings: Settings) -
     cache = KVCache.allocate(layout(), NUM_BLOCKS)
     fill_pattern(cache, seed=4)
     rank = PrefillRank("test-push-evicting", cache, PrefillOptions(settings=tcp_settings))
-    rank.pushes.max_readers = 1
+    rank.ends["nixl"].writer.max_readers = 1
     server = serve_engine("test-push-evicting", [rank.rank_metadata])
     host, port = server.host, server.port
     first, second = (
@@ -195,7 +196,7 @@ def test_a_decode_with_push_off_reads(prefill: PrefillProcess, tcp_settings: Set
         "test-push-off", KVCache.allocate(layout(), NUM_BLOCKS), DecodeOptions(settings=off, transport="nixl")
     )
     try:
-        assert decode.pushes is None and not decode.push_ready(prefill.host, prefill.port, timeout_s=5)
+        assert decode.ends["nixl"].pushes is None and not decode.push_ready(prefill.host, prefill.port, timeout_s=5)
         prefill.request("hold", "req-push-off", [9])
         assert decode.pull_confirmed("req-push-off", prefill.host, prefill.port, [9], [1], 16).pushed_peers == ()
     finally:

@@ -10,9 +10,8 @@ import pytest
 from test_push import tcp_settings  # noqa: F401 - the fixture: UCX on TCP, every request pushed
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
-from pd_transfer.connector.prefill.options import PrefillOptions
+from pd_transfer.connector.options import DecodeOptions, PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.settings import Settings
 from pd_transfer.sim.peer import fill_pattern
@@ -42,7 +41,7 @@ def test_a_staged_push_into_a_landing_area_is_exact_and_counts_as_read(tcp_setti
         DecodeOptions(settings=tcp_settings, transport="nixl", push_staging=True, push_landing_bytes=2**20),
     )
     try:
-        assert decode.pushes is not None and decode.pushes.landing is not None
+        assert decode.ends["nixl"].pushes is not None and decode.ends["nixl"].pushes.landing is not None
         assert decode.push_ready(server.host, server.port, timeout_s=30)
         remote_ids, local_ids, tokens = [17, 3, 29, 8, 30, 12, 39, 0], [5, 33, 0, 21, 22, 9, 39, 14], 16 * 7 + 9
         prefill.hold("req-staged", remote_ids)
@@ -55,9 +54,9 @@ def test_a_staged_push_into_a_landing_area_is_exact_and_counts_as_read(tcp_setti
         assert received_correctly(decode.cache, local_ids, [expected], remote_ids, tokens)  # element by element
         untouched = sorted(set(range(NUM_BLOCKS)) - set(local_ids))
         assert all(bool((tensor[untouched] == 0).all()) for tensor in decode.cache.tensors)
-        stager = prefill.pushes.staging
+        stager = prefill.ends["nixl"].writer.staging
         assert stager is not None and stager.chunks == -(-rows // 7)  # 7 rows a chunk, each its own WRITE
-        assert decode.pushes.landing.landed_rows == rows
+        assert decode.ends["nixl"].pushes.landing.landed_rows == rows
         assert prefill.wait_released("req-staged", timeout_s=10) is not None  # the write counted as the report
         assert [(f.request_id, f.reason) for f in prefill.take_freed()] == [("req-staged", "read")]
         assert prefill.ledger.held_requests == 0  # unpinned and freed

@@ -19,10 +19,10 @@ from engine_specs import FINGERPRINT, decode_config, layouts
 from metric_samples import metric_samples
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import DuplicateBlockIds
 from pd_transfer.connector.metadata import RecvSpec, StepMetadata
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.errors import HandshakeBackoff, HandshakeTimeout
 from pd_transfer.metrics import TransferMetrics
@@ -59,7 +59,9 @@ def metrics() -> TransferMetrics:
 
 @pytest.fixture
 def decode(metrics: TransferMetrics) -> Iterator[DecodeEngine]:
-    with DecodeEngine("d-restarts", layouts(FINGERPRINT, 1), 1024, decode_config(), metrics=metrics) as engine:
+    with DecodeEngine(
+        "d-restarts", layouts(FINGERPRINT, 1), 1024, decode_config(), metrics=metrics, settings=DEFAULTS
+    ) as engine:
         yield engine
 
 

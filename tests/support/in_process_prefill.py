@@ -4,7 +4,7 @@ agents of ``agents`` (a fake fabric's in tests/unit)."""
 from __future__ import annotations
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.prefill.options import PrefillOptions
+from pd_transfer.connector.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.settings import DEFAULTS
@@ -15,14 +15,23 @@ from pd_transfer.transfer.agent_protocol import AgentFactory
 
 class InProcessPrefill:
     """One prefill rank (engine ``engine_id``) of ``num_blocks`` blocks of ``layout``, filled with
-    ``fill_pattern(cache, seed)``, served at ``host:port``. ``close`` stops the side channel and the rank."""
+    ``fill_pattern(cache, seed)``, served at ``host:port``, offering the transports ``transport`` names (the
+    connector's setting). ``close`` stops the side channel and the rank."""
 
     def __init__(
-        self, engine_id: str, layout: KVCacheLayout, num_blocks: int, agents: AgentFactory, *, seed: int = 5
+        self,
+        engine_id: str,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        agents: AgentFactory,
+        *,
+        seed: int = 5,
+        transport: str = "auto",
     ) -> None:
         self.engine_id = engine_id
         self.layout, self.num_blocks, self.seed = layout, num_blocks, seed
-        self.rank = PrefillRank(engine_id, self.expected()[0], PrefillOptions(settings=DEFAULTS), agent_factory=agents)
+        options = PrefillOptions(settings=DEFAULTS, transport=transport)
+        self.rank = PrefillRank(engine_id, self.expected()[0], options, agent_factory=agents)
         self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
         self.host, self.port = "127.0.0.1", self.server.port
 

@@ -6,20 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import PrefillProcess
 from pd_transfer.sim.verify import received_correctly
-from pd_transfer.spec import KVCacheLayout, TransportSetting
+from pd_transfer.spec import KVCacheLayout
 
 BLOCKS = 64
 TOKENS = 100
 
 
-def decode_rank(
-    name: str, layout: KVCacheLayout, secret: str, transport: TransportSetting = "auto", **more: Any
-) -> DecodeRank:
+def decode_rank(name: str, layout: KVCacheLayout, secret: str, transport: str = "auto", **more: Any) -> DecodeRank:
     """A decode rank here, of ``BLOCKS`` blocks, with a 20 s read timeout."""
     metrics = more.pop("metrics", None)
     options = DecodeOptions(settings=DEFAULTS, secret=secret, transport=transport, read_timeout_s=20.0, **more)

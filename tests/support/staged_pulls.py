@@ -1,6 +1,7 @@
-"""Test helpers: staged reads (connector/decode/staged_reads.py) of encoded caches with reads done by ``memmove`` over
-the descriptor rows, on the CPU or with the planes and the staging area on another device, and the fix-up kernels'
-specs and random blocks; reads checked against the live registered memory, and a timing stress for the GPU path.
+"""Test helpers: staged reads (connector/transports/nixl/staged_reads.py) of encoded caches with reads done by
+``memmove`` over the descriptor rows, on the CPU or with the planes and the staging area on another device, and the
+fix-up kernels' specs and random blocks; reads checked against the live registered memory, and a timing stress for
+the GPU path.
 
 Used by tests/unit/test_staged_reads.py and tests/unit/test_device_kernels.py (CPU) and their CUDA twins in
 tests/gpu/test_gpu_staged_reads.py. Caches are ``topology_sim``'s, so every received element is checked against
@@ -21,9 +22,9 @@ import numpy as np
 import torch
 from topology_sim import LOCAL_SENTINEL, REMOTE_SENTINEL, RankCache, build_cache, fill_request
 
-from pd_transfer.connector.decode.remote_engines import SourceRank
-from pd_transfer.connector.decode.staged_reads import LaneTotals, StagedChunks, StagedLaneWork
-from pd_transfer.connector.decode.staging import StagingArea
+from pd_transfer.connector.transports.nixl.sources import SourceRank
+from pd_transfer.connector.transports.nixl.staged_reads import LaneTotals, StagedChunks, StagedLaneWork
+from pd_transfer.connector.transports.nixl.staging import StagingArea
 from pd_transfer.spec import HOST, KVCacheLayout, MemoryPlace, ModelFingerprint, planes_of
 from pd_transfer.topology import PeerPlan, Restage, StagedSource
 from pd_transfer.transfer.agent import DescriptorList, ReadStats
@@ -305,12 +306,13 @@ def staged_pull(
     owner = Registrations()
     sources = [
         SourceRank(
-            source.remote_rank,
-            f"prefill-{source.remote_rank}",
-            DescriptorList(owner, None, "", source.local_grid),
-            DescriptorList(owner, None, f"prefill-{source.remote_rank}", source.remote_grid),
-            1,
-            DescriptorList(owner, None, "", staging.source_rows(source, first_plane)),
+            remote_rank=source.remote_rank,
+            peer=f"prefill-{source.remote_rank}",
+            expected_readers=1,
+            courier=owner,  # type: ignore[arg-type]
+            local=DescriptorList(owner, None, "", source.local_grid),
+            remote=DescriptorList(owner, None, f"prefill-{source.remote_rank}", source.remote_grid),
+            staging=DescriptorList(owner, None, "", staging.source_rows(source, first_plane)),
         )
         for source in plan.sources
     ]

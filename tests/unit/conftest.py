@@ -1,5 +1,5 @@
 """The unit tests' engines: prefill and decode engines in the test process whose agents are fakes
-(:mod:`pd_transfer.sim.fake_agent`: reads and writes are memory copies, notifications a thread's hand-off), so that
+(``tests/support/fake_agent.py``: reads and writes are memory copies, notifications a thread's hand-off), so that
 the connector's logic runs end to end without a child process. Each module gets its own fabric and engines. These,
 and the engines and ranks its tests make, are handed the ``agent_factory`` fixture (the fabric's ``new_agent``;
 tests/process/conftest.py's makes NIXL agents) where production code gets NIXL's by default: nothing is patched."""
@@ -10,9 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 from engine_specs import FINGERPRINT, decode_config, layouts, prefill_specs
+from fake_agent import FakeFabric
 
+from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
-from pd_transfer.sim.fake_agent import FakeFabric
 from pd_transfer.transfer.agent_protocol import AgentFactory
 
 
@@ -31,7 +32,7 @@ def agent_factory(fake_agents: FakeFabric) -> AgentFactory:
 @pytest.fixture(scope="module")
 def prefills(agent_factory: AgentFactory) -> Iterator[LocalPrefillEngines]:
     """The engines of :func:`engine_specs.prefill_specs`, in this process."""
-    with LocalPrefillEngines(prefill_specs(), agent_factory=agent_factory) as engines:
+    with LocalPrefillEngines(prefill_specs(), agent_factory=agent_factory, settings=DEFAULTS) as engines:
         yield engines
 
 
@@ -39,7 +40,9 @@ def prefills(agent_factory: AgentFactory) -> Iterator[LocalPrefillEngines]:
 def decode(agent_factory: AgentFactory) -> Iterator[DecodeEngine]:
     """A TP 1 decode engine, failure policy ``recompute``."""
     config = decode_config(failure_policy="recompute")
-    with DecodeEngine("d-recompute", layouts(FINGERPRINT, 1), 512, config, agent_factory=agent_factory) as engine:
+    with DecodeEngine(
+        "d-recompute", layouts(FINGERPRINT, 1), 512, config, agent_factory=agent_factory, settings=DEFAULTS
+    ) as engine:
         yield engine
 
 
@@ -47,5 +50,7 @@ def decode(agent_factory: AgentFactory) -> Iterator[DecodeEngine]:
 def decode_fail(agent_factory: AgentFactory) -> Iterator[DecodeEngine]:
     """A TP 1 decode engine, failure policy ``fail``."""
     config = decode_config(failure_policy="fail")
-    with DecodeEngine("d-fail", layouts(FINGERPRINT, 1), 256, config, agent_factory=agent_factory) as engine:
+    with DecodeEngine(
+        "d-fail", layouts(FINGERPRINT, 1), 256, config, agent_factory=agent_factory, settings=DEFAULTS
+    ) as engine:
         yield engine

@@ -36,9 +36,9 @@ from test_hold_window import (  # noqa: F401 (collected here, run with this fold
 )
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.errors import LeaseNotConfirmed
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.sim.verify import received_correctly
@@ -60,7 +60,9 @@ def _freed(prefills: LocalPrefillEngines, engine_id: str, request_ids: list[str]
 def test_two_decode_ranks_read_one_prefill_rank_and_both_report(
     agent_factory: AgentFactory, prefills: LocalPrefillEngines
 ) -> None:
-    with DecodeEngine("d-tp2", layouts(FINGERPRINT, 2), 32, decode_config(), agent_factory=agent_factory) as decode:
+    with DecodeEngine(
+        "d-tp2", layouts(FINGERPRINT, 2), 32, decode_config(), agent_factory=agent_factory, settings=DEFAULTS
+    ) as decode:
         out = prefills.prefill("p1", "tp1-to-2", prompt_len=45)
         got = decode.receive("dec-tp1-to-2", 45, out["params"])
         assert got.ok, got
@@ -76,7 +78,7 @@ def test_a_decode_of_larger_blocks_reads_every_token(
 ) -> None:
     decode_layouts = layouts(FINGERPRINT, 1, decode_block)
     with DecodeEngine(
-        f"d-block-{decode_block}", decode_layouts, 16, decode_config(), agent_factory=agent_factory
+        f"d-block-{decode_block}", decode_layouts, 16, decode_config(), agent_factory=agent_factory, settings=DEFAULTS
     ) as decode:
         out = prefills.prefill("p1", f"blocks-{decode_block}", prompt_len=100)
         got = decode.receive(f"dec-blocks-{decode_block}", 100, out["params"])
@@ -118,7 +120,11 @@ def test_a_held_request_is_pushed_and_counts_as_read(agent_factory: AgentFactory
         assert decode.confirmations.received == 0  # the write proved the lease: no LeaseConfirm
         # an unheld request is refused for push, read instead, and its confirmation tells the truth
         stats = decode.pull("never-held", prefill.host, prefill.port, [1, 2], [3, 4], 20)
-        assert stats.pushed_peers == () and decode.pushes is not None and decode.pushes.read_instead == 1
+        assert (
+            stats.pushed_peers == ()
+            and decode.ends["nixl"].pushes is not None
+            and decode.ends["nixl"].pushes.read_instead == 1
+        )
         with pytest.raises(LeaseNotConfirmed):
             decode.pull_confirmed(
                 "never-held-2", prefill.host, prefill.port, [5], [6], 16, confirm_timeout_s=0.5

@@ -8,8 +8,8 @@ import pytest
 import torch
 from staged_pulls import Registrations
 
-from pd_transfer.connector.decode.slot_fences import SlotFences, after_mark, mark
-from pd_transfer.connector.decode.staging import StagingArea
+from pd_transfer.connector.transports.nixl.slot_fences import SlotFences, after_mark, mark
+from pd_transfer.connector.transports.nixl.staging import StagingArea
 from pd_transfer.spec import HOST
 
 

@@ -1,4 +1,4 @@
-"""The fake agent (pd_transfer/sim/fake_agent.py) keeps the contract the connector relies on: reads and writes copy
+"""The fake agent (tests/support/fake_agent.py) keeps the contract the connector relies on: reads and writes copy
 exactly the rows asked for, then notify the peer; rows outside registered memory (when prepared, or deregistered by
 the time they are read), rows of a peer not added, rows of different lengths and a closed peer are refused as
 TransferAgent refuses them. That it is an ``Agent`` (the interface the connector uses) mypy checks; that the connector
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_agent import FakeAgent, FakeFabric
 
-from pd_transfer.sim.fake_agent import FakeAgent, FakeFabric
 from pd_transfer.transfer import PeerDisconnected, TransferError, UnknownPeer
 
 REPO = Path(__file__).resolve().parents[2]

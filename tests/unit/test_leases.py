@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from pd_transfer.connector.leases import LeaseLedger
 from pd_transfer.connector.messages import ReadDone, ReadFailed, ReleaseUnread
-from pd_transfer.connector.prefill.leases import LeaseLedger
 
 
 class FakeClock:

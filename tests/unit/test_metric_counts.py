@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
+from pd_transfer.connector.options import PrefillOptions
 from pd_transfer.connector.params import remote_prefill_params
-from pd_transfer.connector.prefill.options import PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank
 from pd_transfer.connector.scheduler import SchedulerSide
 from pd_transfer.handshake import (

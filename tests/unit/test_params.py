@@ -375,7 +375,9 @@ def test_a_host_that_does_not_answer_fails_bounded_under_the_policy(agent_factor
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # nobody listens here once closed
     config = decode_config(handshake_timeout_s=0.3, failure_policy="fail")
-    with DecodeEngine("d-dead-host", layouts(FINGERPRINT, 1), 16, config, agent_factory=agent_factory) as decode:
+    with DecodeEngine(
+        "d-dead-host", layouts(FINGERPRINT, 1), 16, config, agent_factory=agent_factory, settings=DEFAULTS
+    ) as decode:
         params = {**GOOD, "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1}
         started = time.monotonic()
         got = decode.receive("dec-dead-host", 40, params, timeout_s=10)

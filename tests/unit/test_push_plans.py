@@ -1,4 +1,5 @@
-"""A source plan on the wire for push (:mod:`pd_transfer.connector.push_plans`), and when a decode asks for push."""
+"""A source plan on the wire for push (:mod:`pd_transfer.connector.transports.nixl.push_plans`), and when a decode
+asks for push."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.push_plans import (
+from pd_transfer.connector.transports.nixl.push_plans import (
     MAX_PUSH_ROWS,
     PushPlanError,
     check_rows_inside,

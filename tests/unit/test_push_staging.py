@@ -14,11 +14,10 @@ import torch
 
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
-from pd_transfer.connector.prefill.options import PrefillOptions
+from pd_transfer.connector.options import DecodeOptions, PrefillOptions
 from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
-from pd_transfer.connector.push_staging import LandingArea, PushStager, StagedChunk
+from pd_transfer.connector.transports.nixl.push_staging import LandingArea, PushStager, StagedChunk
 from pd_transfer.handshake import HandshakeServer
 from pd_transfer.rows import AddressedRows
 from pd_transfer.settings import DEFAULTS, Settings
@@ -231,11 +230,13 @@ def test_a_staged_push_lands_every_element_and_counts_as_read(
         assert received_correctly(decode.cache, local_ids, staged_prefill.expected(), remote_ids, tokens)
         untouched = sorted(set(range(NUM_BLOCKS)) - set(local_ids))
         assert all(bool((tensor[untouched] == 0).all()) for tensor in decode.cache.tensors)
-        stager = staged_prefill.rank.pushes.staging
+        stager = staged_prefill.rank.ends["nixl"].writer.staging
         rows = 6 * 3 * 2  # blocks x layers x (K, V): one unit per plane block
         assert stager is not None and stager.chunks == -(-rows // 5)  # 5 rows a chunk
-        assert decode.pushes is not None
-        assert (decode.pushes.landing.landed_rows if decode.pushes.landing is not None else rows) == rows
+        assert decode.ends["nixl"].pushes is not None
+        assert (
+            decode.ends["nixl"].pushes.landing.landed_rows if decode.ends["nixl"].pushes.landing is not None else rows
+        ) == rows
         assert staged_prefill.rank.wait_released("staged", timeout_s=10) is not None
         freed = staged_prefill.rank.take_freed()
         assert [(f.request_id, f.reason) for f in freed] == [("staged", "read")]  # unpinned, lease ended as read
@@ -259,8 +260,8 @@ def test_a_request_larger_than_the_landing_part_is_read(agent_factory: AgentFact
         stats = decode.pull_confirmed("fits", prefill.host, prefill.port, [9], [1], 16)
         assert stats.pushed_peers == (prefill.rank.agent.name,)
         assert received_correctly(decode.cache, [1], prefill.expected(), [9], 16)
-        assert decode.pushes is not None and decode.pushes.landing is not None
-        assert decode.pushes.landing.landed_rows == 6
+        assert decode.ends["nixl"].pushes is not None and decode.ends["nixl"].pushes.landing is not None
+        assert decode.ends["nixl"].pushes.landing.landed_rows == 6
     finally:
         decode.close()
         prefill.close()

@@ -62,7 +62,6 @@ def test_every_kind_of_value_is_parsed() -> None:
             "PD_TRANSFER_TCP_SEGMENTS": "0",
             "PD_TRANSFER_THREAD_CPUS": "0-2,5",
             "PD_TRANSFER_LOG_LEVEL": "debug",
-            "PD_TRANSFER_SIM_BUSY_ENGINE": "1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
             "UCX_TLS": "tcp,self",
             "NOT_OURS": "ignored",
@@ -71,7 +70,7 @@ def test_every_kind_of_value_is_parsed() -> None:
     assert (settings.push, settings.push_min_bytes, settings.read_lanes, settings.huge_pages) == ("on", 0, 3, "0")
     assert settings.native_progress_ms == 3  # rounded up: NIXL waits whole milliseconds
     assert (settings.busy_poll_s, settings.read_wait_s) == (math.inf, 500e-6)
-    assert (settings.tcp_segments, settings.sim_busy_engine, settings.log_level) == (False, True, "DEBUG")
+    assert (settings.tcp_segments, settings.log_level) == (False, "DEBUG")
     assert settings.thread_cpu_set == {0, 1, 2, 5}
     assert (settings.side_channel_port, settings.ucx_tls) == (5601, "tcp,self")
     assert not settings.own_huge_pages and not settings.registered_huge_pages
@@ -261,14 +260,14 @@ def test_the_package_as_it_is_passes_the_check(package_copy: Path) -> None:
 
 @pytest.mark.parametrize("planted", list(PLANTED), ids=list(PLANTED.values()))
 def test_a_read_planted_outside_settings_fails_the_check(package_copy: Path, planted: str) -> None:
-    target = package_copy / "pd_transfer" / "connector" / "prefill" / "leases.py"
+    target = package_copy / "pd_transfer" / "connector" / "leases.py"
     target.write_text(target.read_text() + "\n\n" + planted)
     done = _ruff_check(package_copy)
     print(done.stdout)  # the failure, as ruff reports it (pytest -s shows it)
     assert done.returncode == 1
     hits = [line for line in done.stdout.splitlines() if "TID251" in line]
     assert hits == done.stdout.splitlines()[:1], done.stdout  # the read, and nothing else
-    assert "pd_transfer/connector/prefill/leases.py" in hits[0], hits
+    assert "pd_transfer/connector/leases.py" in hits[0], hits
     assert f"`{PLANTED[planted]}` is banned" in hits[0], hits
 
 
@@ -291,21 +290,47 @@ def test_the_settings_command_prints_them_resolved_and_refuses_a_bad_one(
     assert "PD_TRANSFER_READ_LANES must be a number, not 'many'" in capsys.readouterr().err
 
 
-#: Where a process's settings are read (its edges: the CLI, the stand-ins' and benchmarks' entry points) and
-#: ``settings.py`` itself; every other package gets them handed down.
-EDGES = ("cli.py", "settings.py", "sim/", "bench/")
+#: Where a process's settings may be given a default: the command (``cli.py``, the CLI's edge) and ``settings.py``
+#: itself; every other module, the stand-ins (``sim/``) and benchmarks (``bench/``) included, gets them handed down.
+EDGES = ("cli.py", "settings.py")
+#: Settings fields whose default is no default: ``None`` there means that the child process the spec starts reads its
+#: own settings at its edge (its environment, inherited from the parent).
+CHILD_READS_ITS_OWN = {"sim/peer.py PrefillSpec.settings"}
+
+
+def _is_settings(annotation: ast.expr | None) -> bool:
+    return annotation is not None and "Settings" in ast.unparse(annotation)
+
+
+def _a_default(value: ast.expr | None) -> bool:
+    """Whether a class field's value gives it a default (``field(kw_only=True)`` alone does not)."""
+    if value is None:
+        return False
+    if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("field"):
+        return any(keyword.arg in ("default", "default_factory") for keyword in value.keywords)
+    return True
 
 
 def settings_defaults(package: Path) -> list[str]:
-    """``path:line name`` of every parameter annotated ``Settings`` (or ``Settings | None``) that has a default, in
-    the product packages below the edges: a caller that forgot to hand the process's settings down would silently run
-    on defaults there."""
+    """``path:line name`` of every parameter and every class field (a dataclass's or a ``Struct``'s: a parameter of
+    the class) annotated ``Settings`` (or ``Settings | None``) that has a default, below the CLI: a caller that
+    forgot to hand the process's settings down would silently run on defaults there."""
     found = []
     for path in sorted(package.rglob("*.py")):
         relative = path.relative_to(package).as_posix()
         if relative.startswith(EDGES):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for statement in node.body:
+                    if (
+                        isinstance(statement, ast.AnnAssign)
+                        and _a_default(statement.value)
+                        and isinstance(statement.target, ast.Name)
+                        and _is_settings(statement.annotation)
+                        and f"{relative} {node.name}.{statement.target.id}" not in CHILD_READS_ITS_OWN
+                    ):
+                        found.append(f"{relative}:{statement.lineno} {node.name}.{statement.target.id}")
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             arguments = node.args
@@ -313,18 +338,53 @@ def settings_defaults(package: Path) -> list[str]:
             pairs = list(zip(positional[len(positional) - len(arguments.defaults) :], arguments.defaults, strict=True))
             pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True) if d is not None]
             for argument, _ in pairs:
-                if argument.annotation is not None and "Settings" in ast.unparse(argument.annotation):
+                if _is_settings(argument.annotation):
                     found.append(f"{relative}:{node.lineno} {node.name}({argument.arg})")
     return found
 
 
-def test_no_product_signature_defaults_the_settings() -> None:
-    """Settings are read once at a process's edge and handed down: below the edges a ``settings`` parameter has no
-    default (``settings: Settings = DEFAULTS`` would turn a missing hand-down into a process running on defaults)."""
+def test_no_signature_below_the_cli_defaults_the_settings() -> None:
+    """Settings are read once at a process's edge and handed down: below the CLI a ``settings`` parameter or field
+    has no default (``settings: Settings = DEFAULTS`` would turn a missing hand-down into a process running on
+    defaults), the stand-ins' and benchmarks' included."""
     assert settings_defaults(PACKAGE) == []
 
 
 def test_a_settings_default_planted_below_the_edge_is_found(package_copy: Path) -> None:
     target = package_copy / "pd_transfer" / "connector" / "cache.py"
     target.write_text(target.read_text() + "\n\ndef planted(settings: Settings = DEFAULTS) -> None:\n    pass\n")
-    assert [hit.split(":")[0] for hit in settings_defaults(package_copy / "pd_transfer")] == ["connector/cache.py"]
+    field = package_copy / "pd_transfer" / "sim" / "kv_model.py"
+    field.write_text(field.read_text() + "\n\nclass Planted:\n    settings: Settings = DEFAULTS\n")
+    found = settings_defaults(package_copy / "pd_transfer")
+    assert [hit.split(":")[0] for hit in found] == ["connector/cache.py", "sim/kv_model.py"], found
+    assert found[1].endswith(" Planted.settings"), found
+
+
+#: Where the product is not: the benchmarks, the stand-ins and the command that runs them.
+BESIDE_THE_PRODUCT = ("bench/", "sim/", "cli.py")
+
+
+def settings_only_beside_the_product(names: list[str], package: Path) -> list[str]:
+    """Of the :class:`Settings` fields ``names``, those that no product module reads (as ``.name``: an attribute of
+    the settings): fields that exist for a benchmark, a stand-in or a test. A variable another program reads
+    (``UCX_*``, declared to be documented and put in force) counts as read."""
+    product = [
+        path.read_text()
+        for path in sorted(package.rglob("*.py"))
+        if not path.relative_to(package).as_posix().startswith(BESIDE_THE_PRODUCT)
+    ]
+    variables = {f.name: f.metadata["variable"].name for f in fields(Settings)}
+    return [
+        name
+        for name in names
+        if not variables.get(name, "").startswith("UCX_")
+        and not any(re.search(rf"\.{name}\b", text) for text in product)
+    ]
+
+
+def test_every_setting_is_the_products() -> None:
+    """No field of :class:`Settings` exists for a benchmark's, a stand-in's or a test's sake: each is read by the
+    product (a benchmark takes its own values as arguments). ``vllm_router``, once a field only ``bench proxy``
+    read, is found as one."""
+    assert settings_only_beside_the_product([f.name for f in fields(Settings)], PACKAGE) == []
+    assert settings_only_beside_the_product(["vllm_router"], PACKAGE) == ["vllm_router"]

@@ -1,4 +1,5 @@
-"""The pipelined staged read (connector/decode/staged_reads.py) with reads done by ``memmove`` over the descriptor rows.
+"""The pipelined staged read (connector/transports/nixl/staged_reads.py) with reads done by ``memmove`` over the
+descriptor rows.
 
 Each lane runs on a thread of its own, as on the read lanes; caches are the encoded caches of ``topology_sim``
 (through ``staged_pulls``), so every received element is checked against what the prefill held, and every byte
@@ -20,7 +21,7 @@ import torch
 from staged_pulls import CASES, TimingStress, UnregisteredMemory, memmove_read, run_lanes, staged_pull
 from topology_sim import check_received
 
-from pd_transfer.connector.decode.staged_reads import LaneTotals
+from pd_transfer.connector.transports.nixl.staged_reads import LaneTotals
 from pd_transfer.transfer.agent import DescriptorList, ReadStats
 from pd_transfer.transfer.errors import TransferError
 

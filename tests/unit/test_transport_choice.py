@@ -1,5 +1,6 @@
-"""Which transport a decode reads a prefill engine with: same-host IPC only where every rank read offered it, is on
-this host, in the same kind of memory as ours and (GPU) on a GPU ours can reach; NIXL otherwise; the setting wins."""
+"""Which transport a decode reads a prefill engine with: the first its setting names that reads it; a same-host one
+only where every rank read offered its kind, is on this host, in the same kind of memory as ours and (GPU) on a GPU
+ours can reach; NIXL reads any."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import msgspec
 import pytest
 
 from pd_transfer.connector.config import ConfigError, ConnectorConfig
-from pd_transfer.connector.decode.transport_choice import choose_transport
+from pd_transfer.connector.transports.ipc.choice import SameHostKind, refusal
+from pd_transfer.connector.transports.registry import UnknownTransport, select
 from pd_transfer.handshake.messages import CmaSegment, CudaSegment, HostSegment, RankIpc, RankMetadata
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.handshake_server import fake_engine
-from pd_transfer.spec import HOST, MemoryPlace, TransportSetting
+from pd_transfer.spec import HOST, MemoryPlace
 
 BOOT = "5c0ffee0-0000-4000-8000-000000000001"
 GPU0 = MemoryPlace("cuda", 0)
@@ -52,64 +54,78 @@ def reachable(local: int, uuid: str) -> str:
     return "" if uuid == "GPU-a" else f"cuda:{local} cannot access {uuid}"
 
 
-def choose(
-    setting: TransportSetting, local: MemoryPlace, *ranks: RankMetadata, packed: bool = False
-) -> tuple[str, str]:
-    choice = choose_transport(
-        setting, local, list(ranks), BOOT, packed=packed, reach=reachable, pid_namespace=NAMESPACE
-    )
-    return choice.transport, choice.reason
+def why_not(kind: SameHostKind, local: MemoryPlace, *ranks: RankMetadata) -> str:
+    """Why ``kind`` does not read ``ranks`` into a cache at ``local`` ("" when it does)."""
+    offers = [(rank.tp_rank, rank.ipc) for rank in ranks]
+    return refusal(kind, local, offers, BOOT, reach=reachable, pid_namespace=NAMESPACE)
+
+
+def first_transport(setting: str, local: MemoryPlace, *ranks: RankMetadata) -> str:
+    """The first transport of ``setting`` that reads ``ranks`` (NIXL reads any): as a decode rank asks them."""
+    for transport in select(setting):
+        if transport.name == "nixl" or not why_not(transport.name, local, *ranks):  # type: ignore[arg-type]
+            return transport.name
+    return ""
 
 
 def test_same_host_shareable_host_memory_is_copied_through_host_ipc() -> None:
-    assert choose("auto", HOST, host_rank(), host_rank())[0] == "host_ipc"
-    assert choose("ipc", HOST, host_rank())[0] == "host_ipc"
+    assert first_transport("auto", HOST, host_rank(), host_rank()) == "host_ipc"
+    assert first_transport("ipc", HOST, host_rank()) == "host_ipc"
 
 
 def test_a_reachable_gpu_on_this_host_is_copied_through_cuda_ipc() -> None:
-    transport, reason = choose("auto", GPU0, cuda_rank())
-    assert transport == "cuda_ipc" and "cuda:0" in reason
+    assert why_not("cuda_ipc", GPU0, cuda_rank()) == ""
+    assert first_transport("auto", GPU0, cuda_rank()) == "cuda_ipc"
 
 
 def test_other_host_memory_in_our_pid_namespace_is_read_in_place() -> None:
-    transport, reason = choose("auto", HOST, cma_rank(), cma_rank())
-    assert transport == "host_cma" and "pid namespace" in reason
-    assert choose("ipc", HOST, cma_rank())[0] == "host_cma"
+    assert first_transport("auto", HOST, cma_rank(), cma_rank()) == "host_cma"
+    assert first_transport("ipc", HOST, cma_rank()) == "host_cma"
 
 
 def test_ranks_offering_different_kinds_read_with_nixl() -> None:
-    transport, reason = choose("auto", HOST, host_rank(), cma_rank())
-    assert transport == "nixl" and "different kinds of IPC" in reason
+    assert "rank 0: its offer holds no host_cma segments only" in why_not("host_cma", HOST, host_rank(), cma_rank())
+    assert "its offer holds no host_ipc segments only" in why_not("host_ipc", HOST, host_rank(), cma_rank())
+    assert first_transport("auto", HOST, host_rank(), cma_rank()) == "nixl"
 
 
-def test_the_setting_nixl_never_uses_ipc() -> None:
-    assert choose("nixl", HOST, host_rank()) == ("nixl", "transport is set to nixl")
+def test_the_setting_nixl_never_uses_ipc_and_ipc_never_nixl() -> None:
+    assert [transport.name for transport in select("nixl")] == ["nixl"]
+    assert first_transport("nixl", HOST, host_rank()) == "nixl"
+    assert first_transport("ipc", HOST, fake_engine().ranks[1]) == ""  # the engine is refused
 
 
 @pytest.mark.parametrize(
-    ("local", "rank", "why"),
+    ("kind", "local", "rank", "why"),
     [
-        (HOST, fake_engine().ranks[1], "rank 1: no IPC offered"),
-        (HOST, host_rank(boot_id="another-boot"), "rank 0: on another host"),
-        (GPU0, host_rank(), "rank 0: its cache is in host memory, ours in cuda:0"),
-        (HOST, cuda_rank(), "rank 0: its cache is in GPU memory, ours in host"),
-        (GPU0, cuda_rank(uuid="GPU-b"), "rank 0: cuda:0 cannot access GPU-b"),
-        (HOST, cma_rank(pid_namespace=NAMESPACE + 1), "rank 0: its process is in another pid namespace"),
-        (GPU0, cma_rank(), "rank 0: its cache is in host memory, ours in cuda:0"),
+        ("host_ipc", HOST, fake_engine().ranks[1], "rank 1: no host_ipc offer"),
+        ("host_ipc", HOST, host_rank(boot_id="another-boot"), "rank 0: on another host"),
+        ("host_ipc", GPU0, host_rank(), "our cache is in cuda:0, which host_ipc does not read into"),
+        ("cuda_ipc", HOST, cuda_rank(), "our cache is in host, which cuda_ipc does not read into"),
+        ("cuda_ipc", GPU0, host_rank(), "rank 0: its offer holds no cuda_ipc segments only"),
+        ("cuda_ipc", GPU0, cuda_rank(uuid="GPU-b"), "rank 0: cuda:0 cannot access GPU-b"),
+        ("host_cma", HOST, cma_rank(pid_namespace=NAMESPACE + 1), "rank 0: its process is in another pid namespace"),
+        ("host_cma", GPU0, cma_rank(), "our cache is in cuda:0, which host_cma does not read into"),
     ],
 )
-def test_everything_else_reads_with_nixl_saying_why(local: MemoryPlace, rank: RankMetadata, why: str) -> None:
-    readable = host_rank() if local.is_host else cuda_rank()
-    transport, reason = choose("auto", local, readable, rank)
-    assert transport == "nixl" and why in reason
+def test_a_same_host_transport_refuses_the_rest_saying_why(
+    kind: SameHostKind, local: MemoryPlace, rank: RankMetadata, why: str
+) -> None:
+    assert why in why_not(kind, local, rank)
 
 
-def test_packed_blocks_of_another_size_read_with_nixl() -> None:
-    assert choose("auto", HOST, host_rank(), packed=True)[0] == "nixl"
-
-
-def test_the_transport_setting_is_typed() -> None:
+def test_the_transport_setting_is_checked_when_read_and_resolved_when_a_rank_is_made() -> None:
     assert ConnectorConfig.from_dict({}, env={}, settings=DEFAULTS).transport == "auto"
     assert ConnectorConfig.from_dict({"transport": "ipc"}, env={}, settings=DEFAULTS).transport == "ipc"
-    with pytest.raises(ConfigError, match="transport"):
-        ConnectorConfig.from_dict({"transport": "cuda"}, env={}, settings=DEFAULTS)
+    assert ConnectorConfig.from_dict({"transport": "toy, nixl"}, env={}, settings=DEFAULTS).transport == "toy, nixl"
+    for bad in ("", "Cuda IPC", "nixl, nixl", "a:b:c"):
+        with pytest.raises(ConfigError, match="transport"):
+            ConnectorConfig.from_dict({"transport": bad}, env={}, settings=DEFAULTS)
+    assert [transport.name for transport in select("auto")] == ["cuda_ipc", "host_ipc", "host_cma", "nixl"]
+    assert [transport.name for transport in select("host_cma, auto")] == ["host_cma", "cuda_ipc", "host_ipc", "nixl"]
+    with pytest.raises(UnknownTransport, match="no transport is named 'cuda'; known: auto, ipc, nixl"):
+        select("cuda")
+    with pytest.raises(UnknownTransport, match="module 'no_such_module' does not import"):
+        select("no_such_module:TRANSPORT")
+    with pytest.raises(UnknownTransport, match="is no transport: it has no name, same_host, prefill_end, decode_end"):
+        select("json:dumps")

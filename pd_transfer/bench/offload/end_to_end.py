@@ -65,7 +65,7 @@ from pd_transfer.cluster.launch import (
 )
 from pd_transfer.cluster.processes import ManagedProcess, StartupFailed, wait_ready
 from pd_transfer.offload.page_cache import DROP_METHOD, drop_from_cache, resident_fraction
-from pd_transfer.settings import child_environment, read_settings
+from pd_transfer.settings import child_environment
 
 from .end_to_end_sizing import BLOCK, MAX_TOKENS, PREFIX, TAIL, Sizing, save_result, sizing_for
 
@@ -78,7 +78,6 @@ PROMPT_METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 REQUEST_TIMEOUT_S = 120.0
 FLUSH_TIMEOUT_S = 60.0
-MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"  # Settings.vllm_model
 _EXCEPTION = re.compile(r"^(\(\w+ pid=\d+\) )?([\w.]+)?(Error|Exception)\b: ")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -492,7 +491,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--end-to-end", action="store_true", help="TTFT of prefix hits on real vLLM servers")
     parser.add_argument("--output", type=Path, default=None,
                         help="end-to-end: merge the result into this JSON file (end_to_end*)")  # fmt: skip
-    parser.add_argument("--model", default=None, help=f"end-to-end: model folder (${MODEL_ENV} or {TINY_MODEL_DIR})")
+    parser.add_argument("--model", default=None, help=f"end-to-end: model folder ({TINY_MODEL_DIR})")
     parser.add_argument("--python", default=sys.executable, help="end-to-end: the interpreter that runs vLLM")
     parser.add_argument("--log-dir", type=Path, default=None, help="end-to-end: server logs (runs/bench-offload-*)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="end-to-end: seconds to healthy")
@@ -506,7 +505,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     if unknown:
         raise ValueError(f"unknown setups {unknown}; known: {', '.join(SETUPS)}")
     return Settings(
-        model=args.model or read_settings().vllm_model or str(TINY_MODEL_DIR),  # the command's edge
+        model=args.model or str(TINY_MODEL_DIR),
         python=args.python,
         log_dir=args.log_dir or Path("runs") / time.strftime("bench-offload-%Y%m%d-%H%M%S"),
         repeats=args.repeats,

@@ -52,7 +52,7 @@ from pd_transfer.bench.proxy.router import RouterProcess, find_router, start_rou
 from pd_transfer.bench.vllm.scale import host_copy_gbps
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.cli import loop_factory
-from pd_transfer.settings import child_environment, read_settings
+from pd_transfer.settings import child_environment
 
 PROMPT = " ".join(f"word{i}" for i in range(64))  # ~83 tokens by the proxy's estimate
 TOKENS = 8
@@ -481,7 +481,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``pd-transfer bench proxy [--json] [--quick] [--requests N] [--prefill-delay S] [--token-delay S] [--runs
     N]``."""
-    router = args.vllm_router or read_settings().vllm_router  # this command is its process's edge
     runs = []
     for _ in range(max(1, args.runs)):
         copy_before = host_copy_gbps()
@@ -491,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_delay_s=args.prefill_delay,
             token_delay_s=args.token_delay,
             pin=not args.no_pin,
-            router=router,
+            router=args.vllm_router,
             with_router=not args.no_vllm_router,
             stream=args.stream,
         )

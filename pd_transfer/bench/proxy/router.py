@@ -2,10 +2,9 @@
 bench proxy``: in P/D mode (``--vllm-pd-disaggregation --kv-connector nixl``) over the same stand-in prefill and
 decode, pinned to the proxy's core, so both fronts do the same two hops for the same client load.
 
-The binary is found as ``--vllm-router PATH``, else ``$PD_TRANSFER_VLLM_ROUTER`` (both passed as ``explicit`` by
-the command), else ``vllm-router`` on PATH, else
-``.venv-deploy/bin/vllm-router`` beside the interpreter's virtual environment (``scripts/setup-deploy`` puts it
-there). Without one the benchmark records why and measures our proxy alone.
+The binary is found as ``--vllm-router PATH`` (passed as ``explicit`` by the command), else ``vllm-router`` on
+PATH, else ``.venv-deploy/bin/vllm-router`` beside the interpreter's virtual environment (``scripts/setup-deploy``
+puts it there). Without one the benchmark records why and measures our proxy alone.
 """
 
 from __future__ import annotations

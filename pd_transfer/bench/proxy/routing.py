@@ -492,9 +492,7 @@ def run(args: argparse.Namespace) -> int:
     if min(asdict(workload).values()) < 1:
         print("bench routing: every workload size must be at least 1", file=sys.stderr)
         return 2
-    router = (
-        None if args.no_router else find_router(args.vllm_router or child_environment().get("PD_TRANSFER_VLLM_ROUTER"))
-    )
+    router = None if args.no_router else find_router(args.vllm_router)
     if not args.kvcache_gib > 0 or args.max_local_prefill < 1:
         print("bench routing: --kvcache-gib and --max-local-prefill must be positive", file=sys.stderr)
         return 2

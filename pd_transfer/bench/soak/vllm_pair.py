@@ -27,7 +27,7 @@ from pd_transfer.affinity import allowed_cpu
 from pd_transfer.cluster.http_client import RequestFailed, answer_tokens, completion, free_port, scrape_metrics
 from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
 from pd_transfer.cluster.processes import ManagedProcess, group_members, stop_all, wait_ready
-from pd_transfer.settings import child_environment, read_settings
+from pd_transfer.settings import child_environment
 
 __all__ = ["SoakLoad", "add_arguments", "drive", "group_rss_bytes", "held_gauges", "rss_bytes", "run", "settle"]
 
@@ -320,7 +320,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="requests at once (32)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (8)")
     parser.add_argument("--lease", type=float, default=30.0, help="the prefill's lease in seconds (30)")
-    parser.add_argument("--model", default=None, help="model folder ($PD_TRANSFER_VLLM_MODEL or the tiny model)")
+    parser.add_argument("--model", default=str(TINY_MODEL_DIR), help=f"model folder ({TINY_MODEL_DIR})")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs vLLM (this one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (runs/bench-soak-TIMESTAMP)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for servers to be healthy")
@@ -352,8 +352,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, _interrupt)
     if args.output is None:
         args.output = Path("benchmarks/soak.json")
-    if args.model is None:  # this command is its process's edge: its settings are read here, once
-        args.model = read_settings().vllm_model or str(TINY_MODEL_DIR)
     try:
         result = soak(args)
     except KeyboardInterrupt:

@@ -28,15 +28,12 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank, PullStats
-from pd_transfer.connector.decode.reads import DEFAULT_STAGED_JOBS_PER_LANE
-from pd_transfer.connector.decode.staging import DEFAULT_STAGING_CHUNK_BYTES
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
+from pd_transfer.connector.options import DEFAULT_STAGED_JOBS_PER_LANE, DEFAULT_STAGING_CHUNK_BYTES, DecodeOptions
+from pd_transfer.settings import Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import received_correctly
-from pd_transfer.spec import TransportSetting
 
 from ..device import parse_device, topology_section
 from ..transfer.reads import QUICK_SHAPE, host_copy_gbps
@@ -108,8 +105,8 @@ def run(
     repeats: int = REPEATS,
     seed: int = 11,
     device: str | None = None,
-    transport: TransportSetting = "auto",
-    settings: Settings = DEFAULTS,
+    transport: str = "auto",
+    settings: Settings,
 ) -> dict:
     """Heterogeneous TP and block sizes against the homogeneous read, side by side. ``device``: where both sides'
     caches live, and the ``gpu`` section against its copy (None: the CPU, no section). ``transport``: the decodes'
@@ -159,7 +156,7 @@ def run(
                 decode.agent.lanes_ready.wait(_LANES_READY_S)
             for index, (decode, prefill, ids) in enumerate(pairs):  # each lane's first read of a peer connects
                 _measure(decode, prefill, remote_ids, ids, tokens, f"warm-up-{index}", 1)
-            tp1_caches, tp2_caches = homogeneous_spec.caches(), tp2_spec.caches()
+            tp1_caches, tp2_caches = homogeneous_spec.caches(huge_pages=own), tp2_spec.caches(huge_pages=own)
             homogeneous, tp_2_to_1, block_16_to_64 = [], [], []
             checks = {"homogeneous": True, "tp_2_to_1": True, "block_16_to_64": True}
             for index in range(repeats):  # interleaved, so drift on the machine hits every case alike

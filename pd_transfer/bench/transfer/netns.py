@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_transfer.settings import DEFAULTS, Settings, process_environment
+from pd_transfer.settings import Settings, process_environment
 from pd_transfer.sim.shape import Shape
 
 from .tcp import run
@@ -163,7 +163,8 @@ def run_netns(
     repeats: int,
     idle_seconds: float,
     wire_gbit: float | None = None,
-    settings: Settings = DEFAULTS,
+    busy_prefill: bool = False,
+    settings: Settings,
 ) -> dict:
     """:func:`.tcp.run` with the prefill across a veth, shaped to ``wire_gbit`` Gbit/s if given
     (:func:`shape_wire`; the result's ``wire_gbit``); ``{"skipped": reason}`` where that cannot be built."""
@@ -180,6 +181,7 @@ def run_netns(
                 decode_host=net.outer_address,
                 stream_prefix=["ip", "netns", "exec", net.ns],
                 prefill_options={"netns": net.ns, "ucx_net_devices": net.inner},
+                busy_prefill=busy_prefill,
                 settings=settings,
             )
         result["veth_rx_bytes"] = rx_bytes(net.outer) - received

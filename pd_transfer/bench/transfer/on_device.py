@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.remote_engines import RemoteEngine
+from pd_transfer.connector.options import DecodeOptions
+from pd_transfer.connector.transports.ipc.transport import SameHostLink
 from pd_transfer.rows import move_rows
 from pd_transfer.same_host.ipc_engine import IpcEngine, IpcSource, storages
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults
+from pd_transfer.settings import Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
@@ -116,10 +117,9 @@ def _case(
         result = decode.pull(request_id, host, port, remote_ids, local_ids, num_tokens)
         ours.append(result.seconds)
         copies.append(device_copy_seconds(expected, scratch, remote_ids, local_ids, num_tokens))
-        if isinstance(remote.ipc, IpcEngine):
-            raw_ipc.append(
-                _raw_ipc_copy_seconds(remote.ipc.sources[0], storages(scratch.tensors)[0], result.bytes, device)
-            )
+        opened = remote.link.opened if isinstance(remote.link, SameHostLink) else None
+        if isinstance(opened, IpcEngine):
+            raw_ipc.append(_raw_ipc_copy_seconds(opened.sources[0], storages(scratch.tensors)[0], result.bytes, device))
     assert result is not None
     verified = received_correctly(decode.cache, local_ids, [expected], remote_ids, num_tokens)
     raw_nixl = _raw_nixl_seconds(decode, remote, plan, local_rows, remote_rows)
@@ -185,7 +185,7 @@ def _copy_rate_gbps(device: torch.device, nbytes: int, repeats: int = 5) -> floa
     return nbytes / statistics.median(seconds) / 2**30
 
 
-def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings: Settings = DEFAULTS) -> dict:
+def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings: Settings) -> dict:
     """The whole benchmark on ``device`` ("cuda", "cuda:N" or "cpu"); returns the JSON-ready ``gpu`` section.
     ``settings``: the command's (both sides run with them)."""
     where = torch.device(device)
@@ -205,7 +205,7 @@ def run(shape: Shape, device: str, *, repeats: int = 5, seed: int = 7, settings:
     )
     contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
-        (expected,) = spec.caches(settings=settings)
+        (expected,) = spec.caches(huge_pages=settings.own_huge_pages)
         cache = KVCache.allocate(layout, shape.cache_blocks, device=where)
         decode = DecodeRank("bench-device-decode", cache, DecodeOptions(read_lanes=1, settings=settings))
         scratch = KVCache.allocate(layout, shape.cache_blocks, device=where)

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from pd_transfer.settings import DEFAULTS, Settings, child_environment, read_settings
+from pd_transfer.settings import Settings, child_environment, read_settings
 from pd_transfer.sim.child import die_with_parent, stop_process
 from pd_transfer.sim.kv_model import KVModel
 from pd_transfer.transfer.tcp import tcp_ucx_env
@@ -196,7 +196,8 @@ def run(
     rounds: int = 5,
     netns: bool = True,
     wire_gbit: float | None = None,
-    settings: Settings = DEFAULTS,
+    *,
+    settings: Settings,
 ) -> dict[str, Any]:
     """The whole benchmark: the veth path where it can be built (else the reason), shaped to ``wire_gbit`` Gbit/s
     if given, and loopback. The stand-ins run over TCP with :data:`~pd_transfer.transfer.tcp.TCP_UCX_ENV` (any of
@@ -248,6 +249,8 @@ def cli_run(args: argparse.Namespace) -> int:
         raise SystemExit("--rounds and every --sizes-mib must be at least 1")
     if args.wire_gbit is not None and not args.netns:
         raise SystemExit("--wire-gbit shapes the veth: drop --no-netns")
-    result = run(args.sizes_mib, args.rounds, args.netns, args.wire_gbit, read_settings())  # the command's edge
+    result = run(
+        args.sizes_mib, args.rounds, args.netns, args.wire_gbit, settings=read_settings()
+    )  # the command's edge
     print(json.dumps(result, indent=2) if args.json else "\n".join(lines(result)))
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from typing import TypeVar
 
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache, zeroed_host_tensor
-from pd_transfer.connector.decode.options import DecodeOptions
 from pd_transfer.connector.decode.rank import DecodeRank
-from pd_transfer.settings import DEFAULTS, Settings, apply_process_defaults, environment
+from pd_transfer.connector.options import DecodeOptions
+from pd_transfer.settings import Settings, apply_process_defaults, environment
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import plane_tensors, received_correctly
@@ -95,6 +95,7 @@ def _with_cpu(prefill: PrefillProcess, cpu_samples: list[float], call: Callable[
 
 def _case(
     decode: DecodeRank,
+    reading: DecodeRank | None,
     prefill: PrefillProcess,
     expected_prefill: list[KVCache],
     scratch: KVCache,
@@ -116,18 +117,16 @@ def _case(
         ours, ours_read, raws, writes, copies = [], [], [], [], []
         cpus: dict[str, list[float]] = {"ours": [], "ours_read": [], "raw_read": [], "raw_write": []}
         result = None
-        pushes = decode.pushes
-        pushing = pushes is not None and all(pushes.ready(peer) for peer in decode.remotes.source_peers(host, port))
         for index in range(repeats):
             request_id = f"bench-{label}-{index}"
             prefill.request("hold", request_id, remote_ids)  # held, as a finished request is: it may be pushed
             pull = partial(decode.pull, request_id, host, port, remote_ids, local_ids, num_tokens)
             result = _with_cpu(prefill, cpus["ours"], pull)
             ours.append(result.seconds)
-            if pushing:  # the same request read instead, beside it
+            if reading is not None:  # the same request read instead, beside it, by a decode that never asks to push
                 prefill.request("hold", f"{request_id}-read", remote_ids)
-                read = partial(decode.pull, f"{request_id}-read", host, port, remote_ids, local_ids, num_tokens)
-                ours_read.append(_with_cpu(prefill, cpus["ours_read"], partial(read, pushed=False)).seconds)
+                read = partial(reading.pull, f"{request_id}-read", host, port, remote_ids, local_ids, num_tokens)
+                ours_read.append(_with_cpu(prefill, cpus["ours_read"], read).seconds)
             raws.append(_with_cpu(prefill, cpus["raw_read"], partial(raw.read_seconds, local_rows, remote_rows)))
             # the prefill's bytes, just read and verified, written back unchanged: the other direction's rate
             write = partial(raw.read_seconds, local_rows, remote_rows, operation="WRITE")
@@ -214,10 +213,12 @@ def run(
     seed: int = 7,
     read_lanes: int | None = None,
     prefill_options: dict[str, str] | None = None,
-    settings: Settings = DEFAULTS,
+    busy_prefill: bool = False,
+    settings: Settings,
 ) -> dict:
     """Run the whole benchmark; returns the JSON-ready result. ``read_lanes``: the decode's (default: its
     default); ``prefill_options``: more :class:`PrefillSpec` fields (``host``, ``netns``, ``ucx_net_devices``);
+    ``busy_prefill``: the prefill process's engine loop holds the GIL (:class:`PrefillSpec`'s ``busy_engine``);
     ``settings``: the command's (both sides run with them), with the UCX variables in force now."""
     settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
@@ -228,19 +229,20 @@ def run(
         num_blocks=shape.cache_blocks,
         seed=seed,
         settings=settings,
+        busy_engine=busy_prefill,
         **(prefill_options or {}),  # type: ignore[arg-type]
     )
     contiguous, scattered = request_ids(shape, seed)
     with PrefillProcess(spec) as prefill:
-        expected = spec.caches()
+        expected = spec.caches(huge_pages=settings.own_huge_pages)  # also the memcpy yardstick's source
         own_huge_pages = settings.own_huge_pages
+        # our NIXL read path, against a raw NIXL READ (same-host reads in place: bench topology)
+        options = DecodeOptions(read_lanes=read_lanes, settings=settings, transport="nixl")
         decode = DecodeRank(
-            "bench-decode",
-            KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages),
-            # our NIXL read path, against a raw NIXL READ (same-host reads in place: bench topology)
-            DecodeOptions(read_lanes=read_lanes, settings=settings, transport="nixl"),
+            "bench-decode", KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages), options
         )
         scratch = KVCache.allocate(layout, shape.cache_blocks, huge_pages=own_huge_pages)
+        reading: DecodeRank | None = None  # where the prefill pushes: a decode that reads, for the same requests
         try:
             decode.agent.lanes_ready.wait(30.0)  # made in the background; a server's first pulls may go without
             assert isinstance(decode.agent, TransferAgent)  # the default factory's; huge pages are a NIXL agent's
@@ -249,6 +251,11 @@ def run(
             decode.connect(prefill.host, prefill.port)
             connect_ms = (time.perf_counter() - started) * 1e3
             pushes = decode.push_ready(prefill.host, prefill.port, timeout_s=10.0)
+            if pushes:
+                reading = DecodeRank(
+                    "bench-decode-read", KVCache.allocate(layout, shape.cache_blocks), replace(options, push="off")
+                )
+                reading.connect(prefill.host, prefill.port)
             lanes = decode.agent.lanes
             reported = {
                 "transport": "nixl",
@@ -257,7 +264,7 @@ def run(
                 "ucx_env": {k: v for k, v in sorted(environment().items()) if k.startswith("UCX_")},
                 "transparent_hugepages": thp_mode(),
                 "huge_pages": settings.huge_pages,
-                "busy_prefill_engine": settings.sim_busy_engine,
+                "busy_prefill_engine": busy_prefill,
                 "decode_cache_huge_page_fraction": round(_huge_fraction(decode.cache), 3),
                 "push": pushes,  # the decode asks the prefill to write (PD_TRANSFER_PUSH; auto: over TCP)
             }
@@ -265,10 +272,15 @@ def run(
             prefill.request("hold", _LEASE, [0])
             results = {
                 "contiguous": _case(
-                    decode, prefill, expected, scratch, *contiguous, shape.request_tokens, repeats, "c"
+                    decode, reading, prefill, expected, scratch, *contiguous, shape.request_tokens, repeats, "c"
                 ),
-                "scattered": _case(decode, prefill, expected, scratch, *scattered, shape.request_tokens, repeats, "s"),
+                "scattered": _case(
+                    decode, reading, prefill, expected, scratch, *scattered, shape.request_tokens, repeats, "s"
+                ),
             }
+            if reading is not None:
+                reading.close()  # before the idle measurement
+                reading = None
             released = prefill.wait_released(f"bench-s-{repeats - 1}", timeout_s=10.0)
             latencies = one_unit_read_latencies(decode, prefill.host, prefill.port, samples=300)
             pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
@@ -280,6 +292,8 @@ def run(
             decode_idle = 100.0 * (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
             prefill_idle = float(prefill.receive(idle_seconds + 30)[1])
         finally:
+            if reading is not None:
+                reading.close()
             decode.close()
     one_block_bytes = layout.plane_block_bytes
     copies = {kind: host_copy_gbps(results["contiguous"]["bytes"], huge_pages=kind) for kind in (False, True)}

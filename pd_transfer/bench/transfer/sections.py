@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd_transfer.settings import DEFAULTS, Settings
+from pd_transfer.settings import Settings
 from pd_transfer.sim.shape import Shape
 
 from . import reads, tcp
@@ -19,19 +19,31 @@ def run_sections(
     repeats: int,
     idle_seconds: float,
     wire_gbit: float | None = None,
-    settings: Settings = DEFAULTS,
+    busy_prefill: bool = False,
+    settings: Settings,
 ) -> dict:
     """The benchmark's sections by name: ``default`` (the transports UCX picks: CMA on one host) at the top level,
     ``tcp`` and ``tcp_netns`` (across a veth, where network namespaces can be made; ``wire_gbit``: the veth shaped
-    to that rate) under their names; every one with the command's ``settings``."""
+    to that rate) under their names; every one with the command's ``settings``, and with ``busy_prefill`` a
+    prefill process whose engine loop holds the GIL (:class:`~pd_transfer.sim.peer.PrefillSpec`'s
+    ``busy_engine``)."""
     result: dict = {}
     if "default" in sections:
-        result.update(reads.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings))
+        result.update(
+            reads.run(shape, repeats=repeats, idle_seconds=idle_seconds, busy_prefill=busy_prefill, settings=settings)
+        )
     if "tcp" in sections:
-        result["tcp"] = tcp.run(shape, repeats=repeats, idle_seconds=idle_seconds, settings=settings)
+        result["tcp"] = tcp.run(
+            shape, repeats=repeats, idle_seconds=idle_seconds, busy_prefill=busy_prefill, settings=settings
+        )
     if "tcp_netns" in sections:
         result["tcp_netns"] = run_netns(
-            shape, repeats=repeats, idle_seconds=idle_seconds, wire_gbit=wire_gbit, settings=settings
+            shape,
+            repeats=repeats,
+            idle_seconds=idle_seconds,
+            wire_gbit=wire_gbit,
+            busy_prefill=busy_prefill,
+            settings=settings,
         )
     return result
 

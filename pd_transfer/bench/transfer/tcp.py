@@ -9,9 +9,10 @@ environment for the section (:func:`pd_transfer.settings.process_environment`: U
 process inherits them); the JSON names them and the transports UCX chose. GiB/s throughout (``gbps`` keys, 2**30
 bytes per second).
 
-Over TCP the decode asks the prefill to push (``PD_TRANSFER_PUSH=auto``, :mod:`pd_transfer.connector.prefill.pushes`):
-the ``gbps`` and ``ratio_vs_tcp_stream`` keys are then the pushed pulls, and ``read_gbps``, ``read_ratio_vs_tcp_stream``
-the same requests read, each right after its pushed twin.
+Over TCP the decode asks the prefill to push (``PD_TRANSFER_PUSH=auto``,
+:mod:`pd_transfer.connector.transports.nixl.push_writer`): the ``gbps`` and ``ratio_vs_tcp_stream`` keys are then
+the pushed pulls, and ``read_gbps``, ``read_ratio_vs_tcp_stream`` the same requests read (by a second decode rank that
+never asks to push), each right after its pushed twin.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pd_transfer.settings import DEFAULTS, Settings, process_environment
+from pd_transfer.settings import Settings, process_environment
 from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
@@ -48,13 +49,14 @@ def run(
     decode_host: str = "127.0.0.1",
     stream_prefix: Sequence[str] = (),
     prefill_options: dict[str, str] | None = None,
-    settings: Settings = DEFAULTS,
+    busy_prefill: bool = False,
+    settings: Settings,
 ) -> dict:
     """The transfer benchmark over UCX's tcp transport, the TCP stream measured before and after it (the median of
     both is the stream's rate the ratios use). ``extra_env``: UCX settings to try on top of the defaults;
     ``prefill_host``, ``stream_prefix`` and ``prefill_options`` (``netns``, ``ucx_net_devices``) put the prefill
     and the stream's sender elsewhere (another network namespace); the stream's receiver listens on
-    ``decode_host``. ``settings``: the command's."""
+    ``decode_host``. ``busy_prefill`` and ``settings``: as :func:`.reads.run` takes them."""
     env = {**tcp_ucx_env(settings), "UCX_TLS": "tcp,self", **(extra_env or {})}
     with process_environment(env):
         request_bytes = request_bytes_of(shape)
@@ -65,6 +67,7 @@ def run(
             idle_seconds=idle_seconds,
             read_lanes=read_lanes,
             prefill_options={"host": prefill_host, **(prefill_options or {})},
+            busy_prefill=busy_prefill,
             settings=settings,
         )
         after = stream_gbps(request_bytes, repeats, host=decode_host, prefix=stream_prefix)

@@ -21,11 +21,9 @@ from pd_transfer.bench.vllm.run import DEFAULT_LENGTHS, MAX_TOKENS, BenchSetting
 from pd_transfer.bench.vllm.scale import SCALE_LENGTHS, run_scale
 from pd_transfer.bench.vllm.scale_report import plot_ttft, render_scale_table
 from pd_transfer.cluster.launch import TINY_MODEL_DIR
-from pd_transfer.settings import read_settings
 
 __all__ = ["add_arguments", "run"]
 
-MODEL_ENV = "PD_TRANSFER_VLLM_MODEL"  # Settings.vllm_model
 MAX_PROMPT_TOKENS = 2000  # under --max-model-len 2048, with room for the decoded tokens
 SCALE_MAX_PROMPT_TOKENS = 4400  # --scale: under --max-model-len 4608
 SCALE_REQUESTS = 3  # --scale: measured requests per prompt length
@@ -50,12 +48,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _default_model() -> str:
-    """``$PD_TRANSFER_VLLM_MODEL``, else the tiny model where ``pd-transfer make-model`` puts it by default (read
-    when the command builds its settings: its process's edge)."""
-    return read_settings().vllm_model or str(TINY_MODEL_DIR)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``pd-transfer bench vllm`` (for wiring into another parser)."""
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
@@ -70,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt lengths, interleaved (50,677,1500; --scale: 256,1024,4096)",
     )
     parser.add_argument("--max-tokens", type=_positive, default=MAX_TOKENS, help="decode tokens per request (16)")
-    parser.add_argument("--model", default=None, help=f"model folder (${MODEL_ENV} or {TINY_MODEL_DIR})")
+    parser.add_argument("--model", default=None, help=f"model folder ({TINY_MODEL_DIR}; --scale: {KV8B_MODEL_DIR})")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs vLLM (this one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (runs/bench-vllm-TIMESTAMP)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for servers to be healthy")
@@ -91,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> BenchSettings:
     default_lengths, default_requests = (SCALE_LENGTHS, SCALE_REQUESTS) if args.scale else (DEFAULT_LENGTHS, 30)
     return BenchSettings(
-        model=args.model or (str(KV8B_MODEL_DIR) if args.scale else _default_model()),
+        model=args.model or str(KV8B_MODEL_DIR if args.scale else TINY_MODEL_DIR),
         log_dir=args.log_dir or Path("runs") / time.strftime("bench-vllm-%Y%m%d-%H%M%S"),
         lengths=args.lengths or list(default_lengths),
         requests=args.requests or default_requests,

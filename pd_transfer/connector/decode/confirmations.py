@@ -3,9 +3,9 @@ cannot rely on the prefill's hold window, see :meth:`.rank.DecodeRank.pull_confi
 
 While a request is awaited (``awaiting``), its ``ReadDone`` notifications carry ``reply_to`` and each
 prefill rank read from answers with a ``LeaseConfirm``: ok only if the request's blocks were still held when
-the ``ReadDone`` arrived (see :mod:`pd_transfer.connector.prefill.leases`). ``wait`` returns once every rank
+the ``ReadDone`` arrived (see :mod:`pd_transfer.connector.leases`). ``wait`` returns once every rank
 confirmed, one refused, or the time ran out. Notifications that do not decode, that are not a
-``LeaseConfirm``, or that answer a request no longer awaited are dropped and counted.
+``LeaseConfirm``, or that answer a request no longer awaited are dropped and logged.
 
 Thread-safe: one condition guards the answers; the NIXL agent's progress thread delivers them
 (``on_notification``).
@@ -31,9 +31,6 @@ class LeaseConfirmations:
         self.name = name
         self._cond = threading.Condition()
         self._awaiting: dict[str, dict[str, messages.LeaseConfirm]] = {}  # request -> prefill agent -> answer
-        self.malformed_notifications = 0
-        self.unexpected_notifications = 0
-        self.late_confirmations = 0  # answers that came after we stopped waiting
         self.received = 0  # every LeaseConfirm that arrived (a round trip each)
 
     def awaits(self, request_id: str) -> bool:
@@ -59,7 +56,6 @@ class LeaseConfirmations:
         try:
             message = messages.decode(payload)
         except Exception as error:
-            self.malformed_notifications += 1
             logger.warning("decode %s: malformed notification from %s dropped: %s", self.name, peer, error)
             return
         self.on_message(peer, message)
@@ -67,14 +63,12 @@ class LeaseConfirmations:
     def on_message(self, peer: str, message: messages.PeerMessage) -> None:
         """A decoded notification from prefill agent ``peer`` (:meth:`on_notification`)."""
         if not isinstance(message, messages.LeaseConfirm):
-            self.unexpected_notifications += 1
             logger.warning("decode %s: unexpected %s from %s dropped", self.name, type(message).__name__, peer)
             return
         with self._cond:
             self.received += 1
             answers = self._awaiting.get(message.request_id)
             if answers is None:
-                self.late_confirmations += 1
                 logger.info(
                     "decode %s: confirmation of request %s from %s came after we stopped waiting",
                     self.name,

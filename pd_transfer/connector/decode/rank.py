@@ -1,13 +1,12 @@
 """The receiving side: one decode TP rank that pulls a request's KV blocks from a prefill engine.
 
-A :class:`DecodeRank` composes one NIXL agent (its cache registered) with:
+A :class:`DecodeRank` composes one NIXL agent (its cache registered; it carries the lease protocol's notifications)
+with:
 
-* :class:`~.remote_engines.RemoteEngines`: per remote engine, once: handshake, compatibility check, peers,
-  a transfer plan and its descriptor lists, a warm-up read; or, where the engine is on this host and offers its
-  memory, that memory opened through same-host IPC (``transport``: CUDA IPC for GPU caches);
-* :class:`~.reads.BlockReader`: per request, the plan's rows read in place, staged or packed, one READ per
-  prefill rank read from per step, the last carrying a ``ReadDone`` notification; for an engine opened through
-  IPC, :class:`~.ipc_reads.IpcReader`: the rows copied on the rank's own stream, waited for, then ``ReadDone``;
+* the decode ends of the transports its ``transport`` option picks (:mod:`pd_transfer.connector.transports.registry`),
+  in order of preference: each engine is opened by the first that does, into the link its requests are read by
+  (NIXL reads and pushes, same-host IPC copies, reads in place, or a transport of your own);
+* :class:`~.remote_engines.RemoteEngines`: per remote engine, once: handshake, compatibility check, the link;
 * :class:`~.reports.ReaderReports` and :class:`~.confirmations.LeaseConfirmations`: what it tells the
   prefill ranks (``ReadDone``, ``ReadFailed``, heartbeats, ``ReleaseUnread``) and the ``LeaseConfirm``
   answers it waits for.
@@ -15,8 +14,8 @@ A :class:`DecodeRank` composes one NIXL agent (its cache registered) with:
 ``pull`` reads; ``pull_confirmed`` reads, then makes sure the read saw live blocks: it ended inside the hold
 window the prefill promised in its params (no round trip), or the prefill confirms the blocks were still held.
 
-A prefill restarted at the same address (new NIXL agents, maybe a new engine id) is recognised and handshaken
-afresh (:meth:`.RemoteEngines.refresh`): by ``check_engine`` when a request names another engine id than the
+A prefill restarted at the same address (new NIXL agents, maybe a new engine id) is recognised and handshaken afresh
+(:meth:`.remote_engines.RemoteEngines.refresh`): by ``check_engine`` when a request names another engine id than the
 one connected there (for a second, an engine id found not served at an address is refused without asking
 again), and by ``pull`` when a read fails because the peer disconnected: if the address then publishes a new
 incarnation, the read is made once more from it, within the pull's deadline (whether the new incarnation holds
@@ -39,27 +38,23 @@ from typing import NoReturn
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.errors import LeaseNotConfirmed, WrongEngine
+from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.params import incarnation_token
-from pd_transfer.connector.push_staging import LandingArea
+from pd_transfer.connector.transports.registry import select
+from pd_transfer.connector.transports.requests import PullRequest, PullStats, ReadTotals
+from pd_transfer.connector.transports.seam import DecodeEnd, DecodeSite, Source
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
-from pd_transfer.topology import PeerPlan, plane_views
+from pd_transfer.topology import PeerPlan, expected_readers, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import NIXL_AGENTS
 from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 
-from .cma_reads import CmaReader
 from .confirmations import LeaseConfirmations
-from .ipc_reads import IpcReader
-from .options import DecodeOptions
-from .push_client import PushOrders
-from .reader import Reader
-from .reads import BlockReader, ReadTotals
-from .remote_engines import Claim, RemoteEngine, RemoteEngines
+from .remote_engines import RemoteEngine, RemoteEngines
 from .reports import ReaderReports
-from .request import PullRequest, PullStats
 
 logger = logging.getLogger(__name__)
 
@@ -88,100 +83,84 @@ class DecodeRank:
         packed_formats: Callable[[int], PackedBlockFormat] | None = None,
         agent_factory: AgentFactory = NIXL_AGENTS,
     ) -> None:
-        """``options``: every knob of the rank (:class:`~.options.DecodeOptions`, built at the process's edge).
-        ``agent_name``: its NIXL agent's (default: the engine id, the rank and a random suffix). ``metrics``: where
-        it records (default: the process-wide ones). ``packed_formats(block_size)`` gives the packing of a (block,
-        head) for a block size, for caches whose layout names a ``packing``: pulls from engines of another block
-        size then read whole remote blocks into a staging area and regroup them (without it, such engines are
-        refused). ``agent_factory``: makes the rank's agent (NIXL agents unless the caller hands in others: a fake
-        fabric's in unit tests)."""
+        """``options``: every knob of the rank (:class:`~pd_transfer.connector.options.DecodeOptions`, built at the
+        process's edge; its ``transport`` picks the transports, an unknown one raising ``UnknownTransport`` before
+        anything is made). ``agent_name``: its NIXL agent's (default: the engine id, the rank and a random suffix).
+        ``metrics``: where it records (default: the process-wide ones). ``packed_formats(block_size)`` gives the
+        packing of a (block, head) for a block size, for caches whose layout names a ``packing``: pulls from engines of
+        another block size then read whole remote blocks into a staging area and regroup them (without it, such
+        engines are refused). ``agent_factory``: makes the rank's agent (NIXL agents unless the caller hands in
+        others: a fake fabric's in unit tests)."""
+        transports = select(options.transport)
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
         self.options = options
         name = agent_name or f"{engine_id}-decode-tp{cache.layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.confirmations = LeaseConfirmations(name)
-        settings = options.settings
-        lanes = options.lane_count
-        mode = options.push_mode
-        landed = not cache.place.is_host if options.push_staging is None else options.push_staging
-        if not cache.place.is_host and not landed:
-            mode = "off"
-        self.pushes: PushOrders | None = None
         self.agent: Agent = agent_factory(
-            name, on_notification=self._on_notification, read_lanes=lanes, settings=settings
+            name, on_notification=self._on_notification, read_lanes=options.lane_count, settings=options.settings
         )
-        reply_to = self.agent.connection_metadata
-        self.agent.register_regions(cache.regions)
-        if mode != "off":
-            landing = None
-            if landed:
-                landing = LandingArea(cache.tensors, landing_bytes=options.push_landing_bytes)
-                self.agent.register_spans([landing.span], huge_pages=False)
-            self.pushes = PushOrders(self.agent, engine_id, cache.layout.tp_rank, mode=mode, landing=landing)
+        self.ends: dict[str, DecodeEnd] = {}  # the transports' ends, in order of preference
+        try:
+            self.agent.register_regions(cache.regions)
+            self.reports = ReaderReports(
+                name,
+                engine_id,
+                cache.layout.tp_rank,
+                reply_to=self.agent.connection_metadata,
+                awaits=self.confirmations.awaits,
+            )
+            site = DecodeSite(
+                engine_id=engine_id,
+                cache=cache,
+                planes=plane_views(cache.tensors, cache.regions),
+                agent=self.agent,
+                options=options,
+                metrics=self.metrics,
+                packed_formats=packed_formats,
+                read_done=self.reports.read_done,
+                tell_read=self.reports.tell_read,
+                deliver=self._on_message,
+            )
+            for transport in transports:
+                self.ends[transport.name] = transport.decode_end(site)
+        except BaseException:
+            self._close_ends()
+            self.agent.close()
+            raise
         self.client = HandshakeClient(
             cache.layout.fingerprint,
             secret=options.secret,
             timeout_s=options.handshake_timeout_s,
             failure_backoff_s=options.handshake_failure_backoff_s,  # a dead prefill's endpoint fails fast this long
             metrics=self.metrics,
-            prove_host=options.transport != "nixl",  # same-host prefills then send their IPC handles
+            prove_host=any(transport.same_host for transport in transports),  # then same-host offers are sent
         )
-        self.remotes = RemoteEngines(
-            self.agent,
-            cache,
-            self.client,
-            read_timeout_s=options.read_timeout_s,
-            min_direct_run_bytes=options.min_direct_run_bytes,
-            staging_bytes=options.staging_bytes,
-            packed_formats=packed_formats,
-            packed_staging_bytes=options.packed_staging_bytes,
-            metrics=self.metrics,
-            on_connected=None if self.pushes is None else self.pushes.offer,
-            transport=options.transport,
-        )
+        self.remotes = RemoteEngines(name, cache, self.client, self.ends, metrics=self.metrics)
         self._not_served: dict[tuple[str, int, str], float] = {}  # (host, port, engine id) -> asked again after
         self._not_served_lock = threading.Lock()
-        self.reports = ReaderReports(
-            self.agent, engine_id, cache.layout.tp_rank, reply_to=reply_to, awaits=self.confirmations.awaits
-        )
-        planes = plane_views(cache.tensors, cache.regions)
-        self.reader = BlockReader(
-            self.agent,
-            cache,
-            planes,
-            pipeline_groups=options.pipeline_groups,
-            done_message=self.reports.read_done,
-            pushes=self.pushes,
-            staged_jobs_per_lane=options.staged_jobs_per_lane,
-        )
-        ipc_reader = IpcReader(self.agent, cache, planes, tell_read=self.reports.tell_read)
-        cma_reader = CmaReader(
-            self.agent, planes, threads=lanes, timeout_s=options.read_timeout_s, tell_read=self.reports.tell_read
-        )
-        #: The reader of each transport an engine may be connected with (chosen once, at its connect).
-        self.readers: dict[str, Reader] = {
-            "nixl": self.reader,
-            "cuda_ipc": ipc_reader,
-            "host_ipc": ipc_reader,
-            "host_cma": cma_reader,
-        }
         self._pull_lock = threading.Lock()  # pull_confirmed: one pull at a time (the staging area is shared)
         self.reads_in_window = 0  # pulls trusted by the prefill's hold window (no confirmation asked)
         self.reads_confirmed = 0  # pulls confirmed by every prefill rank read from
 
     def _on_notification(self, peer: str, payload: bytes) -> None:
-        """Decoded once: push answers to :attr:`pushes`, the rest (malformed too) to :attr:`confirmations`."""
-        if self.pushes is None:
-            self.confirmations.on_notification(peer, payload)
-            return
+        """A NIXL notification from prefill rank ``peer``: decoded once, then :meth:`_on_message` (a malformed one
+        to :attr:`confirmations`, which logs it)."""
         try:
             message = messages.decode(payload)
         except Exception:
-            self.confirmations.on_notification(peer, payload)  # counts and logs it
+            self.confirmations.on_notification(peer, payload)
             return
-        if not self.pushes.take(message):
-            self.confirmations.on_message(peer, message)
+        self._on_message(peer, message)
+
+    def _on_message(self, peer: str, message: messages.PeerMessage) -> None:
+        """A message from prefill rank ``peer``: to the transport it is meant for (push answers), else to
+        :attr:`confirmations`."""
+        for end in self.ends.values():
+            if end.take(peer, message):
+                return
+        self.confirmations.on_message(peer, message)
 
     # ------------------------------------------------------------------ remote engines
     def connect(self, host: str, port: int) -> EngineMetadata:
@@ -213,29 +192,15 @@ class DecodeRank:
         """The transfer plan used for the engine at ``host:port`` (connecting first if needed)."""
         return self.remotes.connect(host, port).plan
 
-    def add_reader(self, transport: str, reader: Reader, claims: Claim) -> None:
-        """Read the engines ``claims`` takes (asked once per engine, at its connect, before the built-in choice) with
-        ``reader``, under the name ``transport`` (its pulls' ``transport`` label). Call before connecting to them; the
-        rank closes ``reader`` when it closes. ``ValueError`` for a name already in use."""
-        if transport in self.readers:
-            raise ValueError(f"decode {self.agent.name}: a reader named {transport!r} is there already")
-        self.readers[transport] = reader
-        self.remotes.claims[transport] = claims
-
     def push_ready(self, host: str, port: int, timeout_s: float) -> bool:
-        """Connect to ``host:port`` and wait up to ``timeout_s`` until its source ranks answered our push setup;
-        True when every one of them will push (False at once when push is off here)."""
-        remote = self.remotes.connect(host, port)
-        if self.pushes is None:
-            return False
-        return self.pushes.wait_ready([source.peer for source in remote.sources], timeout_s)
+        """Connect to ``host:port`` and wait up to ``timeout_s`` until its source ranks answered whether they write
+        into us (push); True when every one of them will (False at once where nothing is written into us: push is
+        off here, or the engine's transport is never written into)."""
+        return self.remotes.connect(host, port).link.push_ready(timeout_s)
 
     def forget(self, host: str, port: int) -> None:
-        """Drop a remote engine (it restarted or died): its peers, descriptor lists and cached handshake."""
-        remote = self.remotes.get(host, port)
+        """Drop a remote engine (it restarted or died): its link and cached handshake."""
         self.remotes.forget(host, port)
-        if remote is not None and self.pushes is not None:
-            self.pushes.forget([source.peer for source in remote.sources])
 
     # ------------------------------------------------------------------ pulling
     def pull(
@@ -248,12 +213,11 @@ class DecodeRank:
         num_tokens: int,
         *,
         timeout_s: float | None = None,
-        pushed: bool = True,
     ) -> PullStats:
         """Read ``num_tokens`` tokens of KV from the prefill engine at ``host:port`` into
         ``local_block_ids``, then notify every prefill rank read from. ``timeout_s`` (default
         ``read_timeout_s``) bounds the pull from its start, handshake included. Ranks that agreed to push write
-        instead, unless ``pushed`` is False (benchmarks compare both ways).
+        instead.
 
         Block ids are validated before anything is read (``ValueError``; ``DuplicateBlockIds`` for repeated
         remote ids, before connecting). On a transfer failure the prefill ranks are told (``ReadFailed``) when
@@ -262,7 +226,7 @@ class DecodeRank:
         pull handshakes afresh.
         """
         request = PullRequest(request_id, remote_block_ids, local_block_ids, num_tokens)
-        return self._pull(request, host, port, timeout_s, pushed=pushed)[0]
+        return self._pull(request, host, port, timeout_s)[0]
 
     def _pull(
         self,
@@ -271,7 +235,6 @@ class DecodeRank:
         port: int,
         timeout_s: float | None,
         *,
-        pushed: bool = True,
         incarnation: str | None = None,
     ) -> tuple[PullStats, RemoteEngine]:
         """:meth:`pull`; also returns the engine read from (a new incarnation if the prefill restarted). With the
@@ -285,7 +248,7 @@ class DecodeRank:
         told: RemoteEngine | None = None  # already sent ReadFailed
         try:
             try:
-                totals = self._read(remote, request, deadline, pushed)
+                totals = self._read(remote, request, deadline)
             except PeerDisconnected as error:
                 self.reports.read_failed(remote.sources, request_id, str(error))  # best effort: it is gone
                 told = remote
@@ -296,7 +259,7 @@ class DecodeRank:
                         f"{error}; the prefill at {host}:{port} restarted, and its new incarnation never held"
                         f" request {request_id}"
                     ) from None
-                totals = self._read(remote, request, deadline, pushed)
+                totals = self._read(remote, request, deadline)
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=remote is not told)
             raise
@@ -315,9 +278,10 @@ class DecodeRank:
         )
         return stats, remote
 
-    def _read(self, remote: RemoteEngine, request: PullRequest, deadline: float, pushed: bool) -> ReadTotals:
-        """``request``'s blocks from ``remote``, by the reader of the transport it was connected with."""
-        return self.readers[remote.transport].read(remote, request, deadline, pushed=pushed)
+    @staticmethod
+    def _read(remote: RemoteEngine, request: PullRequest, deadline: float) -> ReadTotals:
+        """``request``'s blocks from ``remote``, by the link its transport opened."""
+        return remote.link.read(request, deadline)
 
     def _after_disconnect(self, remote: RemoteEngine, request_id: str, error: PeerDisconnected) -> RemoteEngine:
         """A read from ``remote`` failed because its peer went away: handshake with its address afresh and return
@@ -404,7 +368,7 @@ class DecodeRank:
                 stats, remote = self._pull(request, host, port, timeout_s, incarnation=incarnation)
             # of the incarnation read from; a rank that pushed confirmed with the write
             peers = [source.peer for source in remote.sources if source.peer not in stats.pushed_peers]
-            self._release_unread(request_id, host, port)
+            self._release_unread(request_id, remote)
             timeout = self.options.confirm_timeout_s if confirm_timeout_s is None else confirm_timeout_s
             waiting = time.perf_counter()
             ok, reason = self.wait_confirmed(request_id, peers, timeout) if peers else (True, "")
@@ -439,7 +403,7 @@ class DecodeRank:
         with self._pull_lock:
             stats, remote = self._pull(request, host, port, timeout_s, incarnation=incarnation)
         ended = time.monotonic()
-        self._release_unread(request_id, host, port)
+        self._release_unread(request_id, remote)
         if len(stats.pushed_peers) == len(remote.sources):  # every rank wrote from blocks it held and pinned
             self.reads_in_window += 1
             return stats
@@ -467,33 +431,43 @@ class DecodeRank:
     def heartbeat(self, request_id: str, host: str, port: int) -> int:
         """Tell the prefill ranks we would read ``request_id`` from that we still mean to (extends its lease).
         Returns the number of ranks notified."""
-        self.connect(host, port)
-        peers = self.remotes.source_peers(host, port) + self.remotes.unread_peers(host, port)
-        return self.reports.heartbeat(request_id, peers)
+        remote = self.remotes.connect(host, port)
+        return self.reports.heartbeat(request_id, [*remote.sources, *self._unread(remote)])
 
     def abandon(self, request_id: str, host: str, port: int, reason: str) -> None:
         """We will not read ``request_id`` (aborted, computed locally, or the read was refused before it
         started): tell the prefill ranks so that they free its blocks now rather than at the lease end."""
-        self.connect(host, port)
-        remote = self.remotes.get(host, port)
-        if remote is not None:
-            self.reports.read_failed(remote.sources, request_id, reason)
-        self._release_unread(request_id, host, port)
+        remote = self.remotes.connect(host, port)
+        self.reports.read_failed(remote.sources, request_id, reason)
+        self._release_unread(request_id, remote)
 
-    def _release_unread(self, request_id: str, host: str, port: int) -> None:
-        """Free ``request_id`` on the prefill ranks no decode rank reads (best effort: their lease frees it
-        otherwise)."""
+    def _release_unread(self, request_id: str, remote: RemoteEngine) -> None:
+        """Free ``request_id`` on the prefill ranks of ``remote`` no decode rank reads (best effort: their lease frees
+        it otherwise)."""
         try:
-            peers = self.remotes.unread_peers(host, port)
+            unread = self._unread(remote)
         except Exception as error:
             logger.info("decode %s: cannot reach unread prefill ranks for %s: %s", self.agent.name, request_id, error)
             return
-        self.reports.release_unread(request_id, peers)
+        self.reports.release_unread(request_id, unread)
+
+    def _unread(self, remote: RemoteEngine) -> list[Source]:
+        """Decode rank 0 only: the prefill ranks of ``remote`` that no decode rank of our TP size reads (their heads
+        are read from another rank holding the same ones), reached through its link; [] on other ranks."""
+        layout = self.cache.layout
+        if layout.tp_rank != 0:
+            return []
+        ranks = remote.engine.ranks
+        return [remote.link.reach(r) for r in ranks if expected_readers(r.tp_rank, r.layout, layout.tp_size) == 0]
 
     def close(self) -> None:
-        """Wait for running fix-ups, then close the IPC handles, the handshake client and the NIXL agent."""
-        for reader in {id(r): r for r in self.readers.values()}.values():  # each once (IPC serves two transports)
-            reader.close()
+        """Wait for running fix-ups, then close the links, the transports' ends, the handshake client and the NIXL
+        agent."""
         self.remotes.close()
+        self._close_ends()
         self.client.close()
         self.agent.close()
+
+    def _close_ends(self) -> None:
+        for end in self.ends.values():
+            end.close()

@@ -1,7 +1,9 @@
-"""What a decode rank, as a reader, tells the prefill ranks about a request (NIXL notifications).
+"""What a decode rank, as a reader, tells the prefill ranks about a request, through each source's courier (NIXL
+notifications, or a transport's own connection: :mod:`pd_transfer.connector.transports.seam`).
 
-* ``ReadDone``: attached to the last READ from each source rank; carries ``reply_to`` (our connection
-  metadata) while the request's lease confirmation is awaited, so the prefill answers with a ``LeaseConfirm``.
+* ``ReadDone``: attached to the last READ from each source rank (or sent after a copy); carries ``reply_to`` (our
+  connection metadata) while the request's lease confirmation is awaited, so the prefill answers with a
+  ``LeaseConfirm``.
 * ``ReadFailed``: to every source rank when a read failed or will not happen (it counts as done for freeing).
 * ``LeaseHeartbeat``: we still mean to read (the request is queued): extend the lease.
 * ``ReleaseUnread``: from decode rank 0, to the prefill ranks no decode rank reads.
@@ -15,10 +17,8 @@ import logging
 from collections.abc import Callable, Iterable
 
 from pd_transfer.connector import messages
-from pd_transfer.transfer.agent_protocol import Agent
+from pd_transfer.connector.transports.seam import Source
 from pd_transfer.transfer.errors import TransferError
-
-from .remote_engines import SourceRank
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ MAX_REASON_CHARS = 500
 
 
 class ReaderReports:
-    """Reports of decode rank ``reader_rank`` of engine ``engine_id``, sent with ``agent``.
+    """Reports of decode rank ``reader_rank`` of engine ``engine_id`` (``name``: its agent's, for logs).
 
     ``awaits(request_id)`` says whether the request's lease confirmation is awaited; ``reply_to`` is what its
     ``ReadDone`` then carries (the agent's connection metadata).
@@ -35,20 +35,20 @@ class ReaderReports:
 
     def __init__(
         self,
-        agent: Agent,
+        name: str,
         engine_id: str,
         reader_rank: int,
         *,
         reply_to: bytes,
         awaits: Callable[[str], bool],
     ) -> None:
-        self.agent = agent
+        self.name = name
         self.engine_id = engine_id
         self.reader_rank = reader_rank
         self._reply_to = reply_to
         self._awaits = awaits
 
-    def read_done(self, request_id: str, source: SourceRank) -> bytes:
+    def read_done(self, request_id: str, source: Source) -> bytes:
         """The encoded ``ReadDone`` for the last READ of ``request_id`` from ``source``."""
         return messages.encode(
             messages.ReadDone(
@@ -60,12 +60,12 @@ class ReaderReports:
             )
         )
 
-    def tell_read(self, sources: Iterable[SourceRank], request_id: str) -> None:
+    def tell_read(self, sources: Iterable[Source], request_id: str) -> None:
         """Send each source rank its ``ReadDone`` of ``request_id`` (reads that post no NIXL transfer: copies)."""
         for source in sources:
-            self.agent.notify(source.peer, self.read_done(request_id, source))
+            source.tell(self.read_done(request_id, source))
 
-    def read_failed(self, sources: Iterable[SourceRank], request_id: str, reason: str) -> None:
+    def read_failed(self, sources: Iterable[Source], request_id: str, reason: str) -> None:
         """Tell each source rank we gave up on ``request_id`` (``reason`` cut to ``MAX_REASON_CHARS``)."""
         for source in sources:
             failed = messages.ReadFailed(
@@ -76,32 +76,33 @@ class ReaderReports:
                 reason=reason[:MAX_REASON_CHARS],
             )
             try:
-                self.agent.notify(source.peer, messages.encode(failed))
+                source.tell(messages.encode(failed))
             except TransferError as error:
                 logger.info(
-                    "decode %s: could not tell %s about request %s: %s", self.agent.name, source.peer, request_id, error
+                    "decode %s: could not tell %s about request %s: %s", self.name, source.peer, request_id, error
                 )
 
-    def heartbeat(self, request_id: str, peers: Iterable[str]) -> int:
-        """Tell each of ``peers`` (prefill agent names) we still mean to read ``request_id``; returns how
-        many were told."""
-        sent = 0
-        for peer in peers:
-            beat = messages.LeaseHeartbeat(
+    def heartbeat(self, request_id: str, sources: Iterable[Source]) -> int:
+        """Tell each of ``sources`` we still mean to read ``request_id``; returns how many were told."""
+        beat = messages.encode(
+            messages.LeaseHeartbeat(
                 request_id=request_id, reader_engine_id=self.engine_id, reader_rank=self.reader_rank
             )
+        )
+        sent = 0
+        for source in sources:
             try:
-                self.agent.notify(peer, messages.encode(beat))
+                source.tell(beat)
                 sent += 1
             except TransferError as error:
-                logger.info("decode %s: heartbeat of %s to %s failed: %s", self.agent.name, request_id, peer, error)
+                logger.info("decode %s: heartbeat of %s to %s failed: %s", self.name, request_id, source.peer, error)
         return sent
 
-    def release_unread(self, request_id: str, peers: Iterable[str]) -> None:
-        """Tell each of ``peers`` (prefill ranks no decode rank reads) to free ``request_id`` now."""
+    def release_unread(self, request_id: str, sources: Iterable[Source]) -> None:
+        """Tell each of ``sources`` (prefill ranks no decode rank reads) to free ``request_id`` now."""
         release = messages.encode(messages.ReleaseUnread(request_id=request_id, reader_engine_id=self.engine_id))
-        for peer in peers:
+        for source in sources:
             try:
-                self.agent.notify(peer, release)
+                source.tell(release)
             except TransferError as error:
-                logger.info("decode %s: releasing %s on %s failed: %s", self.agent.name, request_id, peer, error)
+                logger.info("decode %s: releasing %s on %s failed: %s", self.name, request_id, source.peer, error)

@@ -1,11 +1,13 @@
 """The sending side: one prefill TP rank whose blocks decode ranks read, and the server that
 publishes an engine's ranks on the side channel.
 
-A rank offers its cache for same-host IPC where it can (``offer_ipc``; :mod:`pd_transfer.same_host.handles`: a GPU cache
-in memory a legacy CUDA IPC handle can share, or a host cache allocated shareable): the handles are made once, here,
-and the side channel sends them only to decode processes that proved they run on this host. The rank keeps its
-cache registered until ``close``; the cache itself is the engine's and outlives the rank, so closing a rank whose
-memory decodes still have open is safe.
+A rank makes the prefill end of each transport its ``transport`` option picks (NIXL always:
+:mod:`pd_transfer.connector.transports.registry`) and publishes their offers under their names in its metadata (e.g.
+same-host IPC, :mod:`pd_transfer.connector.transports.ipc`: a GPU cache in memory a legacy CUDA IPC handle can share, a
+host cache allocated shareable, any host cache read in place), made once, here; the side channel sends the same-host
+ones only to decode processes that proved they run on this host. Messages meant for a transport's writer (push) go to
+its end. The rank keeps its cache registered until ``close``; the cache itself is the engine's and outlives the rank, so
+closing a rank whose memory decodes still have open is safe.
 
 Ordering: a hold may carry a ``ready`` event (:class:`ReadyEvent`, e.g. a ``torch.cuda.Event`` the engine recorded
 after the kernels that wrote the request's KV); the lease starts only once it completed, so the blocks are never
@@ -25,20 +27,17 @@ from typing import Protocol
 from pd_transfer.affinity import unpinning
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.push_staging import PushStager
-from pd_transfer.handshake.messages import EngineMetadata, RankIpc, RankMetadata
+from pd_transfer.connector.leases import Freed, LeaseLedger, Reply
+from pd_transfer.connector.options import PrefillOptions
+from pd_transfer.connector.transports.registry import select
+from pd_transfer.connector.transports.seam import Answer, PrefillEnd, PrefillSite
+from pd_transfer.handshake.messages import EngineMetadata, RankMetadata, TransportOffer
 from pd_transfer.handshake.server import HandshakeServer
 from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
-from pd_transfer.same_host import export_cache
 from pd_transfer.transfer.agent import NIXL_AGENTS
 from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
-from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
-
-from .leases import Freed, LeaseLedger, Reply
-from .options import PrefillOptions
-from .pushes import PushWriter
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,8 @@ class PrefillRank:
     ``hold`` starts a finished request's lease; the blocks come back, once, from ``hold`` itself, from
     ``expire`` (lease over), ``abort``, or from ``take_freed`` (every reader reported; collected on the
     notification thread). A ``ReadDone`` carrying ``reply_to`` is answered with a ``LeaseConfirm`` sent back
-    to the reader over NIXL (on a helper thread, so the progress thread never waits for a connection).
+    to the reader over NIXL, or the way its transport brought the report (on a helper thread, so the progress thread
+    never waits for a connection).
     ``on_release`` fires once per request when every expected reader has reported, on the progress thread.
     """
 
@@ -76,13 +76,17 @@ class PrefillRank:
         metrics: TransferMetrics | None = None,
         agent_factory: AgentFactory = NIXL_AGENTS,
     ) -> None:
-        """``options``: every knob of the rank (:class:`~.options.PrefillOptions`, built at the process's edge).
-        ``on_release``: called once per request when every expected reader has reported. ``agent_name``: its NIXL
-        agent's (default: the engine id, the rank and a random suffix). ``clock``: the leases' (``time.monotonic``).
-        ``metrics``: where it records (default: the process-wide ones). ``agent_factory``: makes the rank's agent and
-        its writer's (NIXL agents unless the caller hands in others: a fake fabric's in unit tests)."""
+        """``options``: every knob of the rank (:class:`~pd_transfer.connector.options.PrefillOptions`, built at the
+        process's edge; its ``transport`` picks the transports, an unknown one raising ``UnknownTransport`` before
+        anything is made). ``on_release``: called once per request when every expected reader has reported.
+        ``agent_name``: its NIXL agent's (default: the engine id, the rank and a random suffix). ``clock``: the leases'
+        (``time.monotonic``). ``metrics``: where it records (default: the process-wide ones). ``agent_factory``: makes
+        the rank's agent and its writers' (NIXL agents unless the caller hands in others: a fake fabric's in unit
+        tests)."""
+        transports = select(options.transport)
+        if all(transport.name != "nixl" for transport in transports):
+            transports = (*transports, *select("nixl"))  # the rank's agent serves reads and carries the notifications
         settings = options.settings
-        accepting = options.push_mode != "off"  # a bad mode was refused when the options were made
         self.engine_id = engine_id
         self.metrics = metrics if metrics is not None else default_metrics()
         self.cache = cache
@@ -91,14 +95,10 @@ class PrefillRank:
         self.ledger = LeaseLedger(options.lease_seconds, clock=clock)
         self._cond = threading.Condition()
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
-        self._reply_metadata: dict[str, bytes] = {}  # reader agent -> its connection metadata
+        self._answers: dict[str, Answer] = {}  # reader -> how its confirmations reach it (NIXL: its metadata)
         self._replies = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpinning(settings.thread_cpu_set)
         )
-        self.malformed_notifications = 0
-        self.unexpected_notifications = 0
-        self.confirms_sent = 0
-        self.confirms_failed = 0
         rank = cache.layout.tp_rank
         self.agent: Agent = agent_factory(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
@@ -106,31 +106,29 @@ class PrefillRank:
             serves_reads=True,
             settings=settings,
         )
-        self.agent.register_regions(cache.regions)
-        staged = not cache.place.is_host if options.push_staging is None else options.push_staging
-        stager = PushStager(cache.tensors, chunk_bytes=options.push_chunk_bytes) if staged and accepting else None
-        self.pushes = PushWriter(
-            self.agent,
-            self.ledger,
-            rank,
-            merged_spans(cache.regions),
-            on_written=self._take_report,
-            on_freed=self._freed_by_unpin,
-            accepting=accepting and (cache.place.is_host or stager is not None),
-            staging=stager,
-            agent_factory=agent_factory,
-        )
-        self.ipc = self._export(cache) if options.offer_ipc else None
-
-    def _export(self, cache: KVCache) -> RankIpc | None:
-        """The cache's IPC handles, or None (logged with why: where a GPU cache cannot be shared, at info)."""
-        ipc, why_not = export_cache(cache.tensors, cache.regions)
-        if ipc is None:
-            log = logger.debug if cache.place.is_host else logger.info
-            log("prefill %s: cache in %s not offered for same-host IPC: %s", self.agent.name, cache.place, why_not)
-        else:
-            logger.info("prefill %s: cache in %s offered for same-host IPC", self.agent.name, cache.place)
-        return ipc
+        self.ends: dict[str, PrefillEnd] = {}  # the transports' ends
+        try:
+            self.agent.register_regions(cache.regions)
+            site = PrefillSite(
+                engine_id=engine_id,
+                cache=cache,
+                agent=self.agent,
+                options=options,
+                ledger=self.ledger,
+                agent_factory=agent_factory,
+                receive=self.receive,
+                freed=self._freed_by_unpin,
+            )
+            for transport in transports:
+                self.ends[transport.name] = transport.prefill_end(site)
+        except BaseException:
+            self.close()
+            raise
+        self.offers = [
+            TransportOffer(transport=transport.name, payload=payload, same_host=transport.same_host)
+            for transport in transports
+            if (payload := self.ends[transport.name].offer()) is not None
+        ]
 
     @property
     def rank_metadata(self) -> RankMetadata:
@@ -140,7 +138,7 @@ class PrefillRank:
             agent_metadata=self.agent.metadata,
             layout=self.cache.layout,
             regions=list(self.cache.regions),
-            ipc=self.ipc,
+            offers=self.offers,
         )
 
     # ------------------------------------------------------------------ the engine's side
@@ -181,32 +179,40 @@ class PrefillRank:
 
     # ------------------------------------------------------------------ readers' notifications
     def _on_notification(self, peer: str, payload: bytes) -> None:
+        """A NIXL notification from decode rank ``peer``: decoded, then :meth:`receive` (answered by NIXL)."""
         try:
             message = messages.decode(payload)
         except Exception as error:
-            self.malformed_notifications += 1
             logger.warning("prefill %s: malformed notification from %s dropped: %s", self.agent.name, peer, error)
             return
+        self.receive(peer, message, None)
+
+    def receive(self, peer: str, message: messages.PeerMessage, answer: Answer | None) -> None:
+        """A message from decode rank ``peer``: a heartbeat extends its request's lease, one meant for a transport's
+        writer goes to its end, a report counts towards freeing its request. ``answer``: how a ``LeaseConfirm``
+        reaches ``peer`` (None: by NIXL, to the ``reply_to`` its ``ReadDone`` carries)."""
         if isinstance(message, messages.LeaseHeartbeat):
             if not self.ledger.heartbeat(message.request_id):
                 logger.info("prefill %s: heartbeat for request %s, not held here", self.agent.name, message.request_id)
             return
-        if isinstance(message, messages.PushSetup | messages.PushOrder):
-            self.pushes.on_message(peer, message)
+        if any(end.take(peer, message) for end in self.ends.values()):
             return
-        if isinstance(message, messages.LeaseConfirm | messages.PushReady | messages.PushOutcome):
-            self.unexpected_notifications += 1
+        if isinstance(
+            message,
+            messages.LeaseConfirm | messages.PushReady | messages.PushOutcome | messages.PushSetup | messages.PushOrder,
+        ):
             logger.warning("prefill %s: unexpected %s from %s dropped", self.agent.name, type(message).__name__, peer)
             return
-        self._take_report(peer, message)
+        self._take_report(peer, message, answer)
 
-    def _take_report(self, peer: str, message: messages.ReaderReport) -> None:
-        """A reader's report (from a notification, or a push that landed): counted towards freeing the request."""
+    def _take_report(self, peer: str, message: messages.ReaderReport, answer: Answer | None) -> None:
+        """A reader's report (from a notification, a transport's connection, or a push that landed): counted towards
+        freeing the request."""
         reply_to = None
         if isinstance(message, messages.ReadDone) and message.reply_to:
             reply_to = peer
             with self._cond:
-                self._reply_metadata[peer] = message.reply_to
+                self._answers[peer] = answer if answer is not None else self._nixl_answer(peer, message.reply_to)
         outcome = self.ledger.report(message, reply_to=reply_to)
         newly_freed = [] if outcome.freed is None else [outcome.freed]
         if outcome.freed is not None:
@@ -222,6 +228,19 @@ class PrefillRank:
             if self._on_release is not None:
                 self._on_release(message.request_id, list(reports))
         self._after_change(newly_freed)
+
+    def _nixl_answer(self, peer: str, metadata: bytes) -> Answer:
+        """How a confirmation reaches reader ``peer`` by NIXL: its agent added as a peer (from ``metadata``, its
+        connection metadata) when first needed, then notified."""
+
+        def send(payload: bytes) -> None:
+            if not self.agent.has_peer(peer):
+                added = self.agent.add_peer(metadata)
+                if added != peer:
+                    raise TransferError(f"reader {peer} sent the connection metadata of agent {added}")
+            self.agent.notify(peer, payload)
+
+        return send
 
     def _freed_by_unpin(self, freed: Freed) -> None:
         """A request freed when its last push ended (something asked for it meanwhile)."""
@@ -243,18 +262,12 @@ class PrefillRank:
 
     def _send_reply(self, reply: Reply) -> None:
         try:
-            if not self.agent.has_peer(reply.to):
-                with self._cond:
-                    metadata = self._reply_metadata.get(reply.to)
-                if metadata is None:
-                    raise TransferError(f"no connection metadata for reader {reply.to}")
-                added = self.agent.add_peer(metadata)
-                if added != reply.to:
-                    raise TransferError(f"reader {reply.to} sent the connection metadata of agent {added}")
-            self.agent.notify(reply.to, messages.encode(reply.confirm))
-            self.confirms_sent += 1
+            with self._cond:
+                answer = self._answers.get(reply.to)
+            if answer is None:
+                raise TransferError(f"no way back to reader {reply.to}")
+            answer(messages.encode(reply.confirm))
         except Exception as error:
-            self.confirms_failed += 1
             logger.warning(
                 "prefill %s: could not confirm request %s to %s (it will count as unconfirmed): %s",
                 self.agent.name,
@@ -281,7 +294,8 @@ class PrefillRank:
         self._after_change([])
 
     def close(self) -> None:
-        self.pushes.close()
+        for end in self.ends.values():
+            end.close()
         self._replies.shutdown(wait=True, cancel_futures=True)
         self.agent.close()
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from pd_transfer.connector.transports.registry import BUILT_IN
 from pd_transfer.metrics import default_metrics
-from pd_transfer.spec import TRANSPORTS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -273,11 +273,12 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         )
         #: stats key -> per-engine counter child
         self.counted: dict[str, dict[int, Any]] = {}
-        self._labelled(
+        self._pulls = self._labelled(
             "vllm:pd_transfer_pulls",
-            "KV loads from prefill engines, by what moved them: nixl, cuda_ipc, host_ipc, host_cma (same-host IPC)",
+            "KV loads from prefill engines, by the transport that moved them: nixl, cuda_ipc, host_ipc, host_cma"
+            " (same-host IPC), or one of your own",
             "transport",
-            {transport: f"pulls_{transport}" for transport in TRANSPORTS},
+            {transport.name: f"pulls_{transport.name}" for transport in BUILT_IN},
         )
         self._labelled(
             "vllm:pd_transfer_leases_ended",
@@ -322,11 +323,13 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
         )
 
-    def _labelled(self, name: str, documentation: str, label: str, keys: dict[str, str]) -> None:
-        """A counter ``name`` with one more label; its child for each ``label value -> stats key`` in ``counted``."""
+    def _labelled(self, name: str, documentation: str, label: str, keys: dict[str, str]) -> Any:
+        """A counter ``name`` with one more label (returned); its child for each ``label value -> stats key`` in
+        ``counted``."""
         metric = self._counter_cls(name=name, documentation=documentation, labelnames=[*self._labelnames, label])
         for value, key in keys.items():
             self.counted[key] = self._per_engine(metric, value)
+        return metric
 
     def _per_engine(self, metric: Any, *extra: str) -> dict[int, Any]:
         """engine index -> ``metric`` labelled with that engine's label values, then ``extra``."""
@@ -360,6 +363,9 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         for key, metric in (("failed_loads", self.failed_loads), ("unconfirmed_reads", self.unconfirmed_reads)):
             if data.get(key):
                 metric[engine_idx].inc(data[key])
+        for key in data:  # pulls by a transport that is not built in: its child made on its first pull
+            if key.startswith("pulls_") and key not in self.counted:
+                self.counted[key] = self._per_engine(self._pulls, key.removeprefix("pulls_")[:64])
         for key, counter in self.counted.items():
             if data.get(key):
                 counter[engine_idx].inc(data[key])

@@ -1,4 +1,4 @@
-"""How a decode rank reads one request's KV blocks from a connected engine: four strategies.
+"""How a decode rank reads one request's KV blocks from an engine opened for NIXL reads: four strategies.
 
 * **in place** (plans without a postprocess, or with no staging area): one READ per source rank straight
   into the cache. With a postprocess (block-size regroup, layout permute), the reads go plane group by plane
@@ -12,14 +12,15 @@
   :class:`PackedStaging`, a fill at a time, each regrouped into the local blocks before the next is read.
 
 * **pushed** (plans without a postprocess, source ranks that agreed to push: reads over TCP, see
-  :mod:`.push_client`; requests of at least ``PD_TRANSFER_PUSH_MIN_BYTES``): each such rank writes the request's
+  :mod:`.push_orders`; requests of at least ``PD_TRANSFER_PUSH_MIN_BYTES``): each such rank writes the request's
   rows straight into the cache (a cache on a GPU: into a host landing area, copied into the cache once written,
-  :mod:`pd_transfer.connector.push_staging`); the others, and any that answer ``may_read``, are read in place.
+  :mod:`.push_staging`); the others, and any that answer ``may_read``, are read in place.
 
 Each step posts one READ per source rank; the reads of the last step carry the ``ReadDone`` notifications (staged
 reads send them once every lane is done).
-Block ids are validated before anything is read (``ValueError``; a :class:`~.request.PullRequest` has no
-repeated remote ids); transfer failures raise ``TransferError``.
+Block ids are validated before anything is read (``ValueError``; a
+:class:`~pd_transfer.connector.transports.requests.PullRequest` has no repeated remote ids); transfer failures raise
+``TransferError``.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pd_transfer.affinity import unpinning
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.options import DEFAULT_STAGED_JOBS_PER_LANE
 from pd_transfer.topology.grids import block_ids_array
 from pd_transfer.topology.plan import Postprocess
 from pd_transfer.topology.postprocess import index_on
@@ -45,62 +46,16 @@ from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import TransferError, TransferTimeout
 from pd_transfer.transfer.lanes import LaneRead, split_rows
 
-from .push_client import PushOrders
-from .remote_engines import RemoteEngine, SourceRank
-from .request import PullRequest, PullStats
+from ..requests import PullRequest, ReadTotals
+from .push_orders import PushOrders
 from .slot_fences import after_mark, mark
+from .sources import NixlEngine, SourceRank
 from .staged_reads import StagedChunks, StagedLaneWork
-
-#: Threads a staged read runs per read lane: while one reads through the lane's agent, the others restage what they
-#: read, so the agent never waits for a fix-up even where a fix-up takes twice a read (as on a loaded 2-core host:
-#: 1, 2, 3, 4 threads per lane gave 0.50-0.76, 0.75-0.85, 0.98-1.13, 0.96 of the homogeneous read, load 13-19).
-DEFAULT_STAGED_JOBS_PER_LANE = 3
 
 #: One READ of a step: (source rank, local descriptor list, local rows, remote rows); rows are int arrays.
 ReadOrder = tuple[SourceRank, DescriptorList | None, np.ndarray, np.ndarray]
 #: The local and remote rows (int64, equal length) a request reads from each source rank, in source order.
 SourceRows = list[tuple[np.ndarray, np.ndarray]]
-
-
-@dataclass(frozen=True)
-class ReadTotals:
-    """What one request's reads moved (bytes) and took (seconds)."""
-
-    bytes: int
-    descriptors: int  # rows posted, before NIXL merges adjacent ones
-    read_seconds: float  # first post to last DONE
-    postprocess_seconds: float  # fixing layouts up, summed over plane groups or chunks (overlaps the reads)
-    postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
-    pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
-    pushed_bytes: int = 0  # of ``bytes``, what they wrote
-
-    def stats(self, request_id: str, seconds: float) -> PullStats:
-        """The stats of request ``request_id``'s pull of ``seconds`` whose reads moved these totals."""
-        return PullStats(
-            request_id=request_id,
-            bytes=self.bytes,
-            descriptors=self.descriptors,
-            read_seconds=self.read_seconds,
-            postprocess_seconds=self.postprocess_seconds,
-            postprocess_exposed_seconds=self.postprocess_exposed_seconds,
-            seconds=seconds,
-            pushed_peers=self.pushed_peers,
-            pushed_bytes=self.pushed_bytes,
-        )
-
-    @classmethod
-    def overlapped(
-        cls, total_bytes: int, descriptors: int, read_started: float, reads_done: float, post_seconds: float
-    ) -> ReadTotals:
-        """Totals of reads whose fix-up ran beside them: the exposed part is what is left after the last read
-        (``perf_counter`` seconds; called once the fix-up finished)."""
-        return cls(
-            bytes=total_bytes,
-            descriptors=descriptors,
-            read_seconds=reads_done - read_started,
-            postprocess_seconds=post_seconds,
-            postprocess_exposed_seconds=time.perf_counter() - reads_done,
-        )
 
 
 def plane_groups(num_planes: int, groups: int) -> list[range]:
@@ -134,7 +89,7 @@ class BlockReader:
     ``planes`` are the cache's plane views (``plane_views`` order); ``pipeline_groups`` is how many plane
     groups an in-place read with a postprocess is split into; ``done_message(request_id, source)`` is the
     ``ReadDone`` notification the last READ from ``source`` carries. With ``pushes``, plans without a fix-up are
-    written by the source ranks that agreed to push (:mod:`.push_client`), and read from the others. A staged read
+    written by the source ranks that agreed to push (:mod:`.push_orders`), and read from the others. A staged read
     runs ``staged_jobs_per_lane`` threads per read lane (each reads, in turn with the others of its lane, and
     restages what it read), as many as the staging area has slot groups for.
     """
@@ -164,10 +119,10 @@ class BlockReader:
             initializer=unpinning(agent.settings.thread_cpu_set),
         )
 
-    def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = True) -> ReadTotals:
+    def read(self, remote: NixlEngine, request: PullRequest, deadline: float) -> ReadTotals:
         """Read ``request`` by the strategy ``remote`` calls for, all before ``deadline`` (``time.perf_counter``
-        time); ``pushed=False`` reads even from ranks that would push. Block ids that do not fit ``remote``'s plan
-        or the cache raise ``ValueError`` before anything is read."""
+        time). Block ids that do not fit ``remote``'s plan or the cache raise ``ValueError`` before anything is
+        read."""
         if remote.packed is not None:
             local_ids = self._checked_packed_ids(remote, request)
             return self._read_packed(remote, request, local_ids, deadline)
@@ -178,7 +133,7 @@ class BlockReader:
         ]
         if remote.plan.postprocess is not None and remote.sources[0].staging is not None:
             return self._read_staged(remote, request.request_id, rows, deadline)
-        if pushed and self.pushes is not None and remote.plan.postprocess is None:
+        if self.pushes is not None and remote.plan.postprocess is None:
             pushes = self.pushes
             ready = [
                 source
@@ -194,9 +149,7 @@ class BlockReader:
         self._postprocess_pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ in place
-    def _read_in_place(
-        self, remote: RemoteEngine, request: PullRequest, rows: SourceRows, deadline: float
-    ) -> ReadTotals:
+    def _read_in_place(self, remote: NixlEngine, request: PullRequest, rows: SourceRows, deadline: float) -> ReadTotals:
         """Reads straight into the cache; a postprocess, if any, fixes up each plane group in place on the
         worker thread while the next group is read."""
         postprocess = remote.plan.postprocess
@@ -237,7 +190,7 @@ class BlockReader:
         postprocess.apply_on(self.planes, block_ids, group)
 
     def _in_place_orders(
-        self, remote: RemoteEngine, rows: SourceRows, groups: list[range]
+        self, remote: NixlEngine, rows: SourceRows, groups: list[range]
     ) -> list[tuple[SourceRank, np.ndarray, np.ndarray, np.ndarray]]:
         """Per source: (source, local rows, remote rows, bounds), rows sorted by plane (stably), so that rows
         ``bounds[g]:bounds[g + 1]`` are those of plane group ``g``."""
@@ -253,12 +206,12 @@ class BlockReader:
         return reads
 
     @staticmethod
-    def _request_bytes(remote: RemoteEngine, rows: SourceRows) -> int:
+    def _request_bytes(remote: NixlEngine, rows: SourceRows) -> int:
         """Bytes a request moves: its rows over every source."""
         return sum(len(local) * plan.unit_bytes for (local, _), plan in zip(rows, remote.plan.sources, strict=True))
 
     def _push_in_place(
-        self, remote: RemoteEngine, request: PullRequest, rows: SourceRows, ready: list[SourceRank], deadline: float
+        self, remote: NixlEngine, request: PullRequest, rows: SourceRows, ready: list[SourceRank], deadline: float
     ) -> ReadTotals:
         """The ``ready`` sources write the request into the cache; the others, and those that answer ``may_read``,
         are read (one step, with ``ReadDone``). Raises ``TransferTimeout`` when a source did not answer by
@@ -297,7 +250,7 @@ class BlockReader:
         )
 
     # ------------------------------------------------------------------ staged
-    def _read_staged(self, remote: RemoteEngine, request_id: str, rows: SourceRows, deadline: float) -> ReadTotals:
+    def _read_staged(self, remote: NixlEngine, request_id: str, rows: SourceRows, deadline: float) -> ReadTotals:
         """Reads chunk by chunk into the staging area's slot groups on every read lane at once, each lane
         restaging its chunk into its final place right after reading it (:mod:`.staged_reads`); the ``ReadDone``
         notifications follow once every lane is done. One staged read at a time (the staging area is shared)."""
@@ -327,7 +280,7 @@ class BlockReader:
         )
 
     # ------------------------------------------------------------------ packed
-    def _checked_packed_ids(self, remote: RemoteEngine, request: PullRequest) -> torch.Tensor:
+    def _checked_packed_ids(self, remote: NixlEngine, request: PullRequest) -> torch.Tensor:
         """Validate a packed pull's block ids before anything moves; returns the local ids as an int64 tensor on
         the cache's device (moved there once)."""
         source, tokens = remote.plan.sources[0], request.num_tokens
@@ -341,7 +294,7 @@ class BlockReader:
         return index_on(local, self.planes[0].device)
 
     def _read_packed(
-        self, remote: RemoteEngine, request: PullRequest, local_block_ids: torch.Tensor, deadline: float
+        self, remote: NixlEngine, request: PullRequest, local_block_ids: torch.Tensor, deadline: float
     ) -> ReadTotals:
         """Whole remote blocks into the packed staging area, a fill (whole regroup groups) at a time; each fill
         is regrouped into the local blocks before the next is read (the staging area is one buffer)."""

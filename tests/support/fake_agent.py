@@ -14,7 +14,8 @@ be added before rows of it are prepared, and a peer whose agent is closed is dis
 Agents find each other in a :class:`FakeFabric` by the name their metadata carries (``DEFAULT_FABRIC`` unless one is
 given). Tests hand a fabric's :meth:`FakeFabric.new_agent` to what makes the connector's agents, as its
 ``agent_factory`` (an :class:`~pd_transfer.transfer.agent_protocol.AgentFactory`, which mypy checks here:
-:data:`DEFAULT_FAKE_AGENTS`). Nothing in production imports this module.
+:data:`DEFAULT_FAKE_AGENTS`; pyproject's ``tool.mypy`` names this file beside ``pd_transfer``). Only the tests use it:
+it lives with them.
 """
 
 from __future__ import annotations

@@ -24,9 +24,6 @@ from .slot_fences import SlotFences
 
 #: Slot groups of a staging area: enough for the default read lanes (and their owner) on any device.
 STAGING_GROUPS = 8
-#: Default bytes of one slot group (one chunk a lane reads and restages at a time): measured best among
-#: 0.5-16 MiB of a 512 MiB block 16 -> 64 pull on a 2-core host (see docs/benchmarks.md).
-DEFAULT_STAGING_CHUNK_BYTES = 2 * 2**20
 
 
 class StagingArea:

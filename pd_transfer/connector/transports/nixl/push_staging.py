@@ -35,15 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pd_transfer.connector.options import DEFAULT_LANDING_BYTES, DEFAULT_PUSH_CHUNK_BYTES
 from pd_transfer.rows import AddressedRows
 from pd_transfer.transfer.errors import TransferTimeout
 
-#: Bytes of one chunk a prefill gathers and writes at a time (one slot of its pool).
-DEFAULT_PUSH_CHUNK_BYTES = 16 * 2**20
 #: Slots of a prefill's pool: chunks gathered and copied out ahead of the one being written, plus that one.
 DEFAULT_PUSH_SLOTS = 3
-#: Bytes of a decode's landing area: a source's rows of a request beyond its part of it are read instead.
-DEFAULT_LANDING_BYTES = 256 * 2**20
 #: Device buffers a decode lands through (the copy of one overlapping the scatter of the other).
 LANDING_BUFFERS = 2
 #: Seconds between polls of a device event the host waits for.

@@ -1,6 +1,6 @@
-"""The one-node fast path: a decode rank copies a request's rows straight out of a prefill's memory opened through
-same-host IPC (:class:`~pd_transfer.same_host.ipc_engine.IpcEngine`, once per engine), instead of reading them with
-NIXL.
+"""The one-node fast path of ``cuda_ipc`` and ``host_ipc``: a decode rank copies a request's rows straight out of a
+prefill's memory opened through same-host IPC (:class:`~pd_transfer.same_host.ipc_engine.IpcEngine`, once per engine),
+instead of reading them with NIXL.
 
 **Per request** (:meth:`IpcReader.read`): the rows of the engine's direct plan (every row lands in place: a
 block-size regroup, a TP head slice or a layout change is done by the copy itself), copied by the row mover
@@ -15,28 +15,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.rows import kernel_available, move_rows
-from pd_transfer.same_host import IpcSource, IpcUnavailable
+from pd_transfer.same_host import IpcEngine, IpcSource, IpcUnavailable
 from pd_transfer.spec import MemoryPlace
 from pd_transfer.topology import PeerPlan
 from pd_transfer.transfer.errors import PeerDisconnected
 
-from .reads import ReadTotals
-from .request import PullRequest
-
-if TYPE_CHECKING:
-    from pd_transfer.transfer.agent_protocol import Agent
-
-    from .remote_engines import RemoteEngine, SourceRank
+from ..requests import PullRequest, ReadTotals
+from ..seam import Source
 
 
 class CopyStream:
@@ -80,31 +74,29 @@ class CopyStream:
 
 
 class IpcReader:
-    """Reads requests of engines connected through IPC into ``cache`` (``planes``: its plane views), then sends each
+    """Reads requests of engines opened through IPC into ``cache`` (``planes``: its plane views), then sends each
     source rank its ``ReadDone`` (``tell_read(sources, request_id)``)."""
 
     def __init__(
         self,
-        agent: Agent,
         cache: KVCache,
         planes: list[torch.Tensor],
         *,
-        tell_read: Callable[[list[SourceRank], str], None],
+        tell_read: Callable[[Sequence[Source], str], None],
     ) -> None:
-        self.agent = agent
         self.cache = cache
         self.planes = planes
         self._tell_read = tell_read
         self.stream = CopyStream(cache.place)
         self.one_kernel = kernel_available(self.stream.device)  # all of a pull's rows in one launch (CUDA, Triton)
 
-    def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = False) -> ReadTotals:
-        """Copy ``request`` from ``remote`` (connected through IPC), fix it up, wait for it, tell the prefill ranks
-        (a :class:`~.reader.Reader`; ``deadline`` and ``pushed`` unused: a copy is done when its event completes).
-        Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
-        ``IpcUnavailable``; an engine one of whose processes exited ``PeerDisconnected`` (as a NIXL read of it
-        would: the decode then looks for a new incarnation at its address)."""
-        opened = self._opened(remote)
+    def read(self, engine: IpcEngine, told: Sequence[Source], request: PullRequest) -> ReadTotals:
+        """Copy ``request`` from ``engine`` (opened through IPC), fix it up, wait for it, tell the prefill ranks
+        ``told`` (a copy is done when its event completes: no deadline). Block ids that do not fit the plan raise
+        ``ValueError`` before anything moves; a closed engine ``IpcUnavailable``; an engine one of whose processes
+        exited ``PeerDisconnected`` (as a NIXL read of it would: the decode then looks for a new incarnation at its
+        address)."""
+        opened = self._opened(engine)
         sources = opened.sources
         rows = [
             plan.indices(request.remote_block_ids, request.local_block_ids, request.num_tokens)
@@ -124,7 +116,7 @@ class IpcReader:
             if postprocess is not None:
                 postprocess.apply(self.planes, request.local_block_ids, request.num_tokens)
         done = time.perf_counter()
-        self._tell_read(remote.sources, request.request_id)
+        self._tell_read(told, request.request_id)
         fixup = done - copied if stream.device.type == "cpu" else 0.0  # on a GPU both are queued, then waited for
         return ReadTotals(
             bytes=sum(copy.nbytes for copy in copies),
@@ -134,20 +126,16 @@ class IpcReader:
             postprocess_exposed_seconds=fixup,
         )
 
-    def close(self) -> None:
-        """Nothing to release: its stream and pinned buffer go with it (a :class:`~.reader.Reader`)."""
-
     @staticmethod
-    def _opened(remote: RemoteEngine) -> _Opened:
-        """``remote``'s opened sources and the plan they are read by (held by the caller: a forget meanwhile drops
+    def _opened(engine: IpcEngine) -> _Opened:
+        """``engine``'s opened sources and the plan they are read by (held by the caller: a close meanwhile drops
         only the engine's list)."""
-        ipc = remote.ipc
-        sources = [] if ipc is None else ipc.sources
-        if ipc is None or not sources:
-            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not connected through IPC (any more)")
-        if ipc.owner_exited():
-            raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process whose memory is open exited")
-        return _Opened(sources, ipc.plan)
+        sources = engine.sources
+        if not sources:
+            raise IpcUnavailable(f"engine {engine.engine_id} is not open through IPC (any more)")
+        if engine.owner_exited():
+            raise PeerDisconnected(f"engine {engine.engine_id}: a prefill process whose memory is open exited")
+        return _Opened(sources, engine.plan)
 
 
 @dataclass(frozen=True)

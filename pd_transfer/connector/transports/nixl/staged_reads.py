@@ -28,8 +28,8 @@ from pd_transfer.topology.plan import PeerPlan
 from pd_transfer.topology.postprocess import RunScatter, index_on
 from pd_transfer.transfer.lanes import LaneRead
 
-from .remote_engines import SourceRank
 from .slot_fences import SlotFences
+from .sources import SourceRank
 from .staging import StagingArea
 
 

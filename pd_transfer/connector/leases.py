@@ -120,7 +120,7 @@ class LeaseLedger:
 
     def __init__(
         self,
-        lease_seconds: float = 30.0,
+        lease_seconds: float,
         *,
         clock: Callable[[], float] = time.monotonic,
         pending_seconds: float | None = None,

@@ -13,10 +13,9 @@ import zlib
 
 import numpy as np
 
+from pd_transfer.connector.messages import PushPlan
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.topology.units import UnitShape
-
-from .messages import PushPlan
 
 #: Most rows a grid sent for pushing may have (each costs 24 bytes once unpacked).
 MAX_PUSH_ROWS = 1 << 22

@@ -1,5 +1,5 @@
-"""The decode side of push (see :mod:`pd_transfer.connector.prefill.pushes`): asking prefill ranks to write instead of
-reading from them.
+"""The decode side of push, the NIXL transport's push target (the prefill side: :mod:`.push_writer`): asking prefill
+ranks to write instead of reading from them.
 
 On connecting to an engine whose plan needs no fix-up, :meth:`PushOrders.offer` sends each source rank a
 ``PushSetup``; a rank that answers ``PushReady(ok)`` is pushed to from then on, one that refuses or never answers
@@ -10,7 +10,7 @@ the blocks were held and pinned throughout (no lease confirmation needed).
 The prefill gives up writing at :data:`PREFILL_SHARE` of the time left when the order is sent, so a write never
 lands after the decode stopped waiting for it.
 
-A decode whose cache is on a GPU pushes through a :class:`~pd_transfer.connector.push_staging.LandingArea` (host memory
+A decode whose cache is on a GPU pushes through a :class:`~.push_staging.LandingArea` (host memory
 registered with its agent): each source rank of an engine is given a part of it in its setup and writes there, and
 :meth:`PushOrders.land` copies a pushed request's rows from it into the cache before the pull uses them. A request whose
 rows from a source exceed its part is read from that source.
@@ -29,14 +29,14 @@ from contextlib import contextmanager
 import numpy as np
 
 from pd_transfer.connector import messages
-from pd_transfer.connector.push_plans import plan_to_wire
-from pd_transfer.connector.push_staging import LandingArea
 from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_to
 
-from .remote_engines import RemoteEngine, SourceRank
-from .request import PullRequest
+from ..requests import PullRequest
+from .push_plans import plan_to_wire
+from .push_staging import LandingArea
+from .sources import NixlEngine, SourceRank
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class PushOrders:
         engine_id: str,
         reader_rank: int,
         *,
-        mode: str = "auto",
+        mode: str,
         landing: LandingArea | None = None,
     ) -> None:
         """``mode``: "on" offers push to every engine, "auto" where reads would go over TCP
@@ -80,20 +80,17 @@ class PushOrders:
         self._ready: dict[str, bool | None] = {}  # prefill agent -> ready, refused, or asked (None)
         self._outcomes: dict[str, dict[str, messages.PushOutcome]] = {}  # awaited request -> prefill agent -> outcome
         self._setups: dict[str, bytes] = {}  # prefill agent -> the setup sent to it (sent again when it asks)
-        self.late_outcomes = 0
         self.pushed = 0  # sources that wrote a request
         self.read_instead = 0  # sources asked to write that said to read
 
     # ------------------------------------------------------------------ setup
-    def offer(self, remote: RemoteEngine) -> None:
-        """Ask each source rank of a just connected engine to push, if its plan needs no fix-up and it is read with
-        NIXL (best effort; a prefill whose cache is on a GPU and that cannot stage it refuses). With a landing area,
-        source ``i`` of ``n`` is given part ``i`` of ``n`` of it (a source whose rows do not fit one is read)."""
+    def offer(self, remote: NixlEngine) -> None:
+        """Ask each source rank of a just opened engine to push, if its plan needs no fix-up (best effort; a prefill
+        whose cache is on a GPU and that cannot stage it refuses). With a landing area, source ``i`` of ``n`` is given
+        part ``i`` of ``n`` of it (a source whose rows do not fit one is read)."""
         if remote.plan.postprocess is not None or remote.packed is not None:
             return
         if not push_to(remote.host, self.mode, self.agent.settings.ucx_tls):
-            return
-        if remote.transport != "nixl":
             return
         metadata = self.agent.metadata
         count = len(remote.sources)
@@ -193,9 +190,7 @@ class PushOrders:
         if isinstance(message, messages.PushOutcome):
             with self._cond:
                 answers = self._outcomes.get(message.request_id)
-                if answers is None:
-                    self.late_outcomes += 1
-                else:
+                if answers is not None:  # else a late answer: nobody waits for it any more
                     answers[message.prefill_agent] = message
                     self._cond.notify_all()
                 again = message.setup_again and message.prefill_agent in self._setups

@@ -1,4 +1,5 @@
-"""The prefill side of push: writing a held request's blocks into a decode rank that asked for it.
+"""The prefill side of push, the NIXL transport's writer (the decode side: :mod:`.push_orders`): writing a held
+request's blocks into a decode rank that asked for it.
 
 Over TCP a READ is emulated by its target (the target copies into send buffers, the reader out of receive buffers:
 1.5-2 times the CPU of a plain stream), while a WRITE leaves from the sender's memory. So a decode rank whose reads
@@ -8,10 +9,10 @@ would go over TCP asks each prefill rank it reads from to push instead:
    (both descriptor grids). The prefill rank checks that its own rows lie inside its cache, adds the reader as a
    peer, prepares both grids, and answers ``PushReady``.
 2. ``PushOrder`` (per request): the block ids and token count of the params. The prefill rank computes the rows
-   with the reader's plan, *pins* the request's lease (:meth:`.leases.LeaseLedger.pin`: refused unless every block
-   id is the held request's own), and posts one WRITE whose notification is ``PushOutcome(ok=True)``: the reader
-   gets it after the data, and it proves the blocks were held throughout. The write then counts as the reader's
-   ``ReadDone``; the lease is unpinned.
+   with the reader's plan, *pins* the request's lease (:meth:`pd_transfer.connector.leases.LeaseLedger.pin`:
+   refused unless every block id is the held request's own), and posts one WRITE whose notification is
+   ``PushOutcome(ok=True)``: the reader gets it after the data, and it proves the blocks were held throughout. The
+   write then counts as the reader's ``ReadDone``; the lease is unpinned.
 3. Anything else answers ``PushOutcome(ok=False)``: with ``may_read`` (no setup, not held, the write failed) the
    reader reads as before, whose confirmation then tells the truth; without it (malformed block ids) it gives up.
 
@@ -20,7 +21,7 @@ runs one, to serve reads), which cost a 512 MiB write over loopback TCP 1.5-2 ti
 progressing the transfer itself. Its answers name the rank's agent (``prefill_agent``).
 
 A cache on a GPU (or a host cache where ``staging`` is given, as tests do) is pushed through host memory
-(:class:`~pd_transfer.connector.push_staging.PushStager`): the writing agent registers the stager's pool, not the cache,
+(:class:`~.push_staging.PushStager`): the writing agent registers the stager's pool, not the cache,
 and an order's rows are gathered into it a chunk at a time, each chunk written as soon as it is there (the last write
 carries the ``PushOutcome(ok)``), the next chunks gathered meanwhile. A reader whose setup names a landing area (its
 cache is on a GPU) is written there, the order's rows back to back, instead of into its cache's rows.
@@ -44,14 +45,14 @@ import numpy as np
 
 from pd_transfer.affinity import unpinning
 from pd_transfer.connector import messages
-from pd_transfer.connector.push_plans import MAX_PUSH_ROWS, PushPlanError, check_rows_inside, plan_from_wire
-from pd_transfer.connector.push_staging import PushStager, StagedChunk
+from pd_transfer.connector.leases import Freed, LeaseLedger
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.agent import DescriptorList
 from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.errors import TransferError
 
-from .leases import Freed, LeaseLedger
+from .push_plans import MAX_PUSH_ROWS, PushPlanError, check_rows_inside, plan_from_wire
+from .push_staging import PushStager, StagedChunk
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,6 @@ class PushWriter:
             1, thread_name_prefix="pd-transfer-push", initializer=unpinning(owner.settings.thread_cpu_set)
         )
         self.writes = 0
-        self.refusals = 0
 
     # ------------------------------------------------------------------ the notification thread
     def on_message(self, peer: str, message: messages.PushSetup | messages.PushOrder) -> None:
@@ -310,7 +310,6 @@ class PushWriter:
             self._on_freed(freed)
 
     def _refuse(self, peer: str, request_id: str, reason: str, *, may_read: bool, setup_again: bool = False) -> None:
-        self.refusals += 1
         name = self.owner.name
         logger.info("prefill %s: request %s: not pushed to %s: %s", name, request_id, peer, reason[:200])
         reason = reason[:MAX_REASON_CHARS]

@@ -1,4 +1,5 @@
-"""The same-host read path for host caches: a decode rank reads a request's rows straight out of a prefill process's
+"""The read path of ``host_cma``, for host caches: a decode rank reads a request's rows straight out of a prefill
+process's
 memory with ``process_vm_readv`` (:mod:`pd_transfer.transfer.cma`), many rows a call, on several threads, instead of
 NIXL (whose CMA transport makes one call per row, and whose block-size regroups are staged and fixed up after).
 
@@ -12,8 +13,7 @@ protocol is unchanged).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,56 +21,49 @@ from pd_transfer.same_host import CmaEngine, CmaSource, IpcUnavailable
 from pd_transfer.transfer.cma import CmaPool
 from pd_transfer.transfer.errors import PeerDisconnected
 
-from .reads import ReadTotals
-from .request import PullRequest
-
-if TYPE_CHECKING:
-    from pd_transfer.transfer.agent_protocol import Agent
-
-    from .remote_engines import RemoteEngine, SourceRank
+from ..requests import PullRequest, ReadTotals
+from ..seam import Source
 
 
 class CmaReader:
     """Reads requests of engines read in place into the cache whose plane views are ``planes``, on ``threads``
     threads, each request's calls bounded by ``timeout_s``; then sends each source rank its ``ReadDone``
-    (``tell_read(sources, request_id)``). ``close`` stops the threads."""
+    (``tell_read(sources, request_id)``); its threads are named after ``name``. ``close`` stops the threads."""
 
     def __init__(
         self,
-        agent: Agent,
+        name: str,
         planes: list[torch.Tensor],
         *,
         threads: int,
         timeout_s: float,
-        tell_read: Callable[[list[SourceRank], str], None],
+        tell_read: Callable[[Sequence[Source], str], None],
     ) -> None:
-        self.agent = agent
         self.planes = planes
         self.timeout_s = timeout_s
         self._tell_read = tell_read
-        self._pool = CmaPool(threads, name=f"{agent.name}-cma")
+        self._pool = CmaPool(threads, name=f"{name}-cma")
 
-    def read(self, remote: RemoteEngine, request: PullRequest, deadline: float, *, pushed: bool = False) -> ReadTotals:
-        """Read ``request`` from ``remote`` (read in place), fix it up if its plan says so, tell the prefill ranks
-        (a :class:`~.reader.Reader`: the calls keep to the reader's own timeout, ``deadline`` and ``pushed`` unused).
-        Block ids that do not fit the plan raise ``ValueError`` before anything moves; a closed engine
-        ``IpcUnavailable``; a prefill process that exited ``PeerDisconnected`` (the decode then looks for a new
-        incarnation at its address); a failed call ``TransferError``."""
-        engine, sources = self._opened(remote)
+    def read(self, opened: CmaEngine, told: Sequence[Source], request: PullRequest) -> ReadTotals:
+        """Read ``request`` from ``opened`` (read in place), fix it up if its plan says so, tell the prefill ranks
+        ``told`` (the calls keep to the reader's own timeout). Block ids that do not fit the plan raise ``ValueError``
+        before anything moves; a closed engine ``IpcUnavailable``; a prefill process that exited ``PeerDisconnected``
+        (the decode then looks for a new incarnation at its address); a failed call ``TransferError``."""
+        engine, sources = self._opened(opened)
         planned = [
             source.calls(request.remote_block_ids, request.local_block_ids, request.num_tokens) for source in sources
         ]
         calls = [call for source_calls, _ in planned for call in source_calls]
         started = time.perf_counter()
-        self._check_running(remote, engine)
+        self._check_running(engine)
         self._pool.run(calls, self.timeout_s)
-        self._check_running(remote, engine)  # an exit during the read: what was read may be another process's
+        self._check_running(engine)  # an exit during the read: what was read may be another process's
         read = time.perf_counter()
         postprocess = engine.plan.postprocess
         if postprocess is not None:
             postprocess.apply(self.planes, request.local_block_ids, request.num_tokens)
         done = time.perf_counter()
-        self._tell_read(remote.sources, request.request_id)
+        self._tell_read(told, request.request_id)
         return ReadTotals(
             bytes=sum(call.nbytes for call in calls),
             descriptors=sum(rows for _, rows in planned),
@@ -80,18 +73,17 @@ class CmaReader:
         )
 
     @staticmethod
-    def _opened(remote: RemoteEngine) -> tuple[CmaEngine, list[CmaSource]]:
-        """``remote``'s engine and its sources, held (a forget meanwhile drops only the engine's list)."""
-        engine = remote.cma
-        sources = [] if engine is None else engine.sources
-        if engine is None or not sources:
-            raise IpcUnavailable(f"engine {remote.engine.engine_id} is not read in place (any more)")
+    def _opened(engine: CmaEngine) -> tuple[CmaEngine, list[CmaSource]]:
+        """``engine`` and its sources, held (a close meanwhile drops only the engine's list)."""
+        sources = engine.sources
+        if not sources:
+            raise IpcUnavailable(f"engine {engine.engine_id} is not read in place (any more)")
         return engine, sources
 
     @staticmethod
-    def _check_running(remote: RemoteEngine, engine: CmaEngine) -> None:
+    def _check_running(engine: CmaEngine) -> None:
         if engine.owner_exited():
-            raise PeerDisconnected(f"engine {remote.engine.engine_id}: a prefill process read in place exited")
+            raise PeerDisconnected(f"engine {engine.engine_id}: a prefill process read in place exited")
 
     def close(self) -> None:
         self._pool.close()
