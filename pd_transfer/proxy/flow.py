@@ -64,10 +64,6 @@ def validate(endpoint: str, body: Any) -> dict[str, Any]:
     return body
 
 
-def is_streaming(body: dict[str, Any]) -> bool:
-    return bool(body.get("stream"))
-
-
 def is_batch(endpoint: str, body: dict[str, Any]) -> bool:
     """Several prompts in one completions request: one kv_transfer_params cannot describe them."""
     if endpoint != COMPLETIONS:

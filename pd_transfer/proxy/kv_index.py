@@ -121,9 +121,6 @@ class KvIndex:
     def blocks_of(self, engine: str) -> int:
         return len(self._engines.get(engine, ()))
 
-    def directory_blocks(self) -> int:
-        return len(self._directory)
-
     def tier_of(self, medium: str | None) -> int:
         tier = MEDIA.get(medium.upper() if medium else None, ENGINE)
         return SHARED if tier == DISK and medium and medium.upper() == "DISK" and self.shared_disk else tier
