@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp, multidict, yarl)")
+pytest.importorskip("httptools", reason="the proxy needs the 'proxy' extra (aiohttp, multidict, yarl, httptools)")
 
 from pd_transfer.proxy.upstream import (
     HIGH_WATER,
