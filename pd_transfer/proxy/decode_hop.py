@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +41,10 @@ from aiohttp import web
 
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.aborts import StreamOpening, Verdict, is_empty_abort
-from pd_transfer.proxy.hops import Call, HopMeter, Tries, unreachable
-from pd_transfer.proxy.release import KVReleases
+from pd_transfer.proxy.hops import Call, Hop
 from pd_transfer.proxy.responses import REQUEST_ID, ClientGone, HopError, describe_error, relayed_response, snippet
-from pd_transfer.proxy.routing.pool import DRAINING, Backend, Pool
-from pd_transfer.proxy.upstream import Answer, ConnectFailed, Endpoint, Upstream, UpstreamError
+from pd_transfer.proxy.routing.pool import DRAINING, Backend
+from pd_transfer.proxy.upstream import Answer, ConnectFailed, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -75,25 +74,9 @@ class DecodeProgress:
         return self.sent and not self.answered
 
 
-class DecodeHop:
-    """Runs decode hops over ``pool`` (the decode backends) through ``upstream``; ``endpoints`` maps ``(id(backend),
-    endpoint)`` to where its POST goes; ``meter`` counts the hops and their failed attempts; ``releases`` frees the
-    prefill's blocks of a hop that will not read them."""
-
-    def __init__(
-        self,
-        pool: Pool,
-        upstream: Upstream,
-        meter: HopMeter,
-        endpoints: Mapping[tuple[int, str], Endpoint],
-        releases: KVReleases,
-    ) -> None:
-        self.pool = pool
-        self.upstream = upstream
-        self.meter = meter
-        self.metrics = meter.metrics
-        self.releases = releases
-        self._endpoints = endpoints
+class DecodeHop(Hop):
+    """Runs decode hops over the decode pool (:class:`~pd_transfer.proxy.hops.Hop`); its ``releases`` free the
+    prefill's blocks a hop will not read."""
 
     async def run(self, call: Call, params: dict[str, Any] | None, prefer: Backend | None = None) -> web.StreamResponse:
         """Sends ``call`` with the prefill's ``params`` (None: no prefill hop) to a decode server, ``prefer`` first
@@ -118,7 +101,7 @@ class DecodeHop:
     ) -> web.StreamResponse:
         """The decode hop of ``body``: each try's answer relayed, or its failure recorded for the next try."""
         payload = msgspec.json.encode(body)
-        tries = Tries(self.pool, self.meter)
+        tries = self.tries()
         while (backend := tries.next(call.route, prefer)) is not None:
             since = self.meter.enter(backend)
             try:
@@ -138,10 +121,10 @@ class DecodeHop:
         request never reached that server's engine."""
         try:
             progress.sent = True
-            answer = await self.upstream.post(self._endpoints[id(backend), call.endpoint], call.headers, payload)
+            answer = await self.upstream.post(self.endpoint(backend, call), call.headers, payload)
         except ConnectFailed as e:  # never connected: safe to send elsewhere
             progress.sent = False
-            unreachable(self.pool, backend, e)
+            self.unreachable(backend, e)
             message = f"decode backend {backend.url} failed: {describe_error(e)}"
             raise _Retryable(HopError("decode", backend.url, "connect", message), saw_params=False) from None
         except (UpstreamError, TimeoutError) as e:

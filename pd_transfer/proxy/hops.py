@@ -1,20 +1,23 @@
 """What the prefill and decode hops share: the request they carry (:class:`Call`), their bookkeeping on a backend
-(:class:`HopMeter`: in-flight counts, hop latency, failed attempts) and their tries over a pool (:class:`Tries`: at
+(:class:`HopMeter`: in-flight counts, hop latency, failed attempts), their tries over a pool (:class:`Tries`: at
 most :data:`MAX_TRIES` backends, the next one picked after the last one failed in a way that may go elsewhere), and
-what becomes of a backend that cannot be connected to (:func:`unreachable`)."""
+what each runs over (:class:`Hop`: its pool, the client, where each backend's POST goes, the releases)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from pd_transfer.proxy.metrics import ProxyMetrics
+from pd_transfer.proxy.release import KVReleases
 from pd_transfer.proxy.responses import HopError, describe_error
 from pd_transfer.proxy.routing.pool import Backend, Pool
 from pd_transfer.proxy.routing.request import RouteRequest
+from pd_transfer.proxy.upstream import Endpoint, Upstream
 
 #: Backends one hop tries at most: the first choice, and one more after a failure that may go elsewhere.
 MAX_TRIES = 2
@@ -104,7 +107,35 @@ class Tries:
         return self.failure
 
 
-def unreachable(pool: Pool, backend: Backend, error: BaseException) -> None:
-    """``backend`` could not be connected to (``error``): out of ``pool`` until its health check passes. (A connection
-    dropped mid-answer fails that request only.)"""
-    pool.set_health(backend, False, f"connection error: {describe_error(error)}")
+class Hop:
+    """What one hop runs over: ``pool`` (the backends of its role), ``upstream`` (the client), ``endpoints`` (where a
+    backend's POST goes, by ``(id(backend), endpoint)``), ``meter`` (the hops and their failed attempts) and
+    ``releases`` (freeing what a prefill holds for no decode)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        upstream: Upstream,
+        meter: HopMeter,
+        endpoints: Mapping[tuple[int, str], Endpoint],
+        releases: KVReleases,
+    ) -> None:
+        self.pool = pool
+        self.upstream = upstream
+        self.meter = meter
+        self.metrics = meter.metrics
+        self.releases = releases
+        self._endpoints = endpoints
+
+    def endpoint(self, backend: Backend, call: Call) -> Endpoint:
+        """Where ``call``'s POST to ``backend`` goes."""
+        return self._endpoints[id(backend), call.endpoint]
+
+    def tries(self) -> Tries:
+        """A request's tries at this hop."""
+        return Tries(self.pool, self.meter)
+
+    def unreachable(self, backend: Backend, error: BaseException) -> None:
+        """``backend`` could not be connected to (``error``): out of the pool until its health check passes. (A
+        connection dropped mid-answer fails that request only.)"""
+        self.pool.set_health(backend, False, f"connection error: {describe_error(error)}")

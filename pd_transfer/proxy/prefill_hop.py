@@ -16,18 +16,15 @@ to :data:`PREFILL_LEFTOVER_S`, and the blocks its params name are released (:mod
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
 import msgspec
 
 from pd_transfer.proxy import flow
-from pd_transfer.proxy.hops import Call, HopMeter, Tries, unreachable
-from pd_transfer.proxy.release import KVReleases
+from pd_transfer.proxy.hops import Call, Hop
 from pd_transfer.proxy.responses import HopError, Passthrough, describe_error, relayed_response, snippet
-from pd_transfer.proxy.routing.pool import Pool
-from pd_transfer.proxy.upstream import ConnectFailed, Endpoint, Leftover, Upstream, UpstreamError
+from pd_transfer.proxy.upstream import ConnectFailed, Leftover, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -38,24 +35,9 @@ log = logging.getLogger(__name__)
 PREFILL_LEFTOVER_S = 1.0
 
 
-class PrefillHop:
-    """Runs prefill hops over ``pool`` (the prefill backends) through ``upstream``; ``endpoints`` maps ``(id(backend),
-    endpoint)`` to where its POST goes; ``meter`` counts the hops and their failed attempts; ``releases`` frees what
-    a prefill answered a client that had left."""
-
-    def __init__(
-        self,
-        pool: Pool,
-        upstream: Upstream,
-        meter: HopMeter,
-        endpoints: Mapping[tuple[int, str], Endpoint],
-        releases: KVReleases,
-    ) -> None:
-        self.pool = pool
-        self.upstream = upstream
-        self.meter = meter
-        self.releases = releases
-        self._endpoints = endpoints
+class PrefillHop(Hop):
+    """Runs prefill hops over the prefill pool (:class:`~pd_transfer.proxy.hops.Hop`); its ``releases`` free what a
+    prefill answered a client that had left."""
 
     async def run(self, call: Call) -> dict[str, Any]:
         """The prefill of ``call``: the ``kv_transfer_params`` its prefill answered; on a failure that may go
@@ -63,16 +45,16 @@ class PrefillHop:
         :class:`Passthrough`."""
         payload = msgspec.json.encode(flow.prefill_body(call.endpoint, call.body))
         leftover = Leftover(PREFILL_LEFTOVER_S, partial(self._left_over, call.rid))
-        tries = Tries(self.pool, self.meter)
+        tries = self.tries()
         while (backend := tries.next(call.route)) is not None:
             since = self.meter.enter(backend)
             try:
-                endpoint = self._endpoints[id(backend), call.endpoint]
+                endpoint = self.endpoint(backend, call)
                 async with await self.upstream.post(endpoint, call.headers, payload, leftover) as answer:
                     raw = await answer.read()
             except (UpstreamError, TimeoutError) as e:
                 if isinstance(e, ConnectFailed):
-                    unreachable(self.pool, backend, e)
+                    self.unreachable(backend, e)
                 message = f"prefill backend {backend.url} failed: {describe_error(e)}"
                 tries.failed(HopError("prefill", backend.url, "connect", message))
                 continue

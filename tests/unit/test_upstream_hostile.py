@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("httptools", reason="the proxy needs the 'proxy' extra (httptools)")
+
+from test_upstream import Parts, Script, talking_to
 
 from pd_transfer.proxy.upstream import MAX_HEAD_BYTES, Endpoint, Upstream, UpstreamError
 
@@ -31,63 +31,6 @@ BOUND_S = 10.0  # every exchange ends within this (a hang would be the failure)
 OVER = MAX_HEAD_BYTES + 512 * 1024
 
 
-@dataclass
-class Reply:
-    """What the server does with one request: write ``parts`` (one send each, the loop turning between them), then
-    close the connection (``close``) or keep it open."""
-
-    parts: list[bytes]
-    close: bool = False
-
-
-@dataclass
-class Server:
-    """Answers each request, on any connection, with its next :class:`Reply`; counts connections."""
-
-    replies: list[Reply]
-    port: int = 0
-    connections: int = 0
-    eof: asyncio.Event = field(default_factory=asyncio.Event)  # a client closed its connection
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    self.eof.set()
-                    return
-                length = next(
-                    int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.startswith(b"Content-Length:")
-                )
-                await reader.readexactly(length)
-                reply = self.replies.pop(0)
-                for part in reply.parts:
-                    writer.write(part)
-                    await writer.drain()
-                    await asyncio.sleep(0)  # a turn of the loop, so the client may read each part apart (not relied on)
-                if reply.close:
-                    return
-        except ConnectionError:
-            self.eof.set()
-        finally:
-            writer.close()
-
-
-@asynccontextmanager
-async def serving(*replies: Reply) -> AsyncIterator[tuple[Server, Upstream]]:
-    server = Server(list(replies))
-    listening = await asyncio.start_server(server.handle, "127.0.0.1", 0)
-    server.port = listening.sockets[0].getsockname()[1]
-    upstream = Upstream(connect_timeout_s=5.0)  # no request timeout: an answer that never ends would hang
-    try:
-        async with listening:
-            yield server, upstream
-    finally:
-        upstream.close()
-
-
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
     async def bounded() -> None:
         await asyncio.wait_for(scenario(), timeout=BOUND_S * 3)
@@ -95,7 +38,7 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(bounded())
 
 
-async def exchange(server: Server, upstream: Upstream) -> bytes:
+async def exchange(server: Script, upstream: Upstream) -> bytes:
     """One request; the whole body of its answer (an ``UpstreamError`` raised as it comes)."""
     endpoint = Endpoint.of(f"http://127.0.0.1:{server.port}/v1/completions")
 
@@ -120,10 +63,10 @@ LENGTH = head(b"Content-Type: application/json", b"Content-Length: 11") + b'{"ok
 def test_a_head_split_anywhere_reads_the_same_answer_and_keeps_the_connection() -> None:
     """Every cut of a chunked answer (head, sizes, data, trailer) in two writes, and one write per byte, on one
     keep-alive connection: each answer whole, and the parser ready for the next."""
-    cuts = [Reply([STREAM[:k], STREAM[k:]]) for k in range(1, len(STREAM))]
+    cuts = [Parts([STREAM[:k], STREAM[k:]]) for k in range(1, len(STREAM))]
 
     async def scenario() -> None:
-        async with serving(*cuts, Reply([bytes([b]) for b in LENGTH]), Reply([LENGTH])) as (server, upstream):
+        async with talking_to(*cuts, Parts([bytes([b]) for b in LENGTH]), Parts([LENGTH])) as (server, upstream):
             for _ in cuts:
                 assert await exchange(server, upstream) == STREAM_BODY
             assert await exchange(server, upstream) == b'{"ok":true}'
@@ -158,7 +101,7 @@ def test_a_head_split_anywhere_reads_the_same_answer_and_keeps_the_connection() 
 )
 def test_a_malformed_answer_is_an_upstream_error_naming_it(answer: bytes, why: str) -> None:
     async def scenario() -> None:
-        async with serving(Reply([answer])) as (server, upstream):
+        async with talking_to(Parts([answer])) as (server, upstream):
             with pytest.raises(UpstreamError, match=why):
                 await exchange(server, upstream)
 
@@ -184,7 +127,7 @@ def test_an_oversized_head_or_trailer_is_refused_without_waiting_for_its_end(ans
     parts = [answer[i : i + 8192] for i in range(0, len(answer), 8192)]
 
     async def scenario() -> None:
-        async with serving(Reply(parts)) as (server, upstream):
+        async with talking_to(Parts(parts)) as (server, upstream):
             with pytest.raises(UpstreamError, match=f"{MAX_HEAD_BYTES}"):
                 await exchange(server, upstream)
             await asyncio.wait_for(server.eof.wait(), BOUND_S)  # the connection was closed
@@ -203,10 +146,10 @@ def test_a_connection_closed_at_any_byte_of_an_answer_fails_it_and_the_whole_ans
 
     async def scenario() -> None:
         for k in range(len(answer)):
-            async with serving(Reply([answer[:k]], close=True)) as (server, upstream):
+            async with talking_to(Parts([answer[:k]], close=True)) as (server, upstream):
                 with pytest.raises(UpstreamError, match="closed the connection"):
                     await exchange(server, upstream)
-        async with serving(Reply([answer], close=True)) as (server, upstream):
+        async with talking_to(Parts([answer], close=True)) as (server, upstream):
             assert await exchange(server, upstream) == body
 
     run(scenario)
@@ -217,8 +160,8 @@ def test_an_answer_framed_by_the_close_ends_there_and_bytes_nobody_asked_for_end
     extra = LENGTH + b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"  # a second answer to no request
 
     async def scenario() -> None:
-        async with serving(
-            Reply([until_close[:20], until_close[20:]], close=True), Reply([extra]), Reply([LENGTH])
+        async with talking_to(
+            Parts([until_close[:20], until_close[20:]], close=True), Parts([extra]), Parts([LENGTH])
         ) as (
             server,
             upstream,
@@ -265,7 +208,7 @@ def test_any_valid_answer_cut_anywhere_reads_whole(answer: tuple[bytes, bytes], 
     raw, body = answer
 
     async def scenario() -> None:
-        async with serving(Reply(split(raw, points)), Reply([LENGTH])) as (server, upstream):
+        async with talking_to(Parts(split(raw, points)), Parts([LENGTH])) as (server, upstream):
             assert await exchange(server, upstream) == body
             assert await exchange(server, upstream) == b'{"ok":true}'
             assert server.connections == 1
@@ -291,7 +234,7 @@ def test_a_damaged_answer_is_read_or_refused_never_anything_else(
     data = bytes(raw)
 
     async def scenario() -> None:
-        async with serving(Reply(split(data, points), close=True)) as (server, upstream):
+        async with talking_to(Parts(split(data, points), close=True)) as (server, upstream):
             try:
                 await exchange(server, upstream)
             except UpstreamError:
