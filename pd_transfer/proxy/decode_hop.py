@@ -86,7 +86,7 @@ class DecodeHop(Hop):
         them, at the end of their hold window when the client left while one may be."""
         progress = DecodeProgress()
         try:
-            response = await self._tries(call, flow.decode_body(call.body, params), prefer, progress)
+            response = await self._send(call, flow.decode_body(call.body, params), prefer, progress)
         except BaseException as error:
             if params is not None:
                 why = "the client left" if isinstance(error, asyncio.CancelledError | ClientGone) else "decode failed"
@@ -96,7 +96,7 @@ class DecodeHop(Hop):
             self.releases.release(params, call.rid, read_possible=False, why=f"the decode answered {response.status}")
         return response
 
-    async def _tries(
+    async def _send(
         self, call: Call, body: dict[str, Any], prefer: Backend | None, progress: DecodeProgress
     ) -> web.StreamResponse:
         """The decode hop of ``body``: each try's answer relayed, or its failure recorded for the next try."""
