@@ -481,9 +481,12 @@ class _Connection(asyncio.Protocol):
         self._stalled_bytes += len(data)
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError as error:  # one of the on_* methods refused what it was given
+        except httptools.HttpParserCallbackError as error:  # one of the on_* methods raised
             cause = error.__context__
-            self._broken(cause if isinstance(cause, UpstreamError) else UpstreamError(str(error)))
+            if not isinstance(cause, UpstreamError):  # not what the backend sent: a fault of this module's own
+                logger.error("reading an answer from %s:%d failed", self.key[0], self.key[1], exc_info=cause)
+                cause = UpstreamError("the proxy failed to read the answer (its log has why)")
+            self._broken(cause)
             return
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as error:
             self._broken(UpstreamError(f"the answer is not HTTP/1.1 as llhttp reads it: {error}"))
