@@ -17,7 +17,7 @@ from pd_transfer.cluster.http_client import (
     prompt_tokens,
     scrape_metrics,
 )
-from pd_transfer.connector.transports.registry import BUILT_IN
+from pd_transfer.connector.config import BUILT_IN_TRANSPORTS
 
 __all__ = ["DemoResult", "demo_passage", "demo_requests", "run_demo"]
 
@@ -28,8 +28,6 @@ PD_PREFIXES = ("vllm:pd_transfer_", "pd_transfer_")
 PULLED_BYTES = "pulled_bytes_total"
 PULL_SECONDS = "pull_seconds_sum"
 PULLS = "pulls_total"  # labelled with the transport that moved each load
-#: The transports whose loads the demo counts (the built-in ones).
-TRANSPORTS = tuple(transport.name for transport in BUILT_IN)
 #: How the demo says what moved a load: "KV of N prompt tokens loaded ...".
 TRANSPORT_PHRASES = {
     "nixl": "over NIXL",
@@ -50,7 +48,7 @@ def _figures(decode_urls: Sequence[str]) -> dict[str, float]:
     figures = {"external_tokens": sum(metric_sum(text, EXTERNAL_TOKENS, source=EXTERNAL_SOURCE) for text in texts)}
     for key, suffix in (("pulled_bytes", PULLED_BYTES), ("pull_seconds", PULL_SECONDS)):
         figures[key] = sum(metric_sum(text, prefix + suffix) for text in texts for prefix in PD_PREFIXES)
-    for transport in TRANSPORTS:
+    for transport in BUILT_IN_TRANSPORTS:
         figures[f"pulls_{transport}"] = sum(
             metric_sum(text, prefix + PULLS, transport=transport) for text in texts for prefix in PD_PREFIXES
         )
@@ -152,7 +150,7 @@ def _one_request(
         pulled_bytes=after["pulled_bytes"] - before["pulled_bytes"] if has_pd else None,
         pull_seconds=after["pull_seconds"] - before["pull_seconds"] if has_pd else None,
         same_as_reference=same,
-        transports=tuple(t for t in TRANSPORTS if after[f"pulls_{t}"] > before[f"pulls_{t}"]),
+        transports=tuple(t for t in BUILT_IN_TRANSPORTS if after[f"pulls_{t}"] > before[f"pulls_{t}"]),
     )
 
 

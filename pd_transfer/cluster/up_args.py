@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from pd_transfer.cluster.launch import TINY_MODEL_DIR, transport_setting
+from pd_transfer.proxy.routing import registry
 
 MODEL_ENV = "PD_TRANSFER_MODEL"
 MODELS_DIR_ENV = "PD_TRANSFER_MODELS_DIR"  # where the default models are built (default: .models)
@@ -13,8 +14,6 @@ DEFAULT_MODEL_DIR = TINY_MODEL_DIR
 SIDE_CHANNEL_OFFSET = 100  # server k: HTTP on base_port + k, side channel on base_port + 100 + k
 #: kv_aware: server k's KV event replay endpoint is on base_port + 300 + k (its stream: an ipc socket in the log dir)
 KV_REPLAY_OFFSET = 300
-#: The proxy's policies (pd_transfer.proxy.policies.POLICIES; the cluster layer does not import the proxy's modules)
-POLICIES = ("round_robin", "least_outstanding", "power_of_two", "cache_aware", "kv_aware")
 #: vLLM-CPU's block size when none is given (its CPU attention's default); kv_aware hashes blocks of this size then
 VLLM_CPU_BLOCK_SIZE = 128
 MAX_SERVERS = 64
@@ -57,15 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--routing",
-        choices=POLICIES,
+        choices=registry.names(),
         default="round_robin",
-        help="the proxy's policy for both roles (default round_robin); kv_aware turns on the engines' KV events"
-        " (vLLM's --kv-events-config: an ipc socket in the log dir, replay on base port + 300 + k) and wires them to"
-        " the proxy",
+        help="the proxy's policy for both roles (default round_robin); a policy reading the engines' KV events"
+        " (kv_aware) turns them on (vLLM's --kv-events-config: an ipc socket in the log dir, replay on base port + 300"
+        " + k) and wires them to the proxy",
     )
     for role in ("prefill", "decode"):
         parser.add_argument(
-            f"--{role}-policy", choices=POLICIES, default=None, help=f"the proxy's {role} policy (default: --routing)"
+            f"--{role}-policy",
+            choices=registry.names(),
+            default=None,
+            help=f"the proxy's {role} policy (default: --routing)",
         )
     parser.add_argument(
         "--max-local-prefill",
@@ -73,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="the proxy's conditional disaggregation: a prompt a decode holds all but at most N tokens of is"
-        " prefilled by that decode, no prefill hop (needs --decode-policy kv_aware; default 0: off)",
+        " prefilled by that decode, no prefill hop (needs a decode policy reading KV events, kv_aware; default 0: off)",
     )
     parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="default: runs/up-TIMESTAMP")
     parser.add_argument(
@@ -183,21 +185,19 @@ def validate(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be positive, not {value}")
     if args.offload_dir is not None and max(args.prefill_tp, args.decode_tp) > 1:
         problems.append("--offload-dir supports TP 1 only (PdOffloadConnector)")
-    kv_roles = kv_event_roles(args)
     if args.max_local_prefill < 0:
         problems.append(f"--max-local-prefill must be >= 0 tokens, not {args.max_local_prefill}")
-    elif args.max_local_prefill and "decode" not in kv_roles:
-        problems.append(
-            "--max-local-prefill needs --decode-policy kv_aware (the proxy reads what a decode holds from its KV"
-            " events)"
-        )
+    policies = {role: policy_of(args, role) for role in registry.ROLES}
+    routing_problems = registry.problems(policies, local_prefill=args.max_local_prefill > 0)
+    problems += routing_problems  # the proxy's own check of its policies and what they need
+    kv_roles = [] if routing_problems else kv_event_roles(args)
     if len(kv_roles) == 2 and args.prefill_block_size != args.decode_block_size:
         problems.append(
-            "kv_aware on both roles needs one block size (the proxy hashes blocks of one size): give"
+            "KV events on both roles need one block size (the proxy hashes blocks of one size): give"
             " --prefill-block-size and --decode-block-size the same value"
         )
     if kv_roles and args.base_port + KV_REPLAY_OFFSET + servers - 1 > 65535:
-        problems.append(f"--base-port {args.base_port}: kv_aware needs ports up to base port + {KV_REPLAY_OFFSET}")
+        problems.append(f"--base-port {args.base_port}: KV events need ports up to base port + {KV_REPLAY_OFFSET}")
     if args.model is not None and not (args.model / "config.json").is_file():
         problems.append(f"--model {args.model}: no model folder there (no config.json)")
     return problems
@@ -210,8 +210,8 @@ def policy_of(args: argparse.Namespace, role: str) -> str:
 
 
 def kv_event_roles(args: argparse.Namespace) -> list[str]:
-    """The roles whose engines publish KV events: those the proxy routes ``kv_aware``."""
-    return [role for role in ("prefill", "decode") if policy_of(args, role) == "kv_aware"]
+    """The roles whose engines publish KV events: those whose proxy policy reads them (the proxy's registry says)."""
+    return [role for role in registry.ROLES if registry.needs_of(policy_of(args, role)).events]
 
 
 def kv_block_size(args: argparse.Namespace) -> int:

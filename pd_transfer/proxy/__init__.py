@@ -10,16 +10,17 @@ Flow, per ``/v1/completions`` or ``/v1/chat/completions`` request (streamed or n
 3. to a decode server: the client's request plus those params; its answer, or its SSE stream chunk by chunk, goes
    back to the client. The client's ``X-Request-Id`` (or a new one) goes to both hops and back in the answer.
 
-Routing, per role (:mod:`.policies`): ``round_robin``, ``least_outstanding`` (fewest requests this proxy has in flight
-on the backend, ties round robin), ``power_of_two``, ``cache_aware`` (a bounded prefix tree of what was routed where)
-or ``kv_aware`` (the engines' KV events, :mod:`.kv_events`), with optional session affinity. Every
+Routing, per role (:mod:`.routing`, one registry of policies): ``round_robin``, ``least_outstanding`` (fewest
+requests this proxy has in flight on the backend, ties round robin), ``power_of_two``, ``cache_aware`` (a bounded
+prefix tree of what was routed where) or ``kv_aware`` (the engines' KV events, :mod:`.kv`), with optional session
+affinity. Every
 ``--health-interval`` seconds each backend's ``GET /health`` is checked; a failed
 check or a connection error takes it out, a passing check puts it back. ``GET /health`` of the proxy is 200 while at
 least one prefill and one decode are in, 503 otherwise, with every backend's state.
 
 Conditional disaggregation: a prompt of fewer than ``--short-prompt-tokens`` tokens (0: off) goes straight to a
 decode server, without ``kv_transfer_params``; so do batched completions (several prompts, which one set of params
-cannot describe). Tokens are counted without a tokenizer: token-id prompts exactly; text as
+cannot describe). Tokens are counted without a tokenizer (:mod:`.prompt`): token-id prompts exactly; text as
 ``ceil(max(1.3 x whitespace words, characters / 4))`` (words x 1.3 tracks English under BPE, characters / 4 catches
 text with few spaces); chat messages add 4 tokens each for the template.
 
@@ -40,10 +41,11 @@ request, freeing its blocks.
 ``pd_proxy_time_to_first_token_seconds{endpoint}`` (streams), ``pd_proxy_backend_in_flight{role,backend}``,
 ``pd_proxy_backend_healthy{role,backend}``.
 
-Modules: ``server`` (``Proxy``, ``ProxyConfig``, the prefill hop), ``decode_hop`` (the decode hop and its relay),
-``upstream`` (the hops' HTTP/1.1 client), ``flow`` (validation and the bodies of both hops, no HTTP),
-``routing`` (backends, pools), ``policies``, ``prefix_tree``, ``block_hash``, ``kv_index``, ``kv_events``,
-``routing_setup`` (the pools and event subscribers built from the config), ``metrics``, ``cli`` (``pd-transfer
-proxy`` / ``python -m pd_transfer.proxy``).
+Modules, by job: ``server`` (``Proxy``: the app, the backends' health checks, a request's way through the hops),
+``intake`` (a body taken in), ``flow`` (checks and the hops' bodies, no HTTP), ``prompt`` (the prompt read once),
+``prefill_hop`` and ``decode_hop`` (sharing ``hops``), ``upstream`` (the hops' HTTP/1.1 client), ``aborts``,
+``release``, ``responses``, ``tokenize``, ``metrics``, ``config``, ``cli`` (``pd-transfer proxy`` / ``python -m
+pd_transfer.proxy``); ``routing/`` (the registry of policies, a module per policy, the pools, the routing built from
+the config) over ``kv/`` (the engines' KV events and the index of what each holds).
 Stand-in backends live in :mod:`pd_transfer.sim`, the proxy's benchmark in :mod:`pd_transfer.bench.proxy.latency`.
 """

@@ -10,7 +10,7 @@ import signal
 from collections.abc import Callable, Mapping
 
 from pd_transfer.proxy.config import ProxyConfig
-from pd_transfer.proxy.routing import POLICIES
+from pd_transfer.proxy.routing.registry import names as policy_names
 from pd_transfer.settings import environment
 
 
@@ -35,14 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free port)")
     parser.add_argument(
         "--policy",
-        choices=POLICIES,
+        choices=policy_names(),
         default="round_robin",
         help="how to pick a backend of each role (default round_robin); --prefill-policy and --decode-policy set one"
         " role's apart",
     )
     for role in ("prefill", "decode"):
         parser.add_argument(
-            f"--{role}-policy", choices=POLICIES, default=None, help=f"the {role} pool's policy (default: --policy)"
+            f"--{role}-policy",
+            choices=policy_names(),
+            default=None,
+            help=f"the {role} pool's policy (default: --policy)",
         )
     parser.add_argument(
         "--kv-event-source",

@@ -12,7 +12,7 @@ class ProxyConfig:
     policy: str = "round_robin"
     prefill_policy: str | None = None  # None: ``policy``
     decode_policy: str | None = None  # None: ``policy``
-    # cache_aware and kv_aware (pd_transfer.proxy.policies)
+    # cache_aware and kv_aware (pd_transfer.proxy.routing.cache_aware, .kv_aware)
     cache_threshold: float = 0.5  # cache_aware: the share of a prompt's chunks that must match to follow the match
     balance_abs_threshold: int = 32  # out of balance: the busiest has more than this many requests over the idlest
     balance_rel_threshold: float = 1.5  # ... and more than this times the idlest's count
@@ -35,7 +35,7 @@ class ProxyConfig:
     kv_routed_ttl_s: float = 10.0  # a block just routed to an engine counts as its own this long (events lag)
     kv_silence_s: float = 30.0  # a stream silent this long is probed on its replay endpoint (no answer: dropped)
     # kv_aware: text and chat prompts tokenized by a backend's POST /tokenize (pd_transfer.proxy.tokenize), for the
-    # pools whose policy is kv_aware; False: such prompts go to the least busy
+    # pools whose policy needs token ids (kv_aware); False: such prompts go to the least busy
     tokenize: bool = True
     tokenize_timeout_s: float = 1.0  # one /tokenize call, connection to answer; past it the prompt goes without ids
 
@@ -44,8 +44,9 @@ class ProxyConfig:
         return chosen or self.policy
 
     short_prompt_tokens: int = 0  # prompts with fewer (estimated) tokens skip the prefill hop; 0: never skip
-    # conditional disaggregation (pd_transfer.proxy.local_prefill): a prompt a decode holds all but at most this many
-    # tokens of is prefilled by that decode, no prefill hop; needs the decode policy kv_aware; 0: off
+    # conditional disaggregation (pd_transfer.proxy.routing.local_prefill): a prompt a decode holds all but at most
+    # this many tokens of is prefilled by that decode, no prefill hop; needs a decode policy reading the engines' KV
+    # events (kv_aware); 0: off
     max_local_prefill_tokens: int = 0
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0

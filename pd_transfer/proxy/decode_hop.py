@@ -22,13 +22,17 @@ Retries are counted in ``pd_proxy_retries_total{hop="decode",reason}`` (reason: 
 ``connect``, ``draining``, ``aborted``, ``status``). Anything else a decode answers goes to the client: a 4xx as it
 is; a second failure, or a failed read, as a 502 naming the hop and the backend (before any byte was relayed); a
 failure mid-stream as a final error event.
+
+A hop that did not answer 200 releases the prefill's blocks it was given (:mod:`pd_transfer.proxy.release`): at
+once when no decode can be reading them, at the end of their hold window when the client left while one may be.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +41,10 @@ from aiohttp import web
 
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.aborts import StreamOpening, Verdict, is_empty_abort
-from pd_transfer.proxy.metrics import HopMeter
-from pd_transfer.proxy.policies import RouteRequest
-from pd_transfer.proxy.release import DecodeProgress
+from pd_transfer.proxy.hops import Call, Hop
 from pd_transfer.proxy.responses import REQUEST_ID, ClientGone, HopError, describe_error, relayed_response, snippet
-from pd_transfer.proxy.routing import DRAINING, Backend, Pool
-from pd_transfer.proxy.upstream import Answer, ConnectFailed, Endpoint, Upstream, UpstreamError
+from pd_transfer.proxy.routing.pool import DRAINING, Backend
+from pd_transfer.proxy.upstream import Answer, ConnectFailed, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -59,94 +61,85 @@ class _Retryable(Exception):
         self.saw_params = saw_params
 
 
-@dataclass(frozen=True)
-class DecodeCall:
-    """One client request's decode hop: the client's ``request`` (its connection, for a stream), the ``endpoint``,
-    the decode ``body`` (the client's, plus the prefill's params), the ``headers`` for the backend, the request id
-    ``rid`` and when the proxy received it (``started``, ``time.perf_counter`` seconds: the start of the TTFT)."""
+@dataclass
+class DecodeProgress:
+    """How far a request's decode hop got: ``sent`` (a decode may have it), ``answered`` (its answer was read)."""
 
-    request: web.Request
-    endpoint: str
-    body: dict[str, Any]
-    headers: dict[str, str]
-    rid: str
-    started: float
-    route: RouteRequest | None = None  # what the routing policy reads of the request
-    decode: Backend | None = None  # the decode chosen before the hop (a local prefill's): tried first
+    sent: bool = False
+    answered: bool = False
+
+    @property
+    def read_possible(self) -> bool:
+        """Whether a decode may be reading the prefill's blocks now."""
+        return self.sent and not self.answered
 
 
-class DecodeHop:
-    """Runs decode hops over ``pool`` (the decode backends); ``endpoints`` maps ``(id(backend), endpoint)`` to
-    where its POST goes; ``meter`` counts the hops and their failed attempts."""
+class DecodeHop(Hop):
+    """Runs decode hops over the decode pool (:class:`~pd_transfer.proxy.hops.Hop`); its ``releases`` free the
+    prefill's blocks a hop will not read."""
 
-    def __init__(self, pool: Pool, meter: HopMeter, endpoints: Mapping[tuple[int, str], Endpoint]) -> None:
-        self.pool = pool
-        self.meter = meter
-        self.metrics = meter.metrics
-        self._endpoints = endpoints
+    async def run(self, call: Call, params: dict[str, Any] | None, prefer: Backend | None = None) -> web.StreamResponse:
+        """Sends ``call`` with the prefill's ``params`` (None: no prefill hop) to a decode server, ``prefer`` first
+        when given (a local prefill's), and relays its answer; once more on another decode server when the first try
+        failed before any byte reached the client (see the module). Unless it answered 200, the prefill is told to
+        free the blocks ``params`` name (:mod:`pd_transfer.proxy.release`): at once when no decode can be reading
+        them, at the end of their hold window when the client left while one may be."""
+        progress = DecodeProgress()
+        try:
+            response = await self._send(call, flow.decode_body(call.body, params), prefer, progress)
+        except BaseException as error:
+            if params is not None:
+                why = "the client left" if isinstance(error, asyncio.CancelledError | ClientGone) else "decode failed"
+                self.releases.release(params, call.rid, read_possible=progress.read_possible, why=why)
+            raise
+        if params is not None and response.status != 200:
+            self.releases.release(params, call.rid, read_possible=False, why=f"the decode answered {response.status}")
+        return response
 
-    def _connection_failed(self, backend: Backend, error: BaseException) -> None:
-        """A backend that cannot be connected to is out until its health check passes."""
-        self.pool.set_health(backend, False, f"connection error: {describe_error(error)}")
-
-    async def run(self, upstream: Upstream, call: DecodeCall, progress: DecodeProgress) -> web.StreamResponse:
-        """Sends ``call`` to a decode server and relays its answer; once more on another decode server when the
-        first attempt never reached its engine (see the module). ``progress``: whether the request was sent and its
-        answer read (for the release of the prefill's blocks)."""
-        payload = msgspec.json.encode(call.body)
-        tried: list[Backend] = []
-        failure: HopError | None = None
-        while len(tried) < 2:
-            backend = self.pool.pick(exclude=tried, request=call.route, prefer=call.decode)
-            if backend is None:
-                break
-            if failure is not None:
-                self.metrics.retries.labels("decode", failure.kind).inc()
-            tried.append(backend)
+    async def _send(
+        self, call: Call, body: dict[str, Any], prefer: Backend | None, progress: DecodeProgress
+    ) -> web.StreamResponse:
+        """The decode hop of ``body``: each try's answer relayed, or its failure recorded for the next try."""
+        payload = msgspec.json.encode(body)
+        tries = self.tries()
+        while (backend := tries.next(call.route, prefer)) is not None:
             since = self.meter.enter(backend)
             try:
-                return await self._attempt(upstream, call, backend, payload, progress)
+                return await self._attempt(call, backend, payload, progress)
             except _Retryable as retry:
-                failure = self.meter.failed_attempt(retry.failure)
+                tries.failed(retry.failure)
                 if retry.saw_params:
-                    payload = msgspec.json.encode(flow.without_hold_window(call.body))
+                    payload = msgspec.json.encode(flow.without_hold_window(body))
             finally:
                 self.meter.leave(backend, since)
-        if failure is None:
-            raise HopError("decode", None, "no_backend", "no healthy decode backend", status=503)
-        raise failure
+        raise tries.exhausted()
 
     async def _attempt(
-        self,
-        upstream: Upstream,
-        call: DecodeCall,
-        backend: Backend,
-        payload: bytes,
-        progress: DecodeProgress,
+        self, call: Call, backend: Backend, payload: bytes, progress: DecodeProgress
     ) -> web.StreamResponse:
         """One decode server's try at ``call`` (``payload``: its encoded body); raises :class:`_Retryable` when the
         request never reached that server's engine."""
         try:
             progress.sent = True
-            answer = await upstream.post(self._endpoints[id(backend), call.endpoint], call.headers, payload)
+            answer = await self.upstream.post(self.endpoint(backend, call), call.headers, payload)
         except ConnectFailed as e:  # never connected: safe to send elsewhere
             progress.sent = False
-            self._connection_failed(backend, e)
+            self.unreachable(backend, e)
             message = f"decode backend {backend.url} failed: {describe_error(e)}"
-            raise _Retryable(HopError("decode", backend, "connect", message), saw_params=False) from None
+            raise _Retryable(HopError("decode", backend.url, "connect", message), saw_params=False) from None
         except (UpstreamError, TimeoutError) as e:
             raise HopError(
-                "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
+                "decode", backend.url, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
             ) from None
         try:
             if self.pool.note_answer(backend, answer.status, answer.headers):  # refused before its engine
                 progress.sent = False
-                raise _Retryable(HopError("decode", backend, "draining", f"{backend.url} drains"), saw_params=False)
+                raise _Retryable(HopError("decode", backend.url, "draining", f"{backend.url} drains"), saw_params=False)
             return await self._relay(call, answer, backend, progress)
         finally:
             answer.close()  # a no-op once the answer was read to the end; else the decode sees a disconnect
 
-    def _aborted(self, call: DecodeCall, backend: Backend, progress: DecodeProgress) -> _Retryable:
+    def _aborted(self, call: Call, backend: Backend, progress: DecodeProgress) -> _Retryable:
         """``backend`` answered 200 with no output and ``finish_reason: "abort"``: its engine is stopping. It is
         out as a drain's 503 would take it out; the request never reached its engine (nothing read, nothing
         relayed). Returns the exception to raise."""
@@ -158,21 +151,19 @@ class DecodeHop:
             backend.url,
         )
         message = f"decode backend {backend.url} aborted the request with no output (is it stopping?)"
-        return _Retryable(HopError("decode", backend, ABORTED, message), saw_params=True)
+        return _Retryable(HopError("decode", backend.url, ABORTED, message), saw_params=True)
 
-    def _failed(
-        self, call: DecodeCall, backend: Backend, status: int, raw: bytes, progress: DecodeProgress
-    ) -> _Retryable:
+    def _failed(self, call: Call, backend: Backend, status: int, raw: bytes, progress: DecodeProgress) -> _Retryable:
         """``backend`` answered ``status`` (a 5xx) before any output: the decode is done with the request (nothing
         reads the prefill's blocks for it any more) and it may go to another decode. Returns the exception to
         raise."""
         progress.sent = progress.answered = False
         log.warning("request %s: decode backend %s answered %d", call.rid, backend.url, status)
         message = f"decode backend {backend.url} answered {status}: {snippet(raw)}"
-        return _Retryable(HopError("decode", backend, "status", message, answered=status), saw_params=True)
+        return _Retryable(HopError("decode", backend.url, "status", message, answered=status), saw_params=True)
 
     async def _relay(
-        self, call: DecodeCall, upstream: Answer, backend: Backend, progress: DecodeProgress
+        self, call: Call, upstream: Answer, backend: Backend, progress: DecodeProgress
     ) -> web.StreamResponse:
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status != 200 or not content_type.startswith("text/event-stream"):
@@ -180,7 +171,7 @@ class DecodeHop:
                 raw = await upstream.read()
             except (UpstreamError, TimeoutError) as e:
                 raise HopError(
-                    "decode", backend, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
+                    "decode", backend.url, "connect", f"decode backend {backend.url} failed: {describe_error(e)}"
                 ) from None
             progress.answered = True
             if upstream.status >= 500:
@@ -192,7 +183,7 @@ class DecodeHop:
 
     async def _stream(
         self,
-        call: DecodeCall,
+        call: Call,
         upstream: Answer,
         backend: Backend,
         progress: DecodeProgress,
@@ -206,13 +197,13 @@ class DecodeHop:
             verdict = await _judge(opening, chunks)
         except (UpstreamError, TimeoutError) as e:
             message = f"decode backend {backend.url} failed before its first output: {describe_error(e)}"
-            raise HopError("decode", backend, "stream", message) from None
+            raise HopError("decode", backend.url, "stream", message) from None
         if verdict is Verdict.ABORTED:
             raise self._aborted(call, backend, progress)
         response = web.StreamResponse(
             status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: call.rid}
         )
-        await response.prepare(call.request)
+        await response.prepare(call.client)
         try:
             if opening.held:
                 await response.write(bytes(opening.held))

@@ -1,11 +1,11 @@
-"""What the proxy does to a request, without any HTTP: validation, the prefill and decode bodies, prompt sizes.
+"""What the proxy does to a request, without any HTTP: its checks, and the bodies of the prefill and decode hops.
 
-Pure functions over decoded JSON (dicts), shared by the proxy, the benchmark's direct path and the tests.
+Pure functions over decoded JSON (dicts), shared by the proxy, the benchmark's direct path and the tests; the prompt
+is read apart, once (:mod:`pd_transfer.proxy.prompt`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 COMPLETIONS = "/v1/completions"
@@ -22,16 +22,16 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-# Chat templates add a few tokens per message (role markers); a cheap allowance, not a tokenizer.
-CHAT_TOKENS_PER_MESSAGE = 4
-
 
 class BadRequest(ValueError):
     """The client's request is unusable as sent: answered with 400 and this message."""
 
 
 def validate(endpoint: str, body: Any) -> dict[str, Any]:
-    """Checks the fields the proxy relies on; returns the body. vLLM validates everything else."""
+    """Checks the fields the proxy relies on besides the prompt (read and checked by
+    :meth:`pd_transfer.proxy.prompt.Prompt.read`); returns the body. vLLM validates everything else."""
+    if endpoint not in ENDPOINTS:
+        raise BadRequest(f"unknown endpoint {endpoint}")
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {_json_type(body)}")
     model = body.get("model")
@@ -41,39 +41,10 @@ def validate(endpoint: str, body: Any) -> dict[str, Any]:
         raise BadRequest(
             "'kv_transfer_params' is set by the proxy between its prefill and decode hops; clients must not send it"
         )
-    if endpoint == COMPLETIONS:
-        if "prompt" not in body:
-            raise BadRequest("'prompt' is required")
-        if not _is_prompt(body["prompt"]):
-            raise BadRequest(
-                "'prompt' must be a non-empty string, a list of strings, a list of token ids"
-                " or a list of token-id lists"
-            )
-    elif endpoint == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' is required and must be a non-empty list")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
-    else:
-        raise BadRequest(f"unknown endpoint {endpoint}")
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
     return body
-
-
-def is_streaming(body: dict[str, Any]) -> bool:
-    return bool(body.get("stream"))
-
-
-def is_batch(endpoint: str, body: dict[str, Any]) -> bool:
-    """Several prompts in one completions request: one kv_transfer_params cannot describe them."""
-    if endpoint != COMPLETIONS:
-        return False
-    prompt = body["prompt"]
-    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
 def prefill_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -124,60 +95,11 @@ def kv_params_from_prefill(answer: Any) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
-def estimate_text_tokens(text: str) -> int:
-    """A tokenizer-free estimate: the larger of 1.3 tokens per whitespace word and 1 token per 4 characters.
-
-    Words x 1.3 tracks English prose under BPE tokenizers; characters / 4 catches text with few spaces (code,
-    numbers, CJK). Taking the larger errs toward disaggregating: a prompt near the threshold goes through P/D.
-    """
-    if not text:
-        return 0
-    return math.ceil(max(len(text.split()) * 1.3, len(text) / 4))
-
-
-def prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
-    """The request's prompt size in tokens: exact for token-id prompts, estimated for text."""
-    if endpoint == COMPLETIONS:
-        prompt = body["prompt"]
-        if isinstance(prompt, str):
-            return estimate_text_tokens(prompt)
-        if prompt and isinstance(prompt[0], int):
-            return len(prompt)
-        if prompt and isinstance(prompt[0], list):
-            return max(len(p) for p in prompt)
-        return max((estimate_text_tokens(p) for p in prompt), default=0)
-    total = 0
-    for message in body["messages"]:
-        total += CHAT_TOKENS_PER_MESSAGE
-        content = message.get("content")
-        if isinstance(content, str):
-            total += estimate_text_tokens(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += estimate_text_tokens(part["text"])
-    return total
-
-
 def error_body(message: str, type_: str, **extra: Any) -> dict[str, Any]:
     """An OpenAI-style error object."""
     error: dict[str, Any] = {"message": message, "type": type_}
     error.update(extra)
     return {"error": error}
-
-
-def _is_prompt(prompt: Any) -> bool:
-    if isinstance(prompt, str):
-        return bool(prompt)
-    if not isinstance(prompt, list) or not prompt:
-        return False
-    if all(isinstance(p, str) for p in prompt):
-        return True
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return True
-    return all(
-        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
-    )
 
 
 def _json_type(value: Any) -> str:

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-from pd_transfer.proxy.responses import HopError
-from pd_transfer.proxy.routing import Backend
 
 #: Label values each failure counter can take, created at zero when the proxy starts: a series that appears only
 #: with its first event is invisible to ``increase()`` and ``rate()`` (Prometheus needs a sample before it).
@@ -178,30 +173,3 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class HopMeter:
-    """A hop's bookkeeping on a backend: its in-flight count and hop latency, and failed attempts counted as they
-    fail (a failed attempt may be retried; the request's final error is not counted twice)."""
-
-    def __init__(self, metrics: ProxyMetrics) -> None:
-        self.metrics = metrics
-        # Label children resolved once: labels() costs a lock and a dict lookup per call on the request path.
-        self._latency = {role: metrics.hop_latency.labels(role) for role in ("prefill", "decode")}
-
-    def enter(self, backend: Backend) -> float:
-        """A hop to ``backend`` starts; returns its start time (``time.perf_counter``, seconds) for :meth:`leave`."""
-        backend.in_flight += 1
-        backend.served += 1
-        return time.perf_counter()
-
-    def leave(self, backend: Backend, since: float) -> None:
-        """The hop started at ``since`` (from :meth:`enter`) ended."""
-        backend.in_flight -= 1
-        self._latency[backend.role].observe(time.perf_counter() - since)
-
-    def failed_attempt(self, failure: HopError) -> HopError:
-        """Counts a failed attempt at a hop as it fails; marks it counted and returns it."""
-        self.metrics.errors.labels(failure.hop, failure.kind).inc()
-        failure.counted = True
-        return failure

@@ -11,9 +11,10 @@ the ``kv_transfer_params`` the prefill answered:
   the blocks to the end of the hold window it promised decodes, or until the reader reports.
 
 A client leaving during the prefill hop: the proxy reads the prefill's answer on for up to a second
-(``server.PREFILL_LEFTOVER_S``) and releases what it names (``read_possible`` False); a prefill that has not answered
-by then gets its connection closed and aborts the request (vLLM holds nothing for an aborted request). Releases run
-off the event loop, each bounded by ``timeout_s``, and are counted in
+(:data:`pd_transfer.proxy.prefill_hop.PREFILL_LEFTOVER_S`) and releases what it names (``read_possible`` False); a
+prefill that has not answered by then gets its connection closed and aborts the request (vLLM holds nothing for an
+aborted request). The decode hop releases what it was given when it fails (:mod:`pd_transfer.proxy.decode_hop`).
+Releases run off the event loop, each bounded by ``timeout_s``, and are counted in
 ``pd_proxy_releases_total{outcome}``; a failed release costs nothing but the lease. The prefill's ``ReleaseReply``
 is not authenticated (the ``Release`` is): its outcome only labels that count and a log line, and nothing here acts on
 it (docs/faults.md, "What the side-channel secret protects").
@@ -23,16 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
-
-from aiohttp import web
 
 from pd_transfer.handshake.errors import AuthenticationError, HandshakeError, HandshakeRefused, HandshakeTimeout
 from pd_transfer.handshake.release import Releaser
 from pd_transfer.proxy.metrics import ProxyMetrics
-from pd_transfer.proxy.responses import ClientGone
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +61,6 @@ class Target:
         return cls(engine, request, host, port) if 0 < port < 65536 else None
 
 
-@dataclass
-class DecodeProgress:
-    """How far a request's decode hop got: ``sent`` (a decode may have it), ``answered`` (its answer was read)."""
-
-    sent: bool = False
-    answered: bool = False
-
-    @property
-    def read_possible(self) -> bool:
-        """Whether a decode may be reading the prefill's blocks now."""
-        return self.sent and not self.answered
-
-
 class KVReleases:
     """The proxy's releases: one :class:`Releaser`, the background tasks, the metric.
 
@@ -96,26 +81,6 @@ class KVReleases:
             log.warning("request %s: %s, but the prefill's kv_transfer_params name nothing to release", rid, why)
             return
         self._spawn(self._release(target, rid, read_possible, why))
-
-    async def decode_then(
-        self,
-        params: dict[str, Any] | None,
-        rid: str,
-        hop: Callable[[DecodeProgress], Awaitable[web.StreamResponse]],
-    ) -> web.StreamResponse:
-        """Run the decode hop (``hop``, given the progress to record); unless it answered 200, release the prefill's
-        ``params`` (None: there was no prefill hop)."""
-        progress = DecodeProgress()
-        try:
-            response = await hop(progress)
-        except BaseException as error:
-            if params is not None:
-                why = "the client left" if isinstance(error, asyncio.CancelledError | ClientGone) else "decode failed"
-                self.release(params, rid, read_possible=progress.read_possible, why=why)
-            raise
-        if params is not None and response.status != 200:
-            self.release(params, rid, read_possible=False, why=f"the decode answered {response.status}")
-        return response
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Wait up to ``grace_s`` seconds for releases in flight (each bounded by ``timeout_s``), then close the

@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from pd_transfer.proxy import flow
-from pd_transfer.proxy.routing import Backend
 
 REQUEST_ID = "X-Request-Id"
 
 
 class HopError(Exception):
-    """A hop failed on the backend side: the client gets ``status`` (502 by default) naming hop and backend;
-    ``answered``: the status the backend answered, when the failure is its answer."""
+    """A hop failed on the backend side: the client gets ``status`` (502 by default) naming the ``hop`` and the
+    ``backend`` (its URL; None when no backend was tried); ``answered``: the status the backend answered, when the
+    failure is its answer."""
 
     def __init__(
         self,
         hop: str,
-        backend: Backend | None,
+        backend: str | None,
         kind: str,
         message: str,
         status: int = 502,
@@ -49,11 +49,6 @@ class ClientGone(Exception):
     def __init__(self, response: web.StreamResponse) -> None:
         super().__init__("client disconnected")
         self.response = response
-
-
-def in_flight_of(backend: Backend) -> Callable[[], float]:
-    """A gauge callback: the backend's requests in flight, read when scraped."""
-    return lambda: backend.in_flight
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -1,4 +1,5 @@
-"""Token ids of a text or chat prompt for ``kv_aware``, from the engines' own tokenizer: vLLM's ``POST /tokenize``.
+"""Token ids of a text or chat prompt for a policy that reads ids (``kv_aware``), from the engines' own tokenizer:
+vLLM's ``POST /tokenize``.
 
 The proxy has no tokenizer, and a second copy of the model's tokenizer and chat template here could drift from the
 engines'. So a prompt that is not token ids is sent, before routing, to ``/tokenize`` on a healthy backend (the least
@@ -10,11 +11,11 @@ busy prefill; the decodes when no prefill is healthy), with the fields that chan
   messages with the same ``preprocess_chat`` as ``/v1/chat/completions`` and the same server defaults, so the ids
   are the ones the engine hashes into its blocks.
 
-The answer's ``tokens`` become the request's token ids (the first :data:`~.policies.MAX_HASHED_TOKENS`). Every
-wait is bounded (``timeout_s``); a failure (no backend, a connection error, a timeout, a non-200 answer such as
-vLLM's 400 for messages it cannot render, an answer without ids) leaves the prompt without ids, which kv_aware
-routes as before (``no_prompt``: the least busy), and counts in ``pd_proxy_tokenize_total{result}``. A batch of
-prompts is not tokenized (no prefix to follow)."""
+The answer's ``tokens`` become the request's token ids (the first
+:data:`~pd_transfer.proxy.routing.request.MAX_HASHED_TOKENS`). Every wait is bounded (``timeout_s``); a failure (no
+backend, a connection error, a timeout, a non-200 answer such as vLLM's 400 for messages it cannot render, an answer
+without ids) leaves the prompt without ids, which kv_aware routes as before (``no_prompt``: the least busy), and
+counts in ``pd_proxy_tokenize_total{result}``. A batch of prompts is not tokenized (no prefix to follow)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from typing import Any
 
 import msgspec
 
-from pd_transfer.proxy import flow
-from pd_transfer.proxy.policies import RouteRequest
-from pd_transfer.proxy.routing import Backend, Pool
+from pd_transfer.proxy.prompt import Form, Prompt
+from pd_transfer.proxy.routing.pool import Backend, Pool
+from pd_transfer.proxy.routing.request import RouteRequest
 from pd_transfer.proxy.upstream import Endpoint, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -47,30 +48,26 @@ CHAT_FIELDS = (
 )
 
 
-def tokenize_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``/tokenize`` request for a client's request, or None when it has nothing to tokenize (a batch, ids, no
-    text)."""
+def tokenize_body(prompt: Prompt) -> dict[str, Any] | None:
+    """The ``/tokenize`` request for a client's ``prompt``, or None when it has nothing to tokenize (token ids, a
+    batch)."""
+    body = prompt.body
     out: dict[str, Any] = {}
     model = body.get("model")
     if isinstance(model, str):
         out["model"] = model
-    if endpoint == flow.COMPLETIONS:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            return None
-        out["prompt"] = prompt
-        if "add_special_tokens" in body:
-            out["add_special_tokens"] = body["add_special_tokens"]
+    if prompt.form is Form.CHAT:
+        out["messages"] = body["messages"]
+        for name in CHAT_FIELDS:
+            if name in body:
+                out[name] = body[name]
         return out
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    text = prompt.single_text()
+    if text is None:
         return None
-    out["messages"] = messages
-    for name in CHAT_FIELDS:
-        if name in body:
-            out[name] = body[name]
+    out["prompt"] = text
+    if "add_special_tokens" in body:
+        out["add_special_tokens"] = body["add_special_tokens"]
     return out
 
 
@@ -81,7 +78,7 @@ class Tokenizer:
     def __init__(
         self,
         pools: list[Pool],
-        upstream: Callable[[], Upstream | None],
+        upstream: Upstream,
         timeout_s: float,
         count: Callable[[str], None],
     ) -> None:
@@ -106,11 +103,11 @@ class Tokenizer:
         (a failure is counted and leaves the prompt without ids)."""
         if route.token_ids() is not None:
             return
-        request = tokenize_body(route.endpoint, route.body)
+        request = tokenize_body(route.prompt)
         if request is None:
             return
-        backend, upstream = self.backend(), self._upstream()
-        if backend is None or upstream is None:
+        backend = self.backend()
+        if backend is None:
             self._count("no_backend")
             return
         endpoint = self._endpoints.get(backend.url)
@@ -118,7 +115,7 @@ class Tokenizer:
             endpoint = self._endpoints[backend.url] = Endpoint.of(backend.url + PATH)
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with await upstream.post(endpoint, headers, msgspec.json.encode(request)) as answer:
+                async with await self._upstream.post(endpoint, headers, msgspec.json.encode(request)) as answer:
                     raw = await answer.read()
         except TimeoutError:
             self._count("timeout")

@@ -5,16 +5,19 @@ automatic headers, a payload wrapper, request info), a new response parser, a re
 reader and a timer context: about half of the proxy's CPU per request. The hops need much less: write a request from
 bytes built once per backend and endpoint, and read a status, headers and a body framed by ``Content-Length``, by
 chunks (a decode's SSE stream) or by the server's close. That is this module; health checks and ``/v1/models`` keep
-aiohttp's client (not on the request path).
+aiohttp's client (not on the request path). What a backend sends is parsed by llhttp (through ``httptools``: the
+parser of Node.js and uvicorn, fuzzed for years), never by hand: this module keeps the connections (keep-alive, the
+answers read on after their caller left, back-pressure) and bounds what the parser is fed.
 
 Contract:
 
 - :meth:`Upstream.post` returns an :class:`Answer` once the status line and headers arrived; its body is read with
   :meth:`Answer.read` (all of it) or :meth:`Answer.chunks` (bytes as they arrive), and :meth:`Answer.close` ends it.
 - Errors: :class:`ConnectFailed` when no connection could be made (nothing was sent: the request may go elsewhere),
-  :class:`UpstreamError` when the connection broke or the answer is not HTTP/1.x (a backend's fault), ``TimeoutError``
-  after ``connect_timeout_s`` to connect or ``request_timeout_s`` (None: no bound) for the whole exchange, connect to
-  the end of the body.
+  :class:`UpstreamError` when the connection broke or the answer is not HTTP/1.x as llhttp reads it (a backend's
+  fault: a malformed status line, header or chunk size, a body both chunked and of a length, an upgrade),
+  ``TimeoutError`` after ``connect_timeout_s`` to connect or ``request_timeout_s`` (None: no bound) for the whole
+  exchange, connect to the end of the body.
 - A connection goes back to its backend's idle list once its answer was received to the end and the server keeps it
   alive; an idle one is closed rather than reused after ``keepalive_s`` (uvicorn, vLLM's server, closes idle ones
   after 5 s: never send on one it is closing). An answer closed or abandoned (the caller cancelled) before its end
@@ -22,9 +25,11 @@ Contract:
 - A caller cancelled while it waits for an answer closes its connection, unless it gave the post a
   :class:`Leftover`: then the connection goes on reading the answer unattended for at most ``within_s`` seconds and
   hands it to ``done`` (the proxy releases the prefill's blocks a cancelled prefill hop was answered with), or closes.
-- Memory: headers at most ``MAX_HEAD_BYTES``; an answer holds at most about ``HIGH_WATER`` bytes its reader has not
-  taken (reading from the socket pauses beyond that), a left-over one at most ``Leftover.max_bytes``;
-  :meth:`Answer.read` holds the whole body, as aiohttp's did.
+- Memory: an answer's head (its status line and header fields), and its trailer, at most ``MAX_HEAD_BYTES`` each;
+  at most ``MAX_HEAD_BYTES`` (and one read) received while the answer makes no progress (a head, a trailer or a chunk
+  size line that never ends; bytes while no request is out are an error at once); an answer holds at most about
+  ``HIGH_WATER`` bytes its reader has not taken (reading from the socket pauses beyond that), a left-over one at most
+  ``Leftover.max_bytes``; :meth:`Answer.read` holds the whole body, as aiohttp's did.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import NamedTuple, cast
 
+import httptools
 import yarl
 from multidict import CIMultiDict
 
@@ -47,8 +53,8 @@ __all__ = ["Answer", "ConnectFailed", "Endpoint", "Leftover", "Upstream", "Upstr
 
 logger = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one answer
-MAX_CHUNK_LINE_BYTES = 1024  # a chunk's size line (hex size and extensions)
+MAX_HEAD_BYTES = 64 * 1024  # status line and header fields of one answer (and of its trailer, apart)
+_LINE_BYTES = 4  # what a header field's line adds to its name and value (": ", CRLF)
 HIGH_WATER = 256 * 1024  # an answer's unread bytes beyond which the socket is not read
 LOW_WATER = 64 * 1024  # ... and below which it is read again
 _NO_BODY_STATUSES = frozenset((204, 304))
@@ -369,15 +375,15 @@ class Answer:
         self._wake()
 
 
-# What a connection's next bytes are: an answer's head, its body (by length, in chunks, until the close), or
-# nothing (idle: any byte is an error).
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _IDLE = range(8)
+# What a connection waits for: nothing (idle: any byte is an error), the head of its request's answer, or its body.
+_IDLE, _HEAD, _BODY = range(3)
 
 
 class _Connection(asyncio.Protocol):
-    """One connection to a backend: sends a request, parses its answer's head and body framing, and hands the body
-    to the :class:`Answer`. One request at a time; handed to ``keep`` after a complete answer (its upstream's idle
-    list) and to ``forget`` once closed; in ``unattended`` while it reads an answer for a :class:`Leftover`."""
+    """One connection to a backend: sends a request, has its answer parsed by llhttp (``httptools`` calls the
+    ``on_*`` methods below as the bytes arrive) and hands the body to the :class:`Answer`. One request at a time;
+    handed to ``keep`` after a complete answer (its upstream's idle list) and to ``forget`` once closed; in
+    ``unattended`` while it reads an answer for a :class:`Leftover`."""
 
     def __init__(
         self,
@@ -392,9 +398,13 @@ class _Connection(asyncio.Protocol):
         self._unattended_set = unattended
         self.idle_since = 0.0
         self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
+        self._parser = httptools.HttpResponseParser(self)
         self._state = _IDLE
-        self._remaining = 0  # body bytes left (Content-Length) or left in the current chunk
+        self._fields: list[tuple[str, str]] = []  # the head's header fields so far
+        self._field_bytes = 0  # of the head's (then the trailer's) header fields so far
+        self._stalled_bytes = 0  # received since the answer last made progress (its head, body bytes, its end)
+        self._interim = False  # the head being read is a 1xx: the real answer follows
+        self._until_close = False  # the answer's body ends with the connection (no length, not chunked)
         self._head: asyncio.Future[Answer] | None = None
         self._answer: Answer | None = None
         self._deadline: float | None = None
@@ -415,7 +425,7 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("the connection closed before the request was sent")
         self._head = asyncio.get_running_loop().create_future()
         self._deadline, self._leftover = deadline, leftover
-        self._state, self._keep_alive = _HEAD, True
+        self._state, self._keep_alive, self._stalled_bytes = _HEAD, True, 0
         transport.writelines((request, body))
         return self._head
 
@@ -468,10 +478,21 @@ class _Connection(asyncio.Protocol):
                 pass
 
     def data_received(self, data: bytes) -> None:
+        self._stalled_bytes += len(data)
         try:
-            self._parse(data)
-        except UpstreamError as error:
-            self._broken(error)
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as error:  # one of the on_* methods raised
+            cause = error.__context__
+            if not isinstance(cause, UpstreamError):  # not what the backend sent: a fault of this module's own
+                logger.error("reading an answer from %s:%d failed", self.key[0], self.key[1], exc_info=cause)
+                cause = UpstreamError("the proxy failed to read the answer (its log has why)")
+            self._broken(cause)
+            return
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as error:
+            self._broken(UpstreamError(f"the answer is not HTTP/1.1 as llhttp reads it: {error}"))
+            return
+        if self._stalled_bytes > MAX_HEAD_BYTES:
+            self._broken(UpstreamError(f"the answer sent over {MAX_HEAD_BYTES} bytes with no head, body or end"))
 
     def eof_received(self) -> bool:
         return False  # close the transport: connection_lost follows
@@ -479,109 +500,64 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._forget(self)
-        if self._state == _UNTIL_CLOSE and self._answer is not None:
+        if self._state == _BODY and self._until_close and self._answer is not None:
             self._complete()
             return
         reason = f": {exc}" if exc else ""
         self._broken(UpstreamError(f"the backend closed the connection before the end of its answer{reason}"))
 
-    # ---- parsing ----
+    # ---- the parser's callbacks (httptools.HttpResponseParser) ----
 
-    def _parse(self, data: bytes) -> None:
-        if not self._buffer:  # the common cases, nothing left over from the last read
-            if self._state == _LENGTH:  # body bytes
-                self._body(data)
-                return
-            if self._state == _CHUNK_SIZE:  # whole chunks (an SSE event each), without copies
-                data = self._whole_chunks(data)
-                if not data:
-                    return
-        self._buffer += data
-        while self._buffer and self._transport is not None:
-            state = self._state
-            if state == _HEAD:
-                if not self._parse_head():
-                    return
-            elif state in (_LENGTH, _CHUNK_DATA, _UNTIL_CLOSE):
-                data, self._buffer = bytes(self._buffer), bytearray()
-                self._body(data)
-            elif state == _CHUNK_SIZE:
-                if not self._parse_chunk_size():
-                    return
-            elif state == _CHUNK_END:
-                if len(self._buffer) < 2:
-                    return
-                if self._buffer[:2] != b"\r\n":
-                    raise UpstreamError("a chunk of the answer does not end with CRLF")
-                del self._buffer[:2]
-                self._state = _CHUNK_SIZE
-            elif state == _TRAILER:
-                if not self._parse_trailer():
-                    return
-            else:  # _IDLE: nothing was asked for these bytes
-                raise UpstreamError("the backend sent bytes it was not asked for")
+    def on_message_begin(self) -> None:
+        if self._state != _HEAD:  # idle: nothing was asked for these bytes
+            raise UpstreamError("the backend sent bytes it was not asked for")
+        self._fields = []
+        self._field_bytes = 0
 
-    def _parse_head(self) -> bool:
-        end = self._buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self._buffer) > MAX_HEAD_BYTES:
-                raise UpstreamError(f"the answer's headers exceed {MAX_HEAD_BYTES} bytes")
-            return False
-        lines = self._buffer[:end].decode("latin-1").split("\r\n")
-        del self._buffer[: end + 4]
-        status_line = lines[0].split(" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
-            raise UpstreamError(f"the answer is not HTTP/1.x: {lines[0][:80]!r}")
-        status = int(status_line[1])
+    def on_status(self, reason: bytes) -> None:
+        self._count_field_bytes(len(reason))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_field_bytes(len(name) + len(value) + _LINE_BYTES)
+        if self._state == _HEAD:  # else a trailer's field: read within bounds, and dropped
+            self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self._stalled_bytes = 0
+        status = self._parser.get_status_code()
         if 100 <= status < 200:
-            return True  # an interim answer (103 Early Hints): the real one follows
-        pairs = []
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if not colon or not name or name[-1] in " \t":
-                raise UpstreamError(f"a header line of the answer is malformed: {line[:80]!r}")
-            pairs.append((name, value.strip(" \t")))
-        self._start_body(status, status_line[0], CIMultiDict(pairs))
-        return True
-
-    def _start_body(self, status: int, version: str, headers: CIMultiDict[str]) -> None:
-        connection = headers.get("Connection", "").lower()
-        self._keep_alive = version != "HTTP/1.0" and "close" not in connection
+            self._interim = True  # an interim answer (103 Early Hints): the real one follows
+            return
+        headers = CIMultiDict(self._fields)
+        self._fields, self._field_bytes = [], 0
+        self._keep_alive = self._parser.should_keep_alive()
+        self._until_close = status not in _NO_BODY_STATUSES and not _framed(headers)
+        self._state = _BODY
         answer = Answer(self, status, headers, self._deadline, self._leftover, left=self._unattended is not None)
         self._answer = answer
         if self._head is not None and not self._head.done():
             self._head.set_result(answer)
-        if status in _NO_BODY_STATUSES:
-            self._complete()
-        elif "chunked" in headers.get("Transfer-Encoding", "").lower():
-            self._state = _CHUNK_SIZE
-        elif "Content-Length" in headers:
-            length = headers["Content-Length"]
-            if not length.isdigit():
-                raise UpstreamError(f"the answer's Content-Length is not a number: {length[:40]!r}")
-            self._remaining = int(length)
-            self._state = _LENGTH
-            if self._remaining == 0:
-                self._complete()
-        else:
-            self._keep_alive = False
-            self._state = _UNTIL_CLOSE
 
-    def _body(self, data: bytes) -> None:
-        """Body bytes in ``_LENGTH``, ``_CHUNK_DATA`` or ``_UNTIL_CLOSE``; what follows the part goes to the buffer."""
+    def on_body(self, body: bytes) -> None:
+        self._stalled_bytes = 0
         answer = self._answer
         assert answer is not None
-        if self._state != _UNTIL_CLOSE:
-            if len(data) > self._remaining:
-                self._buffer = bytearray(data[self._remaining :])
-                data = data[: self._remaining]
-            self._remaining -= len(data)
-        if data:
-            self._deliver(answer, data)
-        if self._remaining == 0 and self._state == _LENGTH:
-            self._complete()
-        elif self._remaining == 0 and self._state == _CHUNK_DATA:
-            self._state = _CHUNK_END
+        self._deliver(answer, body)
+
+    def on_message_complete(self) -> None:
+        self._stalled_bytes = 0
+        if self._interim:
+            self._interim = False
+            return
+        self._complete()
+
+    # ---- the answer's end ----
+
+    def _count_field_bytes(self, size: int) -> None:
+        self._field_bytes += size
+        if self._field_bytes > MAX_HEAD_BYTES:
+            part = "head" if self._state == _HEAD else "trailer"
+            raise UpstreamError(f"the answer's {part} exceeds {MAX_HEAD_BYTES} bytes")
 
     def _deliver(self, answer: Answer, data: bytes) -> None:
         """Body bytes to ``answer``; the socket paused when its reader falls ``HIGH_WATER`` behind (an unattended
@@ -593,50 +569,6 @@ class _Connection(asyncio.Protocol):
             elif self._leftover is not None and answer.buffered > self._leftover.max_bytes:
                 raise UpstreamError(f"an unattended answer exceeds {self._leftover.max_bytes} bytes")
 
-    def _whole_chunks(self, data: bytes) -> bytes:
-        """Delivers the complete chunks at the start of ``data`` (size line, data, CRLF; not the last, empty one);
-        returns the rest, for the general parse."""
-        answer = self._answer
-        assert answer is not None
-        pos, line_end = 0, data.find(b"\r\n")
-        while 0 <= line_end - pos <= MAX_CHUNK_LINE_BYTES:
-            size = _chunk_size(data[pos:line_end])
-            start = line_end + 2
-            stop = start + size
-            if size == 0 or len(data) < stop + 2:
-                break
-            if data[stop : stop + 2] != b"\r\n":
-                raise UpstreamError("a chunk of the answer does not end with CRLF")
-            self._deliver(answer, data[start:stop])
-            pos = stop + 2
-            line_end = data.find(b"\r\n", pos)
-        return data[pos:] if pos else data
-
-    def _line_end(self, limit: int, what: str) -> int:
-        """Where the buffer's first line ends (-1: not there yet); :class:`UpstreamError` past ``limit`` bytes."""
-        end = self._buffer.find(b"\r\n")
-        if end < 0 and len(self._buffer) > limit:
-            raise UpstreamError(f"{what} of the answer is too long")
-        return end
-
-    def _parse_chunk_size(self) -> bool:
-        end = self._line_end(MAX_CHUNK_LINE_BYTES, "a chunk size line")
-        if end < 0:
-            return False
-        self._remaining = _chunk_size(bytes(self._buffer[:end]))
-        del self._buffer[: end + 2]
-        self._state = _CHUNK_DATA if self._remaining > 0 else _TRAILER
-        return True
-
-    def _parse_trailer(self) -> bool:
-        end = self._line_end(MAX_HEAD_BYTES, "the trailer")
-        if end < 0:
-            return False
-        del self._buffer[: end + 2]
-        if end == 0:  # the empty line ending the trailer
-            self._complete()
-        return True
-
     def _complete(self) -> None:
         """The answer was received to its end: the connection serves the next request, or closes."""
         answer, self._answer = self._answer, None
@@ -647,7 +579,7 @@ class _Connection(asyncio.Protocol):
             if self._unattended is not None:
                 body = answer.received()
                 self._end_unattended(None if body is None else answer.status, body)
-        if self._keep_alive and self._transport is not None and not self._buffer:
+        if self._keep_alive and self._transport is not None:
             self.resume()
             self._keep(self)
         else:
@@ -680,16 +612,13 @@ class _Connection(asyncio.Protocol):
             _hand_over(leftover, status, body)
 
 
-_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
-
-
-def _chunk_size(line: bytes) -> int:
-    """The size of a chunk from its size line (hex digits, then maybe ``;`` extensions); :class:`UpstreamError` for
-    anything else (a sign, an empty size, more than 15 digits)."""
-    size = line.split(b";", 1)[0].strip(b" \t")
-    if not size or len(size) > 15 or not _HEX_DIGITS.issuperset(size):
-        raise UpstreamError(f"a chunk size of the answer is not hexadecimal: {size[:20]!r}")
-    return int(size, 16)
+def _framed(headers: CIMultiDict[str]) -> bool:
+    """Whether an answer's body ends by its own framing (chunks last in its ``Transfer-Encoding``, else a
+    ``Content-Length``) rather than by the connection's close, as llhttp reads an answer."""
+    encoding = headers.get("Transfer-Encoding")
+    if encoding is not None:
+        return encoding.rsplit(",", 1)[-1].strip().lower() == "chunked"
+    return "Content-Length" in headers
 
 
 def _retrieve(head: asyncio.Future[Answer]) -> None:

@@ -28,7 +28,7 @@ aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' ext
 
 from test_multihost import Server, standins  # noqa: E402
 
-from pd_transfer.proxy.routing import DRAINING_HEADER  # noqa: E402
+from pd_transfer.proxy.routing.pool import DRAINING_HEADER  # noqa: E402
 from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -263,13 +263,13 @@ def test_up_kv_aware_turns_on_the_engines_events_and_wires_them_to_the_proxy(tmp
     seed's variable when the environment sets one."""
     import argparse
 
-    from pd_transfer.cluster import up_args
     from pd_transfer.cluster.up import add_arguments, plan_servers, proxy_command, validate
-    from pd_transfer.proxy.policies import POLICIES
+    from pd_transfer.proxy.routing.registry import POLICIES
 
-    assert up_args.POLICIES == POLICIES  # up's copy of the proxy's policies
     parser = argparse.ArgumentParser()
     add_arguments(parser)
+    for name in POLICIES:  # up takes the proxy's registered policies, read from its registry
+        assert parser.parse_args(["--routing", name]).routing == name
     args = parser.parse_args(["--prefill", "2", "--prefill-policy", "kv_aware", "--base-port", "9000"])
     assert validate(args) == []
     planned = plan_servers(args, MODEL_DIR, "tiny", tmp_path)
@@ -307,7 +307,8 @@ def test_up_kv_aware_turns_on_the_engines_events_and_wires_them_to_the_proxy(tmp
     assert flag_value(proxy_command(local, planned, {}), "--max-local-prefill") == "256"
     assert "--max-local-prefill" not in proxy_command(args, plan_servers(args, MODEL_DIR, "tiny", tmp_path), {})
     assert validate(parser.parse_args(["--prefill-policy", "kv_aware", "--max-local-prefill", "64"])) == [
-        "--max-local-prefill needs --decode-policy kv_aware (the proxy reads what a decode holds from its KV events)"
+        "--max-local-prefill needs a decode policy that reads the engines' KV events (--decode-policy kv_aware): what"
+        " a decode holds is read from its KV events"
     ]
     assert validate(parser.parse_args(["--max-local-prefill", "-1"])) == [
         "--max-local-prefill must be >= 0 tokens, not -1"

@@ -38,7 +38,7 @@ DRAINING_HEADER, DrainMiddleware, DrainState = drain.DRAINING_HEADER, drain.Drai
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
 from aiohttp import web  # noqa: E402
 
-from pd_transfer.proxy.routing import DRAINING_HEADER as PROXY_DRAINING_HEADER  # noqa: E402
+from pd_transfer.proxy.routing.pool import DRAINING_HEADER as PROXY_DRAINING_HEADER  # noqa: E402
 from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
 from pd_transfer.sim.http_standin import StandIn  # noqa: E402
 

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 import xxhash
 
-from pd_transfer.proxy.block_hash import BlockHasher, HashConfigError, block_key
-from pd_transfer.proxy.kv_events import BadBatch, EventSource, EventStream, decode_batch
-from pd_transfer.proxy.kv_index import KvIndex
-from pd_transfer.proxy.prefix_tree import PrefixTree
+from pd_transfer.proxy.kv.block_hash import BlockHasher, HashConfigError, block_key
+from pd_transfer.proxy.kv.events import BadBatch, EventSource, EventStream, decode_batch
+from pd_transfer.proxy.kv.index import KvIndex
+from pd_transfer.proxy.routing.prefix_tree import PrefixTree
 
 BLOCK = 4
 HASHER = BlockHasher("sha256", None, BLOCK)

@@ -18,6 +18,7 @@ aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' ext
 
 from pd_transfer.proxy import flow  # noqa: E402
 from pd_transfer.proxy.cli import add_arguments, config_from_args  # noqa: E402
+from pd_transfer.proxy.prompt import CHAT_TOKENS_PER_MESSAGE, Prompt  # noqa: E402
 from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
 from pd_transfer.sim.http_standin import StandIn  # noqa: E402
 
@@ -626,18 +627,24 @@ def test_short_prompts_skip_the_prefill_hop() -> None:
 
 
 def test_prompt_token_estimates() -> None:
-    assert flow.prompt_tokens(flow.COMPLETIONS, {"prompt": [1, 2, 3]}) == 3
-    assert flow.prompt_tokens(flow.COMPLETIONS, {"prompt": "one two three four five six seven eight nine ten"}) == 13
-    assert flow.prompt_tokens(flow.COMPLETIONS, {"prompt": "x" * 400}) == 100  # no spaces: characters / 4
+    def tokens(endpoint: str, body: dict[str, Any]) -> int:
+        return Prompt.read(endpoint, body).tokens()
+
+    assert tokens(flow.COMPLETIONS, {"prompt": [1, 2, 3]}) == 3
+    assert tokens(flow.COMPLETIONS, {"prompt": "one two three four five six seven eight nine ten"}) == 13
+    assert tokens(flow.COMPLETIONS, {"prompt": "x" * 400}) == 100  # no spaces: characters / 4
+    assert tokens(flow.COMPLETIONS, {"prompt": [[1, 2], [3, 4, 5]]}) == 3  # a batch: its largest prompt
     chat_body = {
         "messages": [
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "hello there"}]},
         ]
     }
-    assert flow.prompt_tokens(flow.CHAT, chat_body) == 2 * flow.CHAT_TOKENS_PER_MESSAGE + 3 + 3
-    assert flow.is_batch(flow.COMPLETIONS, {"prompt": ["a", "b"]})
-    assert not flow.is_batch(flow.COMPLETIONS, {"prompt": [1, 2]})
+    assert tokens(flow.CHAT, chat_body) == 2 * CHAT_TOKENS_PER_MESSAGE + 3 + 3
+    assert Prompt.read(flow.CHAT, chat_body).text() == "<system>\nbe brief\n<user>\nhello there"
+    assert Prompt.read(flow.COMPLETIONS, {"prompt": ["a", "b"]}).batch
+    assert not Prompt.read(flow.COMPLETIONS, {"prompt": [1, 2]}).batch
+    assert Prompt.read(flow.COMPLETIONS, {"prompt": [[7, 8]]}).sent_ids() == [7, 8]
 
 
 # ---- metrics and CLI ----

@@ -15,6 +15,7 @@ pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohtt
 from test_proxy import MODEL, Cluster, chat, completion, run
 
 from pd_transfer.proxy import flow
+from pd_transfer.proxy.prompt import Prompt
 from pd_transfer.proxy.server import Proxy, ProxyConfig
 from pd_transfer.proxy.tokenize import tokenize_body
 from pd_transfer.sim.http_standin import StandIn, standin_tokens
@@ -147,7 +148,7 @@ def test_a_decode_holding_most_of_a_prompt_prefills_the_rest_itself() -> None:
 def test_local_prefill_without_the_decodes_events_is_refused() -> None:
     sources = ["http://p=tcp://127.0.0.1:9"]
     for decode_policy in ("round_robin", "cache_aware"):
-        with pytest.raises(ValueError, match="--max-local-prefill needs the decode policy kv_aware"):
+        with pytest.raises(ValueError, match="--max-local-prefill needs a decode policy that reads the engines' KV"):
             Proxy(
                 ProxyConfig(
                     prefill=["http://p"],
@@ -197,7 +198,7 @@ def test_tokenize_body_carries_what_changes_the_rendered_prompt() -> None:
         "max_tokens": 3,
         "stream": True,
     }
-    assert tokenize_body(flow.CHAT, talk) == {
+    assert tokenize_body(Prompt.read(flow.CHAT, talk)) == {
         "model": MODEL,
         "messages": talk["messages"],
         "add_generation_prompt": False,
@@ -205,11 +206,14 @@ def test_tokenize_body_carries_what_changes_the_rendered_prompt() -> None:
         "chat_template_kwargs": {"enable_thinking": False},
         "tools": [],
     }
-    assert tokenize_body(flow.COMPLETIONS, {"model": MODEL, "prompt": ["one text"], "add_special_tokens": False}) == {
+    one_text = {"model": MODEL, "prompt": ["one text"], "add_special_tokens": False}
+    assert tokenize_body(Prompt.read(flow.COMPLETIONS, one_text)) == {
         "model": MODEL,
         "prompt": "one text",
         "add_special_tokens": False,
     }
-    for nothing in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": [1, 2]}):
-        assert tokenize_body(flow.COMPLETIONS, nothing) is None
-    assert tokenize_body(flow.CHAT, {"messages": []}) is None
+    for nothing in ({"prompt": ["a", "b"]}, {"prompt": [1, 2]}, {"prompt": [[1, 2]]}):  # a batch, token ids
+        assert tokenize_body(Prompt.read(flow.COMPLETIONS, nothing)) is None
+    for endpoint, unreadable in ((flow.COMPLETIONS, {"prompt": ""}), (flow.CHAT, {"messages": []})):
+        with pytest.raises(flow.BadRequest):  # refused with a 400 before anything is tokenized
+            Prompt.read(endpoint, unreadable)

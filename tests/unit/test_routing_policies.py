@@ -8,20 +8,18 @@ from dataclasses import dataclass
 import pytest
 
 from pd_transfer.proxy import flow
-from pd_transfer.proxy.block_hash import BlockHasher
-from pd_transfer.proxy.kv_index import KvIndex
-from pd_transfer.proxy.local_prefill import LocalPrefill
-from pd_transfer.proxy.policies import (
-    Affinity,
-    Balance,
-    CacheAware,
-    KvAware,
-    PowerOfTwo,
-    RoundRobin,
-    RouteRequest,
-    choose,
-)
-from pd_transfer.proxy.prefix_tree import PrefixTree, text_chunks, token_chunks
+from pd_transfer.proxy.kv.block_hash import BlockHasher
+from pd_transfer.proxy.kv.index import KvIndex
+from pd_transfer.proxy.prompt import Prompt
+from pd_transfer.proxy.routing.affinity import Affinity, choose
+from pd_transfer.proxy.routing.cache_aware import CacheAware
+from pd_transfer.proxy.routing.kv_aware import KvAware
+from pd_transfer.proxy.routing.local_prefill import LocalPrefill
+from pd_transfer.proxy.routing.policy import Balance
+from pd_transfer.proxy.routing.power_of_two import PowerOfTwo
+from pd_transfer.proxy.routing.prefix_tree import PrefixTree, text_chunks, token_chunks
+from pd_transfer.proxy.routing.request import RouteRequest
+from pd_transfer.proxy.routing.round_robin import RoundRobin
 
 
 @dataclass(eq=False)
@@ -37,7 +35,7 @@ def completion(prompt: object, user: str | None = None) -> RouteRequest:
     body: dict[str, object] = {"model": "m", "prompt": prompt}
     if user is not None:
         body["user"] = user
-    return RouteRequest(flow.COMPLETIONS, body)
+    return RouteRequest(Prompt.read(flow.COMPLETIONS, body))
 
 
 def test_prefix_tree_matches_the_longest_shared_prefix_per_worker() -> None:
@@ -75,7 +73,7 @@ def test_token_and_text_chunks_are_chained_prefix_names() -> None:
 
 def test_cache_aware_follows_the_prefix_then_balances_a_busy_pool() -> None:
     nodes = [Node("a"), Node("b"), Node("c")]
-    policy = CacheAware(nodes, max_entries=10_000, threshold=0.5, balance=Balance(abs=4, rel=1.5))
+    policy = CacheAware(nodes, PrefixTree(10_000), threshold=0.5, balance=Balance(abs=4, rel=1.5))
     first = choose(policy, None, nodes, completion(SYSTEM + "first user"))
     assert first.reason == "low_match"  # nothing matched: the least loaded cache
     # the same system prompt follows the first request
@@ -94,7 +92,7 @@ def test_cache_aware_follows_the_prefix_then_balances_a_busy_pool() -> None:
 
 def test_cache_aware_forgets_a_backend_that_left() -> None:
     nodes = [Node("a"), Node("b")]
-    policy = CacheAware(nodes, max_entries=1000)
+    policy = CacheAware(nodes, PrefixTree(1000))
     first = choose(policy, None, nodes, completion(SYSTEM)).backend
     policy.forget(first)
     assert policy.tree.held(nodes.index(first)) == 0
@@ -121,12 +119,12 @@ def test_session_affinity_sticks_until_idle_past_its_ttl_or_the_backend_leaves()
     now[0] += 61  # idle past the TTL: the policy decides again (round robin moves on)
     assert choose(policy, affinity, nodes, completion("hi", user="alice")).reason == "rotation"
     # the header names the session before the body's user
-    header = RouteRequest(flow.COMPLETIONS, {"model": "m", "prompt": "p", "user": "x"}, session_header="s1")
+    header = RouteRequest(Prompt.read(flow.COMPLETIONS, {"model": "m", "prompt": "p", "user": "x"}), "s1")
     sticky = choose(policy, affinity, nodes, header).backend
-    assert choose(policy, affinity, nodes, RouteRequest(flow.COMPLETIONS, {}, session_header="s1")).backend is sticky
+    assert choose(policy, affinity, nodes, RouteRequest(completion("q").prompt, "s1")).backend is sticky
     # a backend out of rotation: its sessions go elsewhere
     rest = [n for n in nodes if n is not sticky]
-    assert choose(policy, affinity, rest, RouteRequest(flow.COMPLETIONS, {}, session_header="s1")).backend is rest[0]
+    assert choose(policy, affinity, rest, RouteRequest(completion("q").prompt, "s1")).backend is rest[0]
     for i in range(5):
         choose(policy, affinity, nodes, completion("p", user=f"u{i}"))
     assert len(affinity) == 2  # bounded

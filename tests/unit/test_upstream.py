@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp, multidict, yarl)")
+pytest.importorskip("httptools", reason="the proxy needs the 'proxy' extra (aiohttp, multidict, yarl, httptools)")
 
 from pd_transfer.proxy.upstream import (
     HIGH_WATER,
@@ -37,6 +37,15 @@ class ThenClose(bytes):
 
 
 @dataclass(frozen=True)
+class Parts:
+    """A script step: write ``parts`` one send each, the loop turning between them (so that the client may read each
+    apart: not relied on), then close the connection when ``close``."""
+
+    parts: list[bytes]
+    close: bool = False
+
+
+@dataclass(frozen=True)
 class Later:
     """A script step: write ``first`` now and ``then`` once the script's ``answer_now`` is set."""
 
@@ -48,7 +57,7 @@ class Later:
 class Script:
     """A server answering each request (on any connection) with its next step: bytes to write, CLOSE or HOLD."""
 
-    steps: list[bytes | Later | None]
+    steps: list[bytes | Later | Parts | None]
     requests: list[bytes] = field(default_factory=list)  # head and body of each request, as received
     connections: int = 0
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # a request was received
@@ -61,17 +70,21 @@ class Script:
         self.connections += 1
         try:
             while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError:
+                request = await read_request(reader)
+                if request is None:
                     self.eof.set()
                     return
-                length = next(
-                    int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.startswith(b"Content-Length:")
-                )
-                self.requests.append(head + await reader.readexactly(length))
+                self.requests.append(request)
                 self.arrived.set()
                 step = self.steps.pop(0)
+                if isinstance(step, Parts):
+                    for part in step.parts:
+                        writer.write(part)
+                        await writer.drain()
+                        await asyncio.sleep(0)  # a turn of the loop (not relied on: any cut gives the same outcome)
+                    if step.close:
+                        return
+                    continue
                 if isinstance(step, Later):
                     writer.write(step.first)
                     await writer.drain()
@@ -92,12 +105,24 @@ class Script:
                 await writer.drain()
                 if isinstance(step, ThenClose):
                     return
+        except ConnectionError:  # the client closed the connection while the server wrote
+            self.eof.set()
         finally:
             writer.close()
 
 
+async def read_request(reader: asyncio.StreamReader) -> bytes | None:
+    """One request as the client sent it (its head and body), None once the client closed the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.startswith(b"Content-Length:"))
+    return head + await reader.readexactly(length)
+
+
 @asynccontextmanager
-async def scripted(*steps: bytes | Later | None) -> AsyncIterator[Script]:
+async def scripted(*steps: bytes | Later | Parts | None) -> AsyncIterator[Script]:
     script = Script(list(steps))
     server = await asyncio.start_server(script.handle, "127.0.0.1", 0)
     script.port = server.sockets[0].getsockname()[1]
@@ -106,7 +131,7 @@ async def scripted(*steps: bytes | Later | None) -> AsyncIterator[Script]:
 
 
 @asynccontextmanager
-async def talking_to(*steps: bytes | Later | None, **settings: float) -> AsyncIterator[tuple[Script, Upstream]]:
+async def talking_to(*steps: bytes | Later | Parts | None, **settings: float) -> AsyncIterator[tuple[Script, Upstream]]:
     """A scripted server and a client of it (``settings``: :class:`Upstream`'s, besides a 5 s connect timeout),
     the client closed on the way out."""
     async with scripted(*steps) as script:

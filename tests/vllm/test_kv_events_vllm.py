@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
-from pd_transfer.proxy.block_hash import BlockHasher
-from pd_transfer.proxy.kv_events import EventSource, EventStream, EventSubscriber
-from pd_transfer.proxy.kv_index import KvIndex
+from pd_transfer.proxy.kv.block_hash import BlockHasher
+from pd_transfer.proxy.kv.events import EventSource, EventStream, EventSubscriber
+from pd_transfer.proxy.kv.index import KvIndex
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -48,8 +48,8 @@ from pd_transfer.cluster.http_client import get_text  # noqa: E402
 from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
 from pd_transfer.integrations.vllm.offload.scheduler import OffloadScheduler  # noqa: E402
 from pd_transfer.integrations.vllm.offload.worker import OffloadWorkerSide, StepResults  # noqa: E402
-from pd_transfer.proxy.block_hash import BlockHasher  # noqa: E402
-from pd_transfer.proxy.kv_index import KvIndex  # noqa: E402
+from pd_transfer.proxy.kv.block_hash import BlockHasher  # noqa: E402
+from pd_transfer.proxy.kv.index import KvIndex  # noqa: E402
 from pd_transfer.settings import child_environment  # noqa: E402
 
 BLOCK = 128

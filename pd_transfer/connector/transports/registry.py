@@ -15,14 +15,15 @@ import importlib
 import re
 import threading
 
-from pd_transfer.connector.config import transport_names
+from pd_transfer.connector.config import BUILT_IN_TRANSPORTS, transport_names
 
 from .ipc.transport import CUDA_IPC, HOST_CMA, HOST_IPC
 from .nixl.transport import NIXL
 from .seam import Transport
 
-#: The transports every process has.
+#: The transports every process has (named as :data:`~pd_transfer.connector.config.BUILT_IN_TRANSPORTS` says).
 BUILT_IN: tuple[Transport, ...] = (NIXL, CUDA_IPC, HOST_IPC, HOST_CMA)
+assert tuple(transport.name for transport in BUILT_IN) == BUILT_IN_TRANSPORTS
 #: Names that stand for several transports, in order of preference.
 ALIASES: dict[str, tuple[str, ...]] = {
     "auto": ("cuda_ipc", "host_ipc", "host_cma", "nixl"),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from pd_transfer.connector.transports.registry import BUILT_IN
+from pd_transfer.connector.config import BUILT_IN_TRANSPORTS
 from pd_transfer.metrics import default_metrics
 
 if TYPE_CHECKING:
@@ -278,7 +278,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             "KV loads from prefill engines, by the transport that moved them: nixl, cuda_ipc, host_ipc, host_cma"
             " (same-host IPC), or one of your own",
             "transport",
-            {transport.name: f"pulls_{transport.name}" for transport in BUILT_IN},
+            {transport: f"pulls_{transport}" for transport in BUILT_IN_TRANSPORTS},
         )
         self._labelled(
             "vllm:pd_transfer_leases_ended",

@@ -1,6 +1,6 @@
 """The ``kv_aware`` policy's index: which engine holds which prefix block, in which tier, from the engines' KV events.
 
-Per engine, a dict from block key (:func:`pd_transfer.proxy.block_hash.block_key`) to a small bit mask of the tiers
+Per engine, a dict from block key (:func:`pd_transfer.proxy.kv.block_hash.block_key`) to a small bit mask of the tiers
 holding it there: the engine's own KV cache (``medium`` GPU, or none: vLLM's own blocks), its host tier (CPU) and a
 local disk. Blocks in the shared directory tier (``medium`` DISK from this project's offload connector, when the
 directory is shared: ``shared_disk``) go to one directory dict instead, with the mask of the engines that reported
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pd_transfer.proxy.block_hash import block_key
+from pd_transfer.proxy.kv.block_hash import block_key
 
 ENGINE = 1  # the engine's own KV cache (vLLM's GPU blocks)
 HOST = 2  # the engine's host-memory tier
@@ -120,9 +120,6 @@ class KvIndex:
 
     def blocks_of(self, engine: str) -> int:
         return len(self._engines.get(engine, ()))
-
-    def directory_blocks(self) -> int:
-        return len(self._directory)
 
     def tier_of(self, medium: str | None) -> int:
         tier = MEDIA.get(medium.upper() if medium else None, ENGINE)

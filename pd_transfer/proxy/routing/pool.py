@@ -1,4 +1,4 @@
-"""Backends, their health and the pools routing among them (the policies: :mod:`.policies`). Runs on the proxy's
+"""Backends, their health and the pools routing among them (a pool's policy: :mod:`.registry`). Runs on the proxy's
 event loop; no locks needed."""
 
 from __future__ import annotations
@@ -6,30 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from pd_transfer.proxy.policies import (
-    POLICIES,
-    Affinity,
-    Choice,
-    LeastOutstanding,
-    Policy,
-    PowerOfTwo,
-    RoundRobin,
-    RouteRequest,
-    choose,
-)
+from pd_transfer.proxy.routing.affinity import Affinity, choose
+from pd_transfer.proxy.routing.policy import Choice, Policy
+from pd_transfer.proxy.routing.request import RouteRequest
 
 log = logging.getLogger(__name__)
 
-#: The policies that need nothing but the backends.
-SIMPLE: dict[str, Callable[[], Policy]] = {
-    "round_robin": RoundRobin,
-    "least_outstanding": LeastOutstanding,
-    "power_of_two": PowerOfTwo,
-}
 #: A draining vLLM server's 503 carries this header (``pd_transfer.integrations.vllm.drain.DRAINING_HEADER``): the
 #: request never reached its engine, so it may go to another backend; the server takes no more.
 DRAINING_HEADER = "X-PD-Draining"
@@ -40,20 +25,6 @@ def is_draining(status: int, headers: Mapping[str, str]) -> bool:
     """Whether an answer (``status``, ``headers``: case-insensitive, as aiohttp gives them) says its server is
     draining: a 503 with ``DRAINING_HEADER``. (A 503 without it, e.g. vLLM's full queue, is not a drain.)"""
     return status == 503 and headers.get(DRAINING_HEADER) == "1"
-
-
-def prefill_without_params(url: str, answer: Any) -> tuple[str, str]:
-    """(kind, message) of a prefill's 200 answer without ``kv_transfer_params``. ``aborted`` when every choice
-    finished ``abort``: an engine that is stopping (vLLM's drain) aborts a request that reached it after its SIGTERM
-    and holds nothing for it, so the request may go to another prefill. Else the backend lacks a KV connector."""
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices):
-        if all(c.get("finish_reason") == "abort" for c in choices):
-            return "aborted", f"prefill backend {url} aborted the request (is it stopping?)"
-    return "no_kv_transfer_params", (
-        f"prefill backend {url} answered without kv_transfer_params"
-        " (is it running with a KV connector as kv_producer or kv_both?)"
-    )
 
 
 def health_reason(status: int, headers: Mapping[str, str]) -> str:
@@ -79,33 +50,29 @@ class Backend:
 
 
 class Pool:
-    """The backends of one role and the policy picking among the healthy ones (:mod:`.policies`).
+    """The backends of one role and the policy picking among the healthy ones.
 
-    ``policy``: a policy's name; the ones that need more than the backends (``cache_aware``, ``kv_aware``) come
-    built, from ``build`` (given the backends). ``affinity``: session affinity in front of it. ``on_choice(role,
-    choice)`` is told of every choice (the proxy's log line and metrics)."""
+    ``policy``: the policy's name (:mod:`.registry`), ``router`` the policy built for these ``backends``.
+    ``affinity``: session affinity in front of it. ``on_change(backend)`` is told of every change of a backend's
+    health, ``on_choice(role, choice)`` of every choice (the proxy's log line and metrics)."""
 
     def __init__(
         self,
         role: str,
-        urls: Iterable[str],
+        backends: list[Backend],
         policy: str,
-        on_change: Callable[[Backend], None] | None = None,
+        router: Policy,
         *,
-        build: Callable[[list[Backend]], Policy] | None = None,
         affinity: Affinity | None = None,
+        on_change: Callable[[Backend], None] | None = None,
         on_choice: Callable[[str, Choice], None] | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
-        if build is None and policy not in SIMPLE:
-            raise ValueError(f"the {policy} policy needs its settings (a build function)")
+        if not backends:
+            raise ValueError(f"at least one {role} backend is needed")
         self.role = role
         self.policy = policy
-        self.backends = [Backend(url.rstrip("/"), role) for url in urls]
-        if not self.backends:
-            raise ValueError(f"at least one {role} backend is needed")
-        self.router: Policy = build(self.backends) if build is not None else SIMPLE[policy]()
+        self.backends = backends
+        self.router = router
         self.affinity = affinity
         self._on_change = on_change
         self._on_choice = on_choice

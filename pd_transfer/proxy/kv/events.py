@@ -36,8 +36,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pd_transfer.proxy.block_hash import BlockHasher
-from pd_transfer.proxy.kv_index import KvIndex
+from pd_transfer.proxy.kv.block_hash import BlockHasher
+from pd_transfer.proxy.kv.index import KvIndex
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ the index follows the prefills' events too, a decode takes the request only if i
 at least as many of its blocks as the best prefill: a local prefill never computes more than the prefill hop would
 (a decode whose cache evicted part of a system prompt the prefill still holds leaves it to the prefill).
 
-What a decode holds comes from its KV events (the decode pool's ``kv_aware`` index, :mod:`.kv_index`): the blocks it
+What a decode holds comes from its KV events (the KV index, :mod:`pd_transfer.proxy.kv.index`): the blocks it
 reported stored in any tier it reaches, and the blocks of requests just routed to it. The uncached part is counted
 in tokens: the prompt's length less the held prefix's blocks times the block size.
 """
@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from pd_transfer.proxy.block_hash import BlockHasher
-from pd_transfer.proxy.kv_index import KvIndex
-from pd_transfer.proxy.policies import MAX_HASHED_TOKENS, Candidate, Choice, RouteRequest
+from pd_transfer.proxy.kv.block_hash import BlockHasher
+from pd_transfer.proxy.kv.index import KvIndex
+from pd_transfer.proxy.routing.policy import Candidate, Choice
+from pd_transfer.proxy.routing.request import MAX_HASHED_TOKENS, RouteRequest
 
 #: The route choice's reason (``pd_proxy_route_choices_total{role="decode"}``) of a request prefilled on its decode.
 LOCAL_PREFILL = "local_prefill"
