@@ -26,7 +26,7 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
 
-from test_multihost import Server, standins  # noqa: E402
+from kv_standins import Server, standins  # noqa: E402
 
 from pd_transfer.proxy.routing.pool import DRAINING_HEADER  # noqa: E402
 from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402

@@ -23,8 +23,8 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
 
 from aiohttp import web  # noqa: E402
+from kv_standins import HTTP, Server, get_json, standins  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from test_multihost import HTTP, Server, get_json, standins  # noqa: E402
 
 from pd_transfer.handshake.errors import AuthenticationError  # noqa: E402
 from pd_transfer.handshake.release import Releaser  # noqa: E402

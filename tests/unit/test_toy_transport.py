@@ -2,8 +2,8 @@
 messages too) plugged in by the connector's ``transport`` setting alone, on both ends: the pull goes by the toy
 (verified bytes, its name on the pull's stats and metrics, the lease confirmed and the blocks freed), the engine gets no
 NIXL peer, and the decode falls back on the next transport it names where the toy cannot read. Engines in this
-process with the fake agents; tests/process/test_toy_transport.py carries a request through the proxy between two
-processes."""
+process with the fake agents; tests/process/test_toy_transport_through_proxy.py carries requests through the proxy
+between two processes."""
 
 from __future__ import annotations
 
