@@ -62,8 +62,8 @@ def test_collapse_keeps_every_byte_and_leaves_the_memory_in_huge_pages() -> None
         pytest.skip(f"this kernel has no MADV_COLLAPSE ({result['reason']})")
     assert result["advised"] > 0 and result["same"] is True
     assert result["eligible"] >= 60 * MIB
-    if result["collapsed"] == 0 and "ENOMEM" in result["reason"]:
-        pytest.skip(f"the kernel has no free huge pages right now ({result['reason']})")
+    if "ENOMEM" in result["reason"]:  # a partial collapse too: the machine ran out of huge pages, every byte kept
+        pytest.skip(f"the kernel ran out of free huge pages ({result['reason']})")
     assert result["collapsed"] == result["eligible"], result["reason"]
     assert result["resident"] >= result["eligible"]
 
@@ -102,13 +102,17 @@ def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> N
             assert reads < 2000, "the peer's collapse did not end"
         ended, results, peer_huge = conn.recv()
         assert ended
-        if results and "EINVAL" in results[0].reason:
-            pytest.skip(f"this kernel has no MADV_COLLAPSE ({results[0].reason})")
-        assert peer_huge >= 240 * MIB, (results, peer_huge)
         assert agent.huge_pages.wait(60.0)
-        assert resident_huge_page_bytes([span_of(target)]) >= 240 * MIB
         local.release()
         remote.release()
+        reasons = [result.reason for result in [*results, *agent.huge_pages.results]]
+        if any("EINVAL" in reason for reason in reasons):
+            pytest.skip(f"this kernel has no MADV_COLLAPSE ({reasons[0]})")
+        short = [reason for reason in reasons if "ENOMEM" in reason]
+        if short:  # every read above was exact; the machine ran out of huge pages
+            pytest.skip(f"the kernel ran out of free huge pages ({short[0]})")
+        assert peer_huge >= 240 * MIB, (results, peer_huge)
+        assert resident_huge_page_bytes([span_of(target)]) >= 240 * MIB
     finally:
         conn.send("stop")
         process.join(30)
