@@ -41,6 +41,19 @@ print(json.dumps({"advised": advised, "eligible": result.eligible_bytes, "collap
 """
 
 
+#: What a collapse's reason names when the machine, not the code, stopped it (ENOMEM: a partial collapse too).
+_MACHINE_LACKS = {"EINVAL": "this kernel has no MADV_COLLAPSE", "ENOMEM": "the kernel ran out of free huge pages"}
+
+
+def skip_where_the_machine_lacks(reasons: list[str], errnos: tuple[str, ...] = ("EINVAL", "ENOMEM")) -> None:
+    """Skip, naming the kernel's answer, where one of a collapse's ``reasons`` names one of ``errnos``
+    (:data:`_MACHINE_LACKS`). Called after every byte was checked."""
+    for errno_name in errnos:
+        named = [reason for reason in reasons if errno_name in reason]
+        if named:
+            pytest.skip(f"{_MACHINE_LACKS[errno_name]} ({named[0]})")
+
+
 @needs_thp
 def test_collapse_keeps_every_byte_and_leaves_the_memory_in_huge_pages() -> None:
     """``MADV_COLLAPSE`` of 64 MiB written on small pages, in a process of its own: what a long-lived test process
@@ -58,12 +71,10 @@ def test_collapse_keeps_every_byte_and_leaves_the_memory_in_huge_pages() -> None
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    if "EINVAL" in result["reason"]:
-        pytest.skip(f"this kernel has no MADV_COLLAPSE ({result['reason']})")
+    skip_where_the_machine_lacks([result["reason"]], ("EINVAL",))
     assert result["advised"] > 0 and result["same"] is True
     assert result["eligible"] >= 60 * MIB
-    if "ENOMEM" in result["reason"]:  # a partial collapse too: the machine ran out of huge pages, every byte kept
-        pytest.skip(f"the kernel ran out of free huge pages ({result['reason']})")
+    skip_where_the_machine_lacks([result["reason"]], ("ENOMEM",))
     assert result["collapsed"] == result["eligible"], result["reason"]
     assert result["resident"] >= result["eligible"]
 
@@ -105,13 +116,7 @@ def test_reads_stay_exact_while_the_owner_collapses_its_registered_memory() -> N
         assert agent.huge_pages.wait(60.0)
         local.release()
         remote.release()
-        reasons = [result.reason for result in [*results, *agent.huge_pages.results]]
-        unsupported = [reason for reason in reasons if "EINVAL" in reason]
-        if unsupported:
-            pytest.skip(f"this kernel has no MADV_COLLAPSE ({unsupported[0]})")
-        short = [reason for reason in reasons if "ENOMEM" in reason]
-        if short:  # every read above was exact; the machine ran out of huge pages
-            pytest.skip(f"the kernel ran out of free huge pages ({short[0]})")
+        skip_where_the_machine_lacks([result.reason for result in [*results, *agent.huge_pages.results]])
         assert peer_huge >= 240 * MIB, (results, peer_huge)
         assert resident_huge_page_bytes([span_of(target)]) >= 240 * MIB
     finally:
