@@ -34,7 +34,7 @@ _NO_ENVIRONMENT: Mapping[str, str] = MappingProxyType({})
 
 
 #: The built-in transports, by name (:mod:`pd_transfer.connector.transports.registry` registers one under each).
-BUILT_IN_TRANSPORTS = ("nixl", "cuda_ipc", "host_ipc", "host_cma")
+BUILT_IN_TRANSPORTS = ("nixl", "cuda_ipc", "host_ipc", "host_cma", "tcp")
 #: A transport's name (``nixl``, ``cuda_ipc``, a name of your own) or the ``module:attribute`` of one.
 _TRANSPORT_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}|[A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,99}")
 

@@ -113,7 +113,9 @@ class PrefillOptions:
     whose writers it runs (as :attr:`DecodeOptions.transport`; NIXL always: the rank's agent serves reads and carries
     the notifications; "nixl": nothing else, so no same-host offer). ``push_staging``: push through a host staging
     pool of chunks of ``push_chunk_bytes``; None: where the cache is on a GPU; True on a host cache too (tests);
-    False: a GPU cache is not pushed.
+    False: a GPU cache is not pushed. ``secret``: the side channel's HMAC secret, which transports with connections of
+    their own ask of a decode too (None: unauthenticated). ``listen_host``: where such transports listen (the side
+    channel's host: decodes reach the rank where they reach its side channel).
 
     A bad ``push`` is refused here (``ValueError``), before any agent is made.
     """
@@ -124,6 +126,8 @@ class PrefillOptions:
     transport: str = _CONNECTOR.transport
     push_staging: bool | None = None
     push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES
+    secret: bytes | str | None = None
+    listen_host: str = "localhost"
 
     def __post_init__(self) -> None:
         push_mode(self.push, self.settings)  # raises ValueError for a mode that is none
@@ -136,4 +140,11 @@ class PrefillOptions:
     @classmethod
     def from_config(cls, config: ConnectorConfig, settings: Settings) -> PrefillOptions:
         """A connector's prefill options: its ``config`` over the process's ``settings``."""
-        return cls(settings=settings, lease_seconds=config.lease_seconds, push=config.push, transport=config.transport)
+        return cls(
+            settings=settings,
+            lease_seconds=config.lease_seconds,
+            push=config.push,
+            transport=config.transport,
+            secret=config.secret,
+            listen_host=config.side_channel_host,
+        )

@@ -19,6 +19,7 @@ NONCE_BYTES = 32
 
 _REQUEST_LABEL = b"pd-transfer/handshake/request\x00"
 _REPLY_LABEL = b"pd-transfer/handshake/reply\x00"
+_CONNECTION_LABEL = b"pd-transfer/connection/hello\x00"
 
 
 def as_secret(secret: bytes | str | None) -> bytes | None:
@@ -57,6 +58,12 @@ def request_mac(secret: bytes | str, server_nonce: bytes, request_without_mac: b
 def reply_mac(secret: bytes | str, client_nonce: bytes, engine_bytes: bytes) -> bytes:
     """MAC of a ``Metadata`` reply: ``engine_bytes`` is ``encode_engine(engine)`` of the engine sent."""
     return _mac(secret, _REPLY_LABEL, client_nonce, engine_bytes)
+
+
+def connection_mac(secret: bytes | str, server_nonce: bytes, client_name: bytes) -> bytes:
+    """MAC of a transport connection's hello: the client (a decode rank, ``client_name``) answering the nonce the
+    server (a prefill rank's listener) sent first."""
+    return _mac(secret, _CONNECTION_LABEL, server_nonce, client_name)
 
 
 def verify(expected: bytes, got: bytes) -> bool:

@@ -82,6 +82,16 @@ def plan_calls(
     ]
 
 
+def merged_rows(addresses: np.ndarray, row_bytes: int) -> np.ndarray:
+    """The rows of ``row_bytes`` at ``addresses`` as :data:`IOVEC` entries in the same order, rows right after each
+    other merged into one entry."""
+    addresses = np.asarray(addresses, dtype=np.uint64)
+    if not len(addresses):
+        return np.empty(0, dtype=IOVEC)
+    entries, _ = _entries(addresses, _breaks(addresses, row_bytes), np.zeros(1, dtype=np.int64), row_bytes)
+    return entries
+
+
 def _breaks(addresses: np.ndarray, row_bytes: int) -> np.ndarray:
     """Whether each row starts a new run (is not right after the row before it)."""
     breaks = np.ones(len(addresses), dtype=bool)

@@ -14,9 +14,10 @@ from pd_transfer.transfer.agent_protocol import AgentFactory
 
 
 class InProcessPrefill:
-    """One prefill rank (engine ``engine_id``) of ``num_blocks`` blocks of ``layout``, filled with
-    ``fill_pattern(cache, seed)``, served at ``host:port``, offering the transports ``transport`` names (the
-    connector's setting). ``close`` stops the side channel and the rank."""
+    """One prefill rank (engine ``engine_id``) of ``num_blocks`` blocks of ``layout``, filled with ``fill_pattern(cache,
+    seed)``, served at ``host:port``, offering the transports ``transport`` names (the connector's setting), its side
+    channel and connections of its own asking for ``secret`` (None: nothing). ``close`` stops the side channel and the
+    rank."""
 
     def __init__(
         self,
@@ -27,12 +28,13 @@ class InProcessPrefill:
         *,
         seed: int = 5,
         transport: str = "auto",
+        secret: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.layout, self.num_blocks, self.seed = layout, num_blocks, seed
-        options = PrefillOptions(settings=DEFAULTS, transport=transport)
+        options = PrefillOptions(settings=DEFAULTS, transport=transport, secret=secret, listen_host="127.0.0.1")
         self.rank = PrefillRank(engine_id, self.expected()[0], options, agent_factory=agents)
-        self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata])
+        self.server: HandshakeServer = serve_engine(engine_id, [self.rank.rank_metadata], secret=secret)
         self.host, self.port = "127.0.0.1", self.server.port
 
     def expected(self) -> list[KVCache]:

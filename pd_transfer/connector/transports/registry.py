@@ -1,11 +1,11 @@
 """Transports by name, and which ones a connector's ``transport`` setting picks, in its order of preference.
 
-Built in: ``nixl`` (:mod:`.nixl`), ``cuda_ipc``, ``host_ipc`` and ``host_cma`` (:mod:`.ipc`). Two names stand for
-several: ``auto`` = ``cuda_ipc, host_ipc, host_cma, nixl`` (same-host IPC where an engine offers it, else NIXL) and
-``ipc`` = ``cuda_ipc, host_ipc, host_cma`` (same-host IPC or the engine is refused). A transport of your own is named
-in the setting by ``module:attribute`` (the attribute a :class:`~.seam.Transport`), imported when a rank is made and
-registered under its ``name`` from then on, as :func:`register` does in code; both ends of a P/D pair name it (the
-prefill to offer it, the decode to open engines with it). Nothing else in the package changes for it:
+Built in: ``nixl`` (:mod:`.nixl`), ``cuda_ipc``, ``host_ipc`` and ``host_cma`` (:mod:`.ipc`), ``tcp`` (:mod:`.tcp`). Two
+names stand for several: ``auto`` = ``cuda_ipc, host_ipc, host_cma, nixl`` (same-host IPC where an engine offers it,
+else NIXL) and ``ipc`` = ``cuda_ipc, host_ipc, host_cma`` (same-host IPC or the engine is refused). A transport of your
+own is named in the setting by ``module:attribute`` (the attribute a :class:`~.seam.Transport`), imported when a rank is
+made and registered under its ``name`` from then on, as :func:`register` does in code; both ends of a P/D pair name it
+(the prefill to offer it, the decode to open engines with it). Nothing else in the package changes for it:
 docs/architecture.md, "Adding a transport".
 """
 
@@ -20,9 +20,10 @@ from pd_transfer.connector.config import BUILT_IN_TRANSPORTS, transport_names
 from .ipc.transport import CUDA_IPC, HOST_CMA, HOST_IPC
 from .nixl.transport import NIXL
 from .seam import Transport
+from .tcp.transport import TCP
 
 #: The transports every process has (named as :data:`~pd_transfer.connector.config.BUILT_IN_TRANSPORTS` says).
-BUILT_IN: tuple[Transport, ...] = (NIXL, CUDA_IPC, HOST_IPC, HOST_CMA)
+BUILT_IN: tuple[Transport, ...] = (NIXL, CUDA_IPC, HOST_IPC, HOST_CMA, TCP)
 assert tuple(transport.name for transport in BUILT_IN) == BUILT_IN_TRANSPORTS
 #: Names that stand for several transports, in order of preference.
 ALIASES: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,178 @@
+"""The ``tcp`` transport's prefill end: a listener at the side channel's host whose connections send decode ranks the
+rows they ask for, straight out of the rank's host cache (:func:`~pd_transfer.transfer.socket_rows.send_rows`), and
+bring their lease-protocol messages to the rank.
+
+Every row asked for is checked to lie inside the cache's registered memory before a byte is sent; a read that names
+any other memory is refused (``["refused", read_id, reason]``) and the connection goes on. Which of the cache's blocks
+a decode reads is its plan's business, as with a NIXL read. A connection whose hello does not prove the side channel's
+secret (where one is set) is refused and closed; a malformed frame ends its connection; a send that moves nothing for
+:data:`SEND_STALL_S` (a decode that stopped reading) ends it too. Nothing a decode sends grows memory beyond one frame
+(:data:`~.frames.MAX_FRAME`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pd_transfer.connector import messages
+from pd_transfer.handshake.auth import as_secret, connection_mac, new_nonce, verify
+from pd_transfer.transfer.cma import IOVEC
+from pd_transfer.transfer.dlists import merged_spans
+from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.socket_rows import send_rows, set_send_timeout
+
+from ..seam import PrefillSite
+from .frames import BadFrame, encode_offer, expect, fields, receive_frame, send_frame, shut
+
+logger = logging.getLogger(__name__)
+
+#: A send to a decode that moves nothing for this long (s) ends the connection.
+SEND_STALL_S = 30.0
+#: How long (s) a new connection has to say hello.
+HELLO_TIMEOUT_S = 10.0
+
+
+class TcpPrefillEnd:
+    """Serves a prefill rank's host cache to decode ranks over connections of its own (a :class:`~..seam.PrefillEnd`).
+    A cache on a GPU is not offered (logged)."""
+
+    def __init__(self, site: PrefillSite) -> None:
+        self.site = site
+        self.name = site.agent.name
+        self._secret = as_secret(site.options.secret)
+        spans = np.array(merged_spans(site.cache.regions), dtype=np.uint64).reshape(-1, 2)
+        self._starts, self._ends = spans[:, 0].copy(), spans[:, 1].copy()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self.bytes_sent = 0  # rows' bytes sent so far, every connection
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        if not site.cache.place.is_host:
+            logger.info("prefill %s: cache in %s not offered as tcp: it sends host memory", self.name, site.cache.place)
+            return
+        host = site.options.listen_host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=64)
+        self._thread = threading.Thread(target=self._accept, name=f"{self.name}-tcp-accept", daemon=True)
+        self._thread.start()
+        logger.info("prefill %s: cache offered as tcp at %s:%d", self.name, host, self.port)
+
+    @property
+    def port(self) -> int:
+        """The port the end listens on (0: none, the cache is not offered)."""
+        return 0 if self._listener is None else int(self._listener.getsockname()[1])
+
+    def offer(self) -> bytes | None:
+        return None if self._listener is None else encode_offer(self.port)
+
+    def take(self, peer: str, message: messages.PeerMessage) -> bool:
+        return False  # decodes' messages come in on its connections
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            shut(self._listener)
+        with self._lock:
+            connections, self._connections = list(self._connections), set()
+        for connection in connections:
+            shut(connection)
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ connections
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed.is_set():
+                    shut(connection)
+                    return
+                self._connections.add(connection)
+            threading.Thread(target=self._serve, args=(connection,), name=f"{self.name}-tcp", daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        send_lock = threading.Lock()
+        peer = ""
+        try:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = self._greet(connection)
+            connection.settimeout(None)
+            set_send_timeout(connection, SEND_STALL_S)
+            while (frame := receive_frame(connection)) is not None:
+                self._take(connection, send_lock, peer, frame)
+        except (OSError, BadFrame, TransferError) as error:
+            if not self._closed.is_set():
+                logger.info("prefill %s: tcp connection from %s ends: %s", self.name, peer[:80] or "?", error)
+        finally:
+            with self._lock:
+                self._connections.discard(connection)
+            shut(connection)
+
+    def _greet(self, connection: socket.socket) -> str:
+        """The hello of a new connection: the decode rank's name once it proved the secret (``BadFrame`` if not)."""
+        connection.settimeout(HELLO_TIMEOUT_S)
+        nonce = new_nonce()
+        send_frame(connection, ["challenge", nonce])
+        name, mac = expect(receive_frame(connection), "hello", str, bytes)
+        if self._secret is not None and not verify(connection_mac(self._secret, nonce, name.encode()), mac):
+            send_frame(connection, ["refused", "the hello does not prove the side channel's secret"])
+            raise BadFrame(f"a hello from {name[:80]!r} without the side channel's secret")
+        send_frame(connection, ["welcome", self.name])
+        return str(name)
+
+    def _take(self, connection: socket.socket, send_lock: threading.Lock, peer: str, frame: list[Any]) -> None:
+        kind = frame[0]
+        if kind == "read":
+            read_id, packed = fields(frame, int, bytes)
+            self._send_rows(connection, send_lock, read_id, packed)
+        elif kind == "message":
+            (payload,) = fields(frame, bytes)
+            try:
+                message = messages.decode(payload)
+            except (ValueError, msgspec.DecodeError) as error:
+                raise BadFrame(f"a message that does not decode: {str(error)[:200]}") from None
+
+            def answer(reply: bytes) -> None:
+                with send_lock:
+                    send_frame(connection, ["message", reply])
+
+            self.site.receive(peer, message, answer)
+        else:
+            raise BadFrame(f"a frame of kind {str(kind)[:40]!r}")
+
+    def _send_rows(self, connection: socket.socket, send_lock: threading.Lock, read_id: int, packed: bytes) -> None:
+        why_not = self._refusal(packed)
+        with send_lock:
+            if why_not:
+                send_frame(connection, ["refused", read_id, why_not])
+                return
+            rows = np.frombuffer(packed, dtype=IOVEC)
+            send_frame(connection, ["rows", read_id, int(rows["length"].sum())])
+            sent = send_rows(connection, rows)
+        with self._lock:
+            self.bytes_sent += sent
+
+    def _refusal(self, packed: bytes) -> str:
+        """Why the rows in ``packed`` are not sent ("" where every one lies inside the cache)."""
+        if len(packed) % IOVEC.itemsize:
+            return f"rows of {len(packed)} bytes are no whole number of entries"
+        rows = np.frombuffer(packed, dtype=IOVEC)
+        starts, lengths = rows["base"], rows["length"]
+        ends = starts + lengths
+        span = np.searchsorted(self._starts, starts, side="right") - 1
+        inside = (span >= 0) & (ends >= starts) & (ends <= self._ends[np.maximum(span, 0)])
+        if not inside.all():
+            first = int(np.flatnonzero(~inside)[0])
+            return f"row {first} ({int(starts[first]):#x}+{int(lengths[first])}) is outside the cache"
+        return ""
