@@ -122,7 +122,11 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
     from pd_transfer.connector.prefill.rank import PrefillRank, serve_engine
 
     ranks = [
-        PrefillRank(spec.engine_id, cache, PrefillOptions(settings=settings, transport=spec.transport))
+        PrefillRank(
+            spec.engine_id,
+            cache,
+            PrefillOptions(settings=settings, transport=spec.transport, secret=spec.secret, listen_host=spec.host),
+        )
         for cache in spec.caches(huge_pages=settings.own_huge_pages)
     ]
     server = serve_engine(

@@ -69,6 +69,15 @@ def summary_lines(result: dict) -> list[str]:
                 f"  memcpy {r['memcpy_gbps']:6.2f}"
                 f"  ratio vs raw {r['ratio_vs_raw_nixl']:.3f}{vs_stream}  verified {r['verified']}"
             )
+        own = section.get("tcp_transport") or {}
+        for case in ("contiguous", "scattered") if own else ():
+            r = own[case]
+            lines.append(
+                f"  {case:10s} {r['gbps']:6.2f} GiB/s by the tcp transport  vs TCP stream ({stream} GiB/s)"
+                f" {r['ratio_vs_tcp_stream']:.3f}  verified {r['verified']}"
+            )
+        if own:
+            lines.append(f"  one-block pull by the tcp transport p50 {own['one_block_pull_p50_us']} us")
         way = "pushed" if section["contiguous"].get("pushed") else "read"
         lines.append(
             f"  idle CPU {section['idle_cpu_percent']}%  one-block read p50 {section['one_block_p50_us']} us,"

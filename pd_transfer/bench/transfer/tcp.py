@@ -12,7 +12,8 @@ bytes per second).
 Over TCP the decode asks the prefill to push (``PD_TRANSFER_PUSH=auto``,
 :mod:`pd_transfer.connector.transports.nixl.push_writer`): the ``gbps`` and ``ratio_vs_tcp_stream`` keys are then
 the pushed pulls, and ``read_gbps``, ``read_ratio_vs_tcp_stream`` the same requests read (by a second decode rank that
-never asks to push), each right after its pushed twin.
+never asks to push), each right after its pushed twin. ``tcp_transport`` holds the same requests pulled by the built-in
+``tcp`` transport instead of NIXL (:mod:`.own_tcp`), with its own ``ratio_vs_tcp_stream``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pd_transfer.settings import Settings, process_environment
 from pd_transfer.sim.shape import Shape
 from pd_transfer.transfer.tcp import tcp_ucx_env
 
-from . import reads
+from . import own_tcp, reads
 from .tcp_stream import iperf3_gbps, stream_gbps
 from .ucx_transports import ucx_transports
 
@@ -70,6 +71,9 @@ def run(
             busy_prefill=busy_prefill,
             settings=settings,
         )
+        ours = own_tcp.run(
+            shape, repeats=repeats, prefill_options={"host": prefill_host, **(prefill_options or {})}, settings=settings
+        )
         after = stream_gbps(request_bytes, repeats, host=decode_host, prefix=stream_prefix)
         iperf3 = iperf3_gbps(4 * request_bytes, host=decode_host, prefix=stream_prefix)
         transports = ucx_transports()
@@ -87,6 +91,11 @@ def run(
             result[case][f"{way}ratio_vs_tcp_stream"] = round(result[case][f"{way}gbps"] / stream, 3)
         result[case]["raw_nixl_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_gbps"] / stream, 3)
         result[case]["raw_nixl_write_ratio_vs_tcp_stream"] = round(result[case]["raw_nixl_write_gbps"] / stream, 3)
+    for case in ("contiguous", "scattered"):
+        ours[case]["ratio_vs_tcp_stream"] = round(ours[case]["gbps"] / stream, 3)
+        if stream_cpu:
+            ours[case]["cpu_ratio_vs_tcp_stream"] = round(ours[case]["cpu_seconds_per_gib"] / stream_cpu, 3)
+    result["tcp_transport"] = ours
     result["settings"]["ucx_transports"] = transports
     result["tcp_stream"] = {
         "gbps": stream,
