@@ -233,14 +233,20 @@ def network() -> Iterator[Network]:
         assert not problems and not left, (problems, left)
 
 
-def test_kv_moves_between_network_namespaces_through_the_proxy(network: Network, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["nixl", "tcp"])
+def test_kv_moves_between_network_namespaces_through_the_proxy(
+    network: Network, tmp_path: Path, transport: str
+) -> None:
+    """By NIXL (UCX over TCP: the prefill pushes), and by the ``tcp`` transport (its own connections, offered and
+    opened by both sides' setting)."""
     specs: dict[str, tuple[dict[str, str], list[str], str | None]] = {}
     for role, side in (("prefill", "p"), ("decode", "d")):
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": network.veth(side)}
         address = network.address(side)
         args = ["--host", address, "--port", str(HTTP_PORT[role])]
         args += ["--side-channel-host", address, "--side-channel-port", str(SIDE_CHANNEL_PORT)]
-        args += ["--transport", "nixl"] if role == "decode" else []  # as between hosts: no reads in place
+        if role == "decode" or transport == "tcp":  # as between hosts: no reads in place
+            args += ["--transport", transport]
         specs[role] = (env, args, network.ns(side))
     with standins(tmp_path, specs) as servers:
         prefill, decode = servers["prefill"], servers["decode"]
@@ -249,6 +255,7 @@ def test_kv_moves_between_network_namespaces_through_the_proxy(network: Network,
         results = asyncio.run(through_proxy(prefill.url, decode.url, request_mix("N")))
         after = {side: network.counters(side) for side in ("p", "d")}
         check_results(results, remote=f"{network.address('p')}:{SIDE_CHANNEL_PORT}")
+        assert {result.report["transport"] for result in results} == {transport}, [r.report for r in results]
         state = wait_released(prefill)
         assert state["requests_held"] == 0 and state["released"] == len(results), state
 
@@ -259,7 +266,7 @@ def test_kv_moves_between_network_namespaces_through_the_proxy(network: Network,
     assert into_decode >= moved, (into_decode, moved)
     assert out_of_prefill >= moved, (out_of_prefill, moved)
     print(
-        f"\nacross namespaces ({network.address('p')} -> {network.address('d')}, UCX tcp over veth):\n"
+        f"\nacross namespaces ({network.address('p')} -> {network.address('d')}, {transport} over veth):\n"
         + summary(results)
         + f"\n  KV moved {moved} B; veth bytes into the decode {into_decode} B, out of the prefill {out_of_prefill} B"
         f" ({into_decode / moved:.3f} x the KV)"
