@@ -92,6 +92,9 @@ class TcpConnection:
         pending = _Pending(local, int(remote["length"].sum()))
         sock = self._socket()
         with self._lock:
+            if self._sock is not sock:  # dropped meanwhile: its listener has failed what it had pending
+                pending.end(PeerDisconnected(f"tcp connection to {self.peer} dropped"))
+                return pending
             read_id = next(self._ids)
             self._pending[read_id] = pending
         try:
