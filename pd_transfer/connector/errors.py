@@ -17,6 +17,10 @@ class LeaseNotConfirmed(TransferError):
         super().__init__(f"request {request_id}: read not confirmed by the prefill: {reason}")
 
 
+class StreamUnsupported(TransferError):
+    """The prefill engine's transport does not stream a request while it is computed: wait for its params and pull."""
+
+
 class WrongEngine(ValueError):
     """The side channel at the address in a request's parameters serves another engine than they name."""
 

@@ -37,12 +37,12 @@ from typing import NoReturn
 
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
-from pd_transfer.connector.errors import LeaseNotConfirmed, WrongEngine
+from pd_transfer.connector.errors import LeaseNotConfirmed, StreamUnsupported, WrongEngine
 from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.params import incarnation_token
 from pd_transfer.connector.transports.registry import select
-from pd_transfer.connector.transports.requests import PullRequest, PullStats, ReadTotals
-from pd_transfer.connector.transports.seam import DecodeEnd, DecodeSite, Source
+from pd_transfer.connector.transports.requests import PullRequest, PullStats, ReadTotals, StreamRequest
+from pd_transfer.connector.transports.seam import DecodeEnd, DecodeSite, Source, StreamingLink
 from pd_transfer.handshake.client import HandshakeClient
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.metrics import TransferMetrics, default_metrics
@@ -329,6 +329,46 @@ class DecodeRank:
             error,
         )
         self.metrics.pulls.labels("failed", remote.transport).inc()
+
+    def pull_streamed(
+        self,
+        request_id: str,
+        host: str,
+        port: int,
+        local_block_ids: list[int],
+        num_tokens: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> PullStats:
+        """Stream ``num_tokens`` tokens of request ``request_id``'s KV from the prefill engine at ``host:port`` into
+        ``local_block_ids`` while the prefill computes it (at once if it finished already): its blocks there are learnt
+        from it, each layer arrives once it is written, and the prefill says the stream ended well (the request held,
+        never computed again meanwhile): the KV is good when this returns, no confirmation to ask.
+        ``timeout_s`` (default ``read_timeout_s``) bounds it all, the prefill's compute included.
+
+        Raises ``StreamUnsupported`` where the engine's transport does not stream (wait for the prefill's params and
+        :meth:`pull_confirmed` instead); ``ValueError`` for block ids that do not fit; a ``TransferError`` for a stream
+        refused or broken (do not use the blocks; the prefill ranks are told ``ReadFailed``)."""
+        started = time.perf_counter()
+        remote = self.remotes.connect(host, port)
+        connected = time.perf_counter()
+        link = remote.link
+        if not isinstance(link, StreamingLink):
+            raise StreamUnsupported(f"engine {remote.engine.engine_id} is read by {remote.transport}: no streams")
+        deadline = started + (self.options.read_timeout_s if timeout_s is None else timeout_s)
+        try:
+            totals = link.stream(StreamRequest(request_id, local_block_ids, num_tokens), deadline)
+        except TransferError as error:
+            self._pull_failed(remote, request_id, error, tell=True)
+            raise
+        self._release_unread(request_id, remote)
+        stats = replace(
+            totals.stats(request_id, time.perf_counter() - started),
+            connect_seconds=connected - started,
+            transport=remote.transport,
+        )
+        self.metrics.observe_pull(stats.seconds, stats.bytes, stats.descriptors, 0.0, transport=stats.transport)
+        return stats
 
     def pull_confirmed(
         self,

@@ -29,6 +29,7 @@ from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.leases import Freed, LeaseLedger, Reply
 from pd_transfer.connector.options import PrefillOptions
+from pd_transfer.connector.streams import StreamBoard
 from pd_transfer.connector.transports.registry import select
 from pd_transfer.connector.transports.seam import Answer, PrefillEnd, PrefillSite
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata, TransportOffer
@@ -93,6 +94,7 @@ class PrefillRank:
         self._on_release = on_release
         self.options = options
         self.ledger = LeaseLedger(options.lease_seconds, clock=clock)
+        self.streams = StreamBoard(len({region.layer for region in cache.regions}))
         self._cond = threading.Condition()
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
         self._answers: dict[str, Answer] = {}  # reader -> how its confirmations reach it (NIXL: its metadata)
@@ -118,6 +120,7 @@ class PrefillRank:
                 agent_factory=agent_factory,
                 receive=self.receive,
                 freed=self._freed_by_unpin,
+                streams=self.streams,
             )
             for transport in transports:
                 self.ends[transport.name] = transport.prefill_end(site)
@@ -142,12 +145,22 @@ class PrefillRank:
         )
 
     # ------------------------------------------------------------------ the engine's side
+    def computing(self, request_id: str, block_ids: list[int]) -> None:
+        """``request_id`` is being computed into ``block_ids`` (again, into other blocks, after a preemption): readers
+        may stream its layers as :meth:`layers_written` says they are written (:mod:`pd_transfer.connector.streams`)."""
+        self.streams.computing(request_id, block_ids)
+
+    def layers_written(self, request_id: str, layers: int) -> None:
+        """The first ``layers`` layers of ``request_id`` (computing) hold every token's KV: readers may have them."""
+        self.streams.written(request_id, layers)
+
     def hold(self, request_id: str, block_ids: list[int], *, ready: ReadyEvent | None = None) -> Freed | None:
         """Hold a finished request's blocks for its readers, once ``ready`` (if given) completed; returns it freed
         at once if they all reported already."""
         if ready is not None:
             ready.synchronize()
         freed = self.ledger.hold(request_id, block_ids)
+        self.streams.held(request_id, block_ids)
         self._after_change([freed] if freed is not None else [])
         return freed
 
@@ -156,6 +169,8 @@ class PrefillRank:
 
     def abort(self, request_id: str) -> Freed | None:
         freed = self.ledger.abort(request_id)
+        if freed is None and self.ledger.status(request_id) != "held":  # held: ends with its lease (hold window)
+            self.streams.ended(request_id, "aborted")
         self._after_change([freed] if freed is not None else [])
         return freed
 
@@ -252,6 +267,7 @@ class PrefillRank:
         """Count freed leases, send queued confirmations; poll fast only while blocks are held for readers."""
         for item in freed:
             self.metrics.leases_ended.labels(item.reason).inc()
+            self.streams.ended(item.request_id, item.reason)
         self.metrics.blocks_held.labels(self.engine_id, str(self.cache.layout.tp_rank)).set(self.ledger.blocks_held)
         for reply in self.ledger.take_replies():
             try:
@@ -291,6 +307,7 @@ class PrefillRank:
     def forget(self, request_id: str) -> None:
         """Drop what is known of a request without freeing it (the engine freed its blocks)."""
         self.ledger.forget(request_id)
+        self.streams.ended(request_id, "forgotten")
         self._after_change([])
 
     def close(self) -> None:

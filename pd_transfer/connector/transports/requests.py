@@ -1,6 +1,6 @@
 """One request's pull as a decode rank reads it (:class:`PullRequest`: which remote blocks land in which local ones, for
 how many tokens), what a transport's reads of it moved (:class:`ReadTotals`) and what the whole pull did
-(:class:`PullStats`)."""
+(:class:`PullStats`); a request streamed while the prefill computes it (:class:`StreamRequest`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ class PullRequest:
             raise DuplicateBlockIds(self.request_id, "remote_block_ids", *repeat)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamRequest:
+    """The KV of ``num_tokens`` tokens of request ``request_id`` (the prefill's id), streamed into ``local_block_ids``
+    (in token order) while the prefill computes it: its blocks there are learnt from the prefill. Keep the list
+    unchanged while the request is streamed."""
+
+    request_id: str
+    local_block_ids: list[int]
+    num_tokens: int
+
+
 @dataclass(frozen=True)
 class PullStats:
     """What one request's pull moved (bytes, seconds) and how."""
@@ -48,6 +59,8 @@ class PullStats:
     pushed_peers: tuple[str, ...] = ()  # prefill ranks that wrote the request instead of being read (push)
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
     transport: str = "nixl"  # what moved it: the name of the transport its engine was opened with
+    layers_streamed: int = 0  # streamed: the layers that arrived one by one (every source's)
+    last_layer_seconds: float = 0.0  # streamed: from the last layer's arrival to the pull's end (the tail)
 
     @property
     def gbps(self) -> float:
@@ -66,6 +79,8 @@ class ReadTotals:
     postprocess_exposed_seconds: float  # of which after the last read: what the fix-up adds to the pull
     pushed_peers: tuple[str, ...] = ()  # source ranks (agents) that wrote instead: their leases are confirmed
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
+    layers_streamed: int = 0  # streamed: the layers that arrived one by one (every source's)
+    last_layer_seconds: float = 0.0  # streamed: from the last layer's arrival to the pull's end (the tail)
 
     def stats(self, request_id: str, seconds: float) -> PullStats:
         """The stats of request ``request_id``'s pull of ``seconds`` whose reads moved these totals."""
@@ -79,6 +94,8 @@ class ReadTotals:
             seconds=seconds,
             pushed_peers=self.pushed_peers,
             pushed_bytes=self.pushed_bytes,
+            layers_streamed=self.layers_streamed,
+            last_layer_seconds=self.last_layer_seconds,
         )
 
     @classmethod

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +32,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.leases import Freed, LeaseLedger
 from pd_transfer.connector.messages import PeerMessage
 from pd_transfer.connector.options import DecodeOptions, PrefillOptions
+from pd_transfer.connector.streams import StreamBoard
 from pd_transfer.handshake.messages import EngineMetadata, RankMetadata
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.spec import KVCacheLayout, KVRegion
@@ -40,7 +41,7 @@ from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
 from pd_transfer.transfer.errors import TransferError
 
-from .requests import PullRequest, ReadTotals
+from .requests import PullRequest, ReadTotals, StreamRequest
 
 #: How an answer reaches the decode rank that sent a report (an encoded message in; a transport's own connection).
 Answer = Callable[[bytes], None]
@@ -155,6 +156,19 @@ class Link(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamingLink(Link, Protocol):
+    """A link that can also stream a request while the prefill computes it."""
+
+    def stream(self, request: StreamRequest, deadline: float) -> ReadTotals:
+        """Learn ``request``'s blocks from its sources, then receive each layer's rows as the prefill writes them, fix
+        them up, tell the sources (``ReadDone``), all by ``deadline``. The prefill confirms the stream ended well (the
+        request held, in the generation streamed): no confirmation is asked after. A request its sources do not know
+        in time, one that ended or was computed again raises a ``TransferError`` (its bytes must not be used); block
+        ids that do not fit the plan ``ValueError``."""
+        ...
+
+
 class DecodeEnd(Protocol):
     """A transport's end on one decode rank."""
 
@@ -220,7 +234,8 @@ class PrefillSite:
     (a writer pins and unpins them). ``agent_factory``: makes agents (a writer's own). ``receive(peer, message,
     answer)``: a message from decode rank ``peer`` (a report: counted towards freeing its request; a heartbeat);
     ``answer``, if given, is how a ``LeaseConfirm`` reaches that reader (else by NIXL, to the ``reply_to`` it sent).
-    ``freed(freed)``: a request an unpin freed.
+    ``freed(freed)``: a request an unpin freed. ``streams``: how far the rank's requests are written (for writers that
+    stream a request's layers while it is computed).
     """
 
     engine_id: str
@@ -231,6 +246,7 @@ class PrefillSite:
     agent_factory: AgentFactory
     receive: Callable[[str, PeerMessage, Answer | None], None]
     freed: Callable[[Freed], None]
+    streams: StreamBoard
 
 
 class Transport(Protocol):

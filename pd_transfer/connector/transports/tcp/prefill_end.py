@@ -1,6 +1,6 @@
 """The ``tcp`` transport's prefill end: a listener at the side channel's host whose connections send decode ranks the
 rows they ask for, straight out of the rank's host cache (:func:`~pd_transfer.transfer.socket_rows.send_rows`), and
-bring their lease-protocol messages to the rank.
+bring their lease-protocol messages to the rank; requests streamed while they are computed: :mod:`.stream_sender`.
 
 Every row asked for is checked to lie inside the cache's registered memory before a byte is sent; a read that names
 any other memory is refused (``["refused", read_id, reason]``) and the connection goes on. Which of the cache's blocks
@@ -29,6 +29,7 @@ from pd_transfer.transfer.socket_rows import send_rows, set_send_timeout
 
 from ..seam import PrefillSite
 from .frames import BadFrame, encode_offer, expect, fields, receive_frame, send_frame, shut
+from .stream_sender import StreamConnection
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,14 @@ class TcpPrefillEnd:
             peer = self._greet(connection)
             connection.settimeout(None)
             set_send_timeout(connection, SEND_STALL_S)
+            streams = StreamConnection(
+                connection, send_lock, self.site.streams, self._refusal, self._count_sent, peer, self.name
+            )
             while (frame := receive_frame(connection)) is not None:
-                self._take(connection, send_lock, peer, frame)
+                if frame[0] in ("watch", "stream"):
+                    streams.take(frame)
+                else:
+                    self._take(connection, send_lock, peer, frame)
         except (OSError, BadFrame, TransferError) as error:
             if not self._closed.is_set():
                 logger.info("prefill %s: tcp connection from %s ends: %s", self.name, peer[:80] or "?", error)
@@ -159,9 +166,11 @@ class TcpPrefillEnd:
                 return
             rows = np.frombuffer(packed, dtype=IOVEC)
             send_frame(connection, ["rows", read_id, int(rows["length"].sum())])
-            sent = send_rows(connection, rows)
+            self._count_sent(send_rows(connection, rows))
+
+    def _count_sent(self, nbytes: int) -> None:
         with self._lock:
-            self.bytes_sent += sent
+            self.bytes_sent += nbytes
 
     def _refusal(self, packed: bytes) -> str:
         """Why the rows in ``packed`` are not sent ("" where every one lies inside the cache)."""
