@@ -258,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_pd_tcp = which.add_parser("pd-tcp", help="one P/D request's KV load over TCP, broken down (veth, loopback)")
     pd_tcp.add_arguments(bench_pd_tcp)
     bench_pd_tcp.set_defaults(func=pd_tcp.cli_run)
+    from pd_transfer.bench.transfer import stream
+
+    bench_stream = which.add_parser(
+        "stream", help="a request's KV streamed layer by layer while the prefill computes it, vs sequential"
+    )
+    stream.add_arguments(bench_stream)
+    bench_stream.set_defaults(func=stream.cli_run)
     from pd_transfer.bench.proxy import latency as proxy_bench
 
     bench_proxy = which.add_parser("proxy", help="the proxy's added latency vs calling the backends directly")

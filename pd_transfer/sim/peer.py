@@ -12,6 +12,7 @@ import multiprocessing.connection
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -20,6 +21,9 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.settings import Settings, apply_process_defaults, read_settings, set_process_environment
 from pd_transfer.sim.child import ChildProcess, commands
 from pd_transfer.spec import KVCacheLayout
+
+if TYPE_CHECKING:  # imported by the child itself, after it entered its namespace
+    from pd_transfer.connector.prefill.rank import PrefillRank
 
 _READY_TIMEOUT_S = 120.0
 _REPLY_TIMEOUT_S = 120.0
@@ -151,6 +155,9 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
             elif command == "hold":  # hold blocks for readers, as a finished request does (its lease)
                 request_id, block_ids = args
                 conn.send(("held", [rank.hold(request_id, list(block_ids)) is None for rank in ranks]))
+            elif command == "compute":  # a request computed layer by layer (its KV is the cache's pattern), then held
+                request_id, block_ids, layer_seconds = args
+                conn.send(("computed", _compute(ranks, request_id, list(block_ids), float(layer_seconds))))
             elif command == "release":
                 (request_id,) = args
                 conn.send(("released", [rank.release(request_id, read_possible=False) is not None for rank in ranks]))
@@ -165,6 +172,22 @@ def _child(conn: multiprocessing.connection.Connection, spec_bytes: bytes) -> No
         server.stop()
         for rank in ranks:
             rank.close()
+
+
+def _compute(ranks: list[PrefillRank], request_id: str, block_ids: list[int], layer_seconds: float) -> float:
+    """Stand in for an engine computing ``request_id`` into ``block_ids``: each layer takes ``layer_seconds`` (slept:
+    the cache already holds the pattern a read is checked against), then is written on every rank; then the request
+    is held. Returns the seconds it took."""
+    started = time.perf_counter()
+    for rank in ranks:
+        rank.computing(request_id, block_ids)
+    for layer in range(1, ranks[0].streams.num_layers + 1):
+        time.sleep(layer_seconds)  # the layer's compute: the workload this stands in for
+        for rank in ranks:
+            rank.layers_written(request_id, layer)
+    for rank in ranks:
+        rank.hold(request_id, block_ids)
+    return time.perf_counter() - started
 
 
 class PrefillProcess(ChildProcess):
