@@ -3,9 +3,10 @@ while the prefill computes (issue 41): a request's blocks and how many of its la
 
 The engine tells the board (through its :class:`~pd_transfer.connector.prefill.rank.PrefillRank`):
 
-* ``computing(request_id, block_ids)``: the request is being computed into these blocks, no layer written yet; called
-  again (a preempted request computed again, maybe into other blocks) it starts a new *generation*: whatever a reader
-  streamed of the one before is void;
+* ``computing(request_id, block_ids, alias)``: the request is being computed into these blocks, no layer written yet;
+  called again (a preempted request computed again, maybe into other blocks) it starts a new *generation*: whatever a
+  reader streamed of the one before is void. ``alias``: another name readers know it by (the stream id the proxy gave
+  both legs of a request, before the engine named it);
 * ``written(request_id, layers)``: its first ``layers`` layers (in the cache's layer order) hold every token's KV;
 * ``held(request_id, block_ids)``: it finished and its lease started (every layer written); also for requests nobody
   streamed, so that a reader who asks after the prefill finished streams them at once;
@@ -17,7 +18,8 @@ generation did not change from its first layer to its last and the request is he
 the lease keeps the blocks from then on until the reader reports, as for any read.
 
 Memory: one entry per request computing or held, plus at most :data:`ENDED_KEPT` ended ones (so that a late reader
-hears why, rather than waiting for a request that will not come). Thread-safe: every method takes one condition's lock.
+hears why, rather than waiting for a request that will not come), and as many aliases. Thread-safe: every method takes
+one condition's lock.
 """
 
 from __future__ import annotations
@@ -61,12 +63,19 @@ class StreamBoard:
         self._cond = threading.Condition()
         self._going: dict[str, Progress] = {}
         self._ended: OrderedDict[str, Progress] = OrderedDict()
+        self._aliases: OrderedDict[str, str] = OrderedDict()  # alias -> request id
         self._generations = 0
 
     # ------------------------------------------------------------------ the engine's side
-    def computing(self, request_id: str, block_ids: Iterable[int]) -> Progress:
-        """``request_id`` is being computed into ``block_ids`` (a new generation; nothing written yet)."""
+    def computing(self, request_id: str, block_ids: Iterable[int], alias: str | None = None) -> Progress:
+        """``request_id`` is being computed into ``block_ids`` (a new generation; nothing written yet); readers may
+        also name it ``alias``."""
         with self._cond:
+            if alias is not None and alias != request_id:
+                self._aliases[alias] = request_id
+                self._aliases.move_to_end(alias)
+                while len(self._aliases) > ENDED_KEPT + len(self._going) + 1:
+                    self._aliases.popitem(last=False)
             self._generations += 1
             progress = Progress(tuple(block_ids), 0, self.num_layers, self._generations)
             self._going[request_id] = progress
@@ -111,18 +120,27 @@ class StreamBoard:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ readers
-    def progress(self, request_id: str) -> Progress | None:
-        """What ``request_id`` has written now (None: unknown here)."""
+    def resolve(self, name: str) -> str:
+        """The request ``name`` stands for (an alias's request, else ``name`` itself)."""
         with self._cond:
-            return self._going.get(request_id) or self._ended.get(request_id)
+            return self._aliases.get(name, name)
+
+    def progress(self, request_id: str) -> Progress | None:
+        """What ``request_id`` (or an alias of it) has written now (None: unknown here)."""
+        with self._cond:
+            return self._find(request_id)
+
+    def _find(self, name: str) -> Progress | None:
+        request_id = self._aliases.get(name, name)
+        return self._going.get(request_id) or self._ended.get(request_id)
 
     def wait(self, request_id: str, until: Callable[[Progress], bool], timeout_s: float) -> Progress | None:
-        """``request_id``'s progress once ``until(progress)`` holds or it ended; None if neither happened in
-        ``timeout_s`` (``until`` is called under the board's lock: keep it a plain test)."""
+        """``request_id``'s (or its alias's) progress once ``until(progress)`` holds or it ended; None if neither
+        happened in ``timeout_s`` (``until`` is called under the board's lock: keep it a plain test)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                progress = self._going.get(request_id) or self._ended.get(request_id)
+                progress = self._find(request_id)
                 if progress is not None and (progress.ended is not None or until(progress)):
                     return progress
                 remaining = deadline - time.monotonic()

@@ -338,13 +338,16 @@ class DecodeRank:
         local_block_ids: list[int],
         num_tokens: int,
         *,
+        skip_blocks: int = 0,
         timeout_s: float | None = None,
     ) -> PullStats:
         """Stream ``num_tokens`` tokens of request ``request_id``'s KV from the prefill engine at ``host:port`` into
         ``local_block_ids`` while the prefill computes it (at once if it finished already): its blocks there are learnt
         from it, each layer arrives once it is written, and the prefill says the stream ended well (the request held,
         never computed again meanwhile): the KV is good when this returns, no confirmation to ask.
-        ``timeout_s`` (default ``read_timeout_s``) bounds it all, the prefill's compute included.
+        ``request_id``: the prefill's id of the request, or the stream id both legs were given. ``skip_blocks``: the
+        prefill's first blocks of it to leave out (a prefix this engine holds already). ``timeout_s`` (default
+        ``read_timeout_s``) bounds it all, the prefill's compute included.
 
         Raises ``StreamUnsupported`` where the engine's transport does not stream (wait for the prefill's params and
         :meth:`pull_confirmed` instead); ``ValueError`` for block ids that do not fit; a ``TransferError`` for a stream
@@ -357,11 +360,11 @@ class DecodeRank:
             raise StreamUnsupported(f"engine {remote.engine.engine_id} is read by {remote.transport}: no streams")
         deadline = started + (self.options.read_timeout_s if timeout_s is None else timeout_s)
         try:
-            totals = link.stream(StreamRequest(request_id, local_block_ids, num_tokens), deadline)
+            totals = link.stream(StreamRequest(request_id, local_block_ids, num_tokens, skip_blocks), deadline)
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=True)
             raise
-        self._release_unread(request_id, remote)
+        self._release_unread(totals.streamed_as or request_id, remote)
         stats = replace(
             totals.stats(request_id, time.perf_counter() - started),
             connect_seconds=connected - started,

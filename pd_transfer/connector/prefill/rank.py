@@ -145,10 +145,11 @@ class PrefillRank:
         )
 
     # ------------------------------------------------------------------ the engine's side
-    def computing(self, request_id: str, block_ids: list[int]) -> None:
+    def computing(self, request_id: str, block_ids: list[int], *, alias: str | None = None) -> None:
         """``request_id`` is being computed into ``block_ids`` (again, into other blocks, after a preemption): readers
-        may stream its layers as :meth:`layers_written` says they are written (:mod:`pd_transfer.connector.streams`)."""
-        self.streams.computing(request_id, block_ids)
+        may stream its layers as :meth:`layers_written` says they are written (:mod:`pd_transfer.connector.streams`),
+        asking for it by its id or by ``alias`` (the stream id its decode was given)."""
+        self.streams.computing(request_id, block_ids, alias)
 
     def layers_written(self, request_id: str, layers: int) -> None:
         """The first ``layers`` layers of ``request_id`` (computing) hold every token's KV: readers may have them."""

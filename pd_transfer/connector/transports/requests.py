@@ -34,13 +34,15 @@ class PullRequest:
 
 @dataclass(frozen=True, slots=True)
 class StreamRequest:
-    """The KV of ``num_tokens`` tokens of request ``request_id`` (the prefill's id), streamed into ``local_block_ids``
-    (in token order) while the prefill computes it: its blocks there are learnt from the prefill. Keep the list
-    unchanged while the request is streamed."""
+    """The KV of ``num_tokens`` tokens of request ``request_id`` (the prefill's id of it, or the stream id both legs
+    were given), streamed into ``local_block_ids`` (in token order) while the prefill computes it: its blocks there
+    are learnt from the prefill, the first ``skip_blocks`` of them left out (a prefix the decode holds already). Keep
+    the list unchanged while the request is streamed."""
 
     request_id: str
     local_block_ids: list[int]
     num_tokens: int
+    skip_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class ReadTotals:
     pushed_bytes: int = 0  # of ``bytes``, what they wrote
     layers_streamed: int = 0  # streamed: the layers that arrived one by one (every source's)
     last_layer_seconds: float = 0.0  # streamed: from the last layer's arrival to the pull's end (the tail)
+    streamed_as: str = ""  # streamed: the prefill's id of the request (its reports name it so)
 
     def stats(self, request_id: str, seconds: float) -> PullStats:
         """The stats of request ``request_id``'s pull of ``seconds`` whose reads moved these totals."""

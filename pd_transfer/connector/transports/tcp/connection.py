@@ -43,7 +43,7 @@ class Pending:
     done: threading.Event = field(default_factory=threading.Event)
     error: TransferError | None = None
     arrived: list[float] = field(default_factory=list)
-    blocks: tuple[list[int], int] | None = None
+    blocks: tuple[list[int], int, str] | None = None  # a watch's answer: block ids, generation, request id
 
     @property
     def nbytes(self) -> int:
@@ -234,11 +234,11 @@ class TcpConnection:
                 raise BadFrame(f"stream {read_id} ended after {len(pending.arrived)} of {len(pending.groups)} layers")
             pending.end(None)
         elif kind == "blocks":
-            watch_id, block_ids, generation = fields(frame, int, list, int)
+            watch_id, block_ids, generation, request_id = fields(frame, int, list, int, str)
             pending = self._pending_of(watch_id, pop=True)
             if pending.groups or not all(isinstance(block, int) for block in block_ids):
                 raise BadFrame(f"blocks for {watch_id}, which is no watch, or ids that are not numbers")
-            pending.blocks = (block_ids, generation)
+            pending.blocks = (block_ids, generation, request_id)
             pending.end(None)
         elif kind == "refused":
             read_id, reason = fields(frame, int, str)

@@ -39,24 +39,27 @@ def stream_request(
     :meth:`~..seam.StreamingLink.stream` says."""
     started = time.perf_counter()
     watches = [connection.watch(request.request_id, _left(deadline)) for connection in connections]
-    blocks: list[tuple[list[int], int]] = []
+    blocks: list[tuple[list[int], int, str]] = []
     for connection, watch in zip(connections, watches, strict=True):
         connection.wait(watch, deadline)
         assert watch.blocks is not None
         blocks.append(watch.blocks)
+    request_id = blocks[0][2]  # the prefill's id of it (the request was asked for by its stream id, maybe)
+    if any(named != request_id for _, _, named in blocks):
+        raise TransferError(f"the source ranks name request {request.request_id} differently")
     layer_of_plane = _layer_ordinals(site)
     cut = [
-        _layer_groups(plan, remote_ids, request, layer_of_plane)
-        for plan, (remote_ids, _) in zip(plans, blocks, strict=True)
+        _layer_groups(plan, remote_ids[request.skip_blocks :], request, layer_of_plane)
+        for plan, (remote_ids, _, _) in zip(plans, blocks, strict=True)
     ]  # every source's first: block ids that do not fit the plan raise before anything moves
     streams = [
-        connection.stream(request.request_id, generation, local, remote, layers, _left(deadline))
-        for connection, (_, generation), (local, remote, layers) in zip(connections, blocks, cut, strict=True)
+        connection.stream(request_id, generation, local, remote, layers, _left(deadline))
+        for connection, (_, generation, _), (local, remote, layers) in zip(connections, blocks, cut, strict=True)
     ]
     for connection, stream in zip(connections, streams, strict=True):
         connection.wait(stream, deadline)
     read = time.perf_counter()
-    site.tell_read(sources, request.request_id)
+    site.tell_read(sources, request_id)
     done = time.perf_counter()
     totals = ReadTotals(
         bytes=sum(stream.nbytes for stream in streams),
@@ -66,6 +69,7 @@ def stream_request(
         postprocess_exposed_seconds=0.0,
         layers_streamed=sum(len(stream.arrived) for stream in streams),
         last_layer_seconds=done - max((stream.arrived[-1] for stream in streams if stream.arrived), default=read),
+        streamed_as=request_id,
     )
     return totals, [stream.arrived for stream in streams]
 

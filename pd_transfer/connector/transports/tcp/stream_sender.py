@@ -4,9 +4,10 @@ that layer is written (``stream``), and told whether the stream ended well (``en
 
 On a connection (:mod:`.frames` has the rest of the protocol):
 
-* decode -> prefill ``["watch", watch_id, request_id, wait_s]`` -> ``["blocks", watch_id, block_ids, generation]`` once
-  the request is computing or held (within ``wait_s``, at most :data:`MAX_WAIT_S`), or ``["refused", watch_id,
-  reason]``;
+* decode -> prefill ``["watch", watch_id, name, wait_s]`` (``name``: the request's id, or an alias of it: the stream id)
+  -> ``["blocks", watch_id, block_ids, generation, request_id]`` once the request is computing or held (within
+  ``wait_s``, at most :data:`MAX_WAIT_S`), or ``["refused", watch_id, reason]``; the decode names the request by
+  ``request_id`` from then on (its stream, its reports);
 * decode -> prefill ``["stream", read_id, request_id, generation, rows, group_ends, group_layers, wait_s]``: ``rows``
   the prefill's rows (:data:`~pd_transfer.transfer.cma.IOVEC`) cut into groups (``group_ends``: where each ends, in
   entries), group ``g`` holding layer ``group_layers[g]`` (its index in the cache's layer order) -> for each group in
@@ -96,7 +97,7 @@ class StreamConnection:
         if progress is None or progress.ended is not None:
             self._send(["refused", watch_id, _why(request_id, progress)])
             return
-        self._send(["blocks", watch_id, list(progress.block_ids), progress.generation])
+        self._send(["blocks", watch_id, list(progress.block_ids), progress.generation, self.board.resolve(request_id)])
 
     def _stream(
         self, read_id: int, request_id: str, generation: int, groups: list[tuple[np.ndarray, int]], wait_s: float
