@@ -24,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+import msgspec
+
 from pd_transfer.affinity import unpinning
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
@@ -223,7 +225,11 @@ class PrefillRank:
 
     def _take_report(self, peer: str, message: messages.ReaderReport, answer: Answer | None) -> None:
         """A reader's report (from a notification, a transport's connection, or a push that landed): counted towards
-        freeing the request."""
+        freeing the request (one naming a stream's alias, as a decode that streamed the request names it when it gives
+        up: towards the request the alias stands for)."""
+        request_id = self.streams.resolve(message.request_id)
+        if request_id != message.request_id:
+            message = msgspec.structs.replace(message, request_id=request_id)
         reply_to = None
         if isinstance(message, messages.ReadDone) and message.reply_to:
             reply_to = peer
