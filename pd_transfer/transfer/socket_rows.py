@@ -94,6 +94,9 @@ def _move(sock: socket.socket, rows: np.ndarray, name: str, flags: int) -> int:
         chunk = np.array(rows[index : index + IOV_MAX])  # a copy: its first entry may start inside a row
         chunk["base"][0] += np.uint64(offset)
         chunk["length"][0] -= np.uint64(offset)
+        if not chunk["length"].any():  # rows of no bytes only: no call (it would wait for a byte, or for room)
+            index += len(chunk)
+            continue
         header.msg_iov = chunk.ctypes.data
         header.msg_iovlen = len(chunk)
         done = call(fd, ctypes.byref(header), flags)
