@@ -17,8 +17,11 @@ different processes and talk only through the msgspec structs of :mod:`.metadata
 3. scheduler: ``request_finished`` for each request that finished, before its blocks are freed (prefill: may
    answer ``delay_free``; the blocks then stay allocated until they come back in ``finished_sending``);
    ``abort_held`` for a held request the engine wants back early;
-4. scheduler: ``build_step_metadata``, exactly once, after scheduling; the result goes to every worker;
-5. every worker: ``start_load`` with that metadata, before the forward pass (it does not block);
+4. scheduler: ``computing`` for each request whose prompt the step completes (prefill: a streamed one is offered
+   layer by layer as the step runs), then ``build_step_metadata``, exactly once, after scheduling; the result goes to
+   every worker;
+5. every worker: ``start_load`` with that metadata, before the forward pass (it does not block); during the forward
+   pass, on a host cache, ``layers_saved`` after each layer's attention wrote its KV (the first ``n`` layers);
 6. every worker, after the forward pass: on a GPU, ``step_computed`` with an event recorded on the stream that
    wrote the step's KV (holds started later wait for it); then ``step_output`` (or ``get_finished``, then
    ``get_failed_requests`` and ``get_block_ids_with_load_errors``, in that order, in the same step);
@@ -97,6 +100,10 @@ class SchedulerContract(Protocol):
         """Prefill: stop holding a request's blocks; they come back in ``finished_sending``."""
         ...
 
+    def computing(self, request_id: str, block_ids: Iterable[int]) -> None:
+        """Prefill: this step completes ``request_id``'s prompt in ``block_ids`` (all its blocks, in token order)."""
+        ...
+
     def build_step_metadata(self) -> StepMetadata:
         """This step's work for every worker; once per step (it resets the step's state)."""
         ...
@@ -136,6 +143,10 @@ class WorkerContract(Protocol):
 
     def start_load(self, metadata: StepMetadata) -> None:
         """Act on a step's metadata without blocking: holds at once, network work in the background."""
+        ...
+
+    def layers_saved(self, layers: int) -> None:
+        """Prefill, host caches: the step's first ``layers`` layers wrote their KV (streamed requests offer them)."""
         ...
 
     def step_computed(self, ready: ReadyEvent) -> None:

@@ -32,6 +32,8 @@ class RecvSpec(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     trust_until: float | None = None  # time.monotonic of this host: a read ended before it needs no confirmation
     incarnation: str | None = None  # the prefill incarnation that promised that (``remote_incarnation``)
+    stream: bool = False  # streamed while the prefill computes it: ``remote_block_ids`` empty, learnt from it
+    skip_blocks: int = 0  # streamed: the prefill's first blocks of it to leave out (a prefix held here)
 
     @property
     def ref(self) -> RemoteRef:
@@ -44,6 +46,14 @@ class RecvSpec(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class StreamStart(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill: a request whose prompt is computed in this step, offered layer by layer to the decode that names it
+    ``stream_id``, in ``block_ids`` (in token order)."""
+
+    stream_id: str
+    block_ids: tuple[int, ...]
+
+
 class StepMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """One engine step's work for every worker (each TP rank acts on its share)."""
 
@@ -54,6 +64,7 @@ class StepMetadata(msgspec.Struct, frozen=True, kw_only=True):
     reqs_released: dict[str, bool] = {}
     reqs_to_release: dict[str, RemoteRef] = {}  # decode: requests we will not read: tell the prefill
     reqs_to_heartbeat: dict[str, RemoteRef] = {}  # decode: queued requests: extend the prefill's lease
+    reqs_computing: dict[str, StreamStart] = {}  # prefill: streamed requests whose prompt this step computes
 
     @property
     def empty(self) -> bool:
@@ -64,6 +75,7 @@ class StepMetadata(msgspec.Struct, frozen=True, kw_only=True):
             or self.reqs_released
             or self.reqs_to_release
             or self.reqs_to_heartbeat
+            or self.reqs_computing
         )
 
 

@@ -15,7 +15,14 @@ Keys read: ``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``, ``
 ``remote_host``, ``remote_port``, ``tp_size``; optional ``remote_num_tokens``, ``remote_block_size``, and
 vLLM's ``dcp_size`` / ``pp_size`` (only 1), ``transfer_mode`` (only ``"pull"``),
 ``remote_blocks_expiry_time`` (type only), and ours: ``remote_hold_seconds``, ``remote_hold_until`` and
-``remote_incarnation`` (the hold window, below). Other keys are ignored, so that newer proxies keep working.
+``remote_incarnation`` (the hold window, below), and ``stream_id`` (below). Other keys are ignored, so that newer
+proxies keep working.
+
+**Streamed requests** (issue 41: both legs sent at once). The prefill's leg carries ``{"do_remote_decode": true,
+"stream_id": ID}``: its KV is offered layer by layer while it is computed, readers naming it ``ID``. The decode's
+leg carries ``do_remote_prefill`` with the prefill's ``remote_engine_id``, ``remote_host``, ``remote_port`` and
+``tp_size`` (known from its earlier answers), ``stream_id``: ``ID`` (also as ``remote_request_id``) and no
+``remote_block_ids``: the decode learns them from the prefill when it computes the request.
 
 **The hold window.** A prefill promises to hold the blocks for ``remote_hold_seconds`` from when it made the
 params (``remote_hold_until``: the same end in Unix seconds), unless its readers reported first, and only as the
@@ -91,6 +98,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     hold_seconds: float | None = None  # the hold window from when the params were made, when the params say
     hold_until: float | None = None  # its end, Unix seconds
     incarnation: str | None = None  # the prefill incarnation promising it (:func:`incarnation_token`)
+    stream: bool = False  # streamed while the prefill computes it: ``block_ids`` empty, learnt from the prefill
 
     def trust_deadline(self, received: float, wall_now: float, margin_s: float = HOLD_MARGIN_S) -> float | None:
         """Until when (the ``received`` clock: this host's ``time.monotonic``) a read of these blocks that has
@@ -105,7 +113,10 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RemoteDecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill side: compute the prompt, then hold its KV for a remote decode engine to read."""
+    """Prefill side: compute the prompt, then hold its KV for a remote decode engine to read; with ``stream_id``,
+    offer it layer by layer while it is computed to a decode that names it so."""
+
+    stream_id: str | None = None
 
 
 def _int(params: Mapping[str, object], key: str, *, low: int, high: int | None = None, required: bool) -> int | None:
@@ -222,8 +233,9 @@ def parse_transfer_params(
     remote_decode = _flag(params, "do_remote_decode")
     if remote_prefill and remote_decode:
         raise InvalidTransferParams("do_remote_prefill", "do_remote_prefill and do_remote_decode are both true")
+    stream_id = None if params.get("stream_id") is None else _str(params, "stream_id")
     if remote_decode:
-        return RemoteDecodeRequest()
+        return RemoteDecodeRequest(stream_id=stream_id)
     if not remote_prefill:
         return None
 
@@ -244,8 +256,9 @@ def parse_transfer_params(
     expiry = params.get("remote_blocks_expiry_time")
     if expiry is not None and (isinstance(expiry, bool) or not isinstance(expiry, int | float)):
         raise InvalidTransferParams("remote_blocks_expiry_time", f"expected a number, got {type(expiry).__name__}")
+    stream = stream_id is not None and params.get("remote_block_ids") is None
     try:
-        block_ids = _block_ids(params)
+        block_ids = () if stream else _block_ids(params)
     except RepeatedBlockIds as error:
         assert port is not None and tp_size is not None
         error.ref = RemoteRef(
@@ -275,7 +288,7 @@ def parse_transfer_params(
             if prompt_len == 0:
                 raise InvalidTransferParams("remote_block_ids", "the prompt is empty: there is no KV to load")
             num_tokens = prompt_len
-    if num_tokens is not None:
+    if num_tokens is not None and not stream:
         if block_size is not None:
             needed = -(-num_tokens // block_size)
             if len(block_ids) != needed:
@@ -302,6 +315,7 @@ def parse_transfer_params(
         hold_seconds=hold_seconds,
         hold_until=hold_until,
         incarnation=incarnation,
+        stream=stream,
     )
 
 

@@ -34,7 +34,7 @@ from pd_transfer.metrics import default_metrics
 
 from .config import ConnectorConfig
 from .drain import Drain, DrainOutcome
-from .metadata import RecvSpec, RemoteRef, StepMetadata
+from .metadata import RecvSpec, RemoteRef, StepMetadata, StreamStart
 from .params import (
     InvalidTransferParams,
     RemoteDecodeRequest,
@@ -65,6 +65,7 @@ class _Remote:
     next_heartbeat: float
     tokens: int = 0  # tokens to load, decided by get_num_new_matched_tokens
     remote_block_ids: tuple[int, ...] = ()
+    skip_blocks: int = 0  # streamed: the prefill's first blocks left out (a local prefix hit)
     trust_until: float | None = None  # reads ended before this (time.monotonic) need no confirmation
 
     @classmethod
@@ -111,6 +112,7 @@ class SchedulerSide:
         self._remotes: dict[str, _Remote] = {}  # decode side, until request_finished
         self._rejected: set[str] = set()  # invalid params (logged once), until request_finished
         self._holding: set[str] = set()  # prefill side, until finished_sending
+        self._streamed: dict[str, str] = {}  # prefill side: request id -> its stream id, until request_finished
         self._incarnation: str | None = None  # prefill side: names this process's ranks in the params
         self._reset_step()
         self.invalid_params = 0
@@ -122,6 +124,7 @@ class SchedulerSide:
         self._abort: set[str] = set()
         self._released: dict[str, bool] = {}
         self._release: dict[str, RemoteRef] = {}
+        self._computing: dict[str, StreamStart] = {}
 
     # ------------------------------------------------------------------ side channel
     def start_side_channel(self, ranks: list[RankMetadata]) -> int:
@@ -211,6 +214,8 @@ class SchedulerSide:
         try:
             with self._lock:
                 parsed = self._parse(request_id, kv_transfer_params, prompt_len)
+                if isinstance(parsed, RemoteDecodeRequest) and parsed.stream_id is not None:
+                    self._streamed[request_id] = parsed.stream_id
                 if isinstance(parsed, RemotePrefill) and request_id not in self._remotes:
                     self._remotes[request_id] = _Remote.received(
                         parsed, "queued", self._clock() + self.config.heartbeat_interval_s
@@ -246,7 +251,7 @@ class SchedulerSide:
         elif parsed != remote.params:
             remote.trust_until = None  # other params than those timed at arrival: confirm the read
         remote.params, remote.ref, remote.phase = parsed, _ref(parsed), "matched"
-        remote.tokens, remote.remote_block_ids = 0, ()
+        remote.tokens, remote.remote_block_ids, remote.skip_blocks = 0, (), 0
         loadable = prompt_len if parsed.num_tokens is None else parsed.num_tokens
         if num_computed >= loadable:
             return 0, False  # the local cache has it all: released at update_state_after_alloc
@@ -265,6 +270,7 @@ class SchedulerSide:
             skip_blocks = num_computed // remote_block
         remote.tokens = loadable - num_computed
         remote.remote_block_ids = parsed.block_ids[skip_blocks:]
+        remote.skip_blocks = skip_blocks if parsed.stream else 0
         return remote.tokens, True
 
     def update_state_after_alloc(
@@ -293,6 +299,8 @@ class SchedulerSide:
                     num_tokens=num_external_tokens,
                     trust_until=remote.trust_until,
                     incarnation=remote.params.incarnation,
+                    stream=remote.params.stream,
+                    skip_blocks=remote.skip_blocks,
                 )
                 remote.phase = "loading"
         except Exception:
@@ -323,9 +331,21 @@ class SchedulerSide:
                 reqs_released=self._released,
                 reqs_to_release=self._release,
                 reqs_to_heartbeat=heartbeats,
+                reqs_computing=self._computing,
             )
             self._reset_step()
             return metadata
+
+    def computing(self, request_id: str, block_ids: Iterable[int]) -> None:
+        """Prefill side: this step computes the rest of ``request_id``'s prompt into ``block_ids`` (all of its blocks,
+        in token order). A streamed request (``stream_id`` in its params) is offered to its decode layer by layer
+        while the step runs (:attr:`StepMetadata.reqs_computing`); others are not concerned."""
+        with self._lock:
+            stream_id = self._streamed.get(request_id)
+            if stream_id is not None:
+                self._computing[request_id] = StreamStart(
+                    stream_id=stream_id, block_ids=tuple(int(b) for b in block_ids)
+                )
 
     def request_finished(
         self,
@@ -361,6 +381,7 @@ class SchedulerSide:
         kv_transfer_params: object,
         num_computed_tokens: int | None,
     ) -> tuple[bool, dict[str, object] | None]:
+        self._streamed.pop(request_id, None)
         if request_id in self._rejected:
             self._rejected.discard(request_id)
             return False, None

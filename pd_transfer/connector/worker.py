@@ -7,6 +7,12 @@ heartbeats go to a thread pool, so the engine step never waits on the network) a
 (``get_finished``, ``get_failed_requests``, ``get_block_ids_with_load_errors``, or all at once with
 ``step_output``). Lease expiry is swept in ``get_finished``.
 
+Streams (issue 41): a step's metadata names the streamed requests whose prompt it computes (``reqs_computing``); the
+prefill rank offers them as computing (under their stream id too), and the engine tells the worker after each layer's
+attention wrote its KV (``layers_saved``, host caches: the KV is in memory when the layer returns), so that a decode
+streaming them receives each layer while the next is computed. A decode's streamed load (``RecvSpec.stream``) runs on
+threads of its own (:data:`STREAM_THREADS`), as it waits for the prefill's compute.
+
 Ordering on a device: a GPU engine's kernels write blocks asynchronously, so the engine hands over, at the end of
 each computing step, an event recorded after them (``step_computed``); holds started later carry it, and the prefill
 rank offers their blocks to readers only once it completed (that event only, never the whole device). A CPU engine
@@ -50,6 +56,9 @@ from .errors import WrongEngine, failure_kind
 from .metadata import RecvSpec, RemoteRef, StepMetadata, TransferResults
 
 logger = logging.getLogger(__name__)
+
+#: Streamed loads waiting on prefills at once, per rank (each on a thread of its own: it mostly waits).
+STREAM_THREADS = 64
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,12 @@ class WorkerSide:
             thread_name_prefix=f"pd-transfer-load-tp{self.rank}",
             initializer=unpinning(settings.thread_cpu_set),
         )
+        self._streams = ThreadPoolExecutor(
+            STREAM_THREADS,
+            thread_name_prefix=f"pd-transfer-stream-tp{self.rank}",
+            initializer=unpinning(settings.thread_cpu_set),
+        )
+        self._streaming_now: list[str] = []  # prefill: streamed requests this step computes
         self._lock = threading.Lock()
         self._sending: set[str] = set()
         self._completed: list[LoadOutcome] = []
@@ -138,9 +153,27 @@ class WorkerSide:
         """The latest step's KV is written once ``ready`` completes: holds started from now on wait for it."""
         self._computed = ready
 
+    def layers_saved(self, layers: int) -> None:
+        """Prefill: the step's first ``layers`` layers wrote their KV (host memory): readers of the streamed requests
+        it computes may have them."""
+        for request_id in self._streaming_now:
+            try:
+                self.prefill.layers_written(request_id, layers)
+            except Exception:
+                logger.exception(
+                    "worker tp%d: request %s: marking %d layers written failed", self.rank, request_id, layers
+                )
+
     def start_load(self, metadata: StepMetadata) -> None:
         """Act on a step's metadata without blocking: holds now (after the latest step's KV is written, which it
         is by then but for the kernels still running), network work in the background."""
+        self._streaming_now = []
+        for request_id, start in metadata.reqs_computing.items():
+            try:
+                self.prefill.computing(request_id, list(start.block_ids), alias=start.stream_id)
+                self._streaming_now.append(request_id)
+            except Exception:
+                logger.exception("worker tp%d: offering request %s as it is computed failed", self.rank, request_id)
         for request_id, block_ids in metadata.reqs_to_hold.items():
             try:
                 freed = self.prefill.hold(request_id, list(block_ids), ready=self._computed)
@@ -167,7 +200,7 @@ class WorkerSide:
                 logger.exception("worker tp%d: releasing request %s failed", self.rank, request_id)
         for request_id, spec in metadata.reqs_to_recv.items():
             try:
-                self._pool.submit(self._load, request_id, spec)
+                (self._streams if spec.stream else self._pool).submit(self._load, request_id, spec)
             except Exception as error:  # closed: still report the request, as failed
                 self._record(LoadOutcome(request_id, False, spec.local_block_ids, f"not started: {error}"))
         for request_id, ref in metadata.reqs_to_release.items():
@@ -240,18 +273,7 @@ class WorkerSide:
                 raise ValueError(
                     f"tp_size {spec.remote_tp_size} in the params, but the engine runs TP {engine.tp_size}"
                 )
-            stats = decode.pull_confirmed(
-                spec.remote_request_id,
-                spec.remote_host,
-                spec.remote_port,
-                list(spec.remote_block_ids),
-                list(spec.local_block_ids),
-                spec.num_tokens,
-                timeout_s=self.config.read_timeout_s,
-                confirm_timeout_s=self.config.confirm_timeout_s,
-                trust_until=spec.trust_until,
-                incarnation=spec.incarnation,
-            )
+            stats = self._pull(decode, spec)
         except Exception as error:
             self.metrics.pull_failures.labels(failure_kind(error)).inc()
             logger.error(
@@ -280,6 +302,31 @@ class WorkerSide:
                 request_id, True, spec.local_block_ids, stats=stats, seconds=time.perf_counter() - started
             )
         self._record(outcome)
+
+    def _pull(self, decode: DecodeRank, spec: RecvSpec) -> PullStats:
+        """``spec``'s KV, streamed while the prefill computes it, or read from what it holds, confirmed."""
+        if spec.stream:
+            return decode.pull_streamed(
+                spec.remote_request_id,
+                spec.remote_host,
+                spec.remote_port,
+                list(spec.local_block_ids),
+                spec.num_tokens,
+                skip_blocks=spec.skip_blocks,
+                timeout_s=self.config.read_timeout_s,
+            )
+        return decode.pull_confirmed(
+            spec.remote_request_id,
+            spec.remote_host,
+            spec.remote_port,
+            list(spec.remote_block_ids),
+            list(spec.local_block_ids),
+            spec.num_tokens,
+            timeout_s=self.config.read_timeout_s,
+            confirm_timeout_s=self.config.confirm_timeout_s,
+            trust_until=spec.trust_until,
+            incarnation=spec.incarnation,
+        )
 
     def _record(self, outcome: LoadOutcome) -> None:
         with self._lock:
@@ -314,6 +361,7 @@ class WorkerSide:
         with self._decode_lock:
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._streams.shutdown(wait=False, cancel_futures=True)  # those waiting on a prefill end with the decode
         if self._decode is not None:
             self._decode.close()
         self.prefill.close()

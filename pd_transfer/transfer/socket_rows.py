@@ -1,11 +1,11 @@
 """Scattered rows over a stream socket with the C library's ``sendmsg`` / ``recvmsg``: up to :data:`IOV_MAX` rows a
-call, straight from and into the memory they live in (no copy in user space, no Python object per row).
-
-Rows are :data:`~pd_transfer.transfer.cma.IOVEC` arrays (base address, length); the bytes on the wire are the rows'
-bytes in order, nothing between them, so a sender's rows and a receiver's may be cut differently (rows adjacent on one
-side merged there). The socket must be blocking (no Python timeout: Python would make it non-blocking); a call that a
-peer's silence stalls returns when the socket's ``SO_SNDTIMEO`` / ``SO_RCVTIMEO`` (if set) runs out, or at once when
-another thread shuts the socket down (how a reader with a deadline stops a receive).
+call, straight from and into the memory they live in (no copy in user space, no Python object per row). Rows are
+:data:`~pd_transfer.transfer.cma.IOVEC` arrays (base address, length); the bytes on the wire are the rows' bytes in
+order, nothing between them, so a sender's rows and a receiver's may be cut differently (rows adjacent on one side
+merged there). Close the socket only where no call runs on it (see :func:`_move`). The socket must be blocking (no
+Python timeout: Python would make it non-blocking); a call that a peer's silence stalls returns when the socket's
+``SO_SNDTIMEO`` / ``SO_RCVTIMEO`` (if set) runs out, or at once when another thread shuts the socket down (how a
+reader with a deadline stops a receive).
 
 Errors: a peer that closed or reset the connection raises :class:`~.errors.PeerDisconnected`; a stall past the
 socket's timeout :class:`~.errors.TransferTimeout`; any other failure :class:`~.errors.TransferError` with its errno.
@@ -86,7 +86,6 @@ def _move(sock: socket.socket, rows: np.ndarray, name: str, flags: int) -> int:
     if rows.dtype != IOVEC:
         raise TypeError(f"rows must be an IOVEC array, not {rows.dtype}")
     call = getattr(_libc(), name)
-    fd = sock.fileno()
     header = _MsgHdr()
     total = int(rows["length"].sum()) if len(rows) else 0
     index, offset, moved = 0, 0, 0
@@ -99,6 +98,9 @@ def _move(sock: socket.socket, rows: np.ndarray, name: str, flags: int) -> int:
             continue
         header.msg_iov = chunk.ctypes.data
         header.msg_iovlen = len(chunk)
+        fd = sock.fileno()  # each call: -1 once the socket is closed (whose number may be another's by now)
+        if fd < 0:
+            raise PeerDisconnected(f"{name}: the socket was closed after {moved} of {total} bytes")
         done = call(fd, ctypes.byref(header), flags)
         if done < 0:
             code = ctypes.get_errno()

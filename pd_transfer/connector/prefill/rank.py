@@ -210,7 +210,7 @@ class PrefillRank:
         writer goes to its end, a report counts towards freeing its request. ``answer``: how a ``LeaseConfirm``
         reaches ``peer`` (None: by NIXL, to the ``reply_to`` its ``ReadDone`` carries)."""
         if isinstance(message, messages.LeaseHeartbeat):
-            if not self.ledger.heartbeat(message.request_id):
+            if not self.ledger.heartbeat(self.streams.resolve(message.request_id)):  # by its id or its stream id
                 logger.info("prefill %s: heartbeat for request %s, not held here", self.agent.name, message.request_id)
             return
         if any(end.take(peer, message) for end in self.ends.values()):

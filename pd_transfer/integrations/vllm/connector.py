@@ -38,6 +38,7 @@ from vllm.v1.request import RequestStatus
 from pd_transfer.connector.config import ConnectorConfig, FailurePolicy
 from pd_transfer.connector.metadata import StepMetadata
 from pd_transfer.handshake.messages import RankMetadata
+from pd_transfer.integrations.vllm_cache_layouts import layer_indices
 from pd_transfer.settings import Settings, apply_process_defaults, environment
 
 from .compat import CacheHitSource
@@ -115,6 +116,7 @@ class PdTransferConnector(KVConnectorBase_V1):
         self._worker: WorkerContract | None = None
         self._cuda_device: torch.device | None = None  # where the registered cache lives, if on a CUDA device
         self._local_hits: dict[str, int] = {}  # request id -> locally cached tokens at the last match
+        self._layers_through: dict[str, int] = {}  # worker: layer name -> layers written once it saved (1-based)
         self._stats = WorkerStatsCollector()
         self._scheduler_stats = SchedulerStatsCollector()
         if role == KVConnectorRole.SCHEDULER:
@@ -171,6 +173,9 @@ class PdTransferConnector(KVConnectorBase_V1):
         self._worker = WorkerSide(
             self.engine_id, cache, self.config, packed_formats=packed_formats, settings=self.settings
         )
+        layers = layer_indices(list(kv_caches))
+        ordered = sorted(set(layers))
+        self._layers_through = {name: ordered.index(layer) + 1 for name, layer in zip(kv_caches, layers, strict=True)}
         logger.info(
             "pd-transfer worker tp%d/%d: %d region(s) x %d blocks registered on %s (%.0f MiB, %s), fingerprint %s",
             layout.tp_rank,
@@ -208,7 +213,17 @@ class PdTransferConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return None  # pull: decodes read the prefill's blocks where they are
+        """A layer's attention wrote its KV: on a host cache, the step's streamed requests offer their layers up to
+        this one (decodes read the rest of the prefill's blocks where they are, once held)."""
+        if self._worker is None or self._cuda_device is not None:
+            return
+        layers = self._layers_through.get(layer_name)
+        if layers is None:
+            return
+        try:
+            self._worker.layers_saved(layers)
+        except Exception:  # never into the engine
+            logger.exception("pd-transfer worker: offering layer %s of streamed requests failed", layer_name)
 
     def wait_for_save(self) -> None:
         """The step's forward is launched: on a CUDA cache, record an event after its kernels on the current stream
@@ -346,6 +361,11 @@ class PdTransferConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return PdTransferMetadata(StepMetadata())
         try:
+            for new in scheduler_output.scheduled_new_reqs:  # a prompt computed in one step: streamed as it runs
+                prompt = len(new.prompt_token_ids or ())
+                scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+                if prompt and new.num_computed_tokens + scheduled >= prompt and new.block_ids:
+                    self._scheduler.computing(new.req_id, new.block_ids[0])
             metadata = PdTransferMetadata(self._scheduler.build_step_metadata())
             if (
                 self.config.idle_step_sleep_s > 0

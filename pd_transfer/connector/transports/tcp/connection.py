@@ -21,7 +21,7 @@ from pd_transfer.transfer.errors import PeerDisconnected, TransferError, Transfe
 from pd_transfer.transfer.socket_rows import receive_rows, set_send_timeout
 
 from ..seam import DecodeSite
-from .frames import BadFrame, expect, fields, receive_frame, send_frame, shut
+from .frames import BadFrame, expect, fields, receive_frame, send_frame, shut, wake
 
 logger = logging.getLogger(__name__)
 
@@ -199,11 +199,12 @@ class TcpConnection:
             raise BadFrame(f"another incarnation answers there ({welcome[:80]!r})")
 
     def _drop(self, sock: socket.socket) -> None:
-        """Shut ``sock`` down (its listener ends, failing what it had pending); the next use connects afresh."""
+        """Shut ``sock`` down (its listener ends, failing what it had pending, and closes it); the next use connects
+        afresh."""
         with self._lock:
             if self._sock is sock:
                 self._sock = None
-        shut(sock)
+        wake(sock)
 
     def _listen(self, sock: socket.socket) -> None:
         why = "closed by the prefill"
@@ -213,6 +214,7 @@ class TcpConnection:
         except (OSError, BadFrame, TransferError, msgspec.DecodeError, ValueError) as error:
             why = str(error)[:200]
         self._drop(sock)
+        sock.close()  # here only: this thread is the one receiving rows through it
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
         for each in pending:

@@ -102,12 +102,19 @@ def fields(frame: list[Any], *types: type) -> list[Any]:
     return values
 
 
-def shut(sock: socket.socket) -> None:
-    """Wake whatever waits on ``sock`` (``shutdown``), then close it."""
+def wake(sock: socket.socket) -> None:
+    """Wake whatever waits on ``sock`` (``shutdown``: its calls return, its peer sees the end), leaving it open: only
+    the thread that moves rows through it closes it (a number closed under a call the C library is making could be
+    a new connection's by its next call)."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # not connected (a listener), or closed already
+
+
+def shut(sock: socket.socket) -> None:
+    """:func:`wake`, then close ``sock``: by the thread that owns it, or for a socket no other thread uses."""
+    wake(sock)
     sock.close()
 
 

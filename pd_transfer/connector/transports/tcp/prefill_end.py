@@ -28,7 +28,7 @@ from pd_transfer.transfer.errors import TransferError
 from pd_transfer.transfer.socket_rows import send_rows, set_send_timeout
 
 from ..seam import PrefillSite
-from .frames import BadFrame, encode_offer, expect, fields, receive_frame, send_frame, shut
+from .frames import BadFrame, encode_offer, expect, fields, receive_frame, send_frame, shut, wake
 from .stream_sender import StreamConnection
 
 logger = logging.getLogger(__name__)
@@ -79,13 +79,15 @@ class TcpPrefillEnd:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
-            shut(self._listener)
+            wake(self._listener)
         with self._lock:
             connections, self._connections = list(self._connections), set()
         for connection in connections:
-            shut(connection)
+            wake(connection)  # its thread closes it
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        if self._listener is not None:
+            self._listener.close()
 
     # ------------------------------------------------------------------ connections
     def _accept(self) -> None:
@@ -124,7 +126,9 @@ class TcpPrefillEnd:
         finally:
             with self._lock:
                 self._connections.discard(connection)
-            shut(connection)
+            wake(connection)
+            with send_lock:  # no row is being sent from it: its number cannot be another connection's mid-send
+                connection.close()
 
     def _greet(self, connection: socket.socket) -> str:
         """The hello of a new connection: the decode rank's name once it proved the secret (``BadFrame`` if not)."""
