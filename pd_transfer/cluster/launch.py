@@ -78,6 +78,9 @@ class ServerSpec:
     #: the connector's transport setting: auto, nixl, ipc or names (:mod:`pd_transfer.connector.transports.registry`);
     #: None: auto
     transport: str | None = None
+    #: the connector's ``read_timeout_s`` (a decode's wait for one request's KV, a streamed one's prefill included);
+    #: None: its default
+    read_timeout_s: float | None = None
     secret_env: str | None = None
     cpu_bind: str | None = None
     kvcache_gib: float = 1.0
@@ -181,6 +184,8 @@ def _pd_transfer_config(spec: ServerSpec) -> dict[str, object]:
         extra["failure_policy"] = spec.failure_policy
     if spec.transport is not None:
         extra["transport"] = spec.transport
+    if spec.read_timeout_s is not None:
+        extra["read_timeout_s"] = spec.read_timeout_s
     if spec.secret_env is not None:
         extra["secret_env"] = spec.secret_env
     return {

@@ -112,7 +112,8 @@ class SchedulerSide:
         self._remotes: dict[str, _Remote] = {}  # decode side, until request_finished
         self._rejected: set[str] = set()  # invalid params (logged once), until request_finished
         self._holding: set[str] = set()  # prefill side, until finished_sending
-        self._streamed: dict[str, str] = {}  # prefill side: request id -> its stream id, until request_finished
+        self._streamed: dict[str, str] = {}  # prefill side: request id -> its stream id, until its blocks are free
+        self._stream_ids: dict[str, str] = {}  # prefill side: stream id -> request id, as long
         self._incarnation: str | None = None  # prefill side: names this process's ranks in the params
         self._reset_step()
         self.invalid_params = 0
@@ -216,6 +217,7 @@ class SchedulerSide:
                 parsed = self._parse(request_id, kv_transfer_params, prompt_len)
                 if isinstance(parsed, RemoteDecodeRequest) and parsed.stream_id is not None:
                     self._streamed[request_id] = parsed.stream_id
+                    self._stream_ids[parsed.stream_id] = request_id
                 if isinstance(parsed, RemotePrefill) and request_id not in self._remotes:
                     self._remotes[request_id] = _Remote.received(
                         parsed, "queued", self._clock() + self.config.heartbeat_interval_s
@@ -381,7 +383,26 @@ class SchedulerSide:
         kv_transfer_params: object,
         num_computed_tokens: int | None,
     ) -> tuple[bool, dict[str, object] | None]:
-        self._streamed.pop(request_id, None)
+        held, params = self._finished_unless_held(
+            request_id, block_ids, reason, kv_transfer_params, num_computed_tokens
+        )
+        if not held:
+            self._forget_stream(request_id)
+        return held, params
+
+    def _forget_stream(self, request_id: str) -> None:
+        stream_id = self._streamed.pop(request_id, None)
+        if stream_id is not None:
+            self._stream_ids.pop(stream_id, None)
+
+    def _finished_unless_held(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        reason: str,
+        kv_transfer_params: object,
+        num_computed_tokens: int | None,
+    ) -> tuple[bool, dict[str, object] | None]:
         if request_id in self._rejected:
             self._rejected.discard(request_id)
             return False, None
@@ -446,6 +467,7 @@ class SchedulerSide:
         """Prefill side, from the side channel (a ``Release`` from the proxy): nobody will read ``request_id``'s
         blocks; the workers free them (see ``LeaseLedger.release``). Returns whether they are held here."""
         with self._lock:
+            request_id = self._stream_ids.get(request_id, request_id)  # a streamed request, by its stream id
             if request_id not in self._holding:
                 return False
             self._released[request_id] = self._released.get(request_id, False) or read_possible
@@ -462,7 +484,10 @@ class SchedulerSide:
         try:
             with self._lock:
                 held = len(self._holding)
+                finished_sending = list(finished_sending)
                 self._holding.difference_update(finished_sending)
+                for request_id in finished_sending:
+                    self._forget_stream(request_id)
                 if len(self._holding) < held:
                     self._holds_ended.notify_all()
                 for request_id in finished_recving:

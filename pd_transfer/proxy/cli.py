@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens each",
     )
     parser.add_argument(
+        "--stream-kv",
+        action="store_true",
+        help="send both legs of a disaggregated request at once: the decode streams the KV layer by layer from the "
+        "prefill while it computes it (engines with transport tcp); a prefill's first request goes sequentially",
+    )
+    parser.add_argument(
         "--max-local-prefill",
         type=int,
         default=0,
@@ -255,6 +261,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         policy=args.policy,
         short_prompt_tokens=args.short_prompt_tokens,
         max_local_prefill_tokens=args.max_local_prefill,
+        stream_kv=args.stream_kv,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         connect_timeout_s=args.connect_timeout,

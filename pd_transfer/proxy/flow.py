@@ -47,11 +47,13 @@ def validate(endpoint: str, body: Any) -> dict[str, Any]:
     return body
 
 
-def prefill_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(endpoint: str, body: dict[str, Any], stream_id: str | None = None) -> dict[str, Any]:
     """The prefill hop: same request, one token (no ``min_tokens``), not streamed, asking the prefill to keep the KV
-    for a decode."""
+    for a decode (``stream_id``: and to offer it layer by layer while it computes it, to the decode given that id)."""
     out = dict(body)
     out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    if stream_id is not None:
+        out["kv_transfer_params"]["stream_id"] = stream_id
     out["max_tokens"] = 1
     if endpoint == CHAT:
         out["max_completion_tokens"] = 1
@@ -59,6 +61,29 @@ def prefill_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     out.pop("stream_options", None)
     out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
     return out
+
+
+#: What a prefill's params say of the engine itself (not of one request): a decode sent a streamed request needs them
+#: before the prefill answers (:func:`stream_params`).
+TARGET_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "remote_block_size")
+
+
+def stream_target(params: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine a prefill's ``params`` name (:data:`TARGET_KEYS`), or None when one is missing."""
+    target = {key: params.get(key) for key in TARGET_KEYS}
+    return None if any(value is None for value in target.values()) else target
+
+
+def stream_params(target: dict[str, Any], stream_id: str) -> dict[str, Any]:
+    """The decode's ``kv_transfer_params`` for a request streamed from the prefill engine ``target``
+    (:func:`stream_target`) as it computes it, both legs given ``stream_id``: no block ids (the decode learns them)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        **target,
+        "remote_request_id": stream_id,
+        "stream_id": stream_id,
+    }
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import msgspec
 from pd_transfer.proxy import flow
 from pd_transfer.proxy.hops import Call, Hop
 from pd_transfer.proxy.responses import HopError, Passthrough, describe_error, relayed_response, snippet
+from pd_transfer.proxy.routing.pool import Backend
 from pd_transfer.proxy.upstream import ConnectFailed, Leftover, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,47 @@ PREFILL_LEFTOVER_S = 1.0
 
 class PrefillHop(Hop):
     """Runs prefill hops over the prefill pool (:class:`~pd_transfer.proxy.hops.Hop`); its ``releases`` free what a
-    prefill answered a client that had left."""
+    prefill answered a client that had left; ``targets``: each prefill backend's engine as its latest params named it
+    (by URL), what a streamed request's decode leg needs (:meth:`run_streamed`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.targets: dict[str, dict[str, Any]] = {}
+
+    async def run_streamed(self, call: Call, backend: Backend, stream_id: str) -> None:
+        """The prefill leg of a streamed request (its decode leg sent beside it, naming ``stream_id``) to ``backend``,
+        once (the decode waits for this prefill: no retry elsewhere). Its answer only refreshes ``targets``. Raises
+        :class:`HopError` when it fails or the backend answers an error."""
+        payload = msgspec.json.encode(flow.prefill_body(call.endpoint, call.body, stream_id))
+        leftover = Leftover(PREFILL_LEFTOVER_S, partial(self._left_over, call.rid))
+        since = self.meter.enter(backend)
+        try:
+            async with await self.upstream.post(
+                self.endpoint(backend, call), call.headers, payload, leftover
+            ) as answer:
+                raw = await answer.read()
+        except (UpstreamError, TimeoutError) as e:
+            if isinstance(e, ConnectFailed):
+                self.unreachable(backend, e)
+            failure = HopError(
+                "prefill", backend.url, "connect", f"prefill backend {backend.url} failed: {describe_error(e)}"
+            )
+            raise self.meter.failed_attempt(failure) from None
+        finally:
+            self.meter.leave(backend, since)
+        self.pool.note_answer(backend, answer.status, answer.headers)
+        if answer.status >= 400:
+            message = f"prefill backend {backend.url} answered {answer.status}: {snippet(raw)}"
+            raise self.meter.failed_attempt(HopError("prefill", backend.url, "status", message))
+        try:
+            self._learn(backend, flow.kv_params_from_prefill(msgspec.json.decode(raw)))
+        except msgspec.DecodeError:
+            pass  # the decode has its KV or recomputes: nothing to learn here
+
+    def _learn(self, backend: Backend, params: dict[str, Any] | None) -> None:
+        target = None if params is None else flow.stream_target(params)
+        if target is not None:
+            self.targets[backend.url] = target
 
     async def run(self, call: Call) -> dict[str, Any]:
         """The prefill of ``call``: the ``kv_transfer_params`` its prefill answered; on a failure that may go
@@ -74,6 +115,7 @@ class PrefillHop(Hop):
                 raise HopError("prefill", backend.url, "bad_answer", message) from None
             params = flow.kv_params_from_prefill(decoded)
             if params is not None:
+                self._learn(backend, params)
                 return params
             failure = HopError("prefill", backend.url, *without_params(backend.url, decoded))
             tries.failed(failure)

@@ -60,6 +60,9 @@ CLIENT_CLOSED = 499  # nginx's convention for "the client went away", used in me
 #: failed the request (vLLM's 500; a decode whose pull was refused because the prefill no longer held the blocks
 #: answers so under the ``fail`` policy). Not a 503: an overloaded decode is not helped by a second prefill.
 RERUN_AFTER = 500
+#: Seconds a streamed request's prefill leg may run on after its decode leg ended (the prefill then holds nothing
+#: the decode needs: it is cancelled, and vLLM aborts it).
+PREFILL_LEG_AFTER_DECODE_S = 5.0
 
 
 class Proxy:
@@ -72,7 +75,9 @@ class Proxy:
         self.decode = self.routing.pool("decode", config.decode, self._state_changed)
         # Label children resolved once: labels() costs a lock and a dict lookup per call on the request path.
         self._request_latency = {e: self.metrics.request_latency.labels(e) for e in flow.ENDPOINTS}
-        self._routes = {path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated", "local_prefill")}
+        self._routes = {
+            path: self.metrics.routes.labels(path) for path in ("direct", "disaggregated", "local_prefill", "streamed")
+        }
         self._requests: dict[tuple[str, int], Any] = {}
         # Idle connections closed before uvicorn's (vLLM's server) 5 s keep-alive ends: never reuse one the server is
         # closing.
@@ -323,6 +328,9 @@ class Proxy:
             params = None
         else:
             self._routes["disaggregated"].inc()
+            streamed = await self._streamed(call) if self.config.stream_kv else None
+            if streamed is not None:
+                return streamed
             params = await self._prefill_hop.run(call)
         try:
             return await self._decode_hop.run(call, params, prefer=local.backend if local is not None else None)
@@ -340,6 +348,36 @@ class Proxy:
             first.args = (f"{first}; running it again from the prefill hop failed: {again}",)
             raise first from None
         return await self._decode_hop.run(call, params)
+
+    async def _streamed(self, call: Call) -> web.StreamResponse | None:
+        """Both legs at once: the prefill leg (with a new stream id) to the prefill routing picks, the decode leg,
+        naming that prefill's engine and the stream id, beside it; the decode streams the KV as the prefill computes
+        it. None (the sequential way) when the prefill's engine is not known yet. A prefill leg that fails leaves the
+        decode to compute the prompt itself once its wait for the stream ends; a decode leg that ends first (it
+        failed, or the client left) cancels the prefill's."""
+        backend = self.prefill.pick(request=call.route)
+        target = None if backend is None else self._prefill_hop.targets.get(backend.url)
+        if backend is None or target is None:
+            return None
+        stream_id = uuid.uuid4().hex
+        self._routes["streamed"].inc()
+        prefill = asyncio.create_task(self._prefill_hop.run_streamed(call, backend, stream_id))
+        try:
+            response = await self._decode_hop.run(call, flow.stream_params(target, stream_id))
+        except BaseException:
+            prefill.cancel()  # the decode leg failed or the client left: vLLM aborts the prefill's request
+            raise
+        await self._prefill_leg_ended(prefill, call.rid)
+        return response
+
+    @staticmethod
+    async def _prefill_leg_ended(prefill: asyncio.Task[None], rid: str) -> None:
+        """The prefill leg of a streamed request, once its decode leg ended: its outcome logged, cancelled if it runs
+        on past :data:`PREFILL_LEG_AFTER_DECODE_S`."""
+        try:
+            await asyncio.wait_for(prefill, PREFILL_LEG_AFTER_DECODE_S)
+        except (HopError, TimeoutError) as error:
+            log.warning("request %s: the prefill leg of a streamed request: %s", rid, error)
 
     def _local_prefill(self, route: RouteRequest) -> Choice | None:
         """The decode that prefills ``route`` itself (:mod:`.routing.local_prefill`), told to the decode pool; None when

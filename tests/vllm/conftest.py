@@ -39,6 +39,7 @@ MODULE_ORDER = (
     "test_vllm_offload",
     "test_vllm_pd_offload",
     "test_vllm_pd",
+    "test_vllm_stream",
     "test_drain",
     "test_vllm_faults",
     "test_vllm_router",

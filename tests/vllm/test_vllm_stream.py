@@ -1,0 +1,114 @@
+"""Streamed P/D through real vLLM (issue 41): a prefill and a decode server with the ``tcp`` transport, our proxy (in
+this process) with ``stream_kv``. A prefill's first request goes the sequential way (its answer names its engine);
+from then on both legs go at once, the decode streaming the KV layer by layer from the prefill as vLLM's
+``save_kv_layer`` says each layer is written. Every answer must equal the plain reference server's greedy tokens,
+every streamed request's KV must have been loaded (no load failed, so nothing was recomputed in its place), and every
+prefill lease must end as read. A streamed request whose prefill leg was lost still gets the reference's answer: the
+decode computes the prompt itself once its wait for the stream ends.
+
+Needs vLLM in the running interpreter and the tiny model, like ``tests/vllm/test_vllm_pd.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+from vllm_servers import PREFILL_LEASE_S, Serve, completion, logs_dir, metric_value, ready, tokens_of, vllm_missing
+
+_MISSING = vllm_missing()
+pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""), pytest.mark.timeout(900)]
+
+aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
+
+from vllm_servers import vllm_server, wait_at_least  # noqa: E402
+
+from pd_transfer.cluster.http_client import wait_metric  # noqa: E402
+from pd_transfer.cluster.processes import ManagedProcess  # noqa: E402
+from pd_transfer.proxy.flow import stream_params, stream_target  # noqa: E402
+from pd_transfer.proxy.server import Proxy, ProxyConfig  # noqa: E402
+
+MAX_TOKENS = 8
+PULLS = "vllm:pd_transfer_pull_seconds_count"
+LEASES = "vllm:pd_transfer_leases_ended_total"
+FAILED_LOADS = "vllm:pd_transfer_failed_loads_total"
+ROUTES = "pd_proxy_routes_total"
+USAGE = "vllm:kv_cache_usage_perc"
+READ_TIMEOUT_S = 10.0  # the decode's wait for a stream (its connector's read_timeout_s)
+RUN_SALT = int(os.environ.get("PD_TRANSFER_TEST_SALT", time.time_ns() % 10**9))
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 10**9 + RUN_SALT)
+    return [rng.randrange(3, 2048) for _ in range(length)]  # 0..2 are <s>, </s>, <pad>
+
+
+@pytest.fixture(scope="module")
+def engines(serve: Serve, shared_reference: ManagedProcess, tiny_model: str) -> tuple[str, str, str]:
+    """(prefill, decode, reference) URLs: the first two with the tcp transport, the decode waiting at most
+    ``READ_TIMEOUT_S`` for a stream."""
+    logs = logs_dir("pd-transfer-vllm-stream")
+    prefill, decode = serve(
+        [
+            vllm_server("prefill", tiny_model, logs, cpu_index=0, lease_seconds=PREFILL_LEASE_S, transport="tcp"),
+            vllm_server("decode", tiny_model, logs, cpu_index=1, transport="tcp", read_timeout_s=READ_TIMEOUT_S),
+        ]
+    )
+    return prefill.url, decode.url, ready(shared_reference).url
+
+
+async def _through_proxy(prefill: str, decode: str, model: str, prompts: list[list[int]]) -> tuple[list[dict], float]:
+    """Each prompt through a proxy with ``stream_kv``, one after another; (the answers, requests it streamed)."""
+    config = ProxyConfig(prefill=[prefill], decode=[decode], stream_kv=True, tokenize=False, health_interval_s=600.0)
+    async with Proxy(config) as proxy:
+        url = await proxy.start()
+        answers = [await asyncio.to_thread(completion, url, model, prompt, MAX_TOKENS) for prompt in prompts]
+        streamed = await asyncio.to_thread(metric_value, url, ROUTES, path="streamed")
+    return answers, streamed
+
+
+def test_streamed_requests_through_the_proxy_answer_as_one_engine(
+    engines: tuple[str, str, str], tiny_model: str
+) -> None:
+    prefill, decode, reference = engines
+    prompts = [_prompt(length, seed) for seed, length in enumerate((300, 3 * 128 + 5, 700, 128))]
+    expected = [tokens_of(completion(reference, tiny_model, prompt, MAX_TOKENS)) for prompt in prompts]
+    pulls = metric_value(decode, PULLS)
+    failed = metric_value(decode, FAILED_LOADS)
+    reads = metric_value(prefill, LEASES, reason="read")
+    answers, streamed = asyncio.run(_through_proxy(prefill, decode, tiny_model, prompts))
+    assert [tokens_of(answer) for answer in answers] == expected
+    assert streamed == len(prompts) - 1, "the first request learns the prefill's engine; the others stream"
+    wait_at_least(decode, PULLS, pulls + len(prompts))  # each one's KV loaded: none computed by the decode instead
+    assert metric_value(decode, FAILED_LOADS) == failed
+    wait_at_least(prefill, LEASES, reads + len(prompts), reason="read")  # every lease ended by its reader's report
+
+
+def test_a_streamed_request_no_prefill_computes_is_computed_by_the_decode(
+    engines: tuple[str, str, str], tiny_model: str
+) -> None:
+    """The decode leg of a streamed request whose prefill leg was lost (it names a stream id no prefill computes):
+    the decode's wait for the stream ends after ``READ_TIMEOUT_S``, the load counts as failed, and the decode computes
+    the prompt itself: the answer is the reference's, and the prefill holds nothing for it."""
+    prefill, decode, reference = engines
+    warm = _prompt(200, 100)
+    first = completion(prefill, tiny_model, warm, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    completion(decode, tiny_model, warm, MAX_TOKENS, kv_transfer_params=params)  # read: the prefill frees it
+    target = stream_target(params)
+    assert target is not None, params
+    prompt = _prompt(300, 101)
+    expected = tokens_of(completion(reference, tiny_model, prompt, MAX_TOKENS))
+    failed = metric_value(decode, FAILED_LOADS)
+    started = time.monotonic()
+    lost = stream_params(target, f"lost-{time.time_ns()}")
+    answer = completion(decode, tiny_model, prompt, MAX_TOKENS, kv_transfer_params=lost, timeout_s=READ_TIMEOUT_S + 60)
+    waited = time.monotonic() - started
+    assert tokens_of(answer) == expected
+    assert READ_TIMEOUT_S <= waited < READ_TIMEOUT_S + 60, waited
+    wait_at_least(decode, FAILED_LOADS, failed + 1)
+    idle = wait_metric(prefill, USAGE, lambda value: value == 0, 30.0, poll_s=0.1)
+    assert idle.reached, f"the prefill still uses {idle.value} of its cache"
