@@ -59,7 +59,7 @@ class StepMetadata(msgspec.Struct, frozen=True, kw_only=True):
 
     reqs_to_recv: dict[str, RecvSpec] = {}  # decode: start loading these (request id -> what and where)
     reqs_to_hold: dict[str, tuple[int, ...]] = {}  # prefill: finished requests whose blocks readers will read
-    reqs_to_abort: frozenset[str] = frozenset()  # prefill: held requests to free now
+    reqs_to_abort: frozenset[str] = frozenset()  # prefill: held requests to free now, streamed ones not held to end
     # prefill: held requests nobody will read (the proxy said so) -> whether a decode may be reading them now
     reqs_released: dict[str, bool] = {}
     reqs_to_release: dict[str, RemoteRef] = {}  # decode: requests we will not read: tell the prefill

@@ -387,6 +387,8 @@ class SchedulerSide:
             request_id, block_ids, reason, kv_transfer_params, num_computed_tokens
         )
         if not held:
+            if request_id in self._streamed:  # its workers may offer it as computing: end its stream there
+                self._abort.add(request_id)
             self._forget_stream(request_id)
         return held, params
 
