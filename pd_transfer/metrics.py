@@ -82,6 +82,25 @@ class TransferMetrics:
             ["reason"],
             registry=r,
         )
+        self.streamed_bytes = Counter(
+            "pd_transfer_streamed_bytes",
+            "Bytes of KV a prefill rank sent to decodes streaming requests, by when: computing (while the engine's"
+            " forward was still running) or held (after it finished)",
+            ["when"],
+            registry=r,
+        )
+        self.streamed_layers = Counter(
+            "pd_transfer_streamed_layers",
+            "Layers a decode rank received one by one from streaming prefills",
+            registry=r,
+        )
+        self.stream_tail_seconds = Histogram(
+            "pd_transfer_stream_tail_seconds",
+            "Seconds from a streamed request's last layer arriving to its KV being usable (the prefill's hold, the"
+            " stream's end)",
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.blocks_held = Gauge(
             "pd_transfer_prefill_blocks_held", "Blocks a prefill rank holds for readers", ["engine", "rank"], registry=r
         )

@@ -20,8 +20,9 @@ different processes and talk only through the msgspec structs of :mod:`.metadata
 4. scheduler: ``computing`` for each request whose prompt the step completes (prefill: a streamed one is offered
    layer by layer as the step runs), then ``build_step_metadata``, exactly once, after scheduling; the result goes to
    every worker;
-5. every worker: ``start_load`` with that metadata, before the forward pass (it does not block); during the forward
-   pass, on a host cache, ``layers_saved`` after each layer's attention wrote its KV (the first ``n`` layers);
+5. every worker: ``start_load`` with that metadata, before or after the forward pass (it does not block); during the
+   forward pass, on a host cache, ``streams_computing`` with that metadata, then ``layers_saved`` after each layer's
+   attention wrote its KV (the first ``n`` layers);
 6. every worker, after the forward pass: on a GPU, ``step_computed`` with an event recorded on the stream that
    wrote the step's KV (holds started later wait for it); then ``step_output`` (or ``get_finished``, then
    ``get_failed_requests`` and ``get_block_ids_with_load_errors``, in that order, in the same step);
@@ -143,6 +144,11 @@ class WorkerContract(Protocol):
 
     def start_load(self, metadata: StepMetadata) -> None:
         """Act on a step's metadata without blocking: holds at once, network work in the background."""
+        ...
+
+    def streams_computing(self, metadata: StepMetadata) -> None:
+        """Prefill: offer the step's streamed requests as computed (idempotent per step; before the forward's first
+        ``layers_saved``; ``start_load`` does it too)."""
         ...
 
     def layers_saved(self, layers: int) -> None:

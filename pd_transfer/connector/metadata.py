@@ -65,6 +65,7 @@ class StepMetadata(msgspec.Struct, frozen=True, kw_only=True):
     reqs_to_release: dict[str, RemoteRef] = {}  # decode: requests we will not read: tell the prefill
     reqs_to_heartbeat: dict[str, RemoteRef] = {}  # decode: queued requests: extend the prefill's lease
     reqs_computing: dict[str, StreamStart] = {}  # prefill: streamed requests whose prompt this step computes
+    hold_aliases: dict[str, str] = {}  # prefill: of reqs_to_hold, the streamed ones -> their stream id
 
     @property
     def empty(self) -> bool:

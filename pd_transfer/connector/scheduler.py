@@ -126,6 +126,7 @@ class SchedulerSide:
         self._released: dict[str, bool] = {}
         self._release: dict[str, RemoteRef] = {}
         self._computing: dict[str, StreamStart] = {}
+        self._hold_aliases: dict[str, str] = {}
 
     # ------------------------------------------------------------------ side channel
     def start_side_channel(self, ranks: list[RankMetadata]) -> int:
@@ -334,6 +335,7 @@ class SchedulerSide:
                 reqs_to_release=self._release,
                 reqs_to_heartbeat=heartbeats,
                 reqs_computing=self._computing,
+                hold_aliases=self._hold_aliases,
             )
             self._reset_step()
             return metadata
@@ -444,6 +446,8 @@ class SchedulerSide:
                 return False, None
             advertised = blocks[:needed]
         self._hold[request_id] = blocks  # the connector owns every block until finished_sending
+        if request_id in self._streamed:  # a decode may ask for it by its stream id (computed in several steps)
+            self._hold_aliases[request_id] = self._streamed[request_id]
         self._holding.add(request_id)
         return True, remote_prefill_params(
             engine_id=self.engine_id,

@@ -71,17 +71,20 @@ class StreamBoard:
         """``request_id`` is being computed into ``block_ids`` (a new generation; nothing written yet); readers may
         also name it ``alias``."""
         with self._cond:
-            if alias is not None and alias != request_id:
-                self._aliases[alias] = request_id
-                self._aliases.move_to_end(alias)
-                while len(self._aliases) > ENDED_KEPT + len(self._going) + 1:
-                    self._aliases.popitem(last=False)
+            self._alias(request_id, alias)
             self._generations += 1
             progress = Progress(tuple(block_ids), 0, self.num_layers, self._generations)
             self._going[request_id] = progress
             self._ended.pop(request_id, None)
             self._cond.notify_all()
             return progress
+
+    def _alias(self, request_id: str, alias: str | None) -> None:
+        if alias is not None and alias != request_id:
+            self._aliases[alias] = request_id
+            self._aliases.move_to_end(alias)
+            while len(self._aliases) > ENDED_KEPT + len(self._going) + 1:
+                self._aliases.popitem(last=False)
 
     def written(self, request_id: str, layers: int) -> None:
         """The first ``layers`` layers of ``request_id`` hold every token's KV (ignored for a request not computing,
@@ -93,11 +96,12 @@ class StreamBoard:
             self._going[request_id] = replace(progress, layers=min(layers, self.num_layers))
             self._cond.notify_all()
 
-    def held(self, request_id: str, block_ids: Iterable[int]) -> None:
+    def held(self, request_id: str, block_ids: Iterable[int], alias: str | None = None) -> None:
         """``request_id`` finished in ``block_ids`` and its lease started: every layer is written. Blocks other than
-        those it was computed into start a new generation."""
+        those it was computed into start a new generation. ``alias``: as :meth:`computing` takes it."""
         blocks = tuple(block_ids)
         with self._cond:
+            self._alias(request_id, alias)
             progress = self._going.get(request_id)
             if progress is None or progress.block_ids != blocks:
                 self._generations += 1

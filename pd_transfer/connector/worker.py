@@ -8,8 +8,10 @@ heartbeats go to a thread pool, so the engine step never waits on the network) a
 ``step_output``). Lease expiry is swept in ``get_finished``.
 
 Streams (issue 41): a step's metadata names the streamed requests whose prompt it computes (``reqs_computing``); the
-prefill rank offers them as computing (under their stream id too), and the engine tells the worker after each layer's
-attention wrote its KV (``layers_saved``, host caches: the KV is in memory when the layer returns), so that a decode
+prefill rank offers them as computing (under their stream id too: ``streams_computing``, which an engine whose
+``start_load`` comes after the forward, as vLLM's does, calls at its first layer), and the engine tells the worker
+after each layer's attention wrote its KV (``layers_saved``, host caches: the KV is in memory when the layer returns),
+so that a decode
 streaming them receives each layer while the next is computed. A decode's streamed load (``RecvSpec.stream``) runs on
 threads of its own (:data:`STREAM_THREADS`), as it waits for the prefill's compute.
 
@@ -119,6 +121,7 @@ class WorkerSide:
             initializer=unpinning(settings.thread_cpu_set),
         )
         self._streaming_now: list[str] = []  # prefill: streamed requests this step computes
+        self._computing_step: StepMetadata | None = None  # the step they were offered for
         self._lock = threading.Lock()
         self._sending: set[str] = set()
         self._completed: list[LoadOutcome] = []
@@ -157,6 +160,7 @@ class WorkerSide:
         """Prefill: the step's first ``layers`` layers wrote their KV (host memory): readers of the streamed requests
         it computes may have them."""
         for request_id in self._streaming_now:
+            logger.debug("worker tp%d: request %s: %d layers written", self.rank, request_id, layers)
             try:
                 self.prefill.layers_written(request_id, layers)
             except Exception:
@@ -164,19 +168,31 @@ class WorkerSide:
                     "worker tp%d: request %s: marking %d layers written failed", self.rank, request_id, layers
                 )
 
-    def start_load(self, metadata: StepMetadata) -> None:
-        """Act on a step's metadata without blocking: holds now (after the latest step's KV is written, which it
-        is by then but for the kernels still running), network work in the background."""
+    def streams_computing(self, metadata: StepMetadata) -> None:
+        """Prefill: offer the streamed requests whose prompt the step of ``metadata`` computes (once per step: the
+        engine may call this before its forward, and :meth:`start_load` does, which vLLM calls after it)."""
+        if metadata is self._computing_step:
+            return
+        self._computing_step = metadata
         self._streaming_now = []
         for request_id, start in metadata.reqs_computing.items():
             try:
                 self.prefill.computing(request_id, list(start.block_ids), alias=start.stream_id)
                 self._streaming_now.append(request_id)
+                logger.debug(
+                    "worker tp%d: request %s offered as computed (stream %s)", self.rank, request_id, start.stream_id
+                )
             except Exception:
                 logger.exception("worker tp%d: offering request %s as it is computed failed", self.rank, request_id)
+
+    def start_load(self, metadata: StepMetadata) -> None:
+        """Act on a step's metadata without blocking: holds now (after the latest step's KV is written, which it
+        is by then but for the kernels still running), network work in the background."""
+        self.streams_computing(metadata)
         for request_id, block_ids in metadata.reqs_to_hold.items():
             try:
-                freed = self.prefill.hold(request_id, list(block_ids), ready=self._computed)
+                alias = metadata.hold_aliases.get(request_id)
+                freed = self.prefill.hold(request_id, list(block_ids), ready=self._computed, alias=alias)
                 if freed is not None:
                     with self._lock:
                         self._sending.add(request_id)

@@ -37,6 +37,9 @@ LEASES = "vllm:pd_transfer_leases_ended_total"
 FAILED_LOADS = "vllm:pd_transfer_failed_loads_total"
 ROUTES = "pd_proxy_routes_total"
 USAGE = "vllm:kv_cache_usage_perc"
+TAILS = "vllm:pd_transfer_stream_tail_seconds_count"
+STREAMED_LAYERS = "vllm:pd_transfer_streamed_layers_total"
+STREAMED_BYTES = "vllm:pd_transfer_streamed_bytes_total"
 READ_TIMEOUT_S = 10.0  # the decode's wait for a stream (its connector's read_timeout_s)
 RUN_SALT = int(os.environ.get("PD_TRANSFER_TEST_SALT", time.time_ns() % 10**9))
 
@@ -79,12 +82,21 @@ def test_streamed_requests_through_the_proxy_answer_as_one_engine(
     pulls = metric_value(decode, PULLS)
     failed = metric_value(decode, FAILED_LOADS)
     reads = metric_value(prefill, LEASES, reason="read")
+    tails = metric_value(decode, TAILS)
+    sent = {when: metric_value(prefill, STREAMED_BYTES, when=when) for when in ("computing", "held")}
     answers, streamed = asyncio.run(_through_proxy(prefill, decode, tiny_model, prompts))
     assert [tokens_of(answer) for answer in answers] == expected
     assert streamed == len(prompts) - 1, "the first request learns the prefill's engine; the others stream"
     wait_at_least(decode, PULLS, pulls + len(prompts))  # each one's KV loaded: none computed by the decode instead
     assert metric_value(decode, FAILED_LOADS) == failed
     wait_at_least(prefill, LEASES, reads + len(prompts), reason="read")  # every lease ended by its reader's report
+    wait_at_least(decode, TAILS, tails + streamed)  # each streamed load's tail observed
+    layers = wait_at_least(decode, STREAMED_LAYERS, streamed)
+    during = metric_value(prefill, STREAMED_BYTES, when="computing") - sent["computing"]
+    after = metric_value(prefill, STREAMED_BYTES, when="held") - sent["held"]
+    assert during > 0, "no layer was sent while the prefill computed (before its hold)"
+    print(f"\nstreamed {streamed:.0f} requests, {layers:.0f} layers: {during:.0f} B sent during the forward,")
+    print(f"  {after:.0f} B after it")
 
 
 def test_a_streamed_request_no_prefill_computes_is_computed_by_the_decode(

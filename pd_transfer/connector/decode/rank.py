@@ -371,6 +371,8 @@ class DecodeRank:
             transport=remote.transport,
         )
         self.metrics.observe_pull(stats.seconds, stats.bytes, stats.descriptors, 0.0, transport=stats.transport)
+        self.metrics.streamed_layers.inc(stats.layers_streamed)
+        self.metrics.stream_tail_seconds.observe(stats.last_layer_seconds)
         return stats
 
     def pull_confirmed(

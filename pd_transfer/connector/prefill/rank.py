@@ -123,6 +123,7 @@ class PrefillRank:
                 receive=self.receive,
                 freed=self._freed_by_unpin,
                 streams=self.streams,
+                metrics=self.metrics,
             )
             for transport in transports:
                 self.ends[transport.name] = transport.prefill_end(site)
@@ -157,13 +158,15 @@ class PrefillRank:
         """The first ``layers`` layers of ``request_id`` (computing) hold every token's KV: readers may have them."""
         self.streams.written(request_id, layers)
 
-    def hold(self, request_id: str, block_ids: list[int], *, ready: ReadyEvent | None = None) -> Freed | None:
+    def hold(
+        self, request_id: str, block_ids: list[int], *, ready: ReadyEvent | None = None, alias: str | None = None
+    ) -> Freed | None:
         """Hold a finished request's blocks for its readers, once ``ready`` (if given) completed; returns it freed
-        at once if they all reported already."""
+        at once if they all reported already. ``alias``: the stream id a streaming decode may ask for it by."""
         if ready is not None:
             ready.synchronize()
         freed = self.ledger.hold(request_id, block_ids)
-        self.streams.held(request_id, block_ids)
+        self.streams.held(request_id, block_ids, alias)
         self._after_change([freed] if freed is not None else [])
         return freed
 

@@ -235,7 +235,7 @@ class PrefillSite:
     answer)``: a message from decode rank ``peer`` (a report: counted towards freeing its request; a heartbeat);
     ``answer``, if given, is how a ``LeaseConfirm`` reaches that reader (else by NIXL, to the ``reply_to`` it sent).
     ``freed(freed)``: a request an unpin freed. ``streams``: how far the rank's requests are written (for writers that
-    stream a request's layers while it is computed).
+    stream a request's layers while it is computed). ``metrics``: where the rank records.
     """
 
     engine_id: str
@@ -247,6 +247,7 @@ class PrefillSite:
     receive: Callable[[str, PeerMessage, Answer | None], None]
     freed: Callable[[Freed], None]
     streams: StreamBoard
+    metrics: TransferMetrics
 
 
 class Transport(Protocol):

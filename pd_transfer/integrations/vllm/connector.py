@@ -218,9 +218,12 @@ class PdTransferConnector(KVConnectorBase_V1):
         if self._worker is None or self._cuda_device is not None:
             return
         layers = self._layers_through.get(layer_name)
-        if layers is None:
+        if layers is None or not self.has_connector_metadata():
             return
         try:
+            metadata = self._get_connector_metadata()
+            if isinstance(metadata, PdTransferMetadata):
+                self._worker.streams_computing(metadata.step)  # vLLM calls start_load_kv after the forward
             self._worker.layers_saved(layers)
         except Exception:  # never into the engine
             logger.exception("pd-transfer worker: offering layer %s of streamed requests failed", layer_name)

@@ -43,11 +43,14 @@ REJECT_REASONS = (
     "unknown_engine",
 )
 NONCE_REFUSALS = ("unknown", "expired", "reused", "busy")
+STREAM_PHASES = ("computing", "held")
 COUNTED: dict[str, tuple[str, dict[str, str]]] = {
     "unconfirmed_reads": ("pd_transfer_unconfirmed_reads_total", {}),
     **{f"leases_{reason}": ("pd_transfer_leases_ended_total", {"reason": reason}) for reason in LEASE_ENDS},
     **{f"handshakes_{o}": ("pd_transfer_handshakes_total", {"outcome": o}) for o in HANDSHAKE_OUTCOMES},
     "handshake_seconds": ("pd_transfer_handshake_seconds_sum", {}),
+    "streamed_layers": ("pd_transfer_streamed_layers_total", {}),
+    **{f"streamed_bytes_{when}": ("pd_transfer_streamed_bytes_total", {"when": when}) for when in STREAM_PHASES},
 }
 #: The same for the scheduler process's counters (its side channel), reported by the scheduler's connector
 SCHEDULER_COUNTED: dict[str, tuple[str, dict[str, str]]] = {
@@ -68,7 +71,8 @@ class PdTransferStats(KVConnectorStats):
     """What the workers did since their last report (plain data: it crosses processes).
 
     ``data["pulls"]``: one ``[seconds, bytes, descriptor rows, fix-up seconds after the last read, read seconds,
-    connect seconds, confirmation seconds, pushed bytes]`` per loaded request, and ``data["pulls_<transport>"]``
+    connect seconds, confirmation seconds, pushed bytes, layers streamed, seconds from the last layer to usable KV]``
+    per loaded request, and ``data["pulls_<transport>"]``
     counting them by transport (``nixl``, ``cuda_ipc``, ``host_ipc``, ``host_cma``); ``data["failed_loads"]``;
     the increments of the counters in :data:`COUNTED` (workers) and :data:`SCHEDULER_COUNTED` (scheduler), under
     their keys; ``data["waiting_for_kv"]``: the scheduler's requests
@@ -144,6 +148,8 @@ class WorkerStatsCollector:
                         pulled.connect_seconds,
                         pulled.confirm_seconds,
                         pulled.pushed_bytes,
+                        pulled.layers_streamed,
+                        pulled.last_layer_seconds,
                     ]
                 )
                 by_transport = f"pulls_{pulled.transport}"
@@ -218,16 +224,16 @@ def _log_outcome(outcome: LoadOutcome) -> None:
 class PdTransferPromMetrics(KVConnectorPromMetrics):
     """pd-transfer's metrics on vLLM's ``/metrics`` (``vllm:pd_transfer_*``), labelled per engine.
 
-    Histograms per loaded request: ``pull_seconds`` (first read to usable KV), ``pull_bytes``,
-    ``fixup_exposed_seconds`` (block-size regroup after the last read), and where the pull's time went besides:
-    ``read_seconds`` (first post to last completion), ``connect_seconds`` (reaching the prefill: handshake, NIXL
-    peers and warm-up on first contact), ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read
-    inside the prefill's hold window). Counters (``_total``): ``pulled_bytes`` (and of them ``pushed_bytes``),
+    Histograms per loaded request: ``pull_seconds`` (first read to usable KV), ``pull_bytes``, ``fixup_exposed_seconds``
+    (block-size regroup after the last read), and where the pull's time went besides: ``read_seconds`` (first post to
+    last completion), ``connect_seconds`` (reaching the prefill: handshake, NIXL peers and warm-up on first contact),
+    ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read inside the prefill's hold window),
+    ``stream_tail_seconds`` (streamed: last layer to usable KV). Counters (``_total``): ``streamed_layers`` (decode),
+    ``streamed_bytes{when=computing|held}`` (prefill), ``pulled_bytes`` (and of them ``pushed_bytes``),
     ``pulls{transport=nixl|cuda_ipc|host_ipc|host_cma}`` (what moved them), ``failed_loads``, ``unconfirmed_reads``,
-    ``leases_ended{reason=read|expired|aborted|released}``,
-    ``handshakes{outcome}`` and ``handshake_seconds`` (their sum), ``side_channel_rejected{reason}``,
-    ``side_channel_nonces_refused{reason}``. Gauges: ``requests_waiting_for_kv``, ``info{protocol_version,
-    fingerprint, model, dtype}`` (1).
+    ``leases_ended{reason=read|expired|aborted|released}``, ``handshakes{outcome}`` and ``handshake_seconds`` (their
+    sum), ``side_channel_rejected{reason}``, ``side_channel_nonces_refused{reason}``. Gauges:
+    ``requests_waiting_for_kv``, ``info{protocol_version, fingerprint, model, dtype}`` (1).
     """
 
     def __init__(
@@ -271,6 +277,11 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             "vllm:pd_transfer_unconfirmed_reads",
             "Reads the prefill did not confirm as covered by its lease: discarded, never used as KV",
         )
+        self.stream_tail_seconds = self._histogram(
+            "vllm:pd_transfer_stream_tail_seconds",
+            "Seconds from a streamed request's last layer arriving to its KV being usable (the prefill's hold)",
+            _SECONDS,
+        )
         #: stats key -> per-engine counter child
         self.counted: dict[str, dict[int, Any]] = {}
         self._pulls = self._labelled(
@@ -294,6 +305,15 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         )
         self.counted["handshake_seconds"] = self._counter(
             "vllm:pd_transfer_handshake_seconds", "Seconds spent in side-channel handshakes (every attempt)"
+        )
+        self.counted["streamed_layers"] = self._counter(
+            "vllm:pd_transfer_streamed_layers", "Layers of streamed requests received one by one (decode)"
+        )
+        self._labelled(
+            "vllm:pd_transfer_streamed_bytes",
+            "Bytes of KV sent to decodes streaming requests (prefill), by when: computing (during the forward) or held",
+            "when",
+            {when: f"streamed_bytes_{when}" for when in STREAM_PHASES},
         )
         self._labelled(
             "vllm:pd_transfer_side_channel_rejected",
@@ -351,7 +371,9 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         """Record one aggregated :class:`PdTransferStats` ``data`` for engine ``engine_idx``."""
         data = transfer_stats_data
         for pull in data.get("pulls", []):
-            seconds, num_bytes, _rows, fixup, read, connect, confirm, pushed = pull
+            seconds, num_bytes, _rows, fixup, read, connect, confirm, pushed, layers, tail = pull
+            if layers:
+                self.stream_tail_seconds[engine_idx].observe(tail)
             self.pull_seconds[engine_idx].observe(seconds)
             self.pull_bytes[engine_idx].observe(num_bytes)
             self.fixup_seconds[engine_idx].observe(fixup)

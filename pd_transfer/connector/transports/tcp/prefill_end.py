@@ -113,7 +113,14 @@ class TcpPrefillEnd:
             connection.settimeout(None)
             set_send_timeout(connection, SEND_STALL_S)
             streams = StreamConnection(
-                connection, send_lock, self.site.streams, self._refusal, self._count_sent, peer, self.name
+                connection,
+                send_lock,
+                self.site.streams,
+                self._refusal,
+                self._count_sent,
+                peer,
+                self.name,
+                self.site.metrics,
             )
             while (frame := receive_frame(connection)) is not None:
                 if frame[0] in ("watch", "stream"):

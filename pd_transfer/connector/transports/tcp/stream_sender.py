@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from pd_transfer.connector.streams import Progress, StreamBoard
+from pd_transfer.metrics import TransferMetrics
 from pd_transfer.transfer.cma import IOVEC
 from pd_transfer.transfer.errors import TransferError
 from pd_transfer.transfer.socket_rows import send_rows
@@ -49,7 +50,8 @@ MAX_WAITING = 256
 @dataclass
 class StreamConnection:
     """What a connection's streams share: its socket and send lock, the board they wait on, how they check rows
-    (``refusal(packed)``: why rows are not sent, "" if they are), what they count (``sent(nbytes)``)."""
+    (``refusal(packed)``: why rows are not sent, "" if they are), what they count (``sent(nbytes)``; ``metrics``: the
+    bytes sent while the request was computing or once held)."""
 
     sock: socket.socket
     send_lock: threading.Lock
@@ -58,6 +60,7 @@ class StreamConnection:
     sent: Callable[[int], None]
     peer: str
     name: str
+    metrics: TransferMetrics
 
     def __post_init__(self) -> None:
         self._waiting = threading.Semaphore(MAX_WAITING)
@@ -110,7 +113,9 @@ class StreamConnection:
                 return
             with self.send_lock:
                 send_frame(self.sock, ["layer", read_id, index, int(rows["length"].sum())])
-                self.sent(send_rows(self.sock, rows))
+                sent = send_rows(self.sock, rows)
+            self.sent(sent)
+            self.metrics.streamed_bytes.labels("held" if progress.held else "computing").inc(sent)
         progress = self.board.wait(request_id, lambda p: p.held or p.generation != generation, wait)
         if progress is None or not self.board.complete(request_id, generation):
             self._send(["refused", read_id, _why(request_id, progress, generation)])
