@@ -259,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd_tcp.add_arguments(bench_pd_tcp)
     bench_pd_tcp.set_defaults(func=pd_tcp.cli_run)
     from pd_transfer.bench.transfer import stream
+    from pd_transfer.bench.vllm import stream_ttft
+
+    bench_vllm_stream = which.add_parser(
+        "vllm-stream", help="TTFT through the proxy with real vLLM: streamed P/D against sequential, one sitting"
+    )
+    stream_ttft.add_arguments(bench_vllm_stream)
+    bench_vllm_stream.set_defaults(func=stream_ttft.cli_run)
 
     bench_stream = which.add_parser(
         "stream", help="a request's KV streamed layer by layer while the prefill computes it, vs sequential"

@@ -1,0 +1,190 @@
+"""``pd-transfer bench vllm-stream``: time to first token through our proxy, streamed P/D against sequential P/D,
+alternated request by request in one sitting, with real vLLM servers.
+
+A prefill (core 0) and a decode (core 1) with PdTransferConnector over the ``tcp`` transport, the prefill inside a
+network namespace behind a veth (two hosts on one wire; shaped to ``--wire-gbit`` if given) where one can be made,
+else both on this host. One proxy in this process (:class:`~pd_transfer.proxy.server.Proxy`) carries every request;
+``stream_kv`` is switched between requests: off, the prefill hop then the decode hop (sequential); on, both legs at
+once, the decode streaming each layer as the prefill writes it. The first request (a warm-up) goes sequentially and
+teaches the proxy the prefill's engine. Each measured prompt is sent in both modes, the order alternating, and each
+answer is a greedy streamed completion timed at the client (request sent to first token). Reported per prompt length:
+TTFT p50 of both modes and their ratio, whether both modes' tokens were equal for every prompt, and the KV bytes of
+one prompt. The plain server's TTFT (no P/D) is ``bench vllm --scale``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pd_transfer.affinity import allowed_cpu
+from pd_transfer.bench.transfer.netns import Veth, add_wire_argument, veth_or_reason
+from pd_transfer.bench.vllm.requests import make_prompt, vocab_size
+from pd_transfer.bench.vllm.scale import stream_completion
+from pd_transfer.cluster.http_client import answer_tokens, free_port
+from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
+from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
+from pd_transfer.proxy.server import Proxy, ProxyConfig
+
+LENGTHS = (512, 1024, 1792)
+MAX_TOKENS = 4
+STARTUP_TIMEOUT_S = 900.0
+
+
+def _servers(model: str, logs: Path, net: Veth | None, python: str, kvcache_gib: float) -> list[ManagedProcess]:
+    """The prefill (in ``net``'s namespace when given) and the decode, not started."""
+    servers = []
+    for index, role in enumerate(("prefill", "decode")):
+        host = net.inner_address if net is not None and role == "prefill" else "127.0.0.1"
+        spec = ServerSpec(
+            role=role,  # type: ignore[arg-type]
+            model=model,
+            port=free_port(),
+            side_channel_port=free_port(),
+            host=host,
+            side_channel_host=host,
+            transport="tcp",
+            cpu_bind=allowed_cpu(index),
+            kvcache_gib=kvcache_gib,
+            dtype="float32",
+            max_model_len=2048 if Path(model).name == Path(TINY_MODEL_DIR).name else 4608,
+            seed=0,
+            eager=True,
+        )
+        server = server_process(role, spec, logs / f"{role}.log", python=python)
+        if net is not None and role == "prefill":
+            server = dataclasses.replace(
+                server,
+                command=["ip", "netns", "exec", net.ns, *server.command],
+                env={**server.env, "UCX_NET_DEVICES": net.inner},
+            )
+        servers.append(server)
+    return servers
+
+
+async def _sitting(
+    prefill: str, decode: str, model: str, lengths: tuple[int, ...], requests: int
+) -> list[dict[str, Any]]:
+    config = ProxyConfig(prefill=[prefill], decode=[decode], tokenize=False, health_interval_s=600.0)
+    vocab = vocab_size(model)
+    rows: list[dict[str, Any]] = []
+    async with Proxy(config) as proxy:
+        url = await proxy.start()
+
+        def ask(prompt: list[int], stream_kv: bool, tag: str) -> dict[str, Any]:
+            proxy.config.stream_kv = stream_kv  # read by the proxy per request
+            answer = stream_completion(url, model, prompt, MAX_TOKENS, None, tag)
+            return {"ttft_s": answer["ttft_s"], "tokens": answer_tokens(answer["events"])}
+
+        await asyncio.to_thread(ask, make_prompt(min(lengths), 1, vocab), False, "warm-up")
+        for index in range(requests):
+            for length in lengths:
+                prompt = make_prompt(length, 1000 + 10 * index + length, vocab)
+                order = (False, True) if (index + length) % 2 == 0 else (True, False)
+                answers = {}
+                for stream_kv in order:
+                    tag = f"{'stream' if stream_kv else 'seq'}-{length}-{index}-{time.time_ns()}"
+                    answers[stream_kv] = await asyncio.to_thread(ask, prompt, stream_kv, tag)
+                rows.append(
+                    {
+                        "length": length,
+                        "sequential_ttft_s": answers[False]["ttft_s"],
+                        "streamed_ttft_s": answers[True]["ttft_s"],
+                        "tokens_equal": answers[False]["tokens"] == answers[True]["tokens"],
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]], lengths: tuple[int, ...], kv_bytes_per_token: int | None) -> list[dict]:
+    out = []
+    for length in lengths:
+        mine = [row for row in rows if row["length"] == length]
+        sequential = statistics.median(row["sequential_ttft_s"] for row in mine)
+        streamed = statistics.median(row["streamed_ttft_s"] for row in mine)
+        out.append(
+            {
+                "length": length,
+                "kv_mib": None if kv_bytes_per_token is None else round(length * kv_bytes_per_token / 2**20, 1),
+                "sequential_ttft_p50_s": round(sequential, 4),
+                "streamed_ttft_p50_s": round(streamed, 4),
+                "streamed_vs_sequential": round(streamed / sequential, 3),
+                "tokens_equal": all(row["tokens_equal"] for row in mine),
+                "requests": len(mine),
+            }
+        )
+    return out
+
+
+def _kv_bytes_per_token(model: str) -> int | None:
+    """K and V of every layer for one float32 token, from the model's config (None where it cannot be read)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return int(2 * config["num_hidden_layers"] * heads * head * 4)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = str(Path(args.model or TINY_MODEL_DIR).resolve())
+    lengths = tuple(args.lengths)
+    logs = Path(args.log_dir or f"runs/bench-vllm-stream-{time.strftime('%Y%m%d-%H%M%S')}")
+    result: dict[str, Any] = {"model": Path(model).name, "lengths": list(lengths), "requests": args.requests}
+    with veth_or_reason(args.wire_gbit) if args.netns else contextlib.nullcontext() as net:
+        if isinstance(net, str):
+            result["veth_skipped"] = net
+            net = None
+        result["path"] = "loopback" if net is None else "veth"
+        result["wire_gbit"] = args.wire_gbit
+        servers = _servers(model, logs, net, args.python, args.kvcache_gib)
+        try:
+            for server in servers:
+                server.start()
+            wait_ready(servers, STARTUP_TIMEOUT_S)
+            rows = asyncio.run(_sitting(servers[0].url, servers[1].url, model, lengths, args.requests))
+        finally:
+            stop_all(servers)
+    result["rows"] = rows
+    result["summary"] = _summary(rows, lengths, _kv_bytes_per_token(model))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--model", default=None, help=f"model folder ({TINY_MODEL_DIR})")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="prompt lengths, tokens")
+    parser.add_argument("--requests", type=int, default=3, help="prompts per length (each sent in both modes)")
+    parser.add_argument("--kvcache-gib", type=float, default=1.0, help="each server's KV cache, GiB")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs vLLM (this one)")
+    parser.add_argument("--log-dir", default=None, help="server logs (runs/bench-vllm-stream-TIMESTAMP)")
+    parser.add_argument("--no-netns", dest="netns", action="store_false", help="both servers on this host")
+    add_wire_argument(parser)
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    if args.requests < 1 or min(args.lengths) < 1:
+        raise SystemExit("--requests and every --lengths must be at least 1")
+    if args.wire_gbit is not None and not args.netns:
+        raise SystemExit("--wire-gbit shapes the veth: drop --no-netns")
+    result = run(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for row in result["summary"]:
+            print(
+                f"{row['length']:5d} tokens ({row['kv_mib']} MiB): sequential {row['sequential_ttft_p50_s']:.3f} s,"
+                f" streamed {row['streamed_ttft_p50_s']:.3f} s = {row['streamed_vs_sequential']} x;"
+                f" tokens equal {row['tokens_equal']}"
+            )
+    return 0
