@@ -436,6 +436,8 @@ def proxy_command(args: argparse.Namespace, planned: Sequence[PlannedServer], ba
         command += [f"--{role}-policy", policy_of(args, role)]
     if args.max_local_prefill:
         command += ["--max-local-prefill", str(args.max_local_prefill)]
+    if args.stream_kv:
+        command += ["--stream-kv"]
     if kv_event_roles(args):
         command += ["--kv-block-size", str(kv_block_size(args)), "--kv-hash-algo", KV_HASH_ALGO]
         if base_env.get(HASH_SEED_ENV) is not None:  # the engines seed their block hashes with it

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from pd_transfer.cluster.launch import TINY_MODEL_DIR, transport_setting
+from pd_transfer.connector.config import transport_names
 from pd_transfer.proxy.routing import registry
 
 MODEL_ENV = "PD_TRANSFER_MODEL"
@@ -76,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the proxy's conditional disaggregation: a prompt a decode holds all but at most N tokens of is"
         " prefilled by that decode, no prefill hop (needs a decode policy reading KV events, kv_aware; default 0: off)",
+    )
+    parser.add_argument(
+        "--stream-kv",
+        action="store_true",
+        help="streamed P/D: the proxy sends both legs at once and the decode streams each layer as the prefill writes"
+        " it (needs --transport tcp, or names with tcp in them)",
     )
     parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="default: runs/up-TIMESTAMP")
     parser.add_argument(
@@ -185,6 +192,8 @@ def validate(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be positive, not {value}")
     if args.offload_dir is not None and max(args.prefill_tp, args.decode_tp) > 1:
         problems.append("--offload-dir supports TP 1 only (PdOffloadConnector)")
+    if args.stream_kv and "tcp" not in transport_names(args.transport):
+        problems.append(f"--stream-kv streams over the tcp transport: --transport {args.transport} names none")
     if args.max_local_prefill < 0:
         problems.append(f"--max-local-prefill must be >= 0 tokens, not {args.max_local_prefill}")
     policies = {role: policy_of(args, role) for role in registry.ROLES}

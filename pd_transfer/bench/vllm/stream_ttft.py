@@ -6,8 +6,9 @@ network namespace behind a veth (two hosts on one wire; shaped to ``--wire-gbit`
 else both on this host. One proxy in this process (:class:`~pd_transfer.proxy.server.Proxy`) carries every request;
 ``stream_kv`` is switched between requests: off, the prefill hop then the decode hop (sequential); on, both legs at
 once, the decode streaming each layer as the prefill writes it. The first request (a warm-up) goes sequentially and
-teaches the proxy the prefill's engine. Each measured prompt is sent in both modes, the order alternating, and each
-answer is a greedy streamed completion timed at the client (request sent to first token). Reported per prompt length:
+teaches the proxy the prefill's engine. Each measured prompt is sent in both modes, the order alternating (prefix
+caching off on both servers: the second send finds nothing cached), and each answer is a greedy streamed completion
+timed at the client (request sent to first token). Reported per prompt length:
 TTFT p50 of both modes and their ratio, whether both modes' tokens were equal for every prompt, and the KV bytes of
 one prompt. The plain server's TTFT (no P/D) is ``bench vllm --scale``'s.
 """
@@ -58,6 +59,7 @@ def _servers(model: str, logs: Path, net: Veth | None, python: str, kvcache_gib:
             max_model_len=2048 if Path(model).name == Path(TINY_MODEL_DIR).name else 4608,
             seed=0,
             eager=True,
+            extra_args=("--no-enable-prefix-caching",),  # each prompt goes both ways: neither may find it cached
         )
         server = server_process(role, spec, logs / f"{role}.log", python=python)
         if net is not None and role == "prefill":
