@@ -11,9 +11,8 @@ Streams (issue 41): a step's metadata names the streamed requests whose prompt i
 prefill rank offers them as computing (under their stream id too: ``streams_computing``, which an engine whose
 ``start_load`` comes after the forward, as vLLM's does, calls at its first layer), and the engine tells the worker
 after each layer's attention wrote its KV (``layers_saved``, host caches: the KV is in memory when the layer returns),
-so that a decode
-streaming them receives each layer while the next is computed. A decode's streamed load (``RecvSpec.stream``) runs on
-threads of its own (:data:`STREAM_THREADS`), as it waits for the prefill's compute.
+so that a decode streaming them receives each layer while the next is computed. A decode's streamed load
+(``RecvSpec.stream``) runs on threads of its own (:data:`STREAM_THREADS`), as it waits for the prefill's compute.
 
 Ordering on a device: a GPU engine's kernels write blocks asynchronously, so the engine hands over, at the end of
 each computing step, an event recorded after them (``step_computed``); holds started later carry it, and the prefill
