@@ -34,9 +34,8 @@ def stream_request(
     deadline: float,
 ) -> tuple[ReadTotals, list[list[float]]]:
     """Stream ``request`` from the source ranks of ``plans`` (their ``connections``; rows straight into place, no
-    fix-up after), tell ``sources`` it was read;
-    returns its totals and when each source's layers arrived (``perf_counter`` times). Raises as
-    :meth:`~..seam.StreamingLink.stream` says."""
+    fix-up after), tell ``sources`` it was read; returns its totals and when each source's layers arrived
+    (``perf_counter`` times). Raises as :meth:`~..seam.StreamingLink.stream` says."""
     started = time.perf_counter()
     watches = [connection.watch(request.request_id, _left(deadline)) for connection in connections]
     blocks: list[tuple[list[int], int, str]] = []
