@@ -80,14 +80,14 @@ class PrefillHop(Hop):
         if target is not None:
             self.targets[backend.url] = target
 
-    async def run(self, call: Call) -> dict[str, Any]:
+    async def run(self, call: Call, prefer: Backend | None = None) -> dict[str, Any]:
         """The prefill of ``call``: the ``kv_transfer_params`` its prefill answered; on a failure that may go
-        elsewhere, once more on another prefill server (see the module). Raises :class:`HopError` or
-        :class:`Passthrough`."""
+        elsewhere, once more on another prefill server (see the module). ``prefer``: the server routing picked for it
+        already (tried first while healthy). Raises :class:`HopError` or :class:`Passthrough`."""
         payload = msgspec.json.encode(flow.prefill_body(call.endpoint, call.body))
         leftover = Leftover(PREFILL_LEFTOVER_S, partial(self._left_over, call.rid))
         tries = self.tries()
-        while (backend := tries.next(call.route)) is not None:
+        while (backend := tries.next(call.route, prefer)) is not None:
             since = self.meter.enter(backend)
             try:
                 endpoint = self.endpoint(backend, call)

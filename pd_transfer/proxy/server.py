@@ -328,10 +328,12 @@ class Proxy:
             params = None
         else:
             self._routes["disaggregated"].inc()
-            streamed = await self._streamed(call) if self.config.stream_kv else None
-            if streamed is not None:
-                return streamed
-            params = await self._prefill_hop.run(call)
+            picked = None
+            if self.config.stream_kv:
+                streamed, picked = await self._streamed(call)
+                if streamed is not None:
+                    return streamed
+            params = await self._prefill_hop.run(call, prefer=picked)
         try:
             return await self._decode_hop.run(call, params, prefer=local.backend if local is not None else None)
         except HopError as failure:
@@ -349,16 +351,16 @@ class Proxy:
             raise first from None
         return await self._decode_hop.run(call, params)
 
-    async def _streamed(self, call: Call) -> web.StreamResponse | None:
+    async def _streamed(self, call: Call) -> tuple[web.StreamResponse | None, Backend | None]:
         """Both legs at once: the prefill leg (with a new stream id) to the prefill routing picks, the decode leg,
         naming that prefill's engine and the stream id, beside it; the decode streams the KV as the prefill computes
-        it. None (the sequential way) when the prefill's engine is not known yet. A prefill leg that fails leaves the
-        decode to compute the prompt itself once its wait for the stream ends; a decode leg that ends first (it
-        failed, or the client left) cancels the prefill's."""
+        it. (None, the prefill picked) when that prefill's engine is not known yet: the sequential way, to it. A
+        prefill leg that fails leaves the decode to compute the prompt itself once its wait for the stream ends; a
+        decode leg that ends first (it failed, or the client left) cancels the prefill's."""
         backend = self.prefill.pick(request=call.route)
         target = None if backend is None else self._prefill_hop.targets.get(backend.url)
         if backend is None or target is None:
-            return None
+            return None, backend
         stream_id = uuid.uuid4().hex
         self._routes["streamed"].inc()
         prefill = asyncio.create_task(self._prefill_hop.run_streamed(call, backend, stream_id))
@@ -368,7 +370,7 @@ class Proxy:
             prefill.cancel()  # the decode leg failed or the client left: vLLM aborts the prefill's request
             raise
         await self._prefill_leg_ended(prefill, call.rid)
-        return response
+        return response, backend
 
     @staticmethod
     async def _prefill_leg_ended(prefill: asyncio.Task[None], rid: str) -> None:
