@@ -369,7 +369,10 @@ class Proxy:
         except BaseException:
             prefill.cancel()  # the decode leg failed or the client left: vLLM aborts the prefill's request
             raise
-        await self._prefill_leg_ended(prefill, call.rid)
+        if response.status != 200:
+            prefill.cancel()  # the decode refused the request (a 4xx): no decode reads what the prefill computes
+        else:
+            await self._prefill_leg_ended(prefill, call.rid)
         return response, backend
 
     @staticmethod
