@@ -34,7 +34,8 @@ class ProxyMetrics:
         self.routes = Counter(
             "pd_proxy_routes",
             "Requests by path: disaggregated (prefill then decode), direct (short prompt or batch: decode only) or"
-            " local_prefill (a decode that held the prompt's prefix prefilled the rest itself)",
+            " local_prefill (a decode that held the prompt's prefix prefilled the rest itself); and streamed, of the"
+            " disaggregated ones those whose legs went at once (--stream-kv)",
             ["path"],
             registry=r,
         )
