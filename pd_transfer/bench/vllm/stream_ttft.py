@@ -10,7 +10,8 @@ teaches the proxy the prefill's engine. Each measured prompt is sent in both mod
 caching off on both servers: the second send finds nothing cached), and each answer is a greedy streamed completion
 timed at the client (request sent to first token). Reported per prompt length:
 TTFT p50 of both modes and their ratio, whether both modes' tokens were equal for every prompt, and the KV bytes of
-one prompt. The plain server's TTFT (no P/D) is ``bench vllm --scale``'s.
+one prompt. ``--nixl`` then runs a NixlConnector pair on the same wire (UCX on TCP, as between hosts), sequential,
+the same prompts: its TTFT p50 beside ours. The plain server's TTFT (no P/D) is ``bench vllm --scale``'s.
 """
 
 from __future__ import annotations
@@ -28,20 +29,25 @@ from typing import Any
 
 from pd_transfer.affinity import allowed_cpu
 from pd_transfer.bench.transfer.netns import Veth, add_wire_argument, veth_or_reason
+from pd_transfer.bench.vllm.pairs import NIXL_KV_TRANSFER_CONFIG
 from pd_transfer.bench.vllm.requests import make_prompt, vocab_size
 from pd_transfer.bench.vllm.scale import stream_completion
 from pd_transfer.cluster.http_client import answer_tokens, free_port
-from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
+from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process, vllm_command, vllm_env
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 from pd_transfer.proxy.server import Proxy, ProxyConfig
+from pd_transfer.settings import child_environment
 
 LENGTHS = (512, 1024, 1792)
 MAX_TOKENS = 4
 STARTUP_TIMEOUT_S = 900.0
 
 
-def _servers(model: str, logs: Path, net: Veth | None, python: str, kvcache_gib: float) -> list[ManagedProcess]:
-    """The prefill (in ``net``'s namespace when given) and the decode, not started."""
+def _servers(
+    model: str, logs: Path, net: Veth | None, python: str, kvcache_gib: float, nixl: bool = False
+) -> list[ManagedProcess]:
+    """The prefill (in ``net``'s namespace when given) and the decode, not started: with PdTransferConnector over the
+    tcp transport, or (``nixl``) with vLLM's NixlConnector, UCX on TCP between them as between hosts."""
     servers = []
     for index, role in enumerate(("prefill", "decode")):
         host = net.inner_address if net is not None and role == "prefill" else "127.0.0.1"
@@ -61,20 +67,34 @@ def _servers(model: str, logs: Path, net: Veth | None, python: str, kvcache_gib:
             eager=True,
             extra_args=("--no-enable-prefix-caching",),  # each prompt goes both ways: neither may find it cached
         )
-        server = server_process(role, spec, logs / f"{role}.log", python=python)
-        if net is not None and role == "prefill":
-            server = dataclasses.replace(
-                server,
-                command=["ip", "netns", "exec", net.ns, *server.command],
-                env={**server.env, "UCX_NET_DEVICES": net.inner},
-            )
-        servers.append(server)
+        name = f"nixl-{role}" if nixl else role
+        server = (_nixl_server if nixl else server_process)(name, spec, logs / f"{name}.log", python=python)
+        device = (net.inner if role == "prefill" else net.outer) if net is not None else "lo"
+        env = {**server.env, "UCX_NET_DEVICES": device, **({"UCX_TLS": "tcp,self"} if nixl else {})}
+        command = ["ip", "netns", "exec", net.ns, *server.command] if net is not None and role == "prefill" else None
+        servers.append(dataclasses.replace(server, env=env, command=command or server.command))
     return servers
 
 
+def _nixl_server(name: str, spec: ServerSpec, log_path: Path, *, python: str) -> ManagedProcess:
+    """A server with vLLM's NixlConnector: its config on the command line, its side channel in the environment."""
+    command = vllm_command(spec, python, connector=False)
+    command += ["--kv-transfer-config", json.dumps(dict(NIXL_KV_TRANSFER_CONFIG), separators=(",", ":"))]
+    env = vllm_env(spec, child_environment())
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+    return ManagedProcess(name, command, env, log_path, spec.url)
+
+
 async def _sitting(
-    prefill: str, decode: str, model: str, lengths: tuple[int, ...], requests: int
+    prefill: str,
+    decode: str,
+    model: str,
+    lengths: tuple[int, ...],
+    requests: int,
+    modes: tuple[bool, ...] = (False, True),
 ) -> list[dict[str, Any]]:
+    """Each prompt through the proxy in each of ``modes`` (``stream_kv`` off, on), the order alternating."""
     config = ProxyConfig(prefill=[prefill], decode=[decode], tokenize=False, health_interval_s=600.0)
     vocab = vocab_size(model)
     rows: list[dict[str, Any]] = []
@@ -90,40 +110,45 @@ async def _sitting(
         for index in range(requests):
             for length in lengths:
                 prompt = make_prompt(length, 1000 + 10 * index + length, vocab)
-                order = (False, True) if (index + length) % 2 == 0 else (True, False)
+                order = modes if (index + length) % 2 == 0 else modes[::-1]
                 answers = {}
                 for stream_kv in order:
                     tag = f"{'stream' if stream_kv else 'seq'}-{length}-{index}-{time.time_ns()}"
                     answers[stream_kv] = await asyncio.to_thread(ask, prompt, stream_kv, tag)
-                rows.append(
-                    {
-                        "length": length,
-                        "sequential_ttft_s": answers[False]["ttft_s"],
-                        "streamed_ttft_s": answers[True]["ttft_s"],
-                        "tokens_equal": answers[False]["tokens"] == answers[True]["tokens"],
-                    }
-                )
+                row: dict[str, Any] = {"length": length, "tokens": answers[modes[0]]["tokens"]}
+                for stream_kv, answer in answers.items():
+                    row["streamed_ttft_s" if stream_kv else "sequential_ttft_s"] = answer["ttft_s"]
+                row["tokens_equal"] = all(answer["tokens"] == row["tokens"] for answer in answers.values())
+                rows.append(row)
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
-def _summary(rows: list[dict[str, Any]], lengths: tuple[int, ...], kv_bytes_per_token: int | None) -> list[dict]:
+def _summary(
+    rows: list[dict[str, Any]], nixl: list[dict[str, Any]], lengths: tuple[int, ...], kv_bytes_per_token: int | None
+) -> list[dict]:
     out = []
     for length in lengths:
         mine = [row for row in rows if row["length"] == length]
         sequential = statistics.median(row["sequential_ttft_s"] for row in mine)
         streamed = statistics.median(row["streamed_ttft_s"] for row in mine)
-        out.append(
-            {
-                "length": length,
-                "kv_mib": None if kv_bytes_per_token is None else round(length * kv_bytes_per_token / 2**20, 1),
-                "sequential_ttft_p50_s": round(sequential, 4),
-                "streamed_ttft_p50_s": round(streamed, 4),
-                "streamed_vs_sequential": round(streamed / sequential, 3),
-                "tokens_equal": all(row["tokens_equal"] for row in mine),
-                "requests": len(mine),
-            }
-        )
+        summary = {
+            "length": length,
+            "kv_mib": None if kv_bytes_per_token is None else round(length * kv_bytes_per_token / 2**20, 1),
+            "sequential_ttft_p50_s": round(sequential, 4),
+            "streamed_ttft_p50_s": round(streamed, 4),
+            "streamed_vs_sequential": round(streamed / sequential, 3),
+            "tokens_equal": all(row["tokens_equal"] for row in mine),
+            "requests": len(mine),
+        }
+        theirs = [row for row in nixl if row["length"] == length]
+        if theirs:
+            nixl_ttft = statistics.median(row["sequential_ttft_s"] for row in theirs)
+            summary["nixl_ttft_p50_s"] = round(nixl_ttft, 4)
+            summary["streamed_vs_nixl"] = round(streamed / nixl_ttft, 3)
+            summary["sequential_vs_nixl"] = round(sequential / nixl_ttft, 3)
+            summary["nixl_tokens_equal_ours"] = [row["tokens"] for row in theirs] == [row["tokens"] for row in mine]
+        out.append(summary)
     return out
 
 
@@ -149,17 +174,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             net = None
         result["path"] = "loopback" if net is None else "veth"
         result["wire_gbit"] = args.wire_gbit
-        servers = _servers(model, logs, net, args.python, args.kvcache_gib)
-        try:
-            for server in servers:
-                server.start()
-            wait_ready(servers, STARTUP_TIMEOUT_S)
-            rows = asyncio.run(_sitting(servers[0].url, servers[1].url, model, lengths, args.requests))
-        finally:
-            stop_all(servers)
-    result["rows"] = rows
-    result["summary"] = _summary(rows, lengths, _kv_bytes_per_token(model))
+        rows = _phase(_servers(model, logs, net, args.python, args.kvcache_gib), model, lengths, args.requests)
+        nixl: list[dict[str, Any]] = []
+        if args.nixl:  # after ours, never beside it: four servers on two cores would measure their contention
+            servers = _servers(model, logs, net, args.python, args.kvcache_gib, nixl=True)
+            nixl = _phase(servers, model, lengths, args.requests, modes=(False,))
+    result["rows"], result["nixl_rows"] = rows, nixl
+    result["summary"] = _summary(rows, nixl, lengths, _kv_bytes_per_token(model))
+    for each in (*rows, *nixl):
+        each.pop("tokens", None)
     return result
+
+
+def _phase(
+    servers: list[ManagedProcess],
+    model: str,
+    lengths: tuple[int, ...],
+    requests: int,
+    modes: tuple[bool, ...] = (False, True),
+) -> list[dict[str, Any]]:
+    """``servers`` started, the sitting run through them, stopped."""
+    try:
+        for server in servers:
+            server.start()
+        wait_ready(servers, STARTUP_TIMEOUT_S)
+        return asyncio.run(_sitting(servers[0].url, servers[1].url, model, lengths, requests, modes))
+    finally:
+        stop_all(servers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs vLLM (this one)")
     parser.add_argument("--log-dir", default=None, help="server logs (runs/bench-vllm-stream-TIMESTAMP)")
     parser.add_argument("--no-netns", dest="netns", action="store_false", help="both servers on this host")
+    parser.add_argument(
+        "--nixl", action="store_true", help="then a NixlConnector pair on the same wire, sequential (UCX on TCP)"
+    )
     add_wire_argument(parser)
 
 
@@ -188,5 +232,10 @@ def cli_run(args: argparse.Namespace) -> int:
                 f"{row['length']:5d} tokens ({row['kv_mib']} MiB): sequential {row['sequential_ttft_p50_s']:.3f} s,"
                 f" streamed {row['streamed_ttft_p50_s']:.3f} s = {row['streamed_vs_sequential']} x;"
                 f" tokens equal {row['tokens_equal']}"
+                + (
+                    f"; NixlConnector {row['nixl_ttft_p50_s']:.3f} s (streamed / it {row['streamed_vs_nixl']})"
+                    if "nixl_ttft_p50_s" in row
+                    else ""
+                )
             )
     return 0
