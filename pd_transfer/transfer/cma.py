@@ -82,6 +82,14 @@ def plan_calls(
     ]
 
 
+def entries_of(addresses: np.ndarray, lengths: np.ndarray | int) -> np.ndarray:
+    """An :data:`IOVEC` array of rows at ``addresses`` of ``lengths`` bytes (one length for all, or one each)."""
+    entries = np.empty(len(addresses), dtype=IOVEC)
+    entries["base"] = addresses
+    entries["length"] = lengths
+    return entries
+
+
 def merged_rows(addresses: np.ndarray, row_bytes: int) -> np.ndarray:
     """The rows of ``row_bytes`` at ``addresses`` as :data:`IOVEC` entries in the same order, rows right after each
     other merged into one entry."""
@@ -104,10 +112,7 @@ def _entries(
 ) -> tuple[np.ndarray, list[int]]:
     """(the iovec entries of every run, in order; where each call's entries start, and a last bound)."""
     if breaks.all():  # no run of two rows: an entry per row
-        entries = np.empty(len(addresses), dtype=IOVEC)
-        entries["base"] = addresses
-        entries["length"] = row_bytes
-        return entries, [*firsts.tolist(), len(addresses)]
+        return entries_of(addresses, row_bytes), [*firsts.tolist(), len(addresses)]
     starts = np.flatnonzero(breaks)
     entries = np.empty(len(starts), dtype=IOVEC)
     entries["base"] = addresses[starts]

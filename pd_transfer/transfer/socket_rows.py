@@ -56,14 +56,6 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def entries_of(addresses: np.ndarray, lengths: np.ndarray | int) -> np.ndarray:
-    """An :data:`IOVEC` array of rows at ``addresses`` of ``lengths`` bytes (one length for all, or one each)."""
-    entries = np.empty(len(addresses), dtype=IOVEC)
-    entries["base"] = addresses
-    entries["length"] = lengths
-    return entries
-
-
 def send_rows(sock: socket.socket, rows: np.ndarray) -> int:
     """Send the bytes of ``rows`` (:data:`IOVEC`, read while sent: keep them unchanged) in order; the bytes sent."""
     return _move(sock, rows, "sendmsg", _MSG_NOSIGNAL)

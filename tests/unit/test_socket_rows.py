@@ -26,9 +26,9 @@ from types import FrameType
 import numpy as np
 import pytest
 
-from pd_transfer.transfer.cma import IOVEC, merged_rows
+from pd_transfer.transfer.cma import IOVEC, entries_of, merged_rows
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError, TransferTimeout
-from pd_transfer.transfer.socket_rows import IOV_MAX, entries_of, receive_rows, send_rows, set_send_timeout
+from pd_transfer.transfer.socket_rows import IOV_MAX, receive_rows, send_rows, set_send_timeout
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the msghdr layout is Linux's")
 

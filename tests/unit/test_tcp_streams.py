@@ -32,9 +32,8 @@ from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.verify import logical, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.agent_protocol import AgentFactory
-from pd_transfer.transfer.cma import IOVEC
+from pd_transfer.transfer.cma import IOVEC, entries_of
 from pd_transfer.transfer.errors import TransferError
-from pd_transfer.transfer.socket_rows import entries_of
 
 LAYERS = 4
 MODEL = ModelFingerprint(model="tcp-streams", dtype="float16", num_layers=LAYERS, total_num_kv_heads=2, head_size=16)

@@ -45,10 +45,9 @@ from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.agent_protocol import AgentFactory
-from pd_transfer.transfer.cma import IOVEC
+from pd_transfer.transfer.cma import IOVEC, entries_of
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError, TransferTimeout
-from pd_transfer.transfer.socket_rows import entries_of
 
 MODEL = ModelFingerprint(model="tcp-transport", dtype="float16", num_layers=2, total_num_kv_heads=2, head_size=16)
 LAYOUT = KVCacheLayout(fingerprint=MODEL, tp_size=1, tp_rank=0, block_size=16)
