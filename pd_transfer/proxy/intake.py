@@ -100,6 +100,15 @@ def decode_json(raw: bytes) -> Any:
     except RecursionError:
         raise Rejected(400, "invalid_json", "the request body is nested too deeply") from None
     except UnicodeDecodeError as e:
-        raise Rejected(400, "invalid_json", f"the request body is not valid UTF-8 (byte {e.start})") from None
+        raise not_utf8(e) from None
     except (msgspec.DecodeError, ValueError) as e:
+        try:  # msgspec 0.22 raises UnicodeDecodeError for bad UTF-8, later ones a DecodeError: name it the same
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise not_utf8(bad) from None
         raise Rejected(400, "invalid_json", f"the request body is not valid JSON: {clipped(str(e), 120)}") from None
+
+
+def not_utf8(e: UnicodeDecodeError) -> Rejected:
+    """The 400 for a body that is not UTF-8, naming the first bad byte's offset."""
+    return Rejected(400, "invalid_json", f"the request body is not valid UTF-8 (byte {e.start})")
