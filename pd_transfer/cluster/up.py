@@ -436,6 +436,8 @@ def proxy_command(args: argparse.Namespace, planned: Sequence[PlannedServer], ba
         command += [f"--{role}-policy", policy_of(args, role)]
     if args.max_local_prefill:
         command += ["--max-local-prefill", str(args.max_local_prefill)]
+        if args.local_prefill_max_busy:
+            command += ["--local-prefill-max-busy", str(args.local_prefill_max_busy)]
     if args.stream_kv:
         command += ["--stream-kv"]
     if kv_event_roles(args):

@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " prefilled by that decode, no prefill hop (needs a decode policy reading KV events, kv_aware; default 0: off)",
     )
     parser.add_argument(
+        "--local-prefill-max-busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --max-local-prefill: a decode with N or more requests in flight leaves the prompt to a prefill with"
+        " fewer (default 0: load not weighed)",
+    )
+    parser.add_argument(
         "--stream-kv",
         action="store_true",
         help="streamed P/D: the proxy sends both legs at once and the decode streams each layer as the prefill writes"
@@ -196,6 +204,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         problems.append(f"--stream-kv streams over the tcp transport: --transport {args.transport} names none")
     if args.max_local_prefill < 0:
         problems.append(f"--max-local-prefill must be >= 0 tokens, not {args.max_local_prefill}")
+    if args.local_prefill_max_busy < 0:
+        problems.append(f"--local-prefill-max-busy must be >= 0 requests, not {args.local_prefill_max_busy}")
     policies = {role: policy_of(args, role) for role in registry.ROLES}
     routing_problems = registry.problems(policies, local_prefill=args.max_local_prefill > 0)
     problems += routing_problems  # the proxy's own check of its policies and what they need

@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hop and no transfer; needs --decode-policy kv_aware and the decodes' KV events (default 0: off)",
     )
     parser.add_argument(
+        "--local-prefill-max-busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --max-local-prefill: a decode with N or more requests in flight leaves the prompt to the prefill "
+        "hop when a prefill has fewer than N (default 0: load not weighed)",
+    )
+    parser.add_argument(
         "--health-interval",
         type=float,
         default=5.0,
@@ -261,6 +269,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         policy=args.policy,
         short_prompt_tokens=args.short_prompt_tokens,
         max_local_prefill_tokens=args.max_local_prefill,
+        local_prefill_max_busy=args.local_prefill_max_busy,
         stream_kv=args.stream_kv,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,

@@ -48,6 +48,8 @@ class ProxyConfig:
     # this many tokens of is prefilled by that decode, no prefill hop; needs a decode policy reading the engines' KV
     # events (kv_aware); 0: off
     max_local_prefill_tokens: int = 0
+    # ... unless that decode has this many requests in flight or more and a prefill fewer (0: load not weighed)
+    local_prefill_max_busy: int = 0
     # streamed P/D (issue 41): both legs at once, the decode streaming the KV layer by layer from the prefill as it
     # computes it (engines with the tcp transport); a prefill's first request goes the sequential way (its answer
     # names its engine)

@@ -47,7 +47,10 @@ def test_kv_aware_fronts_read_the_prefills_event_streams() -> None:
     local = our_command(cluster, "kv_aware_local", 9, max_local_prefill=128)
     assert "http://127.0.0.1:3=tcp://c:1,tcp://c:2" in local and "http://127.0.0.1:1=tcp://a:1,tcp://a:2" in local
     assert local[local.index("--decode-policy") + 1] == local[local.index("--prefill-policy") + 1] == "kv_aware"
-    assert local[local.index("--max-local-prefill") + 1] == "128"
+    assert local[local.index("--max-local-prefill") + 1] == "128" and "--local-prefill-max-busy" not in local
+    # kv_aware_local_busy: the same, weighing the decode's load
+    busy = our_command(cluster, "kv_aware_local_busy", 9, max_local_prefill=128, max_busy=3)
+    assert busy[busy.index("--local-prefill-max-busy") + 1] == "3" and busy[: len(local)] == local
     theirs = their_command("vllm-router", cluster, "kv_aware", 9)
     assert theirs[theirs.index("--prefill-policy") + 1] == "kv_aware" and "--policy" not in theirs
     assert "http://127.0.0.1:2=tcp://b:1" in theirs

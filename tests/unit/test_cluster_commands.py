@@ -313,3 +313,11 @@ def test_up_kv_aware_turns_on_the_engines_events_and_wires_them_to_the_proxy(tmp
     assert validate(parser.parse_args(["--max-local-prefill", "-1"])) == [
         "--max-local-prefill must be >= 0 tokens, not -1"
     ]
+    busy = parser.parse_args(["--routing", "kv_aware", "--max-local-prefill", "256", "--local-prefill-max-busy", "2"])
+    assert validate(busy) == []
+    busy_proxy = proxy_command(busy, plan_servers(busy, MODEL_DIR, "tiny", tmp_path), {})
+    assert flag_value(busy_proxy, "--local-prefill-max-busy") == "2"
+    assert "--local-prefill-max-busy" not in proxy_command(local, planned, {})
+    assert validate(parser.parse_args(["--local-prefill-max-busy", "-1"])) == [
+        "--local-prefill-max-busy must be >= 0 requests, not -1"
+    ]

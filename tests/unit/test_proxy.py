@@ -722,6 +722,8 @@ def test_vllm_routers_name_of_the_shared_tier_credit_is_taken_too() -> None:
     base = ["--prefill", "http://p", "--decode", "http://d"]
     assert config_from_args(parser.parse_args([*base, "--kv-penalty-external", "0.5"]), {}).kv_penalty_shared == 0.5
     assert config_from_args(parser.parse_args([*base, "--kv-penalty-shared", "0.4"]), {}).kv_penalty_shared == 0.4
+    busy = config_from_args(parser.parse_args([*base, "--local-prefill-max-busy", "3"]), {})
+    assert busy.local_prefill_max_busy == 3
 
 
 def test_the_proxy_takes_the_secret_from_the_environment_variable_it_is_named_by() -> None:

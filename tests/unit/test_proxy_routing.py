@@ -161,6 +161,8 @@ def test_local_prefill_without_the_decodes_events_is_refused() -> None:
             )
     with pytest.raises(ValueError, match="must be >= 0"):
         Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"], max_local_prefill_tokens=-1))
+    with pytest.raises(ValueError, match="--local-prefill-max-busy must be >= 0 requests"):
+        Proxy(ProxyConfig(prefill=["http://p"], decode=["http://d"], local_prefill_max_busy=-1))
 
 
 def test_a_tokenize_past_its_timeout_falls_back_and_is_counted() -> None:

@@ -252,3 +252,29 @@ def test_local_prefill_takes_the_decode_holding_all_but_at_most_its_bound() -> N
     assert local.decode_for([], completion(history[:38])) is None
     with pytest.raises(ValueError, match="at least 1 token"):
         LocalPrefill(index, hasher, max_tokens=0)
+
+
+def test_local_prefill_leaves_a_busy_decodes_request_to_a_prefill_with_a_short_queue() -> None:
+    """Issue 41 item 6: with ``max_busy`` 2, a decode with 2 requests in flight or more takes no local prefill while a
+    prefill has fewer than 2; when every prefill is as busy, or with no prefill to go to, it still does; 0 weighs no
+    load."""
+    hasher = BlockHasher("sha256", None, block_size=4)
+    index = KvIndex(max_blocks=1000, routed_ttl_s=5.0, clock=lambda: 0.0)
+    history = list(range(32))
+    index.stored("http://d0", hasher.hashes(history), "GPU")
+    decode, prefills = Node("http://d0"), [Node("http://p0"), Node("http://p1")]
+    weighing = LocalPrefill(index, hasher, max_tokens=8, max_busy=2)
+    prompt = completion([*history, 1, 2])
+    decode.in_flight = 1  # below the bound: taken
+    assert weighing.decode_for([decode], prompt, prefills) is not None
+    decode.in_flight = 2
+    prefills[0].in_flight, prefills[1].in_flight = 2, 1  # p1's queue is short: the prefill hop
+    assert weighing.decode_for([decode], prompt, prefills) is None
+    prefills[1].in_flight = 3  # every prefill as busy: the decode still takes it
+    chosen = weighing.decode_for([decode], prompt, prefills)
+    assert chosen is not None and chosen.reason == "local_prefill"
+    assert weighing.decode_for([decode], prompt, []) is not None  # no healthy prefill
+    prefills[1].in_flight = 0
+    assert LocalPrefill(index, hasher, max_tokens=8).decode_for([decode], prompt, prefills) is not None  # off
+    with pytest.raises(ValueError, match="busy bound"):
+        LocalPrefill(index, hasher, max_tokens=8, max_busy=-1)

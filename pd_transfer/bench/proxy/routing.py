@@ -71,8 +71,9 @@ BLOCK = 32  # vLLM-CPU's attention takes multiples of 32 only
 READY_LINE = "Ctrl-C stops the cluster."
 FRONT_START_S = 120.0
 REQUEST_TIMEOUT_S = 300.0
-OURS = ("round_robin", "cache_aware", "kv_aware", "kv_aware_local")
+OURS = ("round_robin", "cache_aware", "kv_aware", "kv_aware_local", "kv_aware_local_busy")
 MAX_LOCAL_PREFILL = 256  # kv_aware_local: tokens a decode computes of a prompt it holds the rest of
+LOCAL_PREFILL_MAX_BUSY = 2  # kv_aware_local_busy: requests in flight from which a decode leaves it to a prefill
 ROUTER = ("round_robin", "cache_aware", "kv_aware")
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -261,11 +262,19 @@ def up_cluster(
                 process.wait(10)
 
 
-def our_command(cluster: Cluster, policy: str, port: int, max_local_prefill: int = MAX_LOCAL_PREFILL) -> list[str]:
+def our_command(
+    cluster: Cluster,
+    policy: str,
+    port: int,
+    max_local_prefill: int = MAX_LOCAL_PREFILL,
+    max_busy: int = LOCAL_PREFILL_MAX_BUSY,
+) -> list[str]:
     """Our proxy with ``policy`` on the prefills (``kv_aware_local``: ``kv_aware`` on both roles and local
-    prefills of up to ``max_local_prefill`` tokens), round robin on the decode otherwise."""
+    prefills of up to ``max_local_prefill`` tokens; ``kv_aware_local_busy``: the same, weighing load: a decode with
+    ``max_busy`` requests in flight or more leaves the prompt to a prefill with fewer), round robin on the decode
+    otherwise."""
     command = [sys.executable, "-m", "pd_transfer.proxy", "--prefill", *cluster.prefills, "--decode", *cluster.decodes]
-    local = policy == "kv_aware_local"
+    local = policy.startswith("kv_aware_local")
     prefill_policy = "kv_aware" if local else policy
     command += ["--port", str(port), "--prefill-policy", prefill_policy]
     command += ["--decode-policy", "kv_aware" if local else "round_robin"]
@@ -278,6 +287,8 @@ def our_command(cluster: Cluster, policy: str, port: int, max_local_prefill: int
             command += ["--kv-event-source", f"{url}={endpoint},{replay}"]
     if local:
         command += ["--max-local-prefill", str(max_local_prefill)]
+    if policy == "kv_aware_local_busy":
+        command += ["--local-prefill-max-busy", str(max_busy)]
     return command
 
 
@@ -420,7 +431,10 @@ def run_bench(
     router: str | None,
     kvcache_gib: float = KVCACHE_GIB,
     max_local_prefill: int = MAX_LOCAL_PREFILL,
+    max_busy: int = LOCAL_PREFILL_MAX_BUSY,
+    only: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """Each front over one cluster, one after another (``only``: those named ``FRONT:POLICY``; all when empty)."""
     started_utc = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load_before = os.getloadavg()
     results: list[dict[str, Any]] = []
@@ -430,9 +444,11 @@ def run_bench(
             fronts: list[tuple[str, str]] = [("ours", p) for p in OURS]
             fronts += [("vllm_router", p) for p in ROUTER] if router else []
             for k, (front, policy) in enumerate(fronts):
+                if only and f"{front}:{policy}" not in only:
+                    continue
                 port = free_port()
                 command = (
-                    our_command(cluster, policy, port, max_local_prefill)
+                    our_command(cluster, policy, port, max_local_prefill, max_busy)
                     if front == "ours"
                     else their_command(str(router), cluster, policy, port)
                 )
@@ -450,6 +466,7 @@ def run_bench(
             "block_size": BLOCK,
             "kvcache_gib": kvcache_gib,
             "max_local_prefill": max_local_prefill,
+            "local_prefill_max_busy": max_busy,
             "device": "cpu",
             "cpus": os.cpu_count(),
         },
@@ -479,6 +496,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"kv_aware_local: tokens the decode computes of a prompt it holds the rest of ({MAX_LOCAL_PREFILL})",
     )
+    parser.add_argument(
+        "--local-prefill-max-busy",
+        type=int,
+        default=LOCAL_PREFILL_MAX_BUSY,
+        metavar="N",
+        help=f"kv_aware_local_busy: requests in flight from which a decode leaves a prompt to a prefill with fewer"
+        f" ({LOCAL_PREFILL_MAX_BUSY})",
+    )
+    parser.add_argument(
+        "--fronts",
+        nargs="+",
+        default=[],
+        metavar="FRONT:POLICY",
+        choices=[*(f"ours:{p}" for p in OURS), *(f"vllm_router:{p}" for p in ROUTER)],
+        help="only these fronts, in the usual order (default: all)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900.0, metavar="S", help="the servers' startup (900)")
     parser.add_argument(
         "--vllm-router", default=None, metavar="PATH", help="vllm-router (default: found as bench proxy)"
@@ -493,10 +526,22 @@ def run(args: argparse.Namespace) -> int:
         print("bench routing: every workload size must be at least 1", file=sys.stderr)
         return 2
     router = None if args.no_router else find_router(args.vllm_router)
-    if not args.kvcache_gib > 0 or args.max_local_prefill < 1:
-        print("bench routing: --kvcache-gib and --max-local-prefill must be positive", file=sys.stderr)
+    if not args.kvcache_gib > 0 or args.max_local_prefill < 1 or args.local_prefill_max_busy < 1:
+        print(
+            "bench routing: --kvcache-gib, --max-local-prefill and --local-prefill-max-busy must be positive",
+            file=sys.stderr,
+        )
         return 2
-    report = run_bench(workload, args.model, args.startup_timeout, router, args.kvcache_gib, args.max_local_prefill)
+    report = run_bench(
+        workload,
+        args.model,
+        args.startup_timeout,
+        router,
+        args.kvcache_gib,
+        args.max_local_prefill,
+        args.local_prefill_max_busy,
+        args.fronts,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"written to {args.out}")

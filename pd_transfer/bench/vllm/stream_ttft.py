@@ -32,7 +32,7 @@ from pd_transfer.bench.transfer.netns import Veth, add_wire_argument, veth_or_re
 from pd_transfer.bench.vllm.pairs import NIXL_KV_TRANSFER_CONFIG
 from pd_transfer.bench.vllm.requests import make_prompt, vocab_size
 from pd_transfer.bench.vllm.scale import stream_completion
-from pd_transfer.cluster.http_client import answer_tokens, free_port
+from pd_transfer.cluster.http_client import answer_tokens, free_port, metric_value
 from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process, vllm_command, vllm_env
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 from pd_transfer.proxy.server import Proxy, ProxyConfig
@@ -40,6 +40,7 @@ from pd_transfer.settings import child_environment
 
 LENGTHS = (512, 1024, 1792)
 MAX_TOKENS = 4
+TAIL = "vllm:pd_transfer_stream_tail_seconds"  # the decode's histogram: last layer to usable KV, per streamed request
 STARTUP_TIMEOUT_S = 900.0
 
 
@@ -103,8 +104,13 @@ async def _sitting(
 
         def ask(prompt: list[int], stream_kv: bool, tag: str) -> dict[str, Any]:
             proxy.config.stream_kv = stream_kv  # read by the proxy per request
+            tails = _tails(decode) if stream_kv else None
             answer = stream_completion(url, model, prompt, MAX_TOKENS, None, tag)
-            return {"ttft_s": answer["ttft_s"], "tokens": answer_tokens(answer["events"])}
+            out = {"ttft_s": answer["ttft_s"], "tokens": answer_tokens(answer["events"])}
+            if tails is not None:  # reported with the decode's steps that generated the answer
+                total, count = (after - before for after, before in zip(_tails(decode), tails, strict=True))
+                out["tail_s"] = round(total / count, 4) if count > 0 else None
+            return out
 
         await asyncio.to_thread(ask, make_prompt(min(lengths), 1, vocab), False, "warm-up")
         for index in range(requests):
@@ -118,10 +124,18 @@ async def _sitting(
                 row: dict[str, Any] = {"length": length, "tokens": answers[modes[0]]["tokens"]}
                 for stream_kv, answer in answers.items():
                     row["streamed_ttft_s" if stream_kv else "sequential_ttft_s"] = answer["ttft_s"]
+                    if "tail_s" in answer:
+                        row["stream_tail_s"] = answer["tail_s"]
                 row["tokens_equal"] = all(answer["tokens"] == row["tokens"] for answer in answers.values())
                 rows.append(row)
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def _tails(decode: str) -> tuple[float, float]:
+    """The decode's ``vllm:pd_transfer_stream_tail_seconds`` (the last layer's arrival to usable KV, per streamed
+    request): its sum (s) and count."""
+    return metric_value(decode, TAIL + "_sum"), metric_value(decode, TAIL + "_count")
 
 
 def _summary(
@@ -138,6 +152,7 @@ def _summary(
             "sequential_ttft_p50_s": round(sequential, 4),
             "streamed_ttft_p50_s": round(streamed, 4),
             "streamed_vs_sequential": round(streamed / sequential, 3),
+            "stream_tail_p50_s": _median(row.get("stream_tail_s") for row in mine),
             "tokens_equal": all(row["tokens_equal"] for row in mine),
             "requests": len(mine),
         }
@@ -150,6 +165,12 @@ def _summary(
             summary["nixl_tokens_equal_ours"] = [row["tokens"] for row in theirs] == [row["tokens"] for row in mine]
         out.append(summary)
     return out
+
+
+def _median(values: Any) -> float | None:
+    """The median of the values that are not None, or None when there are none."""
+    known = [value for value in values if value is not None]
+    return round(statistics.median(known), 4) if known else None
 
 
 def _kv_bytes_per_token(model: str) -> int | None:

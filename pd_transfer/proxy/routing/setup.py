@@ -40,6 +40,10 @@ class Routing:
         self.metrics = metrics
         if config.max_local_prefill_tokens < 0:
             raise ValueError(f"--max-local-prefill must be >= 0 tokens (0: off), got {config.max_local_prefill_tokens}")
+        if config.local_prefill_max_busy < 0:
+            raise ValueError(
+                f"--local-prefill-max-busy must be >= 0 requests (0: off), got {config.local_prefill_max_busy}"
+            )
         policies = {role: config.policy_of(role) for role in ROLES}
         local_prefill = config.max_local_prefill_tokens > 0
         found = problems(policies, local_prefill=local_prefill, event_sources=bool(config.kv_event_sources))
@@ -70,7 +74,9 @@ class Routing:
         self.local_prefill: LocalPrefill | None = None
         if local_prefill and self.index is not None and self.hasher is not None:
             followed = {source.backend for source in self.sources}
-            self.local_prefill = LocalPrefill(self.index, self.hasher, config.max_local_prefill_tokens, followed)
+            self.local_prefill = LocalPrefill(
+                self.index, self.hasher, config.max_local_prefill_tokens, followed, config.local_prefill_max_busy
+            )
         #: The roles whose requests need the prompt's token ids (a text or chat prompt is tokenized for them).
         needing_ids = frozenset(role for role, needs in self.needs.items() if needs.token_ids)
         self.tokenize_roles = needing_ids if config.tokenize else frozenset()
