@@ -43,6 +43,7 @@ REMOTE, LOCAL, TOKENS = [9, 2, 30, 17], [4, 0, 21, 13], 16 * 3 + 5
 OTHER = [11, 12, 13, 14]  # where a preempted request is computed again
 WAIT_S = 10.0  # the bound on every wait here (each ends far sooner)
 PULL_S = 20.0  # a pull's own timeout, where it is not the point
+STEP_S, GAP_S = 1.0, 0.4  # a stream's timeout where it is the point, and the pause between two of its steps
 
 
 @pytest.fixture
@@ -189,6 +190,43 @@ def test_a_request_the_prefill_finished_first_is_streamed_at_once(
     assert received_correctly(decode.cache, LOCAL, prefill.expected(), REMOTE, TOKENS)
     assert stats.transport == "tcp" and stats.layers_streamed == LAYERS and stats.bytes > 0
     assert_lease_ended_as_read(prefill, "s-done")
+
+
+def test_a_stream_that_keeps_moving_outlasts_its_timeout(prefill: InProcessPrefill, decode: DecodeRank) -> None:
+    """The timeout bounds each step, not the whole stream: a request whose compute takes longer than it (each step
+    here comes ``GAP_S`` after the one before, six steps, the timeout ``STEP_S``) still streams whole."""
+    pace = threading.Event()  # never set: its timed waits are the prefill's compute
+    pull = Pull(decode, "s-long", prefill, timeout_s=STEP_S)
+    pull.until(lambda: len(stream_threads(prefill)) == 1, "the prefill serves the decode's watch")
+    began = time.monotonic()
+    pace.wait(GAP_S)
+    prefill.rank.computing("s-long", REMOTE)
+    for written in range(1, LAYERS + 1):
+        pace.wait(GAP_S)
+        prefill.rank.layers_written("s-long", written)
+        pull.until(partial(layer_arrived, decode, prefill, written - 1), f"layer {written - 1} arrives")
+    pace.wait(GAP_S)
+    prefill.rank.hold("s-long", REMOTE)
+    stats = pull.result()
+    assert time.monotonic() - began > STEP_S  # the whole stream took longer than the timeout
+    assert stats.layers_streamed == LAYERS
+    assert received_correctly(decode.cache, LOCAL, prefill.expected(), REMOTE, TOKENS)
+    assert_lease_ended_as_read(prefill, "s-long")
+
+
+def test_a_stream_that_stops_moving_fails_a_timeout_after_its_last_layer(
+    prefill: InProcessPrefill, decode: DecodeRank
+) -> None:
+    pull = Pull(decode, "s-stall", prefill, timeout_s=STEP_S)
+    prefill.rank.computing("s-stall", REMOTE)
+    prefill.rank.layers_written("s-stall", 1)
+    pull.until(lambda: layer_arrived(decode, prefill, 0), "layer 0 arrives")
+    arrived = time.monotonic()
+    error = pull.failure()  # layer 1 never written
+    assert isinstance(error, TransferError) and "not answered in time" in str(error)
+    assert STEP_S * 0.9 <= time.monotonic() - arrived < WAIT_S
+    reports = prefill.rank.wait_released("s-stall", WAIT_S)  # the decode said it gave up
+    assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
 
 
 # -------------------------------------------------------------------------------------------------------------- faults

@@ -45,10 +45,19 @@ STARTUP_TIMEOUT_S = 900.0
 
 
 def _servers(
-    model: str, logs: Path, net: Veth | None, python: str, kvcache_gib: float, nixl: bool = False
+    model: str,
+    logs: Path,
+    net: Veth | None,
+    python: str,
+    kvcache_gib: float,
+    nixl: bool = False,
+    batched_tokens: int | None = None,
 ) -> list[ManagedProcess]:
     """The prefill (in ``net``'s namespace when given) and the decode, not started: with PdTransferConnector over the
-    tcp transport, or (``nixl``) with vLLM's NixlConnector, UCX on TCP between them as between hosts."""
+    tcp transport, or (``nixl``) with vLLM's NixlConnector, UCX on TCP between them as between hosts;
+    ``batched_tokens``: vLLM's ``--max-num-batched-tokens`` (a prompt longer than it is computed in several steps,
+    and streams only at its hold)."""
+    batching = ("--max-num-batched-tokens", str(batched_tokens)) if batched_tokens else ()
     servers = []
     for index, role in enumerate(("prefill", "decode")):
         host = net.inner_address if net is not None and role == "prefill" else "127.0.0.1"
@@ -66,7 +75,7 @@ def _servers(
             max_model_len=2048 if Path(model).name == Path(TINY_MODEL_DIR).name else 4608,
             seed=0,
             eager=True,
-            extra_args=("--no-enable-prefix-caching",),  # each prompt goes both ways: neither may find it cached
+            extra_args=("--no-enable-prefix-caching", *batching),  # no prefix caching: each prompt goes both ways
         )
         name = f"nixl-{role}" if nixl else role
         server = (_nixl_server if nixl else server_process)(name, spec, logs / f"{name}.log", python=python)
@@ -195,10 +204,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             net = None
         result["path"] = "loopback" if net is None else "veth"
         result["wire_gbit"] = args.wire_gbit
-        rows = _phase(_servers(model, logs, net, args.python, args.kvcache_gib), model, lengths, args.requests)
+        result["max_num_batched_tokens"] = args.max_num_batched_tokens
+        ours = _servers(model, logs, net, args.python, args.kvcache_gib, batched_tokens=args.max_num_batched_tokens)
+        rows = _phase(ours, model, lengths, args.requests)
         nixl: list[dict[str, Any]] = []
         if args.nixl:  # after ours, never beside it: four servers on two cores would measure their contention
-            servers = _servers(model, logs, net, args.python, args.kvcache_gib, nixl=True)
+            servers = _servers(model, logs, net, args.python, args.kvcache_gib, True, args.max_num_batched_tokens)
             nixl = _phase(servers, model, lengths, args.requests, modes=(False,))
     result["rows"], result["nixl_rows"] = rows, nixl
     result["summary"] = _summary(rows, nixl, lengths, _kv_bytes_per_token(model))
@@ -233,6 +244,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs vLLM (this one)")
     parser.add_argument("--log-dir", default=None, help="server logs (runs/bench-vllm-stream-TIMESTAMP)")
     parser.add_argument("--no-netns", dest="netns", action="store_false", help="both servers on this host")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's, on every server (default: vLLM's, 2048 on CPU): a longer prompt is computed in several steps"
+        " and streams only at its hold",
+    )
     parser.add_argument(
         "--nixl", action="store_true", help="then a NixlConnector pair on the same wire, sequential (UCX on TCP)"
     )

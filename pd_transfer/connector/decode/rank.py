@@ -347,7 +347,9 @@ class DecodeRank:
         never computed again meanwhile): the KV is good when this returns, no confirmation to ask.
         ``request_id``: the prefill's id of the request, or the stream id both legs were given. ``skip_blocks``: the
         prefill's first blocks of it to leave out (a prefix this engine holds already). ``timeout_s`` (default
-        ``read_timeout_s``) bounds it all, the prefill's compute included.
+        ``read_timeout_s``) bounds the wait for the prefill to begin computing it, then each step after: a layer, or
+        the end, that does not come within ``timeout_s`` of the one before fails the stream (a long prompt whose
+        compute takes longer than ``timeout_s`` still streams while its layers keep coming).
 
         Raises ``StreamUnsupported`` where the engine's transport does not stream (wait for the prefill's params and
         :meth:`pull_confirmed` instead); ``ValueError`` for block ids that do not fit; a ``TransferError`` for a stream

@@ -162,10 +162,11 @@ class StreamingLink(Link, Protocol):
 
     def stream(self, request: StreamRequest, deadline: float) -> ReadTotals:
         """Learn ``request``'s blocks from its sources, then receive each layer's rows as the prefill writes them, fix
-        them up, tell the sources (``ReadDone``), all by ``deadline``. The prefill confirms the stream ended well (the
-        request held, in the generation streamed): no confirmation is asked after. A request its sources do not know
-        in time, one that ended or was computed again raises a ``TransferError`` (its bytes must not be used); block
-        ids that do not fit the plan ``ValueError``."""
+        them up, tell the sources (``ReadDone``): the request computing or held by ``deadline``, then each layer and
+        the end within that same span of the step before (a stream lasts as long as it moves). The prefill confirms
+        the stream ended well (the request held, in the generation streamed): no confirmation is asked after. A
+        request its sources do not know in time, one that ended or was computed again raises a ``TransferError`` (its
+        bytes must not be used); block ids that do not fit the plan ``ValueError``."""
         ...
 
 

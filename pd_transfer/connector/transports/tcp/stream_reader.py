@@ -22,7 +22,7 @@ from pd_transfer.transfer.errors import TransferError
 
 from ..requests import ReadTotals, StreamRequest
 from ..seam import DecodeSite, Source
-from .connection import TcpConnection
+from .connection import Pending, TcpConnection
 
 
 def stream_request(
@@ -35,8 +35,12 @@ def stream_request(
 ) -> tuple[ReadTotals, list[list[float]]]:
     """Stream ``request`` from the source ranks of ``plans`` (their ``connections``; rows straight into place, no
     fix-up after), tell ``sources`` it was read; returns its totals and when each source's layers arrived
-    (``perf_counter`` times). Raises as :meth:`~..seam.StreamingLink.stream` says."""
+    (``perf_counter`` times). The request must be computing or held by ``deadline``; from then on the stream lasts
+    as long as it moves: each layer, and the end after the last, within the same span (``deadline`` less the start)
+    of the one before (a prompt that takes the prefill longer than the span to compute still streams). Raises as
+    :meth:`~..seam.StreamingLink.stream` says."""
     started = time.perf_counter()
+    span_s = max(0.0, deadline - started)
     watches = [connection.watch(request.request_id, _left(deadline)) for connection in connections]
     blocks: list[tuple[list[int], int, str]] = []
     for connection, watch in zip(connections, watches, strict=True):
@@ -51,12 +55,13 @@ def stream_request(
         _layer_groups(plan, remote_ids[request.skip_blocks :], request, layer_of_plane)
         for plan, (remote_ids, _, _) in zip(plans, blocks, strict=True)
     ]  # every source's first: block ids that do not fit the plan raise before anything moves
+    posted = time.perf_counter()
     streams = [
-        connection.stream(request_id, generation, local, remote, layers, _left(deadline))
+        connection.stream(request_id, generation, local, remote, layers, span_s)
         for connection, (_, generation, _), (local, remote, layers) in zip(connections, blocks, cut, strict=True)
     ]
     for connection, stream in zip(connections, streams, strict=True):
-        connection.wait(stream, deadline)
+        _wait_moving(connection, stream, posted, span_s)
     read = time.perf_counter()
     site.tell_read(sources, request_id)
     done = time.perf_counter()
@@ -71,6 +76,19 @@ def stream_request(
         streamed_as=request_id,
     )
     return totals, [stream.arrived for stream in streams]
+
+
+def _wait_moving(connection: TcpConnection, stream: Pending, posted: float, span_s: float) -> None:
+    """Until ``stream`` ended, as :meth:`TcpConnection.wait`, its deadline ``span_s`` after its last layer arrived
+    (after ``posted`` before the first): past it with nothing arrived, the connection is dropped and the wait
+    raises."""
+    while True:
+        last = stream.arrived[-1] if stream.arrived else posted
+        if stream.done.wait(max(0.0, last + span_s - time.perf_counter())):
+            break
+        if (stream.arrived[-1] if stream.arrived else posted) == last:  # nothing came within the span
+            break
+    connection.wait(stream, last + span_s)
 
 
 def _left(deadline: float) -> float:
