@@ -28,6 +28,7 @@ __all__ = [
     "Pair",
     "bench_server",
     "idle_cpu_percent",
+    "nixl_server",
     "start_servers",
 ]
 
@@ -69,7 +70,7 @@ def _spec(role: str, model: str, max_model_len: int, kvcache_gib: float, extra_a
     )
 
 
-def _nixl_server(name: str, spec: ServerSpec, python: str, log_path: Path) -> ManagedProcess:
+def nixl_server(name: str, spec: ServerSpec, log_path: Path, *, python: str) -> ManagedProcess:
     """A server with vLLM's NixlConnector: its config on the command line, its side channel in the environment."""
     command = vllm_command(spec, python, connector=False)
     command += ["--kv-transfer-config", json.dumps(NIXL_KV_TRANSFER_CONFIG, separators=(",", ":"))]
@@ -97,7 +98,7 @@ def bench_server(
     name = role if connector is None else f"{connector}-{role}"
     log_path = log_dir / f"{name}.log"
     if connector == "nixl":
-        return _nixl_server(name, spec, python, log_path)
+        return nixl_server(name, spec, log_path, python=python)
     return server_process(name, spec, log_path, python=python, connector=connector == "ours")
 
 

@@ -29,14 +29,13 @@ from typing import Any
 
 from pd_transfer.affinity import allowed_cpu
 from pd_transfer.bench.transfer.netns import Veth, add_wire_argument, veth_or_reason
-from pd_transfer.bench.vllm.pairs import NIXL_KV_TRANSFER_CONFIG
+from pd_transfer.bench.vllm.pairs import nixl_server
 from pd_transfer.bench.vllm.requests import make_prompt, vocab_size
 from pd_transfer.bench.vllm.scale import stream_completion
 from pd_transfer.cluster.http_client import answer_tokens, free_port, metric_value
-from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process, vllm_command, vllm_env
+from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 from pd_transfer.proxy.server import Proxy, ProxyConfig
-from pd_transfer.settings import child_environment
 
 LENGTHS = (512, 1024, 1792)
 MAX_TOKENS = 4
@@ -78,22 +77,12 @@ def _servers(
             extra_args=("--no-enable-prefix-caching", *batching),  # no prefix caching: each prompt goes both ways
         )
         name = f"nixl-{role}" if nixl else role
-        server = (_nixl_server if nixl else server_process)(name, spec, logs / f"{name}.log", python=python)
+        server = (nixl_server if nixl else server_process)(name, spec, logs / f"{name}.log", python=python)
         device = (net.inner if role == "prefill" else net.outer) if net is not None else "lo"
         env = {**server.env, "UCX_NET_DEVICES": device, **({"UCX_TLS": "tcp,self"} if nixl else {})}
         command = ["ip", "netns", "exec", net.ns, *server.command] if net is not None and role == "prefill" else None
         servers.append(dataclasses.replace(server, env=env, command=command or server.command))
     return servers
-
-
-def _nixl_server(name: str, spec: ServerSpec, log_path: Path, *, python: str) -> ManagedProcess:
-    """A server with vLLM's NixlConnector: its config on the command line, its side channel in the environment."""
-    command = vllm_command(spec, python, connector=False)
-    command += ["--kv-transfer-config", json.dumps(dict(NIXL_KV_TRANSFER_CONFIG), separators=(",", ":"))]
-    env = vllm_env(spec, child_environment())
-    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
-    return ManagedProcess(name, command, env, log_path, spec.url)
 
 
 async def _sitting(
