@@ -75,6 +75,8 @@ OURS = ("round_robin", "cache_aware", "kv_aware", "kv_aware_local", "kv_aware_lo
 MAX_LOCAL_PREFILL = 256  # kv_aware_local: tokens a decode computes of a prompt it holds the rest of
 LOCAL_PREFILL_MAX_BUSY = 2  # kv_aware_local_busy: requests in flight from which a decode leaves it to a prefill
 ROUTER = ("round_robin", "cache_aware", "kv_aware")
+#: Every front, in the order they run: (front, policy); named ``FRONT:POLICY`` by ``--fronts``.
+FRONTS = (*(("ours", p) for p in OURS), *(("vllm_router", p) for p in ROUTER))
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 REPLY = "Understood. I have noted that and will keep it in mind for what follows."
@@ -441,10 +443,8 @@ def run_bench(
     with tempfile.TemporaryDirectory(prefix="pd-bench-routing-") as folder:
         work = Path(folder)
         with up_cluster(work, model, startup_s, kvcache_gib) as cluster:
-            fronts: list[tuple[str, str]] = [("ours", p) for p in OURS]
-            fronts += [("vllm_router", p) for p in ROUTER] if router else []
-            for k, (front, policy) in enumerate(fronts):
-                if only and f"{front}:{policy}" not in only:
+            for k, (front, policy) in enumerate(FRONTS):
+                if (only and f"{front}:{policy}" not in only) or (front == "vllm_router" and not router):
                     continue
                 port = free_port()
                 command = (
@@ -509,7 +509,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="FRONT:POLICY",
-        choices=[*(f"ours:{p}" for p in OURS), *(f"vllm_router:{p}" for p in ROUTER)],
+        choices=[f"{front}:{policy}" for front, policy in FRONTS],
         help="only these fronts, in the usual order (default: all)",
     )
     parser.add_argument("--startup-timeout", type=float, default=900.0, metavar="S", help="the servers' startup (900)")
