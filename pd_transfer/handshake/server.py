@@ -163,6 +163,12 @@ class HandshakeServer:
         return tcp_endpoint(self.host, self.port)
 
     @property
+    def used_nonces(self) -> int:
+        """Used server nonces remembered now (each until it expires; at most ``max_outstanding_nonces``). Any thread
+        may read it."""
+        return len(self._nonces)
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -379,7 +379,10 @@ def test_a_wrong_mac_does_not_use_up_the_nonce() -> None:
         forged = msgspec.structs.replace(request, mac=get_metadata_mac("not the secret", request))
         refused = raw.request(encode(forged))
         assert isinstance(refused, ErrorReply) and "MAC" in refused.message
+        assert server.used_nonces == 0  # the reply came after the server had checked: nothing stored
         signed = msgspec.structs.replace(request, mac=get_metadata_mac(SECRET, request))
         assert isinstance(raw.request(encode(signed)), Metadata)
+        assert server.used_nonces == 1
         replayed = raw.request(encode(signed))
         assert isinstance(replayed, ErrorReply) and "already used" in replayed.message
+        assert server.used_nonces == 1
