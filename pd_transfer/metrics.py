@@ -89,6 +89,13 @@ class TransferMetrics:
             ["when"],
             registry=r,
         )
+        self.digest_checks = Counter(
+            "pd_transfer_digest_checks",
+            "Groups of a request's rows (a layer's) a decode rank checked against the digests the prefill computed once"
+            " it held them, by outcome: equal, or mismatch (the read's first that differed: the KV is not used)",
+            ["outcome"],
+            registry=r,
+        )
         self.streamed_layers = Counter(
             "pd_transfer_streamed_layers",
             "Layers a decode rank received one by one from streaming prefills",

@@ -28,6 +28,7 @@ from typing import Literal
 import msgspec
 
 from pd_transfer.settings import PushMode, Settings
+from pd_transfer.transfer.digests import Verify
 
 FailurePolicy = Literal["fail", "recompute"]
 _NO_ENVIRONMENT: Mapping[str, str] = MappingProxyType({})
@@ -87,6 +88,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # by commas: built-in ones (nixl, cuda_ipc, host_ipc, host_cma) or "module:attribute" of a transport of your own
     # (pd_transfer.connector.transports.registry; docs/architecture.md, "Adding a transport")
     transport: str = "auto"
+    # decode: which groups of a request's rows it checks against the digests the prefill computed once it held them
+    # ("all", "sample": one in 8, turning with each request, "off"; pd_transfer.transfer.digests): a group that differs
+    # fails the read, and the request is recomputed as for a dead prefill (streams over tcp today)
+    verify: Verify = "sample"
 
     def __post_init__(self) -> None:
         problems = []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.settings import PushMode, Settings
+from pd_transfer.transfer.digests import Verify, groups_to_verify
 from pd_transfer.transfer.tcp import push_mode
 
 #: The connector's defaults, where a rank's knob is also a connector setting.
@@ -52,7 +53,9 @@ class DecodeOptions:
     ``push_landing_bytes``, copied into the cache after; None: where the cache is on a GPU; True on a host cache too
     (tests); False: a GPU cache is never pushed to. ``transport``: the transports engines are opened with, in order
     of preference ("auto": same-host IPC with engines that offer it, else NIXL; "nixl"; "ipc": same-host IPC or the
-    engine is refused; or names, :mod:`pd_transfer.connector.transports.registry`).
+    engine is refused; or names, :mod:`pd_transfer.connector.transports.registry`). ``verify``: which groups of rows
+    of a request a decode checks against the prefill's digests (:mod:`pd_transfer.transfer.digests`: "all", "sample",
+    "off"; streams over ``tcp`` today).
 
     A bad ``push`` is refused here (``ValueError``), before any agent is made.
     """
@@ -73,9 +76,11 @@ class DecodeOptions:
     push_staging: bool | None = None
     push_landing_bytes: int = DEFAULT_LANDING_BYTES
     transport: str = _CONNECTOR.transport
+    verify: Verify = _CONNECTOR.verify
 
     def __post_init__(self) -> None:
         push_mode(self.push, self.settings)  # raises ValueError for a mode that is none
+        groups_to_verify(self.verify, 0, 0)  # and for a verify mode that is none
 
     @property
     def push_mode(self) -> PushMode:
@@ -100,6 +105,7 @@ class DecodeOptions:
             confirm_timeout_s=config.confirm_timeout_s,
             push=config.push,
             transport=config.transport,
+            verify=config.verify,
         )
 
 

@@ -17,3 +17,8 @@ class PeerDisconnected(TransferError):
 
 class UnknownPeer(TransferError):
     """No remote agent of that name was added to this agent."""
+
+
+class DigestMismatch(TransferError):
+    """Bytes that arrived differ from those the prefill held (their digests differ, or it sent none it was asked
+    for): they must not be used; the message names the peer and the layer."""

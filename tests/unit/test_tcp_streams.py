@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from in_process_prefill import InProcessPrefill
 
 from pd_transfer.connector import messages
@@ -33,7 +34,8 @@ from pd_transfer.sim.verify import logical, received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.agent_protocol import AgentFactory
 from pd_transfer.transfer.cma import IOVEC, entries_of
-from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.digests import Verify
+from pd_transfer.transfer.errors import DigestMismatch, TransferError
 
 LAYERS = 4
 MODEL = ModelFingerprint(model="tcp-streams", dtype="float16", num_layers=LAYERS, total_num_kv_heads=2, head_size=16)
@@ -64,8 +66,8 @@ def decode(agent_factory: AgentFactory) -> Iterator[DecodeRank]:
         made.close()
 
 
-def decode_rank(agent_factory: AgentFactory) -> DecodeRank:
-    options = DecodeOptions(settings=DEFAULTS, transport="tcp")
+def decode_rank(agent_factory: AgentFactory, verify: Verify = "sample") -> DecodeRank:
+    options = DecodeOptions(settings=DEFAULTS, transport="tcp", verify=verify)
     cache = KVCache.allocate(LAYOUT, BLOCKS)
     return DecodeRank(
         f"stream-decode-{time.monotonic_ns()}", cache, options, metrics=TransferMetrics(), agent_factory=agent_factory
@@ -223,10 +225,75 @@ def test_a_stream_that_stops_moving_fails_a_timeout_after_its_last_layer(
     pull.until(lambda: layer_arrived(decode, prefill, 0), "layer 0 arrives")
     arrived = time.monotonic()
     error = pull.failure()  # layer 1 never written
-    assert isinstance(error, TransferError) and "not answered in time" in str(error)
+    # whichever side's bound ends first: the decode's, a step after layer 0 arrived, or the prefill's, a step after
+    # it sent layer 0 (it then refuses the stream)
+    assert isinstance(error, TransferError)
+    assert "not answered in time" in str(error) or "did not come in time" in str(error), error
     assert STEP_S * 0.9 <= time.monotonic() - arrived < WAIT_S
     reports = prefill.rank.wait_released("s-stall", WAIT_S)  # the decode said it gave up
     assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
+
+
+# ------------------------------------------------------------------------------------------------ digests (issue 42)
+def digest_checks(decode: DecodeRank, outcome: str) -> float:
+    value = decode.metrics.registry.get_sample_value("pd_transfer_digest_checks_total", {"outcome": outcome})
+    return value or 0.0
+
+
+def test_every_layer_checked_against_the_prefills_digests_under_verify_all(
+    prefill: InProcessPrefill, agent_factory: AgentFactory
+) -> None:
+    decode = decode_rank(agent_factory, verify="all")
+    try:
+        pull = Pull(decode, "s-all", prefill)
+        prefill.rank.computing("s-all", REMOTE)
+        prefill.rank.layers_written("s-all", LAYERS)
+        prefill.rank.hold("s-all", REMOTE)
+        assert pull.result().layers_streamed == LAYERS
+        assert received_correctly(decode.cache, LOCAL, prefill.expected(), REMOTE, TOKENS)
+        assert digest_checks(decode, "equal") == LAYERS and digest_checks(decode, "mismatch") == 0
+        assert_lease_ended_as_read(prefill, "s-all")
+    finally:
+        decode.close()
+
+
+def test_sampled_checks_turn_over_the_layers_from_request_to_request(
+    prefill: InProcessPrefill, decode: DecodeRank
+) -> None:
+    """``sample`` (the default) checks one layer a request here (4 layers: one in 4), another each time."""
+    for number in range(LAYERS):
+        request_id = f"s-sample-{number}"
+        prefill.rank.hold(request_id, REMOTE)
+        decode.pull_streamed(request_id, prefill.host, prefill.port, LOCAL, TOKENS, timeout_s=PULL_S)
+        assert digest_checks(decode, "equal") == number + 1
+    assert digest_checks(decode, "mismatch") == 0
+
+
+def test_a_layer_changed_after_it_was_sent_fails_the_stream_naming_the_layer(
+    prefill: InProcessPrefill, agent_factory: AgentFactory
+) -> None:
+    """Layer 0 goes out as soon as it is written; then a byte of it changes in the prefill's cache before the request
+    is held (as if it went out before its KV was whole): the decode's copy differs from the prefill's digest at the
+    hold, so the stream fails, naming the layer; the prefill is told and holds nothing after."""
+    decode = decode_rank(agent_factory, verify="all")
+    try:
+        pull = Pull(decode, "s-changed", prefill)
+        prefill.rank.computing("s-changed", REMOTE)
+        prefill.rank.layers_written("s-changed", 1)
+        pull.until(lambda: layer_arrived(decode, prefill, 0), "layer 0 arrives")
+        cache = prefill.rank.cache
+        first = min(range(len(cache.regions)), key=lambda index: cache.regions[index].layer)
+        cache.tensors[first][REMOTE[0]].view(torch.uint8).view(-1)[0] ^= 0xFF  # its first token's first byte
+        prefill.rank.layers_written("s-changed", LAYERS)
+        prefill.rank.hold("s-changed", REMOTE)
+        error = pull.failure()
+        assert isinstance(error, DigestMismatch) and "layer 0 " in str(error), error
+        assert digest_checks(decode, "mismatch") == 1
+        reports = prefill.rank.wait_released("s-changed", WAIT_S)
+        assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
+        assert prefill.rank.ledger.blocks_held == 0
+    finally:
+        decode.close()
 
 
 # -------------------------------------------------------------------------------------------------------------- faults
@@ -385,7 +452,16 @@ def test_hostile_stream_frames_are_refused_and_the_connection_goes_on(prefill: I
         assert raw.receive_bytes(len(first_bytes)) == first_bytes
         assert expect(receive_frame(raw.sock), "layer", int, int, int) == [102, 1, len(second_bytes)]
         assert raw.receive_bytes(len(second_bytes)) == second_bytes
-        assert expect(receive_frame(raw.sock), "end", int) == [102]
+        assert expect(receive_frame(raw.sock), "end", int) == [102]  # a decode before issue 42: no digests
+        for index, verify in enumerate([[2], [-1], [0, 0], [True], ["0"]], start=110):  # ninth field: verify
+            answer = raw.ask(["stream", index, "s-raw", generation, rows, [1, 2], [0, 1], WAIT_S, verify])
+            assert answer[:2] == ["refused", index] and "verify names groups" in answer[2], answer
+        assert raw.ask(["stream", 104, "s-raw", generation, rows, [1, 2], [0, 1], WAIT_S, [1]])[:3] == ["layer", 104, 0]
+        assert raw.receive_bytes(len(first_bytes)) == first_bytes
+        assert expect(receive_frame(raw.sock), "layer", int, int, int) == [104, 1, len(second_bytes)]
+        assert raw.receive_bytes(len(second_bytes)) == second_bytes
+        assert expect(receive_frame(raw.sock), "digests", int, list) == [104, [xxhash.xxh3_64_intdigest(second_bytes)]]
+        assert expect(receive_frame(raw.sock), "end", int) == [104]
         answer = raw.ask(["stream", 103, "s-raw", generation + 1, rows, [1, 2], [0, 1], WAIT_S])
         assert answer[:2] == ["refused", 103] and "computed again" in answer[2]  # a generation it is not in
     finally:

@@ -10,9 +10,15 @@ Each round's time runs from sending the prefill its request to the decode holdin
 modes alternated. Across a veth into a network namespace where one can be made (two hosts on one wire), shaped to
 ``--wire-gbit`` if given; else on loopback.
 
+Streamed requests are checked against the prefill's digests as a decode of each ``--verify`` mode checks them (issue
+42: ``off``, ``sample``, the default, and ``all``; one decode rank a mode, its own cache), each mode a streamed round
+of its own beside the sequential one: what the checks cost is read off side by side.
+
 Reported per prompt length: the prefill's compute, the sequential transfer alone and its ratio to the compute (where
-the run sits), both modes' p50 and their ratio, and the streamed tail: from the prefill's last layer to the decode
-holding the request, against one layer's transfer (the sequential transfer / layers) + 50 ms. Seconds throughout.
+the run sits), the sequential p50, each verify mode's streamed p50 and its ratio to the sequential one (the default
+mode's as ``streamed_p50_s``), each mode's against ``off`` (``verify_cost``), and the streamed tail: from the
+prefill's last layer to the decode holding the request, against one layer's transfer (the sequential transfer /
+layers) + 50 ms. Seconds throughout.
 """
 
 from __future__ import annotations
@@ -35,10 +41,13 @@ from pd_transfer.settings import Settings, apply_process_defaults, process_envir
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import received_correctly
+from pd_transfer.transfer.digests import VERIFY_MODES, Verify
 
 from .netns import Veth, add_wire_argument, veth_or_reason
 
 PROMPTS = (512, 2048, 4096)
+#: The verify mode whose streamed figures are the run's headline (the decode's default).
+DEFAULT_VERIFY: Verify = DecodeOptions.verify
 #: A tail within one layer's transfer and this much (s) meets the issue's bound.
 TAIL_ALLOWANCE_S = 0.050
 _TIMEOUT_S = 300.0
@@ -52,25 +61,37 @@ def run(
     netns: bool,
     wire_gbit: float | None,
     settings: Settings,
+    verify: tuple[Verify, ...] = VERIFY_MODES,
 ) -> dict[str, Any]:
     """The benchmark (see the module's docstring); the veth's reason where it could not be built."""
     shape = replace(Shape(), request_tokens=max(prompts), cache_blocks=-(-max(prompts) // Shape().block_size) + 2)
-    result: dict[str, Any] = {"shape": asdict(shape), "compute_us_per_token": compute_us_per_token, "rounds": rounds}
+    result: dict[str, Any] = {
+        "shape": asdict(shape),
+        "compute_us_per_token": compute_us_per_token,
+        "rounds": rounds,
+        "verify": list(verify),
+    }
     if not netns:
         result["path"] = "loopback"
-        result["prompts"] = _prompts(shape, prompts, rounds, compute_us_per_token, None, settings)
+        result["prompts"] = _prompts(shape, prompts, rounds, compute_us_per_token, None, settings, verify)
         return result
     with veth_or_reason(wire_gbit) as net:
         if isinstance(net, str):
             return {**result, "skipped": net}
         result["path"], result["wire_gbit"] = "veth", wire_gbit
         with process_environment({"UCX_NET_DEVICES": net.outer}):
-            result["prompts"] = _prompts(shape, prompts, rounds, compute_us_per_token, net, settings)
+            result["prompts"] = _prompts(shape, prompts, rounds, compute_us_per_token, net, settings, verify)
     return result
 
 
 def _prompts(
-    shape: Shape, prompts: tuple[int, ...], rounds: int, compute_us: float, net: Veth | None, settings: Settings
+    shape: Shape,
+    prompts: tuple[int, ...],
+    rounds: int,
+    compute_us: float,
+    net: Veth | None,
+    settings: Settings,
+    verify: tuple[Verify, ...],
 ) -> list[dict[str, Any]]:
     settings = apply_process_defaults(settings, net_devices="lo")
     torch.set_num_threads(1)
@@ -87,20 +108,24 @@ def _prompts(
     )
     with PrefillProcess(spec) as prefill:
         expected = spec.caches()
-        cache = KVCache.allocate(layout, shape.cache_blocks)
-        decode = DecodeRank("bench-stream-decode", cache, DecodeOptions(settings=settings, transport="tcp"))
+        decodes: dict[Verify, DecodeRank] = {}
         try:
-            decode.connect(prefill.host, prefill.port)
+            for mode in verify:
+                cache = KVCache.allocate(layout, shape.cache_blocks)
+                options = DecodeOptions(settings=settings, transport="tcp", verify=mode)
+                decodes[mode] = DecodeRank(f"bench-stream-decode-{mode}", cache, options)
+                decodes[mode].connect(prefill.host, prefill.port)
             return [
-                _prompt(decode, prefill, expected, shape, tokens, rounds, compute_us * tokens / shape.num_layers / 1e6)
+                _prompt(decodes, prefill, expected, shape, tokens, rounds, compute_us * tokens / shape.num_layers / 1e6)
                 for tokens in prompts
             ]
         finally:
-            decode.close()
+            for decode in decodes.values():
+                decode.close()
 
 
 def _prompt(
-    decode: DecodeRank,
+    decodes: dict[Verify, DecodeRank],
     prefill: PrefillProcess,
     expected: list[KVCache],
     shape: Shape,
@@ -112,13 +137,15 @@ def _prompt(
     remote_ids = list(range(blocks))
     local_ids = list(range(2, 2 + blocks))[::-1]  # another order: rows land scattered
     sequential: list[dict[str, float]] = []
-    streamed: list[dict[str, float]] = []
+    streamed: dict[Verify, list[dict[str, float]]] = {mode: [] for mode in decodes}
+    runs = [("sequential", next(iter(decodes.values())), sequential)]
+    runs += [("streamed", decode, streamed[mode]) for mode, decode in decodes.items()]
     verified = True
     for index in range(rounds + 1):  # the first round of each mode warms up, not counted
-        for mode, into in (("sequential", sequential), ("streamed", streamed)):
+        for mode, decode, into in runs:
             for tensor in decode.cache.tensors:  # each round checked on what it wrote itself
                 tensor.zero_()
-            request_id = f"bench-stream-{tokens}-{mode}-{index}"
+            request_id = f"bench-stream-{tokens}-{mode}-{decode.agent.name}-{index}"
             timing = _round(decode, prefill, mode, request_id, remote_ids, local_ids, tokens, layer_s)
             verified = verified and received_correctly(decode.cache, local_ids, expected, remote_ids, tokens)
             if index:
@@ -173,15 +200,30 @@ def _round(
 
 
 def _summary(
-    tokens: int, shape: Shape, sequential: list[dict[str, float]], streamed: list[dict[str, float]], verified: bool
+    tokens: int,
+    shape: Shape,
+    sequential: list[dict[str, float]],
+    by_mode: dict[Verify, list[dict[str, float]]],
+    verified: bool,
 ) -> dict[str, Any]:
     def p50(rows: list[dict[str, float]], key: str) -> float:
         return round(statistics.median(row[key] for row in rows), 4)
 
+    streamed = by_mode.get(DEFAULT_VERIFY) or next(iter(by_mode.values()))
     transfer = p50(sequential, "transfer_s")
     compute = p50(sequential + streamed, "compute_s")
     one_layer = transfer / shape.num_layers
     tail = p50(streamed, "tail_s")
+    off = p50(by_mode["off"], "total_s") if "off" in by_mode else None
+    modes = {
+        mode: {
+            "streamed_p50_s": p50(rows, "total_s"),
+            "streamed_vs_sequential": round(p50(rows, "total_s") / p50(sequential, "total_s"), 3),
+            "tail_p50_s": p50(rows, "tail_s"),
+            "verify_cost": round(p50(rows, "total_s") / off, 3) if off else None,
+        }
+        for mode, rows in by_mode.items()
+    }
     return {
         "tokens": tokens,
         "bytes": tokens * shape.num_layers * 2 * shape.num_kv_heads * shape.head_size * 2,
@@ -196,6 +238,7 @@ def _summary(
         "streamed_tail_p50_s": tail,
         "one_layer_transfer_s": round(one_layer, 4),
         "tail_within_one_layer_and_50ms": tail <= one_layer + TAIL_ALLOWANCE_S,
+        "by_verify": modes,
         "verified": verified,
     }
 
@@ -213,6 +256,12 @@ def lines(result: dict[str, Any]) -> list[str]:
             f" = {row['streamed_vs_sequential']} x; tail {row['streamed_tail_p50_s'] * 1e3:.1f} ms"
             f" (one layer {row['one_layer_transfer_s'] * 1e3:.1f} ms); verified {row['verified']}"
         )
+        for mode, figures in row["by_verify"].items():
+            cost = f", {figures['verify_cost']} x off" if figures["verify_cost"] is not None else ""
+            out.append(
+                f"    verify {mode}: streamed {figures['streamed_p50_s']:.3f} s = {figures['streamed_vs_sequential']} x"
+                f" sequential{cost}; tail {figures['tail_p50_s'] * 1e3:.1f} ms"
+            )
     return out
 
 
@@ -224,6 +273,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compute-us-per-token", type=float, default=150.0, help="the stand-in prefill's compute per token, us"
     )
     parser.add_argument("--no-netns", dest="netns", action="store_false", help="loopback only")
+    parser.add_argument(
+        "--verify",
+        nargs="+",
+        choices=VERIFY_MODES,
+        default=list(VERIFY_MODES),
+        help="the decodes' verify modes, each streamed beside the sequential path (default: all three)",
+    )
     add_wire_argument(parser)
 
 
@@ -239,6 +295,7 @@ def cli_run(args: argparse.Namespace) -> int:
         netns=args.netns,
         wire_gbit=args.wire_gbit,
         settings=read_settings(),  # the command's edge
+        verify=tuple(dict.fromkeys(args.verify)),
     )
     print(json.dumps(result, indent=2) if args.json else "\n".join(lines(result)))
     return 0

@@ -44,6 +44,7 @@ REJECT_REASONS = (
 )
 NONCE_REFUSALS = ("unknown", "expired", "reused", "busy")
 STREAM_PHASES = ("computing", "held")
+DIGEST_OUTCOMES = ("equal", "mismatch")
 COUNTED: dict[str, tuple[str, dict[str, str]]] = {
     "unconfirmed_reads": ("pd_transfer_unconfirmed_reads_total", {}),
     **{f"leases_{reason}": ("pd_transfer_leases_ended_total", {"reason": reason}) for reason in LEASE_ENDS},
@@ -51,6 +52,7 @@ COUNTED: dict[str, tuple[str, dict[str, str]]] = {
     "handshake_seconds": ("pd_transfer_handshake_seconds_sum", {}),
     "streamed_layers": ("pd_transfer_streamed_layers_total", {}),
     **{f"streamed_bytes_{when}": ("pd_transfer_streamed_bytes_total", {"when": when}) for when in STREAM_PHASES},
+    **{f"digest_checks_{o}": ("pd_transfer_digest_checks_total", {"outcome": o}) for o in DIGEST_OUTCOMES},
 }
 #: The same for the scheduler process's counters (its side channel), reported by the scheduler's connector
 SCHEDULER_COUNTED: dict[str, tuple[str, dict[str, str]]] = {
@@ -229,7 +231,8 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
     last completion), ``connect_seconds`` (reaching the prefill: handshake, NIXL peers and warm-up on first contact),
     ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read inside the prefill's hold window),
     ``stream_tail_seconds`` (streamed: last layer to usable KV). Counters (``_total``): ``streamed_layers`` (decode),
-    ``streamed_bytes{when=computing|held}`` (prefill), ``pulled_bytes`` (and of them ``pushed_bytes``),
+    ``streamed_bytes{when=computing|held}`` (prefill), ``digest_checks{outcome=equal|mismatch}`` (decode: layers
+    checked against the prefill's digests), ``pulled_bytes`` (and of them ``pushed_bytes``),
     ``pulls{transport=nixl|cuda_ipc|host_ipc|host_cma}`` (what moved them), ``failed_loads``, ``unconfirmed_reads``,
     ``leases_ended{reason=read|expired|aborted|released}``, ``handshakes{outcome}`` and ``handshake_seconds`` (their
     sum), ``side_channel_rejected{reason}``, ``side_channel_nonces_refused{reason}``. Gauges:
@@ -314,6 +317,13 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             "Bytes of KV sent to decodes streaming requests (prefill), by when: computing (during the forward) or held",
             "when",
             {when: f"streamed_bytes_{when}" for when in STREAM_PHASES},
+        )
+        self._labelled(
+            "vllm:pd_transfer_digest_checks",
+            "Layers of requests this engine's decode ranks checked against the prefill's digests, by outcome: equal,"
+            " or mismatch (the KV was not used: the request is recomputed)",
+            "outcome",
+            {outcome: f"digest_checks_{outcome}" for outcome in DIGEST_OUTCOMES},
         )
         self._labelled(
             "vllm:pd_transfer_side_channel_rejected",

@@ -9,7 +9,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -17,7 +17,8 @@ import numpy as np
 
 from pd_transfer.connector import messages
 from pd_transfer.handshake.auth import as_secret, connection_mac
-from pd_transfer.transfer.errors import PeerDisconnected, TransferError, TransferTimeout
+from pd_transfer.transfer.digests import rows_digest
+from pd_transfer.transfer.errors import DigestMismatch, PeerDisconnected, TransferError, TransferTimeout
 from pd_transfer.transfer.socket_rows import receive_rows, set_send_timeout
 
 from ..seam import DecodeSite
@@ -35,8 +36,9 @@ SEND_STALL_S = 30.0
 class Pending:
     """Something asked of a prefill rank, answered on the connection: a read (its rows, one group), a stream (a group
     of rows per layer, then ``end``: ``streamed``) or a watch (no rows; ``blocks``: the request's block ids and
-    generation). ``done`` is set when it ended (``error`` None: every byte arrived); ``arrived``: when each group's last
-    byte did (``perf_counter`` time)."""
+    generation). ``done`` is set when it ended (``error`` None: every byte arrived, and every group in ``verify``
+    had the digest the prefill computed once it held the request); ``arrived``: when each group's last byte did
+    (``perf_counter`` time). A stream's ``layers``: the layer of each group (to name one that differs)."""
 
     groups: list[np.ndarray]  # IOVEC entries in the cache
     streamed: bool = False
@@ -44,6 +46,10 @@ class Pending:
     error: TransferError | None = None
     arrived: list[float] = field(default_factory=list)
     blocks: tuple[list[int], int, str] | None = None  # a watch's answer: block ids, generation, request id
+    layers: list[int] = field(default_factory=list)
+    verify: list[int] = field(default_factory=list)  # a stream's groups checked, in the order the digests come
+    received: dict[int, int] = field(default_factory=dict)  # group -> digest of its rows here, once they arrived
+    expected: list[int] | None = None  # the prefill's digests of the groups in ``verify``
 
     @property
     def nbytes(self) -> int:
@@ -53,13 +59,29 @@ class Pending:
         self.error = error
         self.done.set()
 
+    def differing(self, peer: str) -> DigestMismatch | None:
+        """Why a stream that arrived whole must not be used: a group checked whose rows here differ from the
+        prefill's, or no digests from a prefill asked for them; None when every group checked is equal."""
+        if not self.verify:
+            return None
+        if self.expected is None:
+            return DigestMismatch(f"{peer} sent no digests of the layers checked")
+        for index, expected in zip(self.verify, self.expected, strict=True):
+            if self.received.get(index) != expected:
+                return DigestMismatch(
+                    f"layer {self.layers[index]} from {peer} differs from what the prefill held (group {index})"
+                )
+        return None
+
 
 class TcpConnection:
     """A decode rank's connection to one prefill rank (``peer``, its agent's name) at ``address``: reads answered in
     order by its listener thread, messages from the rank handed to the site. It is also the rank's courier."""
 
-    def __init__(self, site: DecodeSite, peer: str, address: tuple[str, int]) -> None:
+    def __init__(self, site: DecodeSite, peer: str, address: tuple[str, int], *, digests: bool = False) -> None:
+        """``digests``: the rank answers a stream's ``verify`` (its offer says so)."""
         self.site, self.peer, self.address = site, peer, address
+        self.digests = digests
         self._secret = as_secret(site.options.secret)
         self._lock = threading.Lock()  # the socket, its listener, the pending reads
         self._send_lock = threading.Lock()
@@ -98,17 +120,21 @@ class TcpConnection:
         remote: list[np.ndarray],
         layers: list[int],
         wait_s: float,
+        verify: Sequence[int] = (),
     ) -> Pending:
         """Ask the rank to send ``request_id``'s rows group by group (``remote[g]`` into ``local[g]``, group ``g``
         once layer ``layers[g]`` is written), then ``end`` once it is held in ``generation`` (see
-        :mod:`.stream_sender`; ``wait_s``: the longest it waits for each step there)."""
+        :mod:`.stream_sender`; ``wait_s``: the longest it waits for each step there). ``verify``: the groups whose
+        digests are checked (where the rank answers ``verify``: :attr:`digests`; else none is)."""
         ends = np.cumsum([len(group) for group in remote]).tolist()
         rows = np.concatenate(remote).tobytes() if remote else b""
+        checked = list(verify) if self.digests else []
 
         def frame(read_id: int) -> list[object]:
-            return ["stream", read_id, request_id, generation, rows, ends, layers, float(wait_s)]
+            asked: list[object] = ["stream", read_id, request_id, generation, rows, ends, layers, float(wait_s)]
+            return [*asked, checked] if checked else asked
 
-        return self._ask(Pending(local, streamed=True), frame)
+        return self._ask(Pending(local, streamed=True, layers=list(layers), verify=checked), frame)
 
     def _ask(self, pending: Pending, frame: Callable[[int], list[object]]) -> Pending:
         """Register ``pending`` under a new id and send ``frame(id)``; a connection that fails ends it at once."""
@@ -229,12 +255,18 @@ class TcpConnection:
         elif kind == "layer":
             read_id, index, nbytes = fields(frame, int, int, int)
             self._receive(sock, read_id, self._pending_of(read_id, pop=False), index, nbytes)
+        elif kind == "digests":
+            read_id, values = fields(frame, int, list)
+            pending = self._pending_of(read_id, pop=False)
+            if len(values) != len(pending.verify) or not all(type(value) is int for value in values):
+                raise BadFrame(f"{len(values)} digests for stream {read_id}, {len(pending.verify)} asked for")
+            pending.expected = values
         elif kind == "end":
             (read_id,) = fields(frame, int)
             pending = self._pending_of(read_id, pop=True)
             if not pending.streamed or len(pending.arrived) != len(pending.groups):
                 raise BadFrame(f"stream {read_id} ended after {len(pending.arrived)} of {len(pending.groups)} layers")
-            pending.end(None)
+            pending.end(pending.differing(self.peer))
         elif kind == "blocks":
             watch_id, block_ids, generation, request_id = fields(frame, int, list, int, str)
             pending = self._pending_of(watch_id, pop=True)
@@ -268,3 +300,5 @@ class TcpConnection:
             raise BadFrame(f"{frame_id}: {nbytes} bytes announced, {int(group['length'].sum())} asked for")
         receive_rows(sock, group)
         pending.arrived.append(time.perf_counter())
+        if index in pending.verify:  # while the next layer is on its way (a few ms a 32 MiB layer)
+            pending.received[index] = rows_digest(group)

@@ -129,7 +129,7 @@ class TcpDecodeEnd:
             offer = decode_offer(payload)
         except BadFrame as error:
             raise TransferError(f"rank {rank.tp_rank} of engine {engine.engine.engine_id}: {error}") from None
-        return TcpConnection(self.site, rank.agent_name, (engine.host, offer.port))
+        return TcpConnection(self.site, rank.agent_name, (engine.host, offer.port), digests=offer.digests)
 
     def source_of(self, rank: RankMetadata, connection: TcpConnection) -> Source:
         readers = expected_readers(rank.tp_rank, rank.layout, self.site.cache.layout.tp_size)

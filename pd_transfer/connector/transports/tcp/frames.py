@@ -34,9 +34,11 @@ _CHUNK = 4 * 2**20
 
 
 class TcpOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """What a prefill rank publishes under ``tcp``: the port it listens on (at its side channel's host)."""
+    """What a prefill rank publishes under ``tcp``: the port it listens on (at its side channel's host), and whether
+    it answers a stream's ``verify`` (``digests``; a prefill before issue 42 names no such field: False)."""
 
     port: int
+    digests: bool = False
 
 
 class BadFrame(ValueError):
@@ -44,7 +46,7 @@ class BadFrame(ValueError):
 
 
 def encode_offer(port: int) -> bytes:
-    return msgspec.msgpack.encode(TcpOffer(port=port))
+    return msgspec.msgpack.encode(TcpOffer(port=port, digests=True))
 
 
 def decode_offer(payload: bytes) -> TcpOffer:

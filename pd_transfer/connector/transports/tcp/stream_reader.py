@@ -10,6 +10,7 @@ entries within it (rows adjacent on a side), never across two layers.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -18,7 +19,8 @@ import numpy as np
 from pd_transfer.spec import planes_of
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.cma import merged_rows
-from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.digests import groups_to_verify
+from pd_transfer.transfer.errors import DigestMismatch, TransferError
 
 from ..requests import ReadTotals, StreamRequest
 from ..seam import DecodeSite, Source
@@ -56,12 +58,21 @@ def stream_request(
         for plan, (remote_ids, _, _) in zip(plans, blocks, strict=True)
     ]  # every source's first: block ids that do not fit the plan raise before anything moves
     posted = time.perf_counter()
+    verify = site.options.verify
     streams = [
-        connection.stream(request_id, generation, local, remote, layers, span_s)
+        connection.stream(
+            request_id, generation, local, remote, layers, span_s, groups_to_verify(verify, len(layers), next(_turns))
+        )
         for connection, (_, generation, _), (local, remote, layers) in zip(connections, blocks, cut, strict=True)
     ]
-    for connection, stream in zip(connections, streams, strict=True):
-        _wait_moving(connection, stream, posted, span_s)
+    checks = site.metrics.digest_checks
+    try:
+        for connection, stream in zip(connections, streams, strict=True):
+            _wait_moving(connection, stream, posted, span_s)
+    except DigestMismatch:
+        checks.labels("mismatch").inc()
+        raise
+    checks.labels("equal").inc(sum(len(stream.verify) for stream in streams))
     read = time.perf_counter()
     site.tell_read(sources, request_id)
     done = time.perf_counter()
@@ -76,6 +87,10 @@ def stream_request(
         streamed_as=request_id,
     )
     return totals, [stream.arrived for stream in streams]
+
+
+#: Streams asked for so far, in this process: which groups ``sample`` checks turns with it.
+_turns = itertools.count()
 
 
 def _wait_moving(connection: TcpConnection, stream: Pending, posted: float, span_s: float) -> None:

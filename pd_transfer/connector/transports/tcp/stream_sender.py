@@ -15,6 +15,11 @@ On a connection (:mod:`.frames` has the rest of the protocol):
   the request is held with every layer written, in the generation the stream began with; or ``["refused", read_id,
   reason]`` at any point (the request ended, was computed again elsewhere, or took longer than ``wait_s`` between two
   steps). A refused stream's bytes must not be used.
+* the same ``stream`` frame with a ninth field, ``verify``: the indices of groups whose digests the decode checks
+  (a decode asks so only of a prefill whose offer says ``digests``) -> before ``end``, ``["digests", read_id,
+  values]``: for each of them in order, :func:`~pd_transfer.transfer.digests.rows_digest` of its rows here, computed
+  once the request is held (its forward completed: the bytes as the engine left them, which every layer sent before
+  must equal).
 
 Each watch and each stream runs on a thread of its own while it waits (at most :data:`MAX_WAITING` a connection;
 more are refused); a layer's bytes go out under the connection's send lock, other frames between layers.
@@ -34,6 +39,7 @@ import numpy as np
 from pd_transfer.connector.streams import Progress, StreamBoard
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.transfer.cma import IOVEC
+from pd_transfer.transfer.digests import rows_digest
 from pd_transfer.transfer.errors import TransferError
 from pd_transfer.transfer.socket_rows import send_rows
 
@@ -71,14 +77,16 @@ class StreamConnection:
             watch_id, request_id, wait_s = fields(frame, int, str, float)
             self._start(watch_id, self._watch, watch_id, request_id, wait_s)
         else:
-            read_id, request_id, generation, packed, ends, layers, wait_s = fields(
-                frame, int, str, int, bytes, list, list, float
-            )
+            kinds: tuple[type, ...] = (int, str, int, bytes, list, list, float)
+            values = fields(frame, *kinds, list) if len(frame) == len(kinds) + 2 else fields(frame, *kinds)
+            read_id, request_id, generation, packed, ends, layers, wait_s = values[: len(kinds)]
+            verify: list[Any] = values[len(kinds)] if len(values) > len(kinds) else []
             groups = self._groups(packed, ends, layers)
-            if isinstance(groups, str):
-                self._send(["refused", read_id, groups])
+            if isinstance(groups, str) or not _checkable(verify, len(groups)):
+                why = groups if isinstance(groups, str) else "verify names groups the stream does not have, or twice"
+                self._send(["refused", read_id, why])
                 return
-            self._start(read_id, self._stream, read_id, request_id, generation, groups, wait_s)
+            self._start(read_id, self._stream, read_id, request_id, generation, groups, wait_s, verify)
 
     def _start(self, frame_id: int, work: Callable[..., None], *args: Any) -> None:
         if not self._waiting.acquire(blocking=False):
@@ -103,7 +111,13 @@ class StreamConnection:
         self._send(["blocks", watch_id, list(progress.block_ids), progress.generation, self.board.resolve(request_id)])
 
     def _stream(
-        self, read_id: int, request_id: str, generation: int, groups: list[tuple[np.ndarray, int]], wait_s: float
+        self,
+        read_id: int,
+        request_id: str,
+        generation: int,
+        groups: list[tuple[np.ndarray, int]],
+        wait_s: float,
+        verify: list[int],
     ) -> None:
         wait = _bounded(wait_s)
         for index, (rows, layer) in enumerate(groups):
@@ -120,6 +134,8 @@ class StreamConnection:
         if progress is None or not self.board.complete(request_id, generation):
             self._send(["refused", read_id, _why(request_id, progress, generation)])
             return
+        if verify:  # held: the lease keeps these blocks as they are until the decode reports
+            self._send(["digests", read_id, [rows_digest(groups[index][0]) for index in verify]])
         self._send(["end", read_id])
 
     def _groups(self, packed: bytes, ends: list[Any], layers: list[Any]) -> list[tuple[np.ndarray, int]] | str:
@@ -143,6 +159,11 @@ class StreamConnection:
     def _send(self, frame: list[Any]) -> None:
         with self.send_lock:
             send_frame(self.sock, frame)
+
+
+def _checkable(verify: list[Any], groups: int) -> bool:
+    """Whether ``verify`` names groups of a stream of ``groups``, each at most once."""
+    return all(type(index) is int and 0 <= index < groups for index in verify) and len(set(verify)) == len(verify)
 
 
 def _bounded(wait_s: float) -> float:
