@@ -51,6 +51,7 @@ from .messages import (
     encode_engine,
 )
 from .nonces import NonceBook
+from .refusal_log import RefusalLog
 from .versions import PROTOCOL_VERSION, RELEASE_VERSION, SUPPORTED_VERSIONS
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,9 @@ class HandshakeServer:
         self._requested_port = port
         self._secret = as_secret(secret)
         self._nonces = NonceBook(nonce_ttl_s, max_outstanding_nonces, clock)
+        self._refusals = RefusalLog(
+            logger, lambda: f"handshake server for engine {self._engine_id!r}: refusals", clock=clock
+        )
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._on_release = on_release
         self.protocol_version = protocol_version
@@ -275,7 +279,12 @@ class HandshakeServer:
             socket.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
             self.stats["dropped"] += 1
-            logger.warning("handshake server for engine %r: reply to %s dropped (not reading)", self._engine_id, peer)
+            self._refusals.log(
+                logging.WARNING,
+                "handshake server for engine %r: reply to %s dropped (not reading)",
+                self._engine_id,
+                peer,
+            )
         except zmq.ContextTerminated:
             raise
         except zmq.ZMQError as exc:
@@ -350,7 +359,12 @@ class HandshakeServer:
         if self._nonces.check(request.server_nonce) != "ok":
             return False
         if not token.verify(request.host_proof, request.server_nonce, request.client_nonce):
-            logger.warning("handshake server for engine %r: host proof of %s does not verify", self._engine_id, peer)
+            self._refusals.log(
+                logging.WARNING,
+                "handshake server for engine %r: host proof of %s does not verify",
+                self._engine_id,
+                peer,
+            )
             return False
         return self._secret is not None or self._nonces.consume(request.server_nonce) == "ok"
 
@@ -457,14 +471,18 @@ class HandshakeServer:
     def _refuse(self, peer: str, code: ErrorCode, message: str, fields: list[str] | None = None) -> ErrorReply:
         self.stats["refused"] += 1
         self._count_rejected(code)
-        logger.warning("handshake server for engine %r: refused %s (%s): %s", self._engine_id, peer, code, message)
+        self._refusals.log(
+            logging.WARNING, "handshake server for engine %r: refused %s (%s): %s", self._engine_id, peer, code, message
+        )
         return ErrorReply(code=code, message=message, fields=fields or [])
 
     def _malformed(self, peer: str, reason: str) -> ErrorReply:
         self.stats["malformed"] += 1
         self._count_rejected("malformed")
         reason = reason[:_MAX_REASON_CHARS]
-        logger.info("handshake server for engine %r: malformed message from %s: %s", self._engine_id, peer, reason)
+        self._refusals.log(
+            logging.INFO, "handshake server for engine %r: malformed message from %s: %s", self._engine_id, peer, reason
+        )
         return ErrorReply(code="malformed", message=reason)
 
 

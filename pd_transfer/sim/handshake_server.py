@@ -300,7 +300,8 @@ class HostileMix:
 
     ``release``: the server answers ``Release`` (``ServerProcess(release=True)``); without, a ``Release`` must be
     refused as unexpected. ``junk_bytes``: the largest random frame; ``oversized_bytes``: the largest oversized one
-    (bytes). ``weights``: kinds whose weight differs from :data:`HOSTILE_MIX`'s (0: never). Not thread-safe.
+    (bytes). ``weights``: kinds whose weight differs from :data:`HOSTILE_MIX`'s (0: never). ``fingerprint``: the
+    served model's (a real engine's; default the fake engine's). Not thread-safe.
     """
 
     def __init__(
@@ -316,6 +317,7 @@ class HostileMix:
         junk_bytes: int = 512,
         oversized_bytes: int = 4 * 2**20,
         weights: dict[str, int] | None = None,
+        fingerprint: ModelFingerprint | None = None,
     ) -> None:
         self.host = host
         self.junk_bytes = junk_bytes
@@ -328,7 +330,7 @@ class HostileMix:
         self.kinds: collections.Counter[str] = collections.Counter()  # kinds sent so far
         self._secret = secret.encode()
         self._rng = random.Random(seed)
-        self._fingerprint = fake_fingerprint()
+        self._fingerprint = fingerprint if fingerprint is not None else fake_fingerprint()
         mix = {**HOSTILE_MIX, **(weights or {})}
         self._names = list(mix)
         self._weights = list(mix.values())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from pd_transfer.handshake.refusal_log import LINES_PER_WINDOW, WINDOW_S
 from pd_transfer.sim.handshake_server import AUTHENTICATED_PER_S, HOSTILE_MIX, HostileMix, ServerProcess
 
 HOST = "127.0.0.1"
@@ -32,9 +33,13 @@ LATER_GROWTH_BOUND = 2 * MiB
 USED_NONCES_BOUND = int(AUTHENTICATED_PER_S * 30) + 64
 
 
-def test_rss_stays_flat_under_a_mix_of_hostile_frames() -> None:
+def test_rss_and_the_log_stay_flat_under_a_mix_of_hostile_frames() -> None:
+    """Also the log: every refusal used to be a line (a real vLLM prefill's log grew by about 2 MB every 10,000 of
+    these frames); at INFO, as a prefill logs, the server now writes at most ``LINES_PER_WINDOW`` of them a
+    ``WINDOW_S`` window, and a count of the rest."""
     started = time.monotonic()
-    with ServerProcess(secret=SECRET, release=True) as server, HostileMix(HOST, server.port, SECRET) as mix:
+    server_process = ServerProcess(secret=SECRET, release=True, log_level="INFO")
+    with server_process as server, HostileMix(HOST, server.port, SECRET) as mix:
         mix.handshake()  # the server's first handshake imports and allocates: before the baseline
         mix.sent = 0
         curve = [server.probe()]
@@ -42,13 +47,17 @@ def test_rss_stays_flat_under_a_mix_of_hostile_frames() -> None:
             mix.send(STEP)
             curve.append(server.probe())
         mix.handshake()
+        log = server.stderr()
+    windows = int((time.monotonic() - started) // WINDOW_S) + 1
+    refusals = [line for line in log.splitlines() if "refused" in line or "malformed" in line]
     rss = [probe["rss_bytes"] for probe in curve]
     shown = ", ".join(f"{value / MiB:.1f}" for value in rss)
     print(
         f"\nside channel RSS (MiB) every {STEP} hostile frames, from 0 to {mix.sent}: {shown};"
         f" used nonces {[probe['used_nonces'] for probe in curve]}; kinds {dict(mix.kinds)};"
-        f" {time.monotonic() - started:.1f} s"
+        f" {time.monotonic() - started:.1f} s; {len(refusals)} log lines of refusals"
     )
     assert set(mix.kinds) == set(HOSTILE_MIX), f"kinds never drawn: {set(HOSTILE_MIX) - set(mix.kinds)}"
     assert rss[-1] - rss[1] < LATER_GROWTH_BOUND, shown
     assert max(probe["used_nonces"] for probe in curve) <= USED_NONCES_BOUND, curve
+    assert 0 < len(refusals) <= windows * (LINES_PER_WINDOW + 1), f"{len(refusals)} lines: {refusals[:3]}"
