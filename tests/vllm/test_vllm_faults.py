@@ -383,7 +383,7 @@ def _releases(proxy: Proxy) -> dict[str, float]:
 def test_decode_killed_mid_request_prefill_frees_at_lease_end(cluster: Cluster) -> None:
     """The decode has the prefill's metadata (a request went through), then is paused, sent a request whose prompt
     the prefill holds, and SIGKILLed. The prefill frees the blocks when the lease ends, counted as expired."""
-    cluster.restart_prefill(FIRST_ENGINE_ID)
+    cluster.live_prefill()  # restarted by the client-gone case, after the large pull's kill
     warm = _prompt(40, seed=70)
     assert tokens_of(_hop2(cluster.decode, cluster.model, warm, _hop1(cluster, warm, f"warm-kill-{SALT}")))
     wait_until(lambda: metric_value(cluster.prefill.url, USAGE) <= 0, 15.0, "the prefill frees the warm request")
