@@ -91,8 +91,8 @@ class TransferMetrics:
         )
         self.digest_checks = Counter(
             "pd_transfer_digest_checks",
-            "Groups of a request's rows (a layer's) a decode rank checked against the digests the prefill computed once"
-            " it held them, by outcome: equal, or mismatch (the read's first that differed: the KV is not used)",
+            "Streamed layers and reads a decode rank checked against the digests the prefill computed of its cache, by"
+            " outcome: equal, or mismatch (the first that differed in a read: its KV is not used)",
             ["outcome"],
             registry=r,
         )

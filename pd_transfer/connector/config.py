@@ -88,9 +88,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # by commas: built-in ones (nixl, cuda_ipc, host_ipc, host_cma) or "module:attribute" of a transport of your own
     # (pd_transfer.connector.transports.registry; docs/architecture.md, "Adding a transport")
     transport: str = "auto"
-    # decode: which groups of a request's rows it checks against the digests the prefill computed once it held them
-    # ("all", "sample": one in 8, turning with each request, "off"; pd_transfer.transfer.digests): a group that differs
-    # fails the read, and the request is recomputed as for a dead prefill (streams over tcp today)
+    # decode: what of a request's rows it checks against the digests the prefill computed of its cache ("all",
+    # "sample": an eighth of its layers or rows, the next eighth for the next request, "off";
+    # pd_transfer.transfer.digests): what differs fails the read, and the request is recomputed as for a dead
+    # prefill (reads over tcp, streamed or not, today)
     verify: Verify = "sample"
 
     def __post_init__(self) -> None:

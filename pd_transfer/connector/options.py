@@ -53,9 +53,9 @@ class DecodeOptions:
     ``push_landing_bytes``, copied into the cache after; None: where the cache is on a GPU; True on a host cache too
     (tests); False: a GPU cache is never pushed to. ``transport``: the transports engines are opened with, in order
     of preference ("auto": same-host IPC with engines that offer it, else NIXL; "nixl"; "ipc": same-host IPC or the
-    engine is refused; or names, :mod:`pd_transfer.connector.transports.registry`). ``verify``: which groups of rows
-    of a request a decode checks against the prefill's digests (:mod:`pd_transfer.transfer.digests`: "all", "sample",
-    "off"; streams over ``tcp`` today).
+    engine is refused; or names, :mod:`pd_transfer.connector.transports.registry`). ``verify``: what of a request's rows
+    a decode checks against the prefill's digests (:mod:`pd_transfer.transfer.digests`: "all", "sample", "off"; reads
+    over ``tcp`` today, streamed or not).
 
     A bad ``push`` is refused here (``ValueError``), before any agent is made.
     """

@@ -4,14 +4,17 @@ taken in order as one stream, as the offload tier's block checksum is (:mod:`pd_
 of the bytes, moved, zeroed, stale or swapped ranges, changes it with probability ``1 - 2**-64``; about 9-10 GB/s a
 core on these hosts, the speed of reading the bytes).
 
-Which of a request's groups of rows a decode checks: ``verify`` is ``all`` (every group), ``sample`` (one group in
-:data:`SAMPLE_EVERY`, at an offset that turns with each request, so that over ``SAMPLE_EVERY`` requests every group
-position is checked; at least one group a request) or ``off``.
+Which of a request's groups of rows (a stream's layers), or rows (a read's units), a decode checks: ``verify`` is
+``all`` (every one), ``sample`` (an eighth of them, :data:`SAMPLE_EVERY`: the first eighth for one request, the next
+for the next, and so on, so that over ``SAMPLE_EVERY`` requests every position is checked; adjacent ones, which lie
+in long runs of memory, cheap to hash; at least one a request) or ``off``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
 from typing import Literal, get_args
 
 import numpy as np
@@ -22,6 +25,13 @@ Verify = Literal["all", "sample", "off"]
 VERIFY_MODES: tuple[Verify, ...] = get_args(Verify)
 #: ``sample`` checks one group in this many.
 SAMPLE_EVERY = 8
+#: Requests checked so far in this process: where ``sample`` looks turns with it (:func:`next_turn`).
+_TURNS = itertools.count()
+
+
+def next_turn() -> int:
+    """The next request's turn for :func:`sampled` (thread-safe: ``itertools.count`` under the GIL)."""
+    return next(_TURNS)
 
 
 def rows_digest(rows: np.ndarray) -> int:
@@ -31,18 +41,32 @@ def rows_digest(rows: np.ndarray) -> int:
     digest = xxhash.xxh3_64()
     for base, length in zip(rows["base"].tolist(), rows["length"].tolist(), strict=True):
         if length:
-            digest.update((ctypes.c_char * length).from_address(base))
+            digest.update(_bytes_at(length).from_address(base))
     return int(digest.intdigest())
 
 
-def groups_to_verify(verify: str, groups: int, turn: int) -> list[int]:
-    """The indices of the groups (of ``groups``) a request checks under ``verify``; ``turn``: the request's number
-    among those checked (any integer that grows by one a request). ``ValueError`` for a mode that is none."""
+@functools.lru_cache(maxsize=256)
+def _bytes_at(length: int) -> type[ctypes.Array[ctypes.c_char]]:
+    """The ctypes type of ``length`` bytes (made once a length: making one costs more than hashing a short row)."""
+    return ctypes.c_char * length
+
+
+def sampled(verify: str, count: int, turn: int) -> slice | None:
+    """Which of ``count`` groups (or rows) a request checks under ``verify``, as a slice of them (None: none);
+    ``turn``: the request's number among those checked (any integer that grows by one a request). ``ValueError``
+    for a mode that is none."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify: {verify[:40]!r} is none of {', '.join(VERIFY_MODES)}")
+    if verify == "off" or count == 0:
+        return None
     if verify == "all":
-        return list(range(groups))
-    if verify == "off" or groups == 0:
-        return []
-    every = min(SAMPLE_EVERY, groups)
-    return list(range(turn % every, groups, every))
+        return slice(0, count)
+    every = min(SAMPLE_EVERY, count)
+    share = turn % every
+    return slice(count * share // every, count * (share + 1) // every)  # adjacent ones: few, long runs to hash
+
+
+def groups_to_verify(verify: str, groups: int, turn: int) -> list[int]:
+    """The indices of the groups (of ``groups``) a request checks under ``verify`` (:func:`sampled`)."""
+    chosen = sampled(verify, groups, turn)
+    return [] if chosen is None else list(range(groups)[chosen])

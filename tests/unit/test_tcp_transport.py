@@ -46,8 +46,9 @@ from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint
 from pd_transfer.transfer.agent_protocol import AgentFactory
 from pd_transfer.transfer.cma import IOVEC, entries_of
+from pd_transfer.transfer.digests import rows_digest
 from pd_transfer.transfer.dlists import merged_spans
-from pd_transfer.transfer.errors import PeerDisconnected, TransferError, TransferTimeout
+from pd_transfer.transfer.errors import DigestMismatch, PeerDisconnected, TransferError, TransferTimeout
 
 MODEL = ModelFingerprint(model="tcp-transport", dtype="float16", num_layers=2, total_num_kv_heads=2, head_size=16)
 LAYOUT = KVCacheLayout(fingerprint=MODEL, tp_size=1, tp_rank=0, block_size=16)
@@ -132,6 +133,8 @@ def test_a_pull_goes_by_tcp_and_the_lease_with_it_with_no_nixl_peer(
         assert again.transport == TCP and decode.remotes.get(prefill.host, prefill.port) is remote
         assert received_correctly(decode.cache, [30, 31], prefill.expected(), [1, 3], 20)
         assert pulls(decode, "ok") == 2 and prefill.rank.ledger.blocks_held == 0
+        checks = decode.metrics.registry.get_sample_value("pd_transfer_digest_checks_total", {"outcome": "equal"})
+        assert checks == 2  # each read's sampled rows checked against the prefill's digest (verify: sample)
     finally:
         decode.close()
 
@@ -452,8 +455,19 @@ class StandInRank:
     bytes of the rows asked for (memory of this process). ``hellos``: (name, whether its MAC proved ``secret``) of
     each hello; ``ended``: the number of each connection its peer ended."""
 
-    def __init__(self, welcome: str, *, secret: str | None = None, refuse: bool = False) -> None:
+    def __init__(
+        self,
+        welcome: str,
+        *,
+        secret: str | None = None,
+        refuse: bool = False,
+        unanswered: int = 1,
+        digest_off_by: int = 0,
+    ) -> None:
+        """``unanswered``: connections whose reads are left unanswered (the first ones). A read asking for a digest
+        gets the digest of the rows it names, plus ``digest_off_by`` (a rank whose bytes differ from what it held)."""
         self.welcome, self.secret, self.refuse = welcome, secret, refuse
+        self.unanswered, self.digest_off_by = unanswered, digest_off_by
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.listener.getsockname()[1])
         self.hellos: queue.Queue[tuple[str, bool]] = queue.Queue()
@@ -485,10 +499,14 @@ class StandInRank:
             self.hellos.put((name, proved))
             send_frame(connection, ["refused", "not you"] if self.refuse else ["welcome", self.welcome])
             while (frame := receive_frame(connection)) is not None:
-                if frame[0] == "read" and number > 0:
-                    read_id, packed = fields(frame, int, bytes)
+                if frame[0] == "read" and number >= self.unanswered:
+                    read_id, packed, *check = fields(frame, int, bytes, *[bytes] * (len(frame) - 3))
                     rows = np.frombuffer(packed, dtype=IOVEC).tolist()
-                    send_frame(connection, ["rows", read_id, sum(length for _, length in rows)])
+                    answer: list[object] = ["rows", read_id, sum(length for _, length in rows)]
+                    if check:
+                        digest = rows_digest(np.frombuffer(check[0], dtype=IOVEC)) + self.digest_off_by
+                        answer.append(digest % 2**64)
+                    send_frame(connection, answer)
                     connection.sendall(b"".join(ctypes.string_at(base, length) for base, length in rows))
         except (OSError, BadFrame):
             pass  # the decode ended it
@@ -572,3 +590,29 @@ def test_a_refused_hello_or_nothing_listening_fails_the_connection(decode_with_s
         bound.bind(("127.0.0.1", 0))
         with pytest.raises(PeerDisconnected, match="cannot reach the-rank"):
             TcpConnection(site_end(decode_with_secret).site, "the-rank", ("127.0.0.1", bound.getsockname()[1]))
+
+
+@pytest.mark.parametrize("off_by", [0, 1], ids=["its digest", "another digest"])
+def test_a_read_is_checked_against_the_digest_the_rank_sends_before_its_rows(
+    decode_with_secret: DecodeRank, off_by: int
+) -> None:
+    """A rank that offers digests is asked for one of the rows checked; rows whose bytes here differ from it (the
+    stand-in adds one to it: as if the bytes had changed on the way) fail the read, naming the rank."""
+    stand_in = StandInRank("the-rank", secret=SECRET, unanswered=0, digest_off_by=off_by)
+    memory = np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8)
+    target = np.zeros(4096, dtype=np.uint8)
+    remote = entries_of(np.uint64(memory.ctypes.data) + np.array([0, 2048, 1024], dtype=np.uint64), 512)
+    local = entries_of(np.uint64(target.ctypes.data) + np.array([1024, 0, 3072], dtype=np.uint64), 512)
+    site = site_end(decode_with_secret).site
+    connection = TcpConnection(site, "the-rank", ("127.0.0.1", stand_in.port), digests=True)
+    try:
+        pending = connection.post(local, remote, check=(local[1:], remote[1:]))
+        if off_by:
+            with pytest.raises(DigestMismatch, match="rows read from the-rank differ from what the prefill held"):
+                connection.wait(pending, time.perf_counter() + BOUND_S)
+        else:
+            connection.wait(pending, time.perf_counter() + BOUND_S)
+        assert np.array_equal(target[1024:1536], memory[0:512])  # the bytes landed either way: not to be used
+    finally:
+        connection.close()
+        stand_in.close()

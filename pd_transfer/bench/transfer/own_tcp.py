@@ -2,7 +2,8 @@
 NIXL pulls, pulled by a decode rank whose engine is opened with ``transport="tcp"`` from a prefill process offering it
 (its own connections: rows sent with ``sendmsg`` out of the prefill's cache, received with ``recvmsg`` into place), each
 pull verified, with both processes' CPU per GiB and one-block pulls. :mod:`.tcp` sets the ratios against the TCP
-stream measured in the same run."""
+stream measured in the same run. The scattered request also by decodes that check what they read against the
+prefill's digests otherwise than the default (``verify``: ``off``, ``all``; issue 42), each ratio against ``off``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pd_transfer.settings import Settings, apply_process_defaults
 from pd_transfer.sim.peer import PrefillProcess, PrefillSpec
 from pd_transfer.sim.shape import Shape
 from pd_transfer.sim.verify import received_correctly
+from pd_transfer.transfer.digests import VERIFY_MODES, Verify
 
 from .reads import _with_cpu, one_block_pulls, request_ids
 
@@ -62,11 +64,40 @@ def run(
             pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
         finally:
             decode.close()
+        by_verify = {options.verify: cases["scattered"]}
+        for verify in VERIFY_MODES:
+            if verify not in by_verify:  # one decode at a time: one more cache at a time
+                by_verify[verify] = _verify_case(prefill, expected, shape, settings, verify, scattered, repeats)
+    off = by_verify["off"]["seconds"]
     return {
         **cases,
+        "scattered_by_verify": {
+            verify: {**case, "cost_vs_off": round(case["seconds"] / off, 3)} for verify, case in by_verify.items()
+        },
         "one_block_pull_p50_us": round(statistics.median(pulls) * 1e6, 1),
         "one_block_pull_p99_us": round(float(np.percentile(pulls, 99)) * 1e6, 1),
     }
+
+
+def _verify_case(
+    prefill: PrefillProcess,
+    expected: list[KVCache],
+    shape: Shape,
+    settings: Settings,
+    verify: Verify,
+    ids: tuple[list[int], list[int]],
+    repeats: int,
+) -> dict:
+    """The request ``ids`` pulled by a decode of its own whose ``verify`` is ``verify``."""
+    layout = shape.layout_for()
+    cache = KVCache.allocate(layout, shape.cache_blocks, huge_pages=settings.own_huge_pages)
+    options = DecodeOptions(settings=settings, transport="tcp", verify=verify)
+    decode = DecodeRank(f"bench-decode-tcp-{verify}", cache, options)
+    try:
+        decode.connect(prefill.host, prefill.port)
+        return _case(decode, prefill, expected, *ids, shape.request_tokens, repeats, f"v{verify}")
+    finally:
+        decode.close()
 
 
 def _case(

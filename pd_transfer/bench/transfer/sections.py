@@ -78,6 +78,14 @@ def summary_lines(result: dict) -> list[str]:
             )
         if own:
             lines.append(f"  one-block pull by the tcp transport p50 {own['one_block_pull_p50_us']} us")
+            checked = own.get("scattered_by_verify") or {}
+            lines.append(
+                "  scattered by the tcp transport, checked against the prefill's digests: "
+                + ", ".join(
+                    f"verify {mode} {r['gbps']:.2f} GiB/s ({r['cost_vs_off']} x off's time)"
+                    for mode, r in checked.items()
+                )
+            )
         way = "pushed" if section["contiguous"].get("pushed") else "read"
         lines.append(
             f"  idle CPU {section['idle_cpu_percent']}%  one-block read p50 {section['one_block_p50_us']} us,"

@@ -232,7 +232,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
     ``confirm_seconds`` (waiting for the lease confirmation; 0 for a read inside the prefill's hold window),
     ``stream_tail_seconds`` (streamed: last layer to usable KV). Counters (``_total``): ``streamed_layers`` (decode),
     ``streamed_bytes{when=computing|held}`` (prefill), ``digest_checks{outcome=equal|mismatch}`` (decode: layers
-    checked against the prefill's digests), ``pulled_bytes`` (and of them ``pushed_bytes``),
+    and reads checked against the prefill's digests), ``pulled_bytes`` (and of them ``pushed_bytes``),
     ``pulls{transport=nixl|cuda_ipc|host_ipc|host_cma}`` (what moved them), ``failed_loads``, ``unconfirmed_reads``,
     ``leases_ended{reason=read|expired|aborted|released}``, ``handshakes{outcome}`` and ``handshake_seconds`` (their
     sum), ``side_channel_rejected{reason}``, ``side_channel_nonces_refused{reason}``. Gauges:
@@ -320,8 +320,8 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
         )
         self._labelled(
             "vllm:pd_transfer_digest_checks",
-            "Layers of requests this engine's decode ranks checked against the prefill's digests, by outcome: equal,"
-            " or mismatch (the KV was not used: the request is recomputed)",
+            "Streamed layers and reads this engine's decode ranks checked against the prefill's digests, by outcome:"
+            " equal, or mismatch (the KV was not used: the request is recomputed)",
             "outcome",
             {outcome: f"digest_checks_{outcome}" for outcome in DIGEST_OUTCOMES},
         )

@@ -50,6 +50,9 @@ class Pending:
     verify: list[int] = field(default_factory=list)  # a stream's groups checked, in the order the digests come
     received: dict[int, int] = field(default_factory=dict)  # group -> digest of its rows here, once they arrived
     expected: list[int] | None = None  # the prefill's digests of the groups in ``verify``
+    check: np.ndarray | None = (
+        None  # a read's rows here (a sample of them) whose digest the prefill sends with its rows
+    )
 
     @property
     def nbytes(self) -> int:
@@ -103,10 +106,19 @@ class TcpConnection:
             raise PeerDisconnected(f"tcp connection to {self.peer}: {error}") from None
 
     # ------------------------------------------------------------------ reads
-    def post(self, local: np.ndarray, remote: np.ndarray) -> Pending:
+    def post(
+        self, local: np.ndarray, remote: np.ndarray, check: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> Pending:
         """Ask the rank for the rows ``remote`` (:data:`~pd_transfer.transfer.cma.IOVEC` entries in its cache) into
-        ``local`` (the same bytes in ours); :meth:`wait` for it."""
-        return self._ask(Pending([local]), lambda read_id: ["read", read_id, remote.tobytes()])
+        ``local`` (the same bytes in ours); :meth:`wait` for it. ``check``: rows of them (here, there) whose digest the
+        rank computes before it sends them, compared with theirs here once they landed (``DigestMismatch``); only
+        where the rank offers digests (:attr:`digests`)."""
+        if check is None or not self.digests:
+            return self._ask(Pending([local]), lambda read_id: ["read", read_id, remote.tobytes()])
+        here, there = check
+        return self._ask(
+            Pending([local], check=here), lambda read_id: ["read", read_id, remote.tobytes(), there.tobytes()]
+        )
 
     def watch(self, request_id: str, wait_s: float) -> Pending:
         """Ask the rank for ``request_id``'s blocks once it computes or holds it (waiting up to ``wait_s`` there)."""
@@ -249,9 +261,10 @@ class TcpConnection:
     def _take(self, sock: socket.socket, frame: list[object]) -> None:
         kind = frame[0]
         if kind == "rows":
-            read_id, nbytes = fields(frame, int, int)
+            read_id, nbytes, *digest = fields(frame, int, int, int) if len(frame) == 4 else fields(frame, int, int)
             self._receive(sock, read_id, self._pending_of(read_id, pop=False), 0, nbytes)
-            self._pending_of(read_id, pop=True).end(None)
+            pending = self._pending_of(read_id, pop=True)
+            pending.end(self._checked(pending, digest))
         elif kind == "layer":
             read_id, index, nbytes = fields(frame, int, int, int)
             self._receive(sock, read_id, self._pending_of(read_id, pop=False), index, nbytes)
@@ -282,6 +295,17 @@ class TcpConnection:
             self.site.deliver(self.peer, messages.decode(payload))
         else:
             raise BadFrame(f"a frame of kind {str(kind)[:40]!r}")
+
+    def _checked(self, pending: Pending, digest: list[int]) -> DigestMismatch | None:
+        """Why a read whose rows all landed must not be used: its checked rows here differ from the prefill's digest
+        of them, or it sent none; None when they are equal, or none was asked for."""
+        if pending.check is None:
+            return None
+        if not digest:
+            return DigestMismatch(f"{self.peer} sent no digest of the rows checked")
+        if rows_digest(pending.check) != digest[0]:
+            return DigestMismatch(f"rows read from {self.peer} differ from what the prefill held")
+        return None
 
     def _pending_of(self, frame_id: int, *, pop: bool) -> Pending:
         with self._lock:

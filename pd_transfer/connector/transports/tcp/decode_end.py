@@ -17,11 +17,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pd_transfer.connector import messages
 from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.topology import PeerPlan, expected_readers
 from pd_transfer.transfer.cma import merged_rows
-from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.digests import next_turn, sampled
+from pd_transfer.transfer.errors import DigestMismatch, TransferError
 
 from ..requests import PullRequest, ReadTotals, StreamRequest
 from ..seam import DecodeSite, Link, OfferedEngine, Refusal, Source
@@ -50,12 +53,23 @@ class TcpLink:
             for plan in self.plan.sources
         ]  # every source's first: block ids that do not fit the plan raise before anything moves
         started = time.perf_counter()
+        verify = self.end.site.options.verify
         posted = [
-            connection.post(merged_rows(local, plan.unit_bytes), merged_rows(remote, plan.unit_bytes))
+            connection.post(
+                merged_rows(local, plan.unit_bytes),
+                merged_rows(remote, plan.unit_bytes),
+                _checked(local, remote, plan.unit_bytes, verify) if connection.digests else None,
+            )
             for plan, (local, remote), connection in zip(self.plan.sources, planned, self.connections, strict=True)
         ]
-        for connection, pending in zip(self.connections, posted, strict=True):
-            connection.wait(pending, deadline)
+        checks = self.end.site.metrics.digest_checks
+        try:
+            for connection, pending in zip(self.connections, posted, strict=True):
+                connection.wait(pending, deadline)
+        except DigestMismatch:
+            checks.labels("mismatch").inc()
+            raise
+        checks.labels("equal").inc(sum(pending.check is not None for pending in posted))
         read = time.perf_counter()
         postprocess = self.plan.postprocess
         if postprocess is not None:
@@ -87,6 +101,18 @@ class TcpLink:
     def close(self) -> None:
         for connection in [*self.connections, *self.reached]:
             connection.close()
+
+
+def _checked(
+    local: np.ndarray, remote: np.ndarray, unit_bytes: int, verify: str
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows of a read (``local`` and ``remote`` unit addresses, aligned) whose digests are compared under
+    ``verify`` (:func:`~pd_transfer.transfer.digests.sampled`: every unit, or one in 8 at a turning offset), merged on
+    each side; None: none."""
+    chosen = sampled(verify, len(local), next_turn())
+    if chosen is None:
+        return None
+    return merged_rows(local[chosen], unit_bytes), merged_rows(remote[chosen], unit_bytes)
 
 
 class TcpDecodeEnd:

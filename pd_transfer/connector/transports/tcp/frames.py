@@ -14,7 +14,11 @@ nothing else. In order, on a new connection:
 Then, any number of times, either way round: decode -> prefill ``["read", read_id, rows]`` (``rows``: the prefill's
 rows as :data:`~pd_transfer.transfer.cma.IOVEC` entries, each inside its cache) answered in order by ``["rows",
 read_id, nbytes]`` and the bytes, or ``["refused", read_id, reason]``; ``["message", payload]`` (an encoded
-:mod:`pd_transfer.connector.messages` message) either way.
+:mod:`pd_transfer.connector.messages` message) either way. Digests (issue 42), asked only of a prefill whose offer
+says ``digests``: a ``read`` may carry a fourth field, rows of the cache (some of those read) whose digest
+(:func:`~pd_transfer.transfer.digests.rows_digest`, of the bytes as the cache holds them when it answers) then comes as
+a fourth field of ``rows``, for the decode to compare with the same rows where they landed; streams:
+:mod:`.stream_sender`.
 """
 
 from __future__ import annotations

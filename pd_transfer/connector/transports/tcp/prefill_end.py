@@ -23,6 +23,7 @@ import numpy as np
 from pd_transfer.connector import messages
 from pd_transfer.handshake.auth import as_secret, connection_mac, new_nonce, verify
 from pd_transfer.transfer.cma import IOVEC
+from pd_transfer.transfer.digests import rows_digest
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import TransferError
 from pd_transfer.transfer.socket_rows import send_rows, set_send_timeout
@@ -151,9 +152,9 @@ class TcpPrefillEnd:
 
     def _take(self, connection: socket.socket, send_lock: threading.Lock, peer: str, frame: list[Any]) -> None:
         kind = frame[0]
-        if kind == "read":
-            read_id, packed = fields(frame, int, bytes)
-            self._send_rows(connection, send_lock, read_id, packed)
+        if kind == "read":  # a fourth field: rows of them whose digest the decode checks
+            read_id, packed, *check = fields(frame, int, bytes, bytes) if len(frame) == 4 else fields(frame, int, bytes)
+            self._send_rows(connection, send_lock, read_id, packed, check[0] if check else None)
         elif kind == "message":
             (payload,) = fields(frame, bytes)
             try:
@@ -169,14 +170,21 @@ class TcpPrefillEnd:
         else:
             raise BadFrame(f"a frame of kind {str(kind)[:40]!r}")
 
-    def _send_rows(self, connection: socket.socket, send_lock: threading.Lock, read_id: int, packed: bytes) -> None:
-        why_not = self._refusal(packed)
+    def _send_rows(
+        self, connection: socket.socket, send_lock: threading.Lock, read_id: int, packed: bytes, check: bytes | None
+    ) -> None:
+        """Send the rows ``packed`` names (``["rows", read_id, nbytes]`` and their bytes); with ``check`` (rows of
+        the cache too), their digest as the cache holds them now goes in the frame, before the bytes."""
+        why_not = self._refusal(packed) or (self._refusal(check) if check is not None else "")
         with send_lock:
             if why_not:
                 send_frame(connection, ["refused", read_id, why_not])
                 return
             rows = np.frombuffer(packed, dtype=IOVEC)
-            send_frame(connection, ["rows", read_id, int(rows["length"].sum())])
+            frame: list[Any] = ["rows", read_id, int(rows["length"].sum())]
+            if check is not None:
+                frame.append(rows_digest(np.frombuffer(check, dtype=IOVEC)))
+            send_frame(connection, frame)
             self._count_sent(send_rows(connection, rows))
 
     def _count_sent(self, nbytes: int) -> None:

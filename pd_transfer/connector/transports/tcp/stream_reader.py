@@ -10,7 +10,6 @@ entries within it (rows adjacent on a side), never across two layers.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 
@@ -19,7 +18,7 @@ import numpy as np
 from pd_transfer.spec import planes_of
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.cma import merged_rows
-from pd_transfer.transfer.digests import groups_to_verify
+from pd_transfer.transfer.digests import groups_to_verify, next_turn
 from pd_transfer.transfer.errors import DigestMismatch, TransferError
 
 from ..requests import ReadTotals, StreamRequest
@@ -61,7 +60,7 @@ def stream_request(
     verify = site.options.verify
     streams = [
         connection.stream(
-            request_id, generation, local, remote, layers, span_s, groups_to_verify(verify, len(layers), next(_turns))
+            request_id, generation, local, remote, layers, span_s, groups_to_verify(verify, len(layers), next_turn())
         )
         for connection, (_, generation, _), (local, remote, layers) in zip(connections, blocks, cut, strict=True)
     ]
@@ -87,10 +86,6 @@ def stream_request(
         streamed_as=request_id,
     )
     return totals, [stream.arrived for stream in streams]
-
-
-#: Streams asked for so far, in this process: which groups ``sample`` checks turns with it.
-_turns = itertools.count()
 
 
 def _wait_moving(connection: TcpConnection, stream: Pending, posted: float, span_s: float) -> None:
