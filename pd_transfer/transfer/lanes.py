@@ -32,6 +32,7 @@ import numpy as np
 from pd_transfer.affinity import CpuSet, unpinning
 from pd_transfer.spec import HOST, MemoryPlace
 
+from . import late_landing
 from .dlists import DescriptorList
 from .errors import PeerDisconnected, TransferError, TransferTimeout
 from .read_stats import ReadStats
@@ -322,7 +323,7 @@ def _reading(read_part: ReadPart, rows: slice) -> Callable[[int], ReadStats]:
 
 def _warm_up(lane: LaneAgent, peer: str, address: int, nbytes: int) -> None:
     """Read ``nbytes`` at ``address`` of ``peer`` into scratch memory of ``lane`` (best effort: a failure shows
-    again on the first real read)."""
+    again on the first real read). After a timeout the scratch memory is kept, never freed (:mod:`.late_landing`)."""
     scratch = np.zeros(max(nbytes, 1), dtype=np.uint8)
     start = scratch.ctypes.data
     try:
@@ -330,16 +331,23 @@ def _warm_up(lane: LaneAgent, peer: str, address: int, nbytes: int) -> None:
     except Exception as error:
         logger.info("agent %s: no warm-up read from %s: %s", lane.name, peer, error)
         return
+    kept: list[object] = []  # what a timed-out read may still land in: never freed (late_landing)
     try:
         local = lane.prepare_local(np.array([[start, scratch.nbytes, 0]], dtype=np.uint64))
         remote = lane.prepare_remote(peer, np.array([[address, scratch.nbytes, 0]], dtype=np.uint64))
         zero = np.zeros(1, dtype=np.int32)
         try:
             lane.read(local, zero, remote, zero, timeout_s=_WARM_UP_TIMEOUT_S)
+        except TransferTimeout:
+            kept = [scratch, registration, local, remote]
+            late_landing.keep(*kept)
+            raise
         finally:
-            local.release()
-            remote.release()
+            if not kept:
+                local.release()
+                remote.release()
     except Exception as error:
         logger.info("agent %s: warm-up read from %s failed: %s", lane.name, peer, error)
     finally:
-        lane.deregister(registration)
+        if not kept:
+            lane.deregister(registration)

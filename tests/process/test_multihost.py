@@ -17,13 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
-import shutil
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +36,7 @@ from kv_standins import (  # noqa: E402
     wait_released,
     words,
 )
+from namespaces import Network, network_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,7 +44,6 @@ BLOCK_BYTES = 4 * 2 * 4 * 16 * 64 * 2  # kv_standin's default model: layers x K,
 BLOCK_SIZE = 16
 HTTP_PORT = {"prefill": 8100, "decode": 8200}  # inside the namespaces: each has its own ports
 SIDE_CHANNEL_PORT = 5600
-HOST_NUMBER = {"host": 1, "p": 2, "d": 3}  # last octet of each address on the bridge's /24
 
 
 def kv_bytes(tokens: int) -> int:
@@ -130,107 +126,10 @@ def test_kv_standins_through_the_proxy_on_loopback(tmp_path: Path) -> None:
 # ---- two network namespaces ----
 
 
-@dataclass
-class Network:
-    """Namespaces ``p`` and ``d`` with one veth each into a bridge on this host that also has an address."""
-
-    suffix: str
-    subnet: str  # "10.231.N"
-    made: list[tuple[str, str]]  # ("netns" | "link", name), in creation order
-
-    @property
-    def bridge(self) -> str:
-        return f"pdtbr-{self.suffix}"
-
-    def ns(self, side: str) -> str:
-        return f"pdt-{side}-{self.suffix}"
-
-    def veth(self, side: str) -> str:
-        """The interface inside namespace ``side``."""
-        return f"pdt{side}-{self.suffix}"
-
-    def host_end(self, side: str) -> str:
-        return f"pdth{side}-{self.suffix}"
-
-    def address(self, side: str) -> str:
-        return f"{self.subnet}.{HOST_NUMBER[side]}"
-
-    def counters(self, side: str) -> dict[str, int]:
-        """rx/tx bytes of namespace ``side``'s veth (/sys/class/net as that namespace sees it)."""
-        path = f"/sys/class/net/{self.veth(side)}/statistics"
-        out = run(["ip", "netns", "exec", self.ns(side), "cat", f"{path}/rx_bytes", f"{path}/tx_bytes"]).split()
-        return {"rx": int(out[0]), "tx": int(out[1])}
-
-
-def run(command: list[str]) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)}: exit {done.returncode}: {done.stderr.strip()}")
-    return done.stdout
-
-
-def delete_network(net: Network) -> list[str]:
-    """Deletes what was made, newest first (a veth's host end takes its peer along); returns what failed."""
-    problems = []
-    for kind, name in reversed(net.made):
-        command = ["ip", "netns", "delete", name] if kind == "netns" else ["ip", "link", "delete", name]
-        try:
-            run(command)
-        except (RuntimeError, subprocess.TimeoutExpired) as error:
-            problems.append(str(error))
-    return problems
-
-
-def free_subnet() -> str:
-    used = run(["ip", "-4", "-o", "addr", "show"])
-    for _ in range(50):
-        subnet = f"10.231.{secrets.randbelow(200) + 50}"
-        if f" {subnet}." not in used:
-            return subnet
-    raise RuntimeError("no free 10.231.N.0/24 subnet")
-
-
-def create_network() -> Network:
-    """Builds the namespaces, veths and bridge; on any failure deletes what was made and raises RuntimeError."""
-    net = Network(secrets.token_hex(3), free_subnet(), [])
-    try:
-        for side in ("p", "d"):
-            run(["ip", "netns", "add", net.ns(side)])
-            net.made.append(("netns", net.ns(side)))
-        run(["ip", "link", "add", net.bridge, "type", "bridge"])
-        net.made.append(("link", net.bridge))
-        run(["ip", "addr", "add", f"{net.address('host')}/24", "dev", net.bridge])
-        run(["ip", "link", "set", net.bridge, "up"])
-        for side in ("p", "d"):
-            run(["ip", "link", "add", net.host_end(side), "type", "veth", "peer", "name", net.veth(side)])
-            net.made.append(("link", net.host_end(side)))
-            run(["ip", "link", "set", net.veth(side), "netns", net.ns(side)])
-            run(["ip", "link", "set", net.host_end(side), "master", net.bridge, "up"])
-            run(["ip", "-n", net.ns(side), "addr", "add", f"{net.address(side)}/24", "dev", net.veth(side)])
-            run(["ip", "-n", net.ns(side), "link", "set", net.veth(side), "up"])
-            run(["ip", "-n", net.ns(side), "link", "set", "lo", "up"])
-    except (RuntimeError, subprocess.TimeoutExpired):
-        delete_network(net)
-        raise
-    return net
-
-
 @pytest.fixture
 def network() -> Iterator[Network]:
-    if shutil.which("ip") is None:
-        pytest.skip("network namespaces: the 'ip' command (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces: creating them needs root")
-    try:
-        net = create_network()
-    except (RuntimeError, subprocess.TimeoutExpired) as error:
-        pytest.skip(f"network namespaces cannot be created here: {error}")
-    try:
+    with network_or_skip() as net:
         yield net
-    finally:
-        problems = delete_network(net)
-        left = [name for name in run(["ip", "netns", "list"]).split() if name.endswith(net.suffix)]
-        assert not problems and not left, (problems, left)
 
 
 @pytest.mark.parametrize("transport", ["nixl", "tcp"])

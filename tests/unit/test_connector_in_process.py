@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 import pytest
 from engine_specs import FINGERPRINT, decode_config, layouts
@@ -43,7 +44,7 @@ from pd_transfer.settings import DEFAULTS, Settings
 from pd_transfer.sim.engines import DecodeEngine, LocalPrefillEngines
 from pd_transfer.sim.verify import received_correctly
 from pd_transfer.spec import KVCacheLayout
-from pd_transfer.transfer import PeerDisconnected
+from pd_transfer.transfer import PeerDisconnected, TransferTimeout
 from pd_transfer.transfer.agent_protocol import AgentFactory
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,5 +147,85 @@ def test_a_prefill_agent_gone_is_a_disconnected_peer(agent_factory: AgentFactory
         prefill.rank.agent.close()  # the side channel still answers, with the same (now dead) agent
         with pytest.raises(PeerDisconnected):
             decode.pull("after", prefill.host, prefill.port, [5], [6], 16)
+    finally:
+        decode.close()
+
+
+def test_a_timed_out_pull_drops_the_engine_and_the_next_pull_handshakes_afresh(
+    agent_factory: AgentFactory, prefill: InProcessPrefill, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that times out (its connection stalled behind a network cut) drops the engine, so that the next pull
+    handshakes afresh and reads through a new link instead of the stalled one (tests/process/test_network_cut.py
+    cuts a real wire)."""
+    decode = DecodeRank(
+        f"stalled-decode-{time.monotonic_ns()}",
+        KVCache.allocate(LAYOUT, 32),
+        DecodeOptions(settings=DEFAULTS, push="off", transport="nixl"),  # read by the agent, not in place
+        agent_factory=agent_factory,
+    )
+    try:
+        decode.pull("before", prefill.host, prefill.port, [1, 2], [3, 4], 20)
+        handshakes = decode.client.handshakes_performed
+        stalled = decode.remotes.get(prefill.host, prefill.port)
+        assert stalled is not None
+
+        def cut(*_args: object, **_kwargs: object) -> NoReturn:
+            raise TransferTimeout("read not done after 0.1 s (the wire is cut)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(decode.agent, "read", cut)
+            with pytest.raises(TransferTimeout):
+                decode.pull("cut", prefill.host, prefill.port, [5], [6], 16)
+        assert decode.remotes.get(prefill.host, prefill.port) is None  # dropped: no more reads on that link
+        stats = decode.pull("after", prefill.host, prefill.port, [7, 8], [9, 10], 20)
+        assert received_correctly(decode.cache, [9, 10], prefill.expected(), [7, 8], 20) and stats.bytes > 0
+        assert decode.client.handshakes_performed == handshakes + 1
+        fresh = decode.remotes.get(prefill.host, prefill.port)
+        assert fresh is not None and fresh is not stalled
+    finally:
+        decode.close()
+
+
+def test_a_reader_whose_endpoint_broke_is_added_afresh_and_confirmed(
+    agent_factory: AgentFactory, prefill: InProcessPrefill, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill's endpoint to a decode broke (NIXL says the peer disconnected, though the decode is there: a cut
+    network, or the decode made its side again): the confirmation is sent again through the peer added afresh, and
+    the read is confirmed, this one and the next."""
+    decode = DecodeRank(
+        f"broken-ep-decode-{time.monotonic_ns()}",
+        KVCache.allocate(LAYOUT, 32),
+        DecodeOptions(settings=DEFAULTS, push="off", transport="nixl"),  # confirmed by a NIXL notification
+        agent_factory=agent_factory,
+    )
+    agent = prefill.rank.agent
+    notify, add_peer = agent.notify, agent.add_peer
+    broken: list[str] = []
+    added: list[str] = []
+
+    def notify_once_broken(peer: str, payload: bytes) -> None:
+        if peer == decode.agent.name and not broken:
+            broken.append(peer)
+            raise PeerDisconnected(f"notifying {peer}: peer disconnected (the endpoint broke)")
+        notify(peer, payload)
+
+    def counted_add_peer(metadata: bytes) -> str:
+        name = add_peer(metadata)
+        added.append(name)
+        return name
+
+    try:
+        prefill.rank.hold("first", [1])
+        decode.pull_confirmed("first", prefill.host, prefill.port, [1], [2], 16)  # the prefill adds the reader
+        with monkeypatch.context() as patch:
+            patch.setattr(agent, "notify", notify_once_broken)
+            patch.setattr(agent, "add_peer", counted_add_peer)
+            for request_id, remote, local in (("cut", [5, 6], [7, 8]), ("next", [9], [10])):
+                prefill.rank.hold(request_id, remote)
+                decode.pull_confirmed(request_id, prefill.host, prefill.port, remote, local, 16 * len(remote))
+                assert received_correctly(decode.cache, local, prefill.expected(), remote, 16 * len(remote))
+        assert broken == [decode.agent.name] and added == [decode.agent.name]  # removed and added once
+    except LeaseNotConfirmed:
+        pytest.fail("a confirmation was lost to the broken endpoint")
     finally:
         decode.close()

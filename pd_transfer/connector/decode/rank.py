@@ -50,7 +50,7 @@ from pd_transfer.topology import PeerPlan, expected_readers, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import NIXL_AGENTS
 from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
-from pd_transfer.transfer.errors import PeerDisconnected, TransferError
+from pd_transfer.transfer.errors import PeerDisconnected, TransferError, TransferTimeout
 
 from .confirmations import LeaseConfirmations
 from .remote_engines import RemoteEngine, RemoteEngines
@@ -262,6 +262,8 @@ class DecodeRank:
                 totals = self._read(remote, request, deadline)
         except TransferError as error:
             self._pull_failed(remote, request_id, error, tell=remote is not told)
+            if isinstance(error, TransferTimeout):
+                self._evict_stalled(remote, request_id)
             raise
         stats = replace(
             totals.stats(request_id, time.perf_counter() - started),
@@ -277,6 +279,29 @@ class DecodeRank:
             transport=stats.transport,
         )
         return stats, remote
+
+    def _evict_stalled(self, remote: RemoteEngine, request_id: str) -> None:
+        """A pull from ``remote`` timed out: drop the engine (its link: NIXL peers and their UCX endpoints, the
+        ``tcp`` transport's connections; its cached handshake), so that the next pull handshakes afresh and opens
+        new connections, without restarting either engine.
+
+        Why: a read that times out most often waits on a connection the network cut. TCP retransmits with an
+        exponential back-off, so a connection that lived through a cut of T seconds may stay silent for about T
+        more after the wire is back, and every read on it meanwhile times out too (issue 42: after an 8 s cut, the
+        next request's read on the old UCX endpoint timed out 4 s later; a fresh handshake moved KV at once). The
+        price where the engine was only slow: one handshake and the peers' setup on the next pull (tens of ms), and
+        other reads on the same link in flight now fail (they would have timed out as well). A remembered
+        handshake failure is left alone: a timeout opens no fail-fast window."""
+        if self.remotes.evict(remote.host, remote.port, remote):
+            logger.warning(
+                "decode %s: request %s: a pull from engine %s at %s:%d timed out; its link is dropped and the next"
+                " pull handshakes afresh",
+                self.agent.name,
+                request_id,
+                remote.engine.engine_id,
+                remote.host,
+                remote.port,
+            )
 
     @staticmethod
     def _read(remote: RemoteEngine, request: PullRequest, deadline: float) -> ReadTotals:

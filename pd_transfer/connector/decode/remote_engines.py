@@ -175,6 +175,20 @@ class RemoteEngines:
         self.client.forget(*key, failure=False)
         remote.link.close()
 
+    def evict(self, host: str, port: int, stale: RemoteEngine) -> bool:
+        """Drop ``stale`` (its link closed, its cached handshake forgotten) if it is still the engine at
+        ``host:port``; True if it was. The next :meth:`connect` there handshakes afresh (counted ``reconnect``).
+        Another engine connected there meanwhile is left alone, and so is a remembered handshake failure."""
+        key = (host, port)
+        with self._lock:
+            if self._remotes.get(key) is not stale:
+                return False
+            del self._remotes[key]
+            self._dropped.add(key)
+        self.client.forget(host, port, failure=False)
+        stale.link.close()
+        return True
+
     def get(self, host: str, port: int) -> RemoteEngine | None:
         """The engine at ``host:port`` if connected, else None (never connects)."""
         with self._lock:

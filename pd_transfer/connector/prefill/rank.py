@@ -40,7 +40,7 @@ from pd_transfer.handshake.server import ReleaseHandler as SideChannelRelease
 from pd_transfer.metrics import TransferMetrics, default_metrics
 from pd_transfer.transfer.agent import NIXL_AGENTS
 from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
-from pd_transfer.transfer.errors import TransferError
+from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -256,14 +256,30 @@ class PrefillRank:
 
     def _nixl_answer(self, peer: str, metadata: bytes) -> Answer:
         """How a confirmation reaches reader ``peer`` by NIXL: its agent added as a peer (from ``metadata``, its
-        connection metadata) when first needed, then notified."""
+        connection metadata) when first needed, then notified.
+
+        A peer NIXL reports disconnected is removed and added afresh from ``metadata`` (the reader's report that
+        asks for this answer just came, so the reader is there), then notified once more. Its endpoint breaks for
+        good when the network is cut under it, or when the reader dropped its side of the link and made it again
+        (a read that timed out): kept, it would refuse every later confirmation to that reader, and each of that
+        decode's reads would end unconfirmed until one of the engines restarted (issue 42, tests/process/
+        test_network_cut.py). Only the rank's own agent is touched: it prepares nothing for readers."""
+
+        def add() -> None:
+            added = self.agent.add_peer(metadata)
+            if added != peer:
+                raise TransferError(f"reader {peer} sent the connection metadata of agent {added}")
 
         def send(payload: bytes) -> None:
             if not self.agent.has_peer(peer):
-                added = self.agent.add_peer(metadata)
-                if added != peer:
-                    raise TransferError(f"reader {peer} sent the connection metadata of agent {added}")
-            self.agent.notify(peer, payload)
+                add()
+            try:
+                self.agent.notify(peer, payload)
+            except PeerDisconnected as error:
+                logger.info("prefill %s: reader %s disconnected (%s); adding it afresh", self.agent.name, peer, error)
+                self.agent.remove_peer(peer)
+                add()
+                self.agent.notify(peer, payload)
 
         return send
 

@@ -16,8 +16,10 @@ import torch
 from pd_transfer.spec import memory_of
 from pd_transfer.topology import PeerPlan, expected_readers
 from pd_transfer.topology.plan import SourcePlan
+from pd_transfer.transfer import late_landing
 from pd_transfer.transfer.agent import DescriptorList
 from pd_transfer.transfer.agent_protocol import Agent
+from pd_transfer.transfer.errors import TransferTimeout
 
 from .seam import OfferedEngine, Source
 
@@ -57,18 +59,28 @@ def notified_sources(
 
 def warm_up(agent: Agent, remote: DescriptorList, source: SourcePlan, timeout_s: float) -> None:
     """Read row 0 of ``remote`` (one unit of ``source``) into registered scratch memory once (bounded by
-    ``timeout_s``); the cache is not touched."""
+    ``timeout_s``); the cache is not touched. After a timeout the scratch memory is kept, never freed
+    (:mod:`pd_transfer.transfer.late_landing`)."""
     scratch = torch.empty(source.unit_bytes, dtype=torch.uint8)
     registration = agent.register_spans([(scratch.data_ptr(), scratch.data_ptr() + source.unit_bytes)])
+    local: DescriptorList | None = None
     try:
         local = agent.prepare_local(np.array([[scratch.data_ptr(), source.unit_bytes, 0]], dtype=np.uint64))
-        try:
-            zero = np.zeros(1, dtype=np.int32)
-            agent.read(local, zero, remote, zero, timeout_s=timeout_s)
-        finally:
-            local.release()
-    finally:
-        agent.deregister(registration)
+        zero = np.zeros(1, dtype=np.int32)
+        agent.read(local, zero, remote, zero, timeout_s=timeout_s)
+    except TransferTimeout:  # the read may still land in scratch (the wire came back): it is never freed
+        late_landing.keep(scratch, registration, local)
+        raise
+    except BaseException:
+        _free(agent, registration, local)
+        raise
+    _free(agent, registration, local)
+
+
+def _free(agent: Agent, registration: object, local: DescriptorList | None) -> None:
+    if local is not None:
+        local.release()
+    agent.deregister(registration)
 
 
 def remove_peers(agent: Agent, sources: list[Source]) -> None:
