@@ -50,9 +50,7 @@ class Pending:
     verify: list[int] = field(default_factory=list)  # a stream's groups checked, in the order the digests come
     received: dict[int, int] = field(default_factory=dict)  # group -> digest of its rows here, once they arrived
     expected: list[int] | None = None  # the prefill's digests of the groups in ``verify``
-    check: np.ndarray | None = (
-        None  # a read's rows here (a sample of them) whose digest the prefill sends with its rows
-    )
+    check: np.ndarray | None = None  # a read's rows here (some of them) whose digest comes with the rows
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +80,7 @@ class TcpConnection:
     order by its listener thread, messages from the rank handed to the site. It is also the rank's courier."""
 
     def __init__(self, site: DecodeSite, peer: str, address: tuple[str, int], *, digests: bool = False) -> None:
-        """``digests``: the rank answers a stream's ``verify`` (its offer says so)."""
+        """``digests``: the rank sends digests a read or a stream asks for (its offer says so)."""
         self.site, self.peer, self.address = site, peer, address
         self.digests = digests
         self._secret = as_secret(site.options.secret)

@@ -107,8 +107,8 @@ def _checked(
     local: np.ndarray, remote: np.ndarray, unit_bytes: int, verify: str
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The rows of a read (``local`` and ``remote`` unit addresses, aligned) whose digests are compared under
-    ``verify`` (:func:`~pd_transfer.transfer.digests.sampled`: every unit, or one in 8 at a turning offset), merged on
-    each side; None: none."""
+    ``verify`` (:func:`~pd_transfer.transfer.digests.sampled`: every unit, or an eighth of them, adjacent ones, the
+    next eighth for the next read), merged on each side; None: none."""
     chosen = sampled(verify, len(local), next_turn())
     if chosen is None:
         return None
