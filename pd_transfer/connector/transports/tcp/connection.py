@@ -9,7 +9,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import msgspec
@@ -17,6 +18,7 @@ import numpy as np
 
 from pd_transfer.connector import messages
 from pd_transfer.handshake.auth import as_secret, connection_mac
+from pd_transfer.metrics import TransferMetrics
 from pd_transfer.transfer.digests import rows_digest
 from pd_transfer.transfer.errors import DigestMismatch, PeerDisconnected, TransferError, TransferTimeout
 from pd_transfer.transfer.socket_rows import receive_rows, set_send_timeout
@@ -49,7 +51,7 @@ class Pending:
     layers: list[int] = field(default_factory=list)
     verify: list[int] = field(default_factory=list)  # a stream's groups checked, in the order the digests come
     received: dict[int, int] = field(default_factory=dict)  # group -> digest of its rows here, once they arrived
-    expected: list[int] | None = None  # the prefill's digests of the groups in ``verify``
+    expected: list[int] | None = None  # the prefill's digests: of the groups in ``verify``, or of ``check``
     check: np.ndarray | None = None  # a read's rows here (some of them) whose digest comes with the rows
 
     @property
@@ -60,13 +62,23 @@ class Pending:
         self.error = error
         self.done.set()
 
+    @property
+    def checked(self) -> int:
+        """How many digests it compares: a stream's groups in ``verify``, a read's ``check`` (one)."""
+        return len(self.verify) + (self.check is not None)
+
     def differing(self, peer: str) -> DigestMismatch | None:
-        """Why a stream that arrived whole must not be used: a group checked whose rows here differ from the
-        prefill's, or no digests from a prefill asked for them; None when every group checked is equal."""
-        if not self.verify:
+        """Why what arrived whole must not be used: a read's ``check`` rows, or a stream's group in ``verify``, whose
+        bytes here differ from the prefill's digest, or no digest from a prefill asked for one; None when all that
+        was checked is equal (or nothing was)."""
+        if not self.checked:
             return None
         if self.expected is None:
-            return DigestMismatch(f"{peer} sent no digests of the layers checked")
+            return DigestMismatch(f"{peer} sent no digest of what was checked")
+        if self.check is not None:
+            if rows_digest(self.check) != self.expected[0]:
+                return DigestMismatch(f"rows read from {peer} differ from what the prefill held")
+            return None
         for index, expected in zip(self.verify, self.expected, strict=True):
             if self.received.get(index) != expected:
                 return DigestMismatch(
@@ -262,7 +274,8 @@ class TcpConnection:
             read_id, nbytes, *digest = fields(frame, int, int, int) if len(frame) == 4 else fields(frame, int, int)
             self._receive(sock, read_id, self._pending_of(read_id, pop=False), 0, nbytes)
             pending = self._pending_of(read_id, pop=True)
-            pending.end(self._checked(pending, digest))
+            pending.expected = digest or None
+            pending.end(pending.differing(self.peer))
         elif kind == "layer":
             read_id, index, nbytes = fields(frame, int, int, int)
             self._receive(sock, read_id, self._pending_of(read_id, pop=False), index, nbytes)
@@ -294,17 +307,6 @@ class TcpConnection:
         else:
             raise BadFrame(f"a frame of kind {str(kind)[:40]!r}")
 
-    def _checked(self, pending: Pending, digest: list[int]) -> DigestMismatch | None:
-        """Why a read whose rows all landed must not be used: its checked rows here differ from the prefill's digest
-        of them, or it sent none; None when they are equal, or none was asked for."""
-        if pending.check is None:
-            return None
-        if not digest:
-            return DigestMismatch(f"{self.peer} sent no digest of the rows checked")
-        if rows_digest(pending.check) != digest[0]:
-            return DigestMismatch(f"rows read from {self.peer} differ from what the prefill held")
-        return None
-
     def _pending_of(self, frame_id: int, *, pop: bool) -> Pending:
         with self._lock:
             pending = self._pending.pop(frame_id, None) if pop else self._pending.get(frame_id)
@@ -324,3 +326,15 @@ class TcpConnection:
         pending.arrived.append(time.perf_counter())
         if index in pending.verify:  # while the next layer is on its way (a few ms a 32 MiB layer)
             pending.received[index] = rows_digest(group)
+
+
+@contextmanager
+def digest_checks_counted(metrics: TransferMetrics, pendings: Sequence[Pending]) -> Iterator[None]:
+    """Count what ``pendings`` compared (``pd_transfer_digest_checks_total``) once the block waiting for them ends:
+    each digest equal, or the one mismatch that ended it (raised on)."""
+    try:
+        yield
+    except DigestMismatch:
+        metrics.digest_checks.labels("mismatch").inc()
+        raise
+    metrics.digest_checks.labels("equal").inc(sum(pending.checked for pending in pendings))

@@ -24,11 +24,11 @@ from pd_transfer.handshake.messages import RankMetadata
 from pd_transfer.topology import PeerPlan, expected_readers
 from pd_transfer.transfer.cma import merged_rows
 from pd_transfer.transfer.digests import next_turn, sampled
-from pd_transfer.transfer.errors import DigestMismatch, TransferError
+from pd_transfer.transfer.errors import TransferError
 
 from ..requests import PullRequest, ReadTotals, StreamRequest
 from ..seam import DecodeSite, Link, OfferedEngine, Refusal, Source
-from .connection import TcpConnection
+from .connection import TcpConnection, digest_checks_counted
 from .frames import BadFrame, decode_offer
 from .stream_reader import stream_request
 
@@ -62,14 +62,9 @@ class TcpLink:
             )
             for plan, (local, remote), connection in zip(self.plan.sources, planned, self.connections, strict=True)
         ]
-        checks = self.end.site.metrics.digest_checks
-        try:
+        with digest_checks_counted(self.end.site.metrics, posted):
             for connection, pending in zip(self.connections, posted, strict=True):
                 connection.wait(pending, deadline)
-        except DigestMismatch:
-            checks.labels("mismatch").inc()
-            raise
-        checks.labels("equal").inc(sum(pending.check is not None for pending in posted))
         read = time.perf_counter()
         postprocess = self.plan.postprocess
         if postprocess is not None:

@@ -19,11 +19,11 @@ from pd_transfer.spec import planes_of
 from pd_transfer.topology.plan import SourcePlan
 from pd_transfer.transfer.cma import merged_rows
 from pd_transfer.transfer.digests import groups_to_verify, next_turn
-from pd_transfer.transfer.errors import DigestMismatch, TransferError
+from pd_transfer.transfer.errors import TransferError
 
 from ..requests import ReadTotals, StreamRequest
 from ..seam import DecodeSite, Source
-from .connection import Pending, TcpConnection
+from .connection import Pending, TcpConnection, digest_checks_counted
 
 
 def stream_request(
@@ -64,14 +64,9 @@ def stream_request(
         )
         for connection, (_, generation, _), (local, remote, layers) in zip(connections, blocks, cut, strict=True)
     ]
-    checks = site.metrics.digest_checks
-    try:
+    with digest_checks_counted(site.metrics, streams):
         for connection, stream in zip(connections, streams, strict=True):
             _wait_moving(connection, stream, posted, span_s)
-    except DigestMismatch:
-        checks.labels("mismatch").inc()
-        raise
-    checks.labels("equal").inc(sum(len(stream.verify) for stream in streams))
     read = time.perf_counter()
     site.tell_read(sources, request_id)
     done = time.perf_counter()
