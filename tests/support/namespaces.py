@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from pd_transfer.bench.transfer.netns import free_subnet
+
 HOST_NUMBER = {"host": 1, "p": 2, "d": 3}  # last octet of each address on the bridge's /24
 COMMAND_TIMEOUT_S = 30.0
 
@@ -115,18 +117,9 @@ def delete_network(net: Network) -> list[str]:
     return problems
 
 
-def free_subnet() -> str:
-    used = run(["ip", "-4", "-o", "addr", "show"])
-    for _ in range(50):
-        subnet = f"10.231.{secrets.randbelow(200) + 50}"
-        if f" {subnet}." not in used:
-            return subnet
-    raise RuntimeError("no free 10.231.N.0/24 subnet")
-
-
 def create_network() -> Network:
     """Builds the namespaces, veths and bridge; on any failure deletes what was made and raises RuntimeError."""
-    net = Network(secrets.token_hex(3), free_subnet(), [])
+    net = Network(secrets.token_hex(3), free_subnet("10.231", 50), [])
     try:
         for side in ("p", "d"):
             run(["ip", "netns", "add", net.ns(side)])

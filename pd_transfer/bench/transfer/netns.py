@@ -50,20 +50,22 @@ def _ip(*args: str) -> str:
     return done.stdout
 
 
-def _free_subnet() -> str:
+def free_subnet(prefix: str = "10.232", lowest: int = 20) -> str:
+    """A ``PREFIX.N`` (N from ``lowest``, 200 of them, drawn at random) that no address of this host's is in: a /24
+    for a bridge or veth of one's own (the benchmarks draw from 10.232, the tests from 10.231: never each other's)."""
     used = _ip("-4", "-o", "addr", "show")
     for _ in range(50):
-        subnet = f"10.232.{secrets.randbelow(200) + 20}"
+        subnet = f"{prefix}.{secrets.randbelow(200) + lowest}"
         if f" {subnet}." not in used:
             return subnet
-    raise RuntimeError("no free 10.232.N.0/24 subnet")
+    raise RuntimeError(f"no free {prefix}.N.0/24 subnet")
 
 
 def make_veth() -> Veth:
     """Create the namespace and the veth pair, addresses up; deletes what it made and raises RuntimeError on any
     failure."""
     tag = f"{os.getpid() % 100000}{secrets.token_hex(1)}"
-    subnet = _free_subnet()
+    subnet = free_subnet()
     net = Veth(f"pdt-bench-{tag}", f"pdtb{tag}o", f"pdtb{tag}i", f"{subnet}.1", f"{subnet}.2")
     _ip("netns", "add", net.ns)
     try:
