@@ -292,6 +292,25 @@ class Settings:
             "how long a read waits between state checks once it stopped spinning (us)",
         ),
     )
+    drain_s: float = field(
+        default=30.0,
+        metadata=_declare(
+            "PD_TRANSFER_DRAIN_S",
+            Number(0, 3600),
+            "a NIXL read or write past its timeout is waited for this much longer (s) until NIXL ends it, so that none"
+            " of its bytes lands in memory given to another request (a cut TCP connection delivers them when it"
+            " resumes)",
+        ),
+    )
+    sever_stalled: bool = field(
+        default=True,
+        metadata=_declare(
+            "PD_TRANSFER_SEVER_STALLED",
+            Flag(),
+            "a decode whose NIXL read or push from another host stalls past its timeout shuts down its TCP"
+            " connections to that host, so that nothing of it lands later and it ends at once; `0`: only drain it",
+        ),
+    )
     tcp_segments: bool = field(
         default=True,
         metadata=_declare(

@@ -22,6 +22,7 @@ import numpy as np
 from pd_transfer.settings import Settings
 from pd_transfer.spec import HOST, KVRegion, MemoryPlace, memory_of
 
+from . import sever
 from .agent_protocol import AgentFactory, NotificationHandler
 from .dlists import DescriptorList, merged_spans, nothing_to_move
 from .errors import TransferError, TransferTimeout, UnknownPeer
@@ -35,6 +36,9 @@ from .session import LOCAL, NixlSession, nixl_memory_type
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Seconds between state checks of a transfer drained after its timeout (:meth:`TransferAgent._drained`).
+_DRAIN_POLL_S = 0.005
 
 
 class TransferAgent:
@@ -76,6 +80,7 @@ class TransferAgent:
         self._dlists: list[DescriptorList] = []
         self._closed = False
         self.notifications_received = 0
+        self.abandoned_transfers = 0  # timed out and still in flight after the drain (see _drained)
         self._busy_poll_s = settings.busy_poll_s
         self._read_wait_s = settings.read_wait_s
         self._poller = AdaptivePoller(
@@ -103,6 +108,7 @@ class TransferAgent:
                 split_min_bytes,
                 lambda lane: TransferAgent(lane, settings=self.settings),
                 thread_cpus=self.settings.thread_cpu_set,
+                drain_s=self.settings.drain_s,
             )
             with self._lock:
                 if self._closed:
@@ -206,6 +212,7 @@ class TransferAgent:
             self._peer_metadata.pop(peer, None)
             if self.lanes is not None:
                 self.lanes.remove_peer(peer)
+            sever.forget_peer(peer)
             if peer in self._peers:
                 self._peers.discard(peer)
                 try:
@@ -420,7 +427,7 @@ class TransferAgent:
             while state == "PROC":
                 now = time.perf_counter()
                 if now >= deadline:
-                    raise TransferTimeout(f"agent {self.name}: {verb} with {peer} not done after {timeout_s:.3f} s")
+                    raise self._drained(verb, peer, timeout_s, handle)
                 spins += 1
                 if spins > 64:  # tcp-emulated reads progress slowly: stop spinning, keep latency bounded
                     time.sleep(min(self._read_wait_s, deadline - now))
@@ -443,6 +450,54 @@ class TransferAgent:
         finally:
             if not session.release_transfer(handle):
                 logger.warning("agent %s: %s with %s still owned by NIXL; releasing it later", self.name, verb, peer)
+
+    def _drained(self, verb: str, peer: str, timeout_s: float, handle: object) -> TransferTimeout:
+        """The error for a transfer not done within ``timeout_s``, raised only once NIXL ended it (DONE or ERR), at
+        most ``settings.drain_s`` later; first, with ``settings.sever_stalled``, this process's connections to the
+        peer's host are shut down (:mod:`.sever`: UCX fails the endpoint, the transfer ends at once).
+
+        Why wait: a transfer past its deadline is not over. Over UCX's TCP transport its bytes wait in a connection a
+        network cut stalled and land (a READ's in our memory, a WRITE's in the peer's) whenever it resumes, maybe
+        seconds after the cut healed, when the caller has given that memory to another request: wrong KV (issue 42,
+        tests/process/test_network_cut.py). NIXL ends it once the bytes landed or UCX failed the endpoint (its
+        connection closed: nothing lands after). Past ``drain_s`` the transfer is abandoned (counted in
+        :attr:`abandoned_transfers`, logged): its bytes may still land."""
+        started = time.perf_counter()
+        severed = sever.sever_peer(peer) if self.settings.sever_stalled else 0
+        drained_by = started + self.settings.drain_s
+        state = "PROC"
+        while state == "PROC" and time.perf_counter() < drained_by:
+            time.sleep(_DRAIN_POLL_S)
+            try:
+                state = self.session.state(handle)
+            except Exception:  # NIXL ended it with an error: the endpoint failed
+                state = "ERR"
+        waited = time.perf_counter() - started
+        if state == "PROC":
+            self.abandoned_transfers += 1
+            logger.error(
+                "agent %s: a %s with %s still in flight %.1f s after its timeout: abandoned, its bytes may still land",
+                self.name,
+                verb,
+                peer,
+                waited,
+            )
+            return TransferTimeout(
+                f"agent {self.name}: {verb} with {peer} not done after {timeout_s:.3f} s, nor {waited:.1f} s later"
+            )
+        logger.warning(
+            "agent %s: a %s with %s not done after %.3f s ended %s %.2f s later (%d connections to its host severed)",
+            self.name,
+            verb,
+            peer,
+            timeout_s,
+            state,
+            waited,
+            severed,
+        )
+        return TransferTimeout(
+            f"agent {self.name}: {verb} with {peer} not done after {timeout_s:.3f} s (it ended {waited:.2f} s later)"
+        )
 
     @property
     def unreleased_transfers(self) -> int:

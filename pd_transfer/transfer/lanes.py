@@ -137,11 +137,18 @@ class ReadLanes:
     None: the creator's). Every method but ``read`` is called under the owner's lock."""
 
     def __init__(
-        self, owner: str, lanes: Sequence[LaneAgent], *, split_min_bytes: int, thread_cpus: CpuSet = None
+        self,
+        owner: str,
+        lanes: Sequence[LaneAgent],
+        *,
+        split_min_bytes: int,
+        thread_cpus: CpuSet = None,
+        drain_s: float = 0.0,
     ) -> None:
         self.owner = owner
         self.lanes = list(lanes)
         self.split_min_bytes = split_min_bytes
+        self.drain_s = drain_s  # how long a lane's read past its timeout is drained (settings.drain_s)
         self._registrations: dict[int, list[object]] = {}  # id(owner's registration) -> the lanes'
         self._warm: set[str] = set()  # peers every lane has read from
         self.max_jobs = MAX_JOBS_PER_LANE * (len(self.lanes) + 1)
@@ -160,6 +167,7 @@ class ReadLanes:
         split_min_bytes: int,
         new_agent: Callable[[str], LaneAgent],
         thread_cpus: CpuSet = None,
+        drain_s: float = 0.0,
     ) -> ReadLanes:
         """``count`` lanes made with ``new_agent(name)`` (closed again if one fails to start)."""
         made: list[LaneAgent] = []
@@ -170,7 +178,7 @@ class ReadLanes:
             for lane in made:
                 lane.close()
             raise
-        return cls(owner, made, split_min_bytes=split_min_bytes, thread_cpus=thread_cpus)
+        return cls(owner, made, split_min_bytes=split_min_bytes, thread_cpus=thread_cpus, drain_s=drain_s)
 
     # ------------------------------------------------------------------ mirroring the owner
     def replay(
@@ -284,8 +292,8 @@ class ReadLanes:
     def run(self, jobs: Sequence[Callable[[int], T]], timeout_s: float) -> list[T]:
         """Run ``jobs[k](k)`` each on a thread of its own (``jobs[0]`` on this thread), at most :attr:`max_jobs`;
         returns their results (in order) once every job returned, else raises the first failure (a disconnect
-        before others). Every job must end within ``timeout_s``: a job that has not by then (plus a grace) is
-        reported as timed out, its thread left to finish."""
+        before others). Every job must end within ``timeout_s``: a job that has not by then (plus the drain of a read
+        past its timeout, :attr:`drain_s`, and a grace) is reported as timed out, its thread left to finish."""
         if not 1 <= len(jobs) <= self.max_jobs:
             raise ValueError(f"{len(jobs)} jobs, at most {self.max_jobs} for {len(self.lanes)} lanes and their owner")
         futures: list[Future[T]] = [self._pool.submit(job, lane) for lane, job in enumerate(jobs[1:], start=1)]
@@ -297,7 +305,7 @@ class ReadLanes:
             errors.append(error)
         for lane, future in enumerate(futures, start=1):  # every job ends before its memory can be reused
             try:
-                results.append(future.result(timeout=timeout_s + _JOIN_GRACE_S))
+                results.append(future.result(timeout=timeout_s + self.drain_s + _JOIN_GRACE_S))
             except FutureTimeout:
                 errors.append(TransferTimeout(f"agent {self.owner}: lane {lane} not done after {timeout_s:.3f} s"))
             except Exception as error:

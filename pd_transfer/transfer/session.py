@@ -21,6 +21,7 @@ import numpy as np
 from pd_transfer.settings import Settings
 from pd_transfer.spec import HOST, MemoryPlace
 
+from . import sever
 from .native import NixlRegDList, make_nixl_agent
 
 #: The name NIXL prepares local memory under (a descriptor list of this agent's own registered memory).
@@ -46,12 +47,13 @@ class NixlSession:
     def __init__(self, name: str, *, settings: Settings, progress_thread_wait_ms: int = 0) -> None:
         self.name = name
         self.lock = threading.RLock()
-        self._agent = make_nixl_agent(
-            name,
-            progress_thread_wait_ms=progress_thread_wait_ms,
-            thread_cpus=settings.thread_cpu_set,
-            quiet_logs=settings.nixl_log_level is None,
-        )
+        with sever.noting_listeners():  # UCX's TCP listeners: peers' connections to them may be severed
+            self._agent = make_nixl_agent(
+                name,
+                progress_thread_wait_ms=progress_thread_wait_ms,
+                thread_cpus=settings.thread_cpu_set,
+                quiet_logs=settings.nixl_log_level is None,
+            )
         self._unreleased: list[object] = []  # transfer handles NIXL could not release yet
 
     # ------------------------------------------------------------------ memory

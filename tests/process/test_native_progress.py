@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def _read_everything_from_unpolled_target(monkeypatch: pytest.MonkeyPatch, wait_
     env = {"UCX_TLS": "tcp,self", _ENV: wait_ms}
     with (
         served_peer(env, serves_reads=True, python_progress=False) as (_, metadata, bases),
-        TransferAgent("test-native-reader-tcp", settings=DEFAULTS) as agent,
+        TransferAgent("test-native-reader-tcp", settings=replace(DEFAULTS, drain_s=1.0)) as agent,  # a short drain
     ):
         order = list(range(NUM_REGIONS))
         tensors = read_whole_regions(agent, metadata, bases, order, timeout_s=timeout_s)

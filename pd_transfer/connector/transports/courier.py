@@ -16,7 +16,7 @@ import torch
 from pd_transfer.spec import memory_of
 from pd_transfer.topology import PeerPlan, expected_readers
 from pd_transfer.topology.plan import SourcePlan
-from pd_transfer.transfer import late_landing
+from pd_transfer.transfer import late_landing, sever
 from pd_transfer.transfer.agent import DescriptorList
 from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import TransferTimeout
@@ -29,6 +29,7 @@ def reach(agent: Agent, engine: OfferedEngine, tp_rank: int, tp_size: int) -> So
     its peer if it is not one yet)."""
     rank = engine.rank(tp_rank)
     peer = rank.agent_name if agent.has_peer(rank.agent_name) else agent.add_peer(rank.agent_metadata)
+    sever.note_peer(peer, engine.host)  # where a stalled transfer with it is severed
     readers = expected_readers(tp_rank, rank.layout, tp_size)
     return Source(remote_rank=tp_rank, peer=peer, expected_readers=readers, courier=agent)
 

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from pd_transfer.connector import messages
+from pd_transfer.transfer import sever
 from pd_transfer.transfer.agent_protocol import Agent
 from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 from pd_transfer.transfer.tcp import push_to
@@ -204,11 +205,21 @@ class PushOrders:
         self, request: PullRequest, sources: Sequence[SourceRank], deadline: float
     ) -> dict[str, messages.PushOutcome]:
         """Order each of ``sources`` to write ``request``; returns the outcome of each that answered by
-        ``deadline`` (``time.perf_counter`` time; an order that could not be sent answers ``may_read`` at once)."""
+        ``deadline`` (``time.perf_counter`` time; an order that could not be sent answers ``may_read`` at once).
+
+        A source silent at ``deadline`` may still be writing: its WRITE, past its own timeout, is not over until
+        NIXL ends it (a cut TCP connection delivers its bytes when it resumes), and the source answers once it
+        ended (:meth:`pd_transfer.transfer.agent.TransferAgent._drained`). So, with ``settings.sever_stalled``,
+        this process's connections to their hosts are shut down (:mod:`~pd_transfer.transfer.sever`: nothing of
+        them lands after), and this waits for their answers, or for our endpoints to them to fail, at most
+        ``settings.drain_s`` more, before returning without them: the caller must not give the request's blocks to
+        another request while a write into them may still land."""
         with self.agent.expecting_traffic(), self._awaiting(request.request_id) as answers:
             for source in sources:
                 self._send_order(request, source, deadline, answers)
             outcomes = self._wait(request.request_id, sources, answers, deadline)
+            if len(outcomes) < len(sources):
+                self._drain(request.request_id, sources, answers, deadline)
         self.pushed += sum(1 for outcome in outcomes.values() if outcome.ok)
         self.read_instead += sum(1 for outcome in outcomes.values() if outcome.may_read)
         return outcomes
@@ -235,6 +246,43 @@ class PushOrders:
             if silent and time.perf_counter() >= probe_at:
                 probe_at = time.perf_counter() + PROBE_INTERVAL_S
                 self._probe(request_id, silent)
+
+    def _drain(
+        self,
+        request_id: str,
+        sources: Sequence[SourceRank],
+        answers: dict[str, messages.PushOutcome],
+        deadline: float,
+    ) -> None:
+        """Wait (at most ``settings.drain_s`` past ``deadline``) for the answers of sources silent at ``deadline``:
+        each answers once its write ended. Logged either way; a source still silent is logged as abandoned."""
+        drain_s = self.agent.settings.drain_s
+        if self.agent.settings.sever_stalled:  # our end of their connections shut: nothing of them lands later
+            severed = sum(sever.sever_peer(source.peer) for source in sources if source.peer not in answers)
+            logger.warning("decode %s: request %s: %d connections severed", self.agent.name, request_id, severed)
+        try:
+            drained = self._wait(request_id, sources, answers, deadline + drain_s)
+        except PeerDisconnected as error:  # our endpoint to it failed: nothing of it lands any more
+            logger.warning("decode %s: request %s: a pushing prefill is gone: %s", self.agent.name, request_id, error)
+            return
+        silent = [source.peer for source in sources if source.peer not in drained]
+        waited = time.perf_counter() - deadline
+        if silent:
+            logger.error(
+                "decode %s: request %s: %s still silent %.1f s after the push's deadline: abandoned, its writes may"
+                " still land",
+                self.agent.name,
+                request_id,
+                ", ".join(silent),
+                waited,
+            )
+        else:
+            logger.warning(
+                "decode %s: request %s: every push past its deadline ended %.2f s later",
+                self.agent.name,
+                request_id,
+                waited,
+            )
 
     def _probe(self, request_id: str, peers: list[str]) -> None:
         """A ``LeaseHeartbeat`` to each of ``peers``: raises ``PeerDisconnected`` for one that is gone."""

@@ -17,6 +17,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.spec import memory_of, planes_of
 from pd_transfer.topology import PeerPlan, expected_readers
 from pd_transfer.topology.plan import SourcePlan
+from pd_transfer.transfer import sever
 from pd_transfer.transfer.agent import DescriptorList
 from pd_transfer.transfer.agent_protocol import Agent
 
@@ -84,6 +85,7 @@ def _add_source(
     """``source``'s rank added as a peer of ``agent``, its lists prepared; on failure the peer is removed."""
     rank = engine.rank(source.remote_rank)
     peer = agent.add_peer(rank.agent_metadata)
+    sever.note_peer(peer, engine.host)  # where a stalled read from it is severed
     try:
         remote = agent.prepare_remote(peer, source.remote_grid, memory_of(list(rank.regions)))
         local = agent.prepare_local(source.local_grid, cache.place)
