@@ -9,10 +9,13 @@ took and whether it verified.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.config import ConnectorConfig
@@ -22,6 +25,12 @@ from pd_transfer.connector.params import InvalidTransferParams, RemotePrefill, p
 from pd_transfer.settings import Settings
 from pd_transfer.sim.block_pool import BlockPool
 from pd_transfer.sim.kv_model import KVModel, holds_pattern, kv_pattern
+from pd_transfer.sim.verify import plane_tensors
+
+logger = logging.getLogger(__name__)
+
+#: What a failed pull's watched blocks are filled with (exact in every float dtype; no prompt's pattern is all of it).
+CANARY = -3.5
 
 
 @dataclass
@@ -33,10 +42,14 @@ class DecodeKV:
     config: ConnectorConfig
     hold_window: bool = False  # trust the prefill's hold window as the vLLM connector does (else always confirm)
     settings: Settings = field(kw_only=True)  # the process's, read at its edge
+    #: seconds a failed pull's blocks are kept from reuse, a canary in them (0: given back at once; see ``failed``)
+    watch_failed_s: float = field(default=0.0, kw_only=True)
     pulls: int = 0
     failures: int = 0
     bytes_moved: int = 0
+    late_landings: int = 0  # watched blocks written into after their pull failed
     reports: list[dict[str, Any]] = field(default_factory=list)
+    _watched: list[tuple[float, list[int]]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.layout = self.model.layout()
@@ -96,9 +109,44 @@ class DecodeKV:
             "verified": verified,
         }
 
+    def failed(self, request_id: str, blocks: list[int]) -> None:
+        """A pull into ``blocks`` failed: give them back, or, with ``watch_failed_s``, fill them with
+        :data:`CANARY` and keep them from reuse that long; :meth:`release_watched` then checks the canary. A changed
+        canary is a transfer that wrote after its pull had failed (a late landing: wrong KV in the next request to
+        get those blocks), counted in ``late_landings``."""
+        if self.watch_failed_s <= 0:
+            self.pool.give(blocks)
+            return
+        index = torch.tensor(blocks, dtype=torch.long)
+        for plane in plane_tensors(self.rank.cache):
+            plane.index_fill_(0, index.to(plane.device), CANARY)
+        self._watched.append((time.monotonic() + self.watch_failed_s, blocks))
+        logger.info(
+            "request %s: its pull failed; %d blocks watched for %g s", request_id, len(blocks), self.watch_failed_s
+        )
+
+    def release_watched(self) -> None:
+        """Check and give back the watched blocks whose time is up (see :meth:`failed`)."""
+        now = time.monotonic()
+        due = [blocks for until, blocks in self._watched if until <= now]
+        self._watched = [(until, blocks) for until, blocks in self._watched if until > now]
+        for blocks in due:
+            index = torch.tensor(blocks, dtype=torch.long)
+            for plane in plane_tensors(self.rank.cache):
+                if not bool((plane.index_select(0, index.to(plane.device)) == CANARY).all()):
+                    self.late_landings += 1
+                    logger.error(
+                        "blocks %s..%s were written after their pull failed (a late landing)", blocks[0], blocks[-1]
+                    )
+                    break
+            self.pool.give(blocks)
+
     def state(self) -> dict[str, object]:
+        self.release_watched()
         return {
             "blocks_free": self.pool.free,
+            "blocks_watched": sum(len(blocks) for _, blocks in self._watched),
+            "late_landings": self.late_landings,
             "pulls": self.pulls,
             "failures": self.failures,
             "bytes_moved": self.bytes_moved,

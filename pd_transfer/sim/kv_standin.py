@@ -106,18 +106,24 @@ class KVStandIn(StandIn):
             remote = engine.parse(body["kv_transfer_params"], tokens)
         except InvalidTransferParams as error:
             return error_response(400, f"kv-standin decode: {error}", rid)
+        engine.release_watched()
         blocks = engine.pool.take(-(-(remote.num_tokens or len(tokens)) // engine.layout.block_size))
         if blocks is None:
             return error_response(503, f"kv-standin decode: out of blocks ({engine.pool.free} free)", rid)
+        rid = rid or uuid.uuid4().hex
+        failed = False
         try:
-            report = await asyncio.to_thread(engine.pull, rid or uuid.uuid4().hex, remote, tokens, blocks)
+            report = await asyncio.to_thread(engine.pull, rid, remote, tokens, blocks)
         except Exception as error:
+            failed = True
             engine.failures += 1
+            engine.failed(rid, blocks)  # given back, or watched for a late landing
             message = f"kv-standin decode: pulling the KV of {remote.engine_id} failed: {type(error).__name__}: {error}"
             logger.error("%s", message)
             return error_response(500, message, rid)
         finally:
-            engine.pool.give(blocks)
+            if not failed:
+                engine.pool.give(blocks)
         engine.reports.append(report)
         del engine.reports[:-100]
         if not report["verified"]:
@@ -170,11 +176,12 @@ def make_engine(
     config: ConnectorConfig,
     *,
     hold_window: bool = False,
+    watch_failed_s: float = 0.0,
     settings: Settings,
 ) -> PrefillKV | DecodeKV:
     if role == "prefill":
         return PrefillKV(engine_id, model, config, settings)
-    return DecodeKV(engine_id, model, config, hold_window=hold_window, settings=settings)
+    return DecodeKV(engine_id, model, config, hold_window=hold_window, watch_failed_s=watch_failed_s, settings=settings)
 
 
 async def _serve_forever(args: argparse.Namespace) -> None:
@@ -197,7 +204,14 @@ async def _serve_forever(args: argparse.Namespace) -> None:
     engine_id = args.engine_id or f"kv-standin-{args.role}-{uuid.uuid4().hex[:8]}"
     settings = apply_process_defaults(read_settings())  # this process's edge: read once, before any agent
     engine = await asyncio.to_thread(
-        make_engine, args.role, engine_id, model, config, hold_window=args.hold_window, settings=settings
+        make_engine,
+        args.role,
+        engine_id,
+        model,
+        config,
+        hold_window=args.hold_window,
+        watch_failed_s=args.watch_failed_blocks,
+        settings=settings,
     )
     server = KVStandIn(args.role, engine, engine_id=engine_id, default_tokens=args.tokens, keep_bodies=False)
     try:
@@ -258,6 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the connector's transport setting (decode: the transports it opens prefills with, in order; prefill:"
         " those it offers): auto (same-host IPC where offered, else NIXL), nixl (as between hosts), ipc, or names,"
         " one of them module:attribute of a transport of your own",
+    )
+    parser.add_argument(
+        "--watch-failed-blocks",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="decode: keep a failed pull's blocks from reuse this long, a canary in them, and count those written into"
+        " meanwhile (late_landings in /control/kv; default 0: given back at once)",
     )
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens when the request sets none")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

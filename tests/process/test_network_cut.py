@@ -12,9 +12,11 @@ What each case asserts: the request in flight ends within a bound, either with t
 compares every byte it read with the KV of its own prompt, so wrong KV would be a wrong answer) or with a clear
 error naming the failed pull, never with wrong KV; once the wire is back, new requests move their KV over the wire
 again (the decode's veth received at least the KV's bytes), through the proxy too, with the same processes (same
-PIDs, still running); at the end neither side holds a block. One known bug makes a NIXL case xfail, naming it,
-when it shows: a read or push that timed out lands in the decode's blocks after the heal (``LATE_LANDING``); and the
-data-path case runs last and may fail (``PREFILL_DIED``).
+PIDs, still running); at the end neither side holds a block, and nothing was written into the blocks of a failed
+pull after it failed (the decodes keep those blocks from reuse for ``WATCH_S``, a canary in them: a read or push
+that timed out and still landed, after the heal, was wrong KV in whatever request got those blocks next; issue 42,
+fixed by draining and severing a stalled transfer, ``pd_transfer.transfer.sever``). The data-path case runs last and
+may fail (``PREFILL_DIED``).
 
 What it prints: how the request in flight ended and when, how long after the heal KV moved again, the handshakes
 the decode made (a dropped engine is handshaken afresh), the bytes over the veth.
@@ -63,15 +65,15 @@ DECODES = {
     "decode-tcp": ("tcp", {}),
 }
 # A NIXL read or push that timed out is not over: over UCX's TCP transport its bytes wait in a stalled TCP connection
-# and land in the decode's blocks once the wire is back (the decode's veth received up to the cut request's 4 MiB
-# more than the requests after the heal moved), when the decode may have given those blocks to another request. Seen
-# here now and then as "verification failed" on the first request after the heal, by reads (NIXL released the timed
-# -out read's handle; UCX writes a GET's reply where its header says) and by pushes (the prefill's WRITE); on vLLM,
-# where nothing verifies, it would be wrong tokens. Not fixed yet: a NIXL case xfails, naming it, when it shows.
-LATE_LANDING = (
-    "known bug: a NIXL read or push that timed out during the cut landed in the decode's blocks after the heal, over"
-    " a later request's KV"
-)
+# and land in the decode's blocks once the wire is back, when the decode may have given those blocks to another
+# request (seen here as "verification failed" on the first request after the heal, by reads and pushes, until the
+# decode drained a timed-out transfer and severed its connections to the prefill's host). The canary watch below
+# catches a late landing even when no later request reads those blocks.
+LATE_LANDING = "a NIXL read or push that timed out landed in the decode's blocks after its pull failed"
+#: the decodes' --watch-failed-blocks: a failed pull's blocks are kept from reuse this long, a canary in them, so that a
+#: transfer that still writes after its pull failed is caught even when nothing reads those blocks again (it covers the
+#: longest cut, its heal and TCP's retransmission back-off after it)
+WATCH_S = 12.0
 HOP_TIMEOUT_S = 30.0  # one HTTP hop, bounded
 IN_FLIGHT_BOUND_S = READ_TIMEOUT_S + 12.0  # a request in flight during a cut ends by then after the cut began
 HEAL_BOUND_S = 20.0  # after the heal, KV moves again by then
@@ -113,6 +115,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             args += ["--side-channel-host", address, "--side-channel-port", str(SIDE_CHANNEL_PORT)]
             args += ["--num-blocks", str(NUM_BLOCKS), "--read-timeout", str(READ_TIMEOUT_S)]
             args += ["--lease-seconds", str(LEASE_S)]
+            if key != "prefill":
+                args += ["--watch-failed-blocks", str(WATCH_S)]
             specs[key] = (env, args, net.ns(side))
         with standins(tmp_path, specs) as servers:
             cluster = Cluster(net, servers, {key: server.process.pid for key, server in servers.items()})
@@ -256,9 +260,7 @@ def moves_again(cluster: Cluster, decode_key: str, tag: str, healed_at: float) -
     while True:
         outcome = decode_hop(decode, prefill_hop(cluster, f"{tag}{n}-", 256))
         n += 1
-        if outcome.kind == "wrong" and DECODES[decode_key][0] == "nixl":
-            pytest.xfail(f"{LATE_LANDING}: {outcome}")
-        assert outcome.kind != "wrong", outcome
+        assert outcome.kind != "wrong", (outcome, LATE_LANDING)
         if outcome.kind == "right":
             break
         failed += 1
@@ -270,12 +272,7 @@ def moves_again(cluster: Cluster, decode_key: str, tag: str, healed_at: float) -
         ("completion", {"model": "m", "prompt": words(PROMPT_TOKENS, tag + "x"), "max_tokens": 3}),
         ("streamed", {"model": "m", "prompt": words(500, tag + "y"), "max_tokens": 3, "stream": True}),
     ]
-    try:
-        results = asyncio.run(through_proxy(cluster.servers["prefill"].url, decode.url, requests))
-    except AssertionError as error:  # the proxy's 502 carries the decode's reason
-        if "verification failed" in str(error) and DECODES[decode_key][0] == "nixl":
-            pytest.xfail(f"{LATE_LANDING}: {error}")
-        raise
+    results = asyncio.run(through_proxy(cluster.servers["prefill"].url, decode.url, requests))
     moved = 0
     for result in results:
         assert result.report["verified"] is True and result.report["bytes"] == kv_bytes(result.prompt_tokens)
@@ -287,10 +284,16 @@ def moves_again(cluster: Cluster, decode_key: str, tag: str, healed_at: float) -
 
 
 def all_free(cluster: Cluster) -> None:
+    """Neither side holds a block, once the decodes' watched blocks (of failed pulls) were checked: none was written
+    into after its pull failed."""
     state = wait_released(cluster.servers["prefill"], timeout_s=LEASE_S + 5.0)
     assert state["blocks_held"] == state["requests_held"] == 0 and state["blocks_free"] == NUM_BLOCKS, state
     for key in DECODES:
-        state = get_json(cluster.servers[key].url + "/control/kv")
+        deadline = time.monotonic() + WATCH_S + 5.0
+        while (state := get_json(cluster.servers[key].url + "/control/kv"))["blocks_watched"]:
+            assert time.monotonic() < deadline, (key, state)
+            time.sleep(0.1)  # polling pace
+        assert state["late_landings"] == 0, (key, state, LATE_LANDING)
         assert state["blocks_free"] == NUM_BLOCKS, (key, state)
 
 
