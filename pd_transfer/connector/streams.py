@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 #: Ended requests remembered (oldest forgotten first).
 ENDED_KEPT = 4096
@@ -53,6 +54,15 @@ class Progress:
         return self.held and self.ended is None and self.layers >= self.num_layers
 
 
+class HoldObserver(Protocol):
+    """What a board tells an observer (:meth:`StreamBoard.observe`), on the thread that told the board, outside its
+    lock: a request held in its blocks, a request's blocks the engine's again."""
+
+    def held(self, request_id: str, block_ids: tuple[int, ...]) -> None: ...
+
+    def ended(self, request_id: str) -> None: ...
+
+
 class StreamBoard:
     """The progress of a prefill rank's requests, ``num_layers`` layers each (see the module's docstring)."""
 
@@ -65,6 +75,12 @@ class StreamBoard:
         self._ended: OrderedDict[str, Progress] = OrderedDict()
         self._aliases: OrderedDict[str, str] = OrderedDict()  # alias -> request id
         self._generations = 0
+        self._observers: list[HoldObserver] = []
+
+    def observe(self, observer: HoldObserver) -> None:
+        """Tell ``observer`` of every hold and end from now on."""
+        with self._cond:
+            self._observers.append(observer)
 
     # ------------------------------------------------------------------ the engine's side
     def computing(self, request_id: str, block_ids: Iterable[int], alias: str | None = None) -> Progress:
@@ -111,6 +127,9 @@ class StreamBoard:
             self._going[request_id] = Progress(blocks, self.num_layers, self.num_layers, generation, held=True)
             self._ended.pop(request_id, None)
             self._cond.notify_all()
+            observers = list(self._observers)
+        for observer in observers:
+            observer.held(request_id, blocks)
 
     def ended(self, request_id: str, reason: str) -> None:
         """No more layers of ``request_id`` come and its blocks are (or will be) the engine's: ``reason`` says why."""
@@ -122,6 +141,9 @@ class StreamBoard:
             while len(self._ended) > ENDED_KEPT:
                 self._ended.popitem(last=False)
             self._cond.notify_all()
+            observers = list(self._observers)
+        for observer in observers:
+            observer.ended(request_id)
 
     # ------------------------------------------------------------------ readers
     def resolve(self, name: str) -> str:

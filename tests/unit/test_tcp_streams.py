@@ -296,6 +296,28 @@ def test_a_layer_changed_after_it_was_sent_fails_the_stream_naming_the_layer(
         decode.close()
 
 
+def test_a_block_changed_after_the_hold_fails_a_stream_asked_for_later(
+    prefill: InProcessPrefill, agent_factory: AgentFactory
+) -> None:
+    """A request held (its blocks digested then), then a byte of it changed in the prefill's cache, then streamed:
+    every layer goes out as the cache holds it now, so the digests of those bytes would match; the prefill's check
+    against the hold answers ``changed`` instead, and the stream fails as a mismatch naming the block."""
+    decode = decode_rank(agent_factory, verify="all")
+    try:
+        prefill.rank.hold("s-after-hold", REMOTE)
+        cache = prefill.rank.cache
+        first = min(range(len(cache.regions)), key=lambda index: cache.regions[index].layer)
+        cache.tensors[first][REMOTE[0]].view(torch.uint8).view(-1)[0] ^= 0xFF
+        with pytest.raises(DigestMismatch, match=f"block {REMOTE[0]} of layer 0 "):
+            decode.pull_streamed("s-after-hold", prefill.host, prefill.port, LOCAL, TOKENS, timeout_s=PULL_S)
+        assert digest_checks(decode, "mismatch") == 1
+        reports = prefill.rank.wait_released("s-after-hold", WAIT_S)
+        assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
+        assert prefill.rank.ledger.blocks_held == 0
+    finally:
+        decode.close()
+
+
 # -------------------------------------------------------------------------------------------------------------- faults
 def start_streaming(prefill: InProcessPrefill, decode: DecodeRank, request_id: str) -> Pull:
     """A pull of ``request_id`` under way: computing in REMOTE, its first layer written and arrived."""

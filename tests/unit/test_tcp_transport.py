@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import torch
 from engine_specs import kv_layout
 from in_process_prefill import InProcessPrefill
 
+from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.options import DecodeOptions, PrefillOptions
@@ -43,10 +45,10 @@ from pd_transfer.metrics import TransferMetrics
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.peer import fill_pattern
 from pd_transfer.sim.verify import received_correctly
-from pd_transfer.spec import KVCacheLayout, ModelFingerprint
+from pd_transfer.spec import KVCacheLayout, ModelFingerprint, planes_of
 from pd_transfer.transfer.agent_protocol import AgentFactory
 from pd_transfer.transfer.cma import IOVEC, entries_of
-from pd_transfer.transfer.digests import rows_digest
+from pd_transfer.transfer.digests import Verify, rows_digest
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import DigestMismatch, PeerDisconnected, TransferError, TransferTimeout
 
@@ -84,10 +86,15 @@ def guarded(agent_factory: AgentFactory) -> Iterator[InProcessPrefill]:
 
 
 def decode_rank(
-    agent_factory: AgentFactory, layout: KVCacheLayout = LAYOUT, *, secret: str | None = None
+    agent_factory: AgentFactory, layout: KVCacheLayout = LAYOUT, *, secret: str | None = None, verify: Verify = "sample"
 ) -> DecodeRank:
     options = DecodeOptions(
-        settings=DEFAULTS, transport=TCP, secret=secret, handshake_timeout_s=2.0, confirm_timeout_s=5.0
+        settings=DEFAULTS,
+        transport=TCP,
+        secret=secret,
+        handshake_timeout_s=2.0,
+        confirm_timeout_s=5.0,
+        verify=verify,
     )
     return DecodeRank(
         f"tcp-decode-{time.monotonic_ns()}",
@@ -590,6 +597,36 @@ def test_a_refused_hello_or_nothing_listening_fails_the_connection(decode_with_s
         bound.bind(("127.0.0.1", 0))
         with pytest.raises(PeerDisconnected, match="cannot reach the-rank"):
             TcpConnection(site_end(decode_with_secret).site, "the-rank", ("127.0.0.1", bound.getsockname()[1]))
+
+
+def test_a_block_changed_in_the_prefills_cache_after_its_hold_fails_the_read_naming_it(
+    prefill: InProcessPrefill, agent_factory: AgentFactory
+) -> None:
+    """A request held, then a byte of one of its blocks changed in the prefill's cache (after the forward, before the
+    read): the digest computed as the rows are sent would match what lands, so the prefill checks the blocks of the
+    rows checked against their digests at the hold, and answers ``changed``: the read fails as a mismatch naming the
+    block, nothing of it is used, the prefill is told and holds nothing; the next request reads."""
+    end = tcp_end(prefill)
+    assert end.held is not None
+    decode = decode_rank(agent_factory, verify="all")
+    try:
+        remote_ids, local_ids, tokens = [9, 2, 30, 17], [4, 0, 21, 13], 16 * 3 + 5
+        prefill.rank.hold("tcp-changed", remote_ids)
+        assert end.held.blocks == len(remote_ids) * len(planes_of(list(prefill.rank.cache.regions)))
+        tensor = prefill.rank.cache.tensors[-1]  # the last region's block 30: a byte in its middle
+        tensor[30].view(torch.uint8).view(-1)[tensor[30].nbytes // 2] ^= 0x5A
+        with pytest.raises(DigestMismatch, match=r"block 30 of layer .* changed in the prefill's cache after request"):
+            decode.pull_confirmed("tcp-changed", prefill.host, prefill.port, remote_ids, local_ids, tokens)
+        checks = decode.metrics.registry.get_sample_value("pd_transfer_digest_checks_total", {"outcome": "mismatch"})
+        assert checks == 1
+        reports = prefill.rank.wait_released("tcp-changed", BOUND_S)
+        assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
+        assert prefill.rank.ledger.blocks_held == 0 and end.held.blocks == 0  # freed: its digests dropped
+        prefill.rank.hold("tcp-after", [1, 3])
+        decode.pull_confirmed("tcp-after", prefill.host, prefill.port, [1, 3], [30, 31], 20)
+        assert received_correctly(decode.cache, [30, 31], prefill.expected(), [1, 3], 20)
+    finally:
+        decode.close()
 
 
 @pytest.mark.parametrize("off_by", [0, 1], ids=["its digest", "another digest"])

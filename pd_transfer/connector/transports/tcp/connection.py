@@ -301,6 +301,12 @@ class TcpConnection:
         elif kind == "refused":
             read_id, reason = fields(frame, int, str)
             self._pending_of(read_id, pop=True).end(TransferError(f"{self.peer} refused: {reason[:200]}"))
+        elif kind == "changed":  # checked rows' blocks changed in the prefill's cache since its hold: a mismatch
+            read_id, reason = fields(frame, int, str)
+            pending = self._pending_of(read_id, pop=True)
+            if not pending.checked:
+                raise BadFrame(f"changed rows for {read_id}, which checks none")
+            pending.end(DigestMismatch(f"{self.peer}: {reason[:200]}"))
         elif kind == "message":
             (payload,) = fields(frame, bytes)
             self.site.deliver(self.peer, messages.decode(payload))

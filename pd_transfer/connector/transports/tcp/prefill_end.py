@@ -30,6 +30,7 @@ from pd_transfer.transfer.socket_rows import send_rows, set_send_timeout
 
 from ..seam import PrefillSite
 from .frames import BadFrame, encode_offer, expect, fields, receive_frame, send_frame, shut, wake
+from .held_digests import HeldDigests
 from .stream_sender import StreamConnection
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,11 @@ class TcpPrefillEnd:
         self.bytes_sent = 0  # rows' bytes sent so far, every connection
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        if not site.cache.place.is_host:
+        self.held = HeldDigests(site.cache) if site.cache.place.is_host else None
+        if self.held is None:
             logger.info("prefill %s: cache in %s not offered as tcp: it sends host memory", self.name, site.cache.place)
             return
+        site.streams.observe(self.held)  # each request digested as its hold finds it: checked rows are re-checked
         host = site.options.listen_host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, 0), family=family, backlog=64)
@@ -122,6 +125,7 @@ class TcpPrefillEnd:
                 peer,
                 self.name,
                 self.site.metrics,
+                self._changed,
             )
             while (frame := receive_frame(connection)) is not None:
                 if frame[0] in ("watch", "stream"):
@@ -174,18 +178,31 @@ class TcpPrefillEnd:
         self, connection: socket.socket, send_lock: threading.Lock, read_id: int, packed: bytes, check: bytes | None
     ) -> None:
         """Send the rows ``packed`` names (``["rows", read_id, nbytes]`` and their bytes); with ``check`` (rows of
-        the cache too), their digest as the cache holds them now goes in the frame, before the bytes."""
+        the cache too), their digest as the cache holds them now goes in the frame, before the bytes, once the blocks
+        holding them are found as their hold left them (else ``["changed", read_id, reason]``, nothing sent)."""
         why_not = self._refusal(packed) or (self._refusal(check) if check is not None else "")
+        checked = None if check is None or why_not else np.frombuffer(check, dtype=IOVEC)
+        changed = "" if checked is None else self._changed(checked)
         with send_lock:
             if why_not:
                 send_frame(connection, ["refused", read_id, why_not])
                 return
+            if changed:
+                send_frame(connection, ["changed", read_id, changed])
+                return
             rows = np.frombuffer(packed, dtype=IOVEC)
             frame: list[Any] = ["rows", read_id, int(rows["length"].sum())]
-            if check is not None:
-                frame.append(rows_digest(np.frombuffer(check, dtype=IOVEC)))
+            if checked is not None:
+                frame.append(rows_digest(checked))
             send_frame(connection, frame)
             self._count_sent(send_rows(connection, rows))
+
+    def _changed(self, rows: np.ndarray) -> str:
+        """Why checked ``rows`` are not sent: a block holding them changed since its request was held (logged)."""
+        why = "" if self.held is None else self.held.changed(rows)
+        if why:
+            logger.error("prefill %s: a read's checked rows not sent: %s", self.name, why)
+        return why
 
     def _count_sent(self, nbytes: int) -> None:
         with self._lock:

@@ -19,7 +19,8 @@ On a connection (:mod:`.frames` has the rest of the protocol):
   (a decode asks so only of a prefill whose offer says ``digests``) -> before ``end``, ``["digests", read_id,
   values]``: for each of them in order, :func:`~pd_transfer.transfer.digests.rows_digest` of its rows here, computed
   once the request is held (its forward completed: the bytes as the engine left them, which every layer sent before
-  must equal).
+  must equal); or ``["changed", read_id, reason]`` instead of both, where a block holding them changed since the
+  hold (:mod:`.held_digests`): the decode fails the stream as a mismatch.
 
 Each watch and each stream runs on a thread of its own while it waits (at most :data:`MAX_WAITING` a connection;
 more are refused); a layer's bytes go out under the connection's send lock, other frames between layers.
@@ -67,6 +68,7 @@ class StreamConnection:
     peer: str
     name: str
     metrics: TransferMetrics
+    changed: Callable[[np.ndarray], str]  # why checked rows are not as their request's hold left them ("": they are)
 
     def __post_init__(self) -> None:
         self._waiting = threading.Semaphore(MAX_WAITING)
@@ -135,6 +137,10 @@ class StreamConnection:
             self._send(["refused", read_id, _why(request_id, progress, generation)])
             return
         if verify:  # held: the lease keeps these blocks as they are until the decode reports
+            why = self.changed(np.concatenate([groups[index][0] for index in verify]))
+            if why:  # changed since the hold: whatever was sent of them, the cache no longer holds the forward's KV
+                self._send(["changed", read_id, why])
+                return
             self._send(["digests", read_id, [rows_digest(groups[index][0]) for index in verify]])
         self._send(["end", read_id])
 
