@@ -10,6 +10,7 @@ Blocks a decode read (or whose lease ended) are poisoned and reused. Once the sc
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import msgspec
@@ -31,7 +32,12 @@ class PrefillKV:
     """A TP 1 prefill engine as the connector sees it: a scheduler side (with the side channel), one worker, an
     aggregator, a block pool. Not thread-safe: drive it from one thread (the event loop)."""
 
-    def __init__(self, engine_id: str, model: KVModel, config: ConnectorConfig, settings: Settings) -> None:
+    def __init__(
+        self, engine_id: str, model: KVModel, config: ConnectorConfig, settings: Settings, *, corrupt_every: int = 0
+    ) -> None:
+        """``corrupt_every`` N > 0: every Nth request gets one byte of its KV changed in the cache once it is held
+        (after its forward, before any decode reads it: a fault the decodes' digests must catch), counted in
+        ``corrupted``."""
         self.layout = model.layout()
         self.cache = KVCache.allocate(self.layout, model.num_blocks, huge_pages=settings.own_huge_pages)
         self.pool = BlockPool(model.num_blocks)
@@ -42,6 +48,9 @@ class PrefillKV:
         self.held: dict[str, list[int]] = {}
         self.requests = 0
         self.released = 0
+        self.corrupt_every = corrupt_every
+        self.corrupted = 0
+        self._random = random.Random(engine_id)
 
     def prefill(self, request_id: str, tokens: Sequence[int]) -> dict[str, object]:
         """Compute ``tokens`` (write their pattern), hold the blocks for a decode; the params for it. Raises
@@ -69,7 +78,16 @@ class PrefillKV:
         self.held[request_id] = blocks
         self.requests += 1
         self.step()  # the holds start now
+        if self.corrupt_every and self.requests % self.corrupt_every == 0:
+            self._corrupt(blocks)
         return out
+
+    def _corrupt(self, blocks: list[int]) -> None:
+        """Change one byte of a block of ``blocks`` (one drawn at random, in a plane and at an offset drawn too)."""
+        tensor = self._random.choice(self.cache.tensors)
+        block = tensor[self._random.choice(blocks)].view(torch.uint8).view(-1)
+        block[self._random.randrange(block.numel())] ^= 0xFF
+        self.corrupted += 1
 
     def step(self) -> None:
         metadata = self.scheduler.build_step_metadata()
@@ -94,6 +112,7 @@ class PrefillKV:
             "requests_held": len(self.held),
             "requests": self.requests,
             "released": self.released,
+            "corrupted": self.corrupted,
             "side_channel_port": self.port,
             "draining": self.scheduler.drain_state.draining,
         }

@@ -44,6 +44,7 @@ from pd_transfer.sim.http_standin import StandIn, error_response, json_response
 from pd_transfer.sim.kv_decode import DecodeKV
 from pd_transfer.sim.kv_model import KVModel, prompt_tokens
 from pd_transfer.sim.kv_prefill import PrefillKV
+from pd_transfer.transfer.digests import VERIFY_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +178,11 @@ def make_engine(
     *,
     hold_window: bool = False,
     watch_failed_s: float = 0.0,
+    corrupt_every: int = 0,
     settings: Settings,
 ) -> PrefillKV | DecodeKV:
     if role == "prefill":
-        return PrefillKV(engine_id, model, config, settings)
+        return PrefillKV(engine_id, model, config, settings, corrupt_every=corrupt_every)
     return DecodeKV(engine_id, model, config, hold_window=hold_window, watch_failed_s=watch_failed_s, settings=settings)
 
 
@@ -200,6 +202,7 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         secret=args.secret,
         read_timeout_s=args.read_timeout,
         transport=args.transport,
+        verify=args.verify,
     )
     engine_id = args.engine_id or f"kv-standin-{args.role}-{uuid.uuid4().hex[:8]}"
     settings = apply_process_defaults(read_settings())  # this process's edge: read once, before any agent
@@ -211,6 +214,7 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         config,
         hold_window=args.hold_window,
         watch_failed_s=args.watch_failed_blocks,
+        corrupt_every=args.corrupt_every,
         settings=settings,
     )
     server = KVStandIn(args.role, engine, engine_id=engine_id, default_tokens=args.tokens, keep_bodies=False)
@@ -280,6 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="decode: keep a failed pull's blocks from reuse this long, a canary in them, and count those written into"
         " meanwhile (late_landings in /control/kv; default 0: given back at once)",
+    )
+    parser.add_argument(
+        "--corrupt-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill: change one byte of every Nth request's KV once it is held (a fault for digests to catch;"
+        " counted as corrupted in /control/kv; default 0: none)",
+    )
+    parser.add_argument(
+        "--verify", choices=VERIFY_MODES, default="sample", help="decode: which rows' digests it checks (sample)"
     )
     parser.add_argument("--tokens", type=int, default=8, help="completion tokens when the request sets none")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
