@@ -15,8 +15,8 @@ again (the decode's veth received at least the KV's bytes), through the proxy to
 PIDs, still running); at the end neither side holds a block, and nothing was written into the blocks of a failed
 pull after it failed (the decodes keep those blocks from reuse for ``WATCH_S``, a canary in them: a read or push
 that timed out and still landed, after the heal, was wrong KV in whatever request got those blocks next; issue 42,
-fixed by draining and severing a stalled transfer, ``pd_transfer.transfer.sever``). The data-path case runs last and
-may fail (``PREFILL_DIED``).
+fixed by draining and severing a stalled transfer, ``pd_transfer.transfer.sever``). A case whose prefill died (a crash
+in UCX seen now and then under load, ``PREFILL_DIED``), and every case after it, fails expectedly, naming it.
 
 What it prints: how the request in flight ended and when, how long after the heal KV moved again, the handshakes
 the decode made (a dropped engine is handshaken afresh), the bytes over the veth.
@@ -297,12 +297,15 @@ def all_free(cluster: Cluster) -> None:
         assert state["blocks_free"] == NUM_BLOCKS, (key, state)
 
 
-# Seen once, in a full scripts/test run on 2 busy cores (2026-11-29): after the 10 s data-path cut healed, the prefill
-# stand-in died without a Python traceback (a native crash, cause not found yet), and every case after it failed
-# (connection refused). Passed in the runs of this module alone. So it runs last, and may fail, naming it.
+# Seen twice in full scripts/test runs on 2 busy cores (2026-11-29), never in the module's runs alone (about 20): the
+# prefill stand-in died a fraction of a second after a heal, without a Python traceback, once after the 10 s data-path
+# cut and once after the 8 s link cut with NIXL reads; the kernel logged a general protection fault in UCX 1.23.0's
+# libucp (ucp_request_progress_wrapper: a request progressed from an endpoint's pending queue as the endpoint failed).
+# Every case after it fails (connection refused). Not fixed here (UCX's, not reproduced on demand): a case whose
+# prefill died, and every case after it, fails expectedly, naming it.
 PREFILL_DIED = (
-    "known, not understood: the prefill stand-in died (no Python traceback) after a 10 s data-path cut healed, once,"
-    " under load"
+    "known, UCX's: the prefill stand-in died of a general protection fault in libucp (ucp_request_progress_wrapper)"
+    " as a cut healed, now and then under load"
 )
 CASES = [
     # (decode, cut, seconds): a short cut heals inside the read timeout, a long one outlasts it
@@ -313,20 +316,28 @@ CASES = [
     ("decode-nixl", "side-channel", 2 * READ_TIMEOUT_S),  # the side channel gone, the data path answers
     ("decode-push", "link", 1.0),
     ("decode-push", "link", 2 * READ_TIMEOUT_S),
-    ("decode-nixl", "data", 2.5 * READ_TIMEOUT_S),  # the reverse (last: PREFILL_DIED)
-]
-PARAMS = [
-    pytest.param(
-        *case,
-        id=f"{case[0][7:]}-{case[1]}-{case[2]:g}s",
-        marks=[pytest.mark.xfail(strict=False, reason=PREFILL_DIED)] if case[1] == "data" else [],
-    )
-    for case in CASES
+    ("decode-nixl", "data", 2.5 * READ_TIMEOUT_S),  # the reverse
 ]
 
 
-@pytest.mark.parametrize(("decode_key", "cut", "seconds"), PARAMS)
+@pytest.mark.parametrize(
+    ("decode_key", "cut", "seconds"),
+    [pytest.param(*case, id=f"{case[0][7:]}-{case[1]}-{case[2]:g}s") for case in CASES],
+)
 def test_a_cut_mid_read_heals_without_a_restart(cluster: Cluster, decode_key: str, cut: str, seconds: float) -> None:
+    prefill = cluster.servers["prefill"].process
+    if prefill.poll() is not None:
+        pytest.xfail(f"{PREFILL_DIED} (in a case before this one: exit {prefill.returncode})")
+    try:
+        heals(cluster, decode_key, cut, seconds)
+    except Exception:
+        if prefill.poll() is None:
+            raise
+        pytest.xfail(f"{PREFILL_DIED} (exit {prefill.returncode})")
+
+
+def heals(cluster: Cluster, decode_key: str, cut: str, seconds: float) -> None:
+    """The case: a cut mid-read, what the request in flight did, KV moving again, the same processes, nothing held."""
     tag = f"{decode_key[7:]}-{cut}-{seconds:g}-"
     decode = cluster.servers[decode_key]
     handshakes = get_json(decode.url + "/control/kv")["handshakes"]
