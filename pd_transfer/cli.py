@@ -302,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_offload = which.add_parser("offload", help="offload tiers vs memcpy and plain file writes and reads")
     offload_bench.add_arguments(bench_offload)
     bench_offload.set_defaults(func=offload_bench.cli_run)
+    from pd_transfer.bench.soak import faults as soak_faults
     from pd_transfer.bench.soak import kv_standins as soak_kv
     from pd_transfer.bench.soak import vllm_pair as soak_bench
 
@@ -310,7 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak_bench.add_arguments(bench_soak)
     soak_kv.add_arguments(bench_soak)
-    bench_soak.set_defaults(func=lambda args: (soak_kv.run if args.kv_standins else soak_bench.run)(args))
+    bench_soak.set_defaults(
+        func=lambda args: (
+            (soak_faults.run if args.minutes > 0 else soak_kv.run) if args.kv_standins else soak_bench.run
+        )(args)
+    )
     return parser
 
 

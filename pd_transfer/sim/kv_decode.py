@@ -147,6 +147,10 @@ class DecodeKV:
             "blocks_free": self.pool.free,
             "blocks_watched": sum(len(blocks) for _, blocks in self._watched),
             "late_landings": self.late_landings,
+            "digest_mismatches": self.rank.metrics.registry.get_sample_value(
+                "pd_transfer_digest_checks_total", {"outcome": "mismatch"}
+            )
+            or 0,
             "pulls": self.pulls,
             "failures": self.failures,
             "bytes_moved": self.bytes_moved,

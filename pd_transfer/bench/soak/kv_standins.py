@@ -35,6 +35,7 @@ from pd_transfer.cluster.http_client import RequestFailed, free_port, get_text, 
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
 from pd_transfer.settings import child_environment
 from pd_transfer.sim.kv_model import KVModel
+from pd_transfer.transfer.digests import VERIFY_MODES
 
 KINDS = ("completion", "completion_stream", "chat", "chat_stream", "token_ids")
 STREAMED = frozenset({"completion_stream", "chat_stream"})
@@ -117,7 +118,7 @@ def problem_of(planned: Planned, status: int, raw: bytes) -> str | None:
     return None
 
 
-async def _send(session: aiohttp.ClientSession, url: str, planned: Planned, tag: str) -> str | None:
+async def send(session: aiohttp.ClientSession, url: str, planned: Planned, tag: str) -> str | None:
     path, body = planned.path_and_body(tag)
     if planned.leaves == "early":
 
@@ -155,7 +156,7 @@ async def drive_round(url: str, planned: Sequence[Planned], concurrency: int, ta
 
     async def one(p: Planned) -> None:
         async with limit:
-            problem = await _send(session, url, p, tag)
+            problem = await send(session, url, p, tag)
         if problem is not None:
             failures.append(f"{p.kind}#{p.index}: {problem}")
 
@@ -192,11 +193,16 @@ def settle(standins: Sequence[ManagedProcess], num_blocks: int, timeout_s: float
         time.sleep(0.05)  # polling pace
 
 
-def _standin(role: str, index: int, logs: Path, args: argparse.Namespace) -> ManagedProcess:
+def standin_process(role: str, index: int, logs: Path, args: argparse.Namespace) -> ManagedProcess:
+    """Stand-in ``role``-``index`` as ``args`` say (not started)."""
     port = free_port()
     command = [sys.executable, "-m", "pd_transfer.sim.kv_standin", "--role", role, "--port", str(port)]
     command += ["--engine-id", f"{role}-{index}", "--num-blocks", str(args.num_blocks)]
     command += ["--lease-seconds", str(args.lease), "--transport", args.transport]
+    if role == "prefill" and args.corrupt_every:
+        command += ["--corrupt-every", str(args.corrupt_every)]
+    if role == "decode":
+        command += ["--verify", args.verify]
     return ManagedProcess(
         f"{role}-{index}", command, child_environment(), logs / f"{role}-{index}.log", f"http://127.0.0.1:{port}"
     )
@@ -205,7 +211,7 @@ def _standin(role: str, index: int, logs: Path, args: argparse.Namespace) -> Man
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Starts the stand-ins and the proxy, runs ``args.rounds`` rounds, each settled; stops everything."""
     logs = args.log_dir or Path("runs") / time.strftime("bench-soak-kv-%Y%m%d-%H%M%S")
-    standins = [_standin(role, i, logs, args) for role in ("prefill", "decode") for i in range(2)]
+    standins = [standin_process(role, i, logs, args) for role in ("prefill", "decode") for i in range(2)]
     proxy = proxy_process([s.url for s in standins[:2]], [s.url for s in standins[2:]], logs)
     everything = [*standins, proxy]
     rounds = []
@@ -270,7 +276,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--leave-mid", type=int, default=40, help="--kv-standins: clients leaving mid-stream (40)")
     parser.add_argument("--num-blocks", type=int, default=KVModel().num_blocks, help="--kv-standins: cache blocks")
     parser.add_argument(
-        "--transport", choices=("auto", "nixl", "ipc"), default="auto", help="--kv-standins: the decodes' transport"
+        "--transport",
+        choices=("auto", "nixl", "ipc", "tcp"),
+        default="auto",
+        help="--kv-standins: the stand-ins' transport",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="--kv-standins: run this long under faults (bench.soak.faults) instead of --rounds (0: rounds)",
+    )
+    parser.add_argument("--fault-every", type=float, default=30.0, help="--minutes: seconds between faults (30)")
+    parser.add_argument(
+        "--corrupt-every",
+        type=int,
+        default=0,
+        help="--kv-standins: the prefills change a byte of every Nth request's KV once held (0: never)",
+    )
+    parser.add_argument(
+        "--verify", choices=VERIFY_MODES, default="sample", help="--kv-standins: the decodes' digest checks (sample)"
     )
     parser.add_argument("--seed", type=int, default=None, help="--kv-standins: the plan's seed (default: the clock)")
 
