@@ -297,8 +297,8 @@ class TransferAgent:
         done. NIXL merges rows adjacent on both sides into single descriptors. ``notification`` reaches
         the remote agent after the data has been read.
 
-        Raises ``TransferTimeout`` past ``timeout_s`` (the transfer is cancelled, or its handle kept
-        until NIXL lets go of it), ``PeerDisconnected`` when the peer is gone, ``TransferError``
+        Raises ``TransferTimeout`` past ``timeout_s``, once the transfer ended (its peer's host severed, the
+        transfer drained: :meth:`_drained`), ``PeerDisconnected`` when the peer is gone, ``TransferError``
         otherwise. With read lanes up, a large read is split over them (the notification then follows the
         last part).
         """
