@@ -45,6 +45,15 @@ def rows_digest(rows: np.ndarray) -> int:
     return int(digest.intdigest())
 
 
+def span_digest(address: int, length: int) -> int:
+    """:func:`rows_digest` of the one row of ``length`` bytes at ``address`` (one call, no row array: for many short
+    spans, a held request's blocks)."""
+    return int(xxhash.xxh3_64_intdigest(_bytes_at(length).from_address(address))) if length else _EMPTY
+
+
+_EMPTY = int(xxhash.xxh3_64_intdigest(b""))
+
+
 @functools.lru_cache(maxsize=256)
 def _bytes_at(length: int) -> type[ctypes.Array[ctypes.c_char]]:
     """The ctypes type of ``length`` bytes (made once a length: making one costs more than hashing a short row)."""

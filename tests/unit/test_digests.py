@@ -10,7 +10,7 @@ import xxhash
 
 from pd_transfer.connector.transports.tcp.frames import TcpOffer, decode_offer, encode_offer
 from pd_transfer.transfer.cma import entries_of
-from pd_transfer.transfer.digests import SAMPLE_EVERY, groups_to_verify, rows_digest
+from pd_transfer.transfer.digests import SAMPLE_EVERY, groups_to_verify, rows_digest, span_digest
 
 
 def rows_of(buffer: np.ndarray, starts: list[int], length: int) -> np.ndarray:
@@ -28,6 +28,14 @@ def test_a_digest_is_xxh3_of_the_rows_bytes_in_order() -> None:
     assert rows_digest(rows[:0]) == xxhash.xxh3_64_intdigest(b"")
     buffer[3095] ^= 1  # one bit of the last row
     assert rows_digest(rows) != expected
+
+
+def test_a_span_digest_is_the_digest_of_that_one_row() -> None:
+    memory = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    base = memory.ctypes.data
+    for start, length in ((0, 5000), (17, 1), (4096, 904), (100, 0)):
+        assert span_digest(base + start, length) == rows_digest(entries_of(np.array([base + start]), length))
+        assert span_digest(base + start, length) == xxhash.xxh3_64_intdigest(memory[start : start + length].tobytes())
 
 
 @pytest.mark.parametrize("groups", [1, 3, SAMPLE_EVERY, 33, 64])

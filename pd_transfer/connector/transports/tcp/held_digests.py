@@ -21,8 +21,7 @@ import numpy as np
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.spec import planes_of
-from pd_transfer.transfer.cma import IOVEC
-from pd_transfer.transfer.digests import rows_digest
+from pd_transfer.transfer.digests import span_digest
 
 
 class HeldDigests:
@@ -99,5 +98,4 @@ class HeldDigests:
 
     def _digest(self, plane: int, block: int) -> int:
         where = self._planes[plane]
-        row = np.array([(where.base_address + block * where.block_stride, where.block_len)], dtype=IOVEC)
-        return rows_digest(row)
+        return span_digest(where.base_address + block * where.block_stride, where.block_len)
