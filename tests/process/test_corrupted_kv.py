@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the stand-ins serve HTTP with aiohttp (the 'proxy' extra)")
 
-from kv_standins import HTTP, Server, get_json, report_of, standins, wait_released, words
+from kv_standins import Server, get_json, post_json, report_of, standins, wait_released, words
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,12 +41,7 @@ MODES = ("all", "sample", "off")
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with HTTP.open(request, timeout=HOP_TIMEOUT_S) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode(errors="replace")
+    return post_json(url, body, HOP_TIMEOUT_S)
 
 
 def one_request(prefill: Server, decode: Server, tag: str) -> tuple[str, bool]:

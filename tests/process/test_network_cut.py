@@ -32,8 +32,6 @@ import concurrent.futures
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +40,7 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the proxy needs the 'proxy' extra (aiohttp)")
 
-from kv_standins import HTTP, Server, get_json, report_of, standins, through_proxy, wait_released, words  # noqa: E402
+from kv_standins import Server, get_json, post_json, report_of, standins, through_proxy, wait_released, words  # noqa: E402
 from namespaces import Network, network_or_skip, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,12 +138,7 @@ class Outcome:
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with HTTP.open(request, timeout=HOP_TIMEOUT_S) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode(errors="replace")
+    return post_json(url, body, HOP_TIMEOUT_S)
 
 
 def prefill_hop(cluster: Cluster, tag: str, tokens: int = PROMPT_TOKENS) -> tuple[str, dict[str, Any]]:

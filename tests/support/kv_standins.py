@@ -12,6 +12,7 @@ import selectors
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,16 @@ HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight 
 
 def words(count: int, tag: str) -> str:
     return " ".join(f"{tag}{i}" for i in range(count))
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
+    """POST ``body`` to ``url``: the status and the text of the answer, an error's too."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with HTTP.open(request, timeout=timeout_s) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
 
 
 # ---- processes ----

@@ -155,6 +155,14 @@ def assert_lease_ended_as_read(prefill: InProcessPrefill, request_id: str) -> No
     assert prefill.rank.ledger.blocks_held == 0
 
 
+def assert_digests_failed_the_read(prefill: InProcessPrefill, decode: DecodeRank, request_id: str) -> None:
+    """One mismatch counted on the decode, the prefill told (``ReadFailed``) and holding nothing."""
+    assert digest_checks(decode, "mismatch") == 1
+    reports = prefill.rank.wait_released(request_id, WAIT_S)
+    assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
+    assert prefill.rank.ledger.blocks_held == 0
+
+
 # ----------------------------------------------------------------------------------------------- streams that end well
 def test_the_decode_asks_first_and_each_layer_arrives_as_it_is_written(
     prefill: InProcessPrefill, decode: DecodeRank
@@ -288,10 +296,7 @@ def test_a_layer_changed_after_it_was_sent_fails_the_stream_naming_the_layer(
         prefill.rank.hold("s-changed", REMOTE)
         error = pull.failure()
         assert isinstance(error, DigestMismatch) and "layer 0 " in str(error), error
-        assert digest_checks(decode, "mismatch") == 1
-        reports = prefill.rank.wait_released("s-changed", WAIT_S)
-        assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
-        assert prefill.rank.ledger.blocks_held == 0
+        assert_digests_failed_the_read(prefill, decode, "s-changed")
     finally:
         decode.close()
 
@@ -310,10 +315,7 @@ def test_a_block_changed_after_the_hold_fails_a_stream_asked_for_later(
         cache.tensors[first][REMOTE[0]].view(torch.uint8).view(-1)[0] ^= 0xFF
         with pytest.raises(DigestMismatch, match=f"block {REMOTE[0]} of layer 0 "):
             decode.pull_streamed("s-after-hold", prefill.host, prefill.port, LOCAL, TOKENS, timeout_s=PULL_S)
-        assert digest_checks(decode, "mismatch") == 1
-        reports = prefill.rank.wait_released("s-after-hold", WAIT_S)
-        assert reports is not None and [type(report) for report in reports] == [messages.ReadFailed]
-        assert prefill.rank.ledger.blocks_held == 0
+        assert_digests_failed_the_read(prefill, decode, "s-after-hold")
     finally:
         decode.close()
 
