@@ -3,7 +3,8 @@ steady load through the proxy on KV stand-ins for ``M`` minutes while faults com
 judged: right, a clear error, or wrong.
 
 The stand-ins and the proxy of :mod:`.kv_standins` (two prefills, two decodes, each its own process; transport and
-``verify`` as given), the rounds of its plan sent one after another without a pause (clients that leave included).
+``verify`` as given), the rounds of its plan sent one after another without a pause (clients that leave included),
+for ``M`` minutes and until ``--faults`` faults were done (bounded).
 Every ``--fault-every`` seconds the next fault of :data:`FAULTS` hits the second prefill or the second decode: killed
 (SIGKILL) and started again on its port, or drained (SIGTERM: it finishes what it holds) and started again. With
 ``--corrupt-every N`` each prefill changes a byte of every Nth request's KV once it is held (after its forward).
@@ -32,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,13 +107,11 @@ async def _send(session: aiohttp.ClientSession, url: str, planned: Planned, tag:
         return "error", f"client: {type(error).__name__}: {error}"
 
 
-async def drive(
-    url: str, concurrency: int, deadline: float, args: argparse.Namespace, seed: int, rounds: int | None = None
-) -> Tally:
-    """Rounds of the plan through the proxy at ``url`` until ``deadline`` (``time.monotonic()``), or ``rounds`` of
-    them, judged."""
+async def drive(url: str, args: argparse.Namespace, seed: int, another: Callable[[int], bool]) -> Tally:
+    """Rounds of the plan through the proxy at ``url``, ``args.concurrency`` at a time, judged, while
+    ``another(rounds_done)``."""
     tally = Tally()
-    limit = asyncio.Semaphore(concurrency)
+    limit = asyncio.Semaphore(args.concurrency)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
 
     async def one(planned: Planned, tag: str) -> None:
@@ -120,10 +119,9 @@ async def drive(
             outcome, detail = await _send(session, url, planned, tag)
         tally.add(planned, outcome, detail)
 
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-        for number in itertools.count():
-            if (rounds is not None and number >= rounds) or (rounds is None and time.monotonic() >= deadline):
-                break
+    connector = aiohttp.TCPConnector(limit=args.concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        for number in itertools.takewhile(another, itertools.count()):
             planned = plan_round(args.requests, args.leave_early, args.leave_mid, seed + number)
             await asyncio.gather(*(one(p, f"f{seed}-{number}") for p in planned))
     return tally
@@ -205,13 +203,20 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         wait_ready(everything, args.startup_timeout)
         at_start = footprint(lasting)
         started = time.monotonic()
-        warm = asyncio.run(drive(proxy.url, args.concurrency, started, args, seed - 1, rounds=1))  # no faults yet
+        warm = asyncio.run(drive(proxy.url, args, seed - 1, lambda done: done < 1))  # one round, no faults yet
         after_warm_up = footprint(lasting)
         faults = Faults(by_name, args.fault_every, started)
         thread = threading.Thread(target=faults.run, name="soak-faults", daemon=True)
         thread.start()
         try:
-            tally = asyncio.run(drive(proxy.url, args.concurrency, started + args.minutes * 60.0, args, seed))
+            until = started + args.minutes * 60.0
+            latest = until + args.faults * (args.fault_every + RESTART_TIMEOUT_S)  # faults come slower under load
+
+            def another(_: int) -> bool:
+                now = time.monotonic()
+                return now < until or (len(faults.done) < args.faults and now < latest and not faults.failure)
+
+            tally = asyncio.run(drive(proxy.url, args, seed, another))
         finally:
             faults.stop()
             thread.join(timeout=RESTART_TIMEOUT_S + 70.0)

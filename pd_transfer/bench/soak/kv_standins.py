@@ -289,6 +289,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fault-every", type=float, default=30.0, help="--minutes: seconds between faults (30)")
     parser.add_argument(
+        "--faults", type=int, default=0, help="--minutes: go on past the minutes until this many faults were done (0)"
+    )
+    parser.add_argument(
         "--corrupt-every",
         type=int,
         default=0,
