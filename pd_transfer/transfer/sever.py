@@ -48,6 +48,7 @@ def note_peer(peer: str, host: str) -> None:
 
 
 def forget_peer(peer: str) -> None:
+    """Drop what :func:`note_peer` noted of ``peer`` (an agent removed it)."""
     with _LOCK:
         _PEER_HOSTS.pop(peer, None)
 
