@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -13,7 +14,13 @@ from pd_transfer.transfer import sever
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="severing reads /proc/self (Linux only)")
 
 
-def pair(listener: socket.socket, source: str = "127.0.0.1") -> tuple[socket.socket, socket.socket]:
+#: Loopback addresses of this module's own (Linux routes all of 127/8 to lo): severing them must not touch the other
+#: connections of the test process (to 127.0.0.1: servers other tests left running, say).
+SERVER = f"127.{os.getpid() % 200 + 20}.33.1"
+CLIENT = f"127.{os.getpid() % 200 + 20}.33.2"
+
+
+def pair(listener: socket.socket, source: str = SERVER) -> tuple[socket.socket, socket.socket]:
     """A connection to ``listener`` from ``source`` (a loopback address): (our connecting end, the accepted end)."""
     client = socket.create_connection(listener.getsockname(), timeout=5.0, source_address=(source, 0))
     accepted, _ = listener.accept()
@@ -31,10 +38,10 @@ def is_shut(sock: socket.socket) -> bool:
 
 @pytest.fixture
 def listeners() -> Iterator[tuple[socket.socket, socket.socket]]:
-    """A listener noted as UCX's (made inside ``noting_listeners``) and another server's, on 127.0.0.1."""
+    """A listener noted as UCX's (made inside ``noting_listeners``) and another server's, at :data:`SERVER`."""
     with sever.noting_listeners():
-        ucx = socket.create_server(("127.0.0.1", 0))
-    other = socket.create_server(("127.0.0.1", 0))
+        ucx = socket.create_server((SERVER, 0))
+    other = socket.create_server((SERVER, 0))
     with ucx, other:
         yield ucx, other
 
@@ -43,24 +50,24 @@ def test_connections_accepted_from_the_host_on_ucx_listeners_are_shut_down_not_a
     listeners: tuple[socket.socket, socket.socket],
 ) -> None:
     ucx, other = listeners
-    # from 127.0.0.2: the accepted ends' peer is the severed address, the connecting ends' peer is 127.0.0.1
-    to_ucx, from_ucx = pair(ucx, "127.0.0.2")
-    to_other, from_other = pair(other, "127.0.0.2")
+    # from CLIENT: the accepted ends' peer is the severed address, the connecting ends' peer is SERVER
+    to_ucx, from_ucx = pair(ucx, CLIENT)
+    to_other, from_other = pair(other, CLIENT)
     with to_ucx, from_ucx, to_other, from_other:
-        assert sever.sever_addresses({"127.0.0.2"}) == 1
+        assert sever.sever_addresses({CLIENT}) == 1
         assert is_shut(from_ucx)
         assert not is_shut(from_other) and not is_shut(to_ucx) and not is_shut(to_other)
 
 
 def test_connections_opened_to_the_host_are_shut_down(listeners: tuple[socket.socket, socket.socket]) -> None:
     ucx, other = listeners
-    to_ucx, from_ucx = pair(ucx, "127.0.0.2")
-    to_other, from_other = pair(other, "127.0.0.2")
+    to_ucx, from_ucx = pair(ucx, CLIENT)
+    to_other, from_other = pair(other, CLIENT)
     with to_ucx, from_ucx, to_other, from_other:
-        assert sever.sever_addresses({"127.0.0.1"}) == 2  # the ends we opened (the listeners are left)
+        assert sever.sever_addresses({SERVER}) == 2  # the ends we opened (the listeners are left)
         assert is_shut(to_ucx) and is_shut(to_other)
         assert not is_shut(from_ucx) and not is_shut(from_other)
-        another, accepted = pair(ucx)  # the listener still listens
+        another, accepted = pair(ucx, CLIENT)  # the listener still listens
         with another, accepted:
             assert not is_shut(another)
 
@@ -72,7 +79,7 @@ def test_another_host_and_this_hosts_own_addresses_are_left_alone(
     to_ucx, from_ucx = pair(ucx)
     with to_ucx, from_ucx:
         assert sever.sever_addresses({"192.0.2.1"}) == 0  # TEST-NET-1: nobody here
-        assert sever.sever_host("127.0.0.1") == 0  # loopback: never
+        assert sever.sever_host(SERVER) == 0  # loopback: never
         assert sever.sever_host(socket.gethostname()) == 0  # this host: never
         assert sever.sever_host("no-such-host.invalid") == 0
         assert sever.sever_addresses(set()) == 0
