@@ -182,6 +182,7 @@ class TcpPrefillEnd:
         holding them are found as their hold left them (else ``["changed", read_id, reason]``, nothing sent)."""
         why_not = self._refusal(packed) or (self._refusal(check) if check is not None else "")
         checked = None if check is None or why_not else np.frombuffer(check, dtype=IOVEC)
+        digest = None if checked is None else rows_digest(checked)  # first: a change after it shows on either side
         changed = "" if checked is None else self._changed(checked)
         with send_lock:
             if why_not:
@@ -192,8 +193,8 @@ class TcpPrefillEnd:
                 return
             rows = np.frombuffer(packed, dtype=IOVEC)
             frame: list[Any] = ["rows", read_id, int(rows["length"].sum())]
-            if checked is not None:
-                frame.append(rows_digest(checked))
+            if digest is not None:
+                frame.append(digest)
             send_frame(connection, frame)
             self._count_sent(send_rows(connection, rows))
 

@@ -137,11 +137,12 @@ class StreamConnection:
             self._send(["refused", read_id, _why(request_id, progress, generation)])
             return
         if verify:  # held: the lease keeps these blocks as they are until the decode reports
+            digests = [rows_digest(groups[index][0]) for index in verify]  # first: a change after it shows too
             why = self.changed(np.concatenate([groups[index][0] for index in verify]))
             if why:  # changed since the hold: whatever was sent of them, the cache no longer holds the forward's KV
                 self._send(["changed", read_id, why])
                 return
-            self._send(["digests", read_id, [rows_digest(groups[index][0]) for index in verify]])
+            self._send(["digests", read_id, digests])
         self._send(["end", read_id])
 
     def _groups(self, packed: bytes, ends: list[Any], layers: list[Any]) -> list[tuple[np.ndarray, int]] | str:
