@@ -290,12 +290,12 @@ def all_free(cluster: Cluster) -> None:
         assert state["blocks_free"] == NUM_BLOCKS, (key, state)
 
 
-# Seen twice in full scripts/test runs on 2 busy cores (2026-11-29), never in the module's runs alone (about 20): the
-# prefill stand-in died a fraction of a second after a heal, without a Python traceback, once after the 10 s data-path
-# cut and once after the 8 s link cut with NIXL reads; the kernel logged a general protection fault in UCX 1.23.0's
-# libucp (ucp_request_progress_wrapper: a request progressed from an endpoint's pending queue as the endpoint failed).
-# Every case after it fails (connection refused). Not fixed here (UCX's, not reproduced on demand): a case whose
-# prefill died, and every case after it, fails expectedly, naming it.
+# Seen three times in full scripts/test runs on 2 busy cores (2026-11-29), never in the module's runs alone (about
+# 20): the prefill stand-in died a fraction of a second after a heal, without a Python traceback, once after the 10 s
+# data-path cut and twice after the 8 s link cut with NIXL reads; the kernel logged a general protection fault in UCX
+# 1.23.0's libucp at the same address each time (docs/faults.md, "Network cuts"). Every case after it fails
+# (connection refused). Not fixed here (UCX's, not reproduced on demand): a case whose prefill died, and every case
+# after it, fails expectedly, naming it.
 PREFILL_DIED = (
     "known, UCX's: the prefill stand-in died of a general protection fault in libucp (ucp_request_progress_wrapper)"
     " as a cut healed, now and then under load"
