@@ -6,7 +6,8 @@ Tagged msgspec structs, msgpack on the wire; anything that does not decode is dr
 Decode -> prefill: ``ReadDone`` (attached to the last read; carries ``reply_to`` when the reader wants a
 ``LeaseConfirm``), ``ReadFailed`` (gave up, or will never read), ``ReleaseUnread`` (no decode rank reads
 this prefill rank's copy), ``LeaseHeartbeat`` (still coming: extend the lease).
-Prefill -> decode: ``LeaseConfirm`` (were the blocks still held when the ``ReadDone`` arrived?).
+Prefill -> decode: ``LeaseConfirm`` (were the blocks still held when the ``ReadDone`` arrived?), ``RowDigest`` (the
+digest of the rows a ``ReadDone``'s ``check`` names: read checks).
 
 Push (the prefill writes instead of the decode reading; see :mod:`.transports.nixl.push_writer`): decode -> prefill
 ``PushSetup`` (once per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request);
@@ -22,10 +23,34 @@ import msgspec
 
 #: Largest notification payload we decode (bytes).
 MAX_NOTIFICATION_BYTES = 64 * 1024
+#: The name under which a prefill rank's metadata offers read checks (beside its transports' offers, taken by none):
+#: a ``ReadDone`` may then carry a ``RowCheck``. Its payload names the digest.
+READ_CHECKS_OFFER = "read_checks"
+READ_CHECKS_DIGEST = b"xxh3-64"
 
 
-class ReadDone(msgspec.Struct, tag="read_done", frozen=True, forbid_unknown_fields=True):
-    """A decode rank finished reading a request's blocks from this prefill rank."""
+class RowCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which of the rows a decode rank read from this prefill rank it checks (read checks:
+    :mod:`.prefill.read_checks`, :mod:`.decode.read_checks`): its plan's units of ``unit_heads`` heads x
+    ``unit_tokens`` tokens x ``head_size`` of heads ``[first_global_head, +num_heads)``, of ``num_tokens`` tokens in
+    ``block_ids`` (this rank's), listed as the plan lists them (plane, token unit, head unit), and of those
+    ``[first_unit, end_unit)``. The prefill digests those rows of its cache; a shape names no address."""
+
+    first_global_head: int
+    num_heads: int
+    unit_heads: int
+    unit_tokens: int
+    head_size: int
+    block_ids: list[int]
+    num_tokens: int
+    first_unit: int
+    end_unit: int
+
+
+class ReadDone(msgspec.Struct, tag="read_done", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A decode rank finished reading a request's blocks from this prefill rank. ``check`` goes only to a rank that
+    offers read checks (:data:`READ_CHECKS_OFFER`): one that does not would drop the message (unknown field);
+    left out where unset, so a report without it decodes in any prefill."""
 
     request_id: str
     reader_engine_id: str
@@ -33,6 +58,8 @@ class ReadDone(msgspec.Struct, tag="read_done", frozen=True, forbid_unknown_fiel
     expected_readers: int  # decode ranks that read from this prefill rank for this request
     # the reader's NIXL connection metadata (no memory): when set, the prefill answers with LeaseConfirm
     reply_to: bytes = b""
+    check: RowCheck | None = None  # with reply_to: those rows' digest comes back (RowDigest)
+    confirm: bool = True  # with reply_to: a LeaseConfirm is asked for (False only beside a check)
 
 
 class ReadFailed(msgspec.Struct, tag="read_failed", frozen=True, forbid_unknown_fields=True):
@@ -69,6 +96,18 @@ class LeaseConfirm(msgspec.Struct, tag="lease_confirm", frozen=True, forbid_unkn
     request_id: str
     ok: bool
     reason: str
+
+
+class RowDigest(msgspec.Struct, tag="row_digest", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The prefill's answer to a ``ReadDone`` with a ``check`` (sent at once, whatever the lease: the
+    ``LeaseConfirm``, if asked for, comes apart): ``digest``, the XXH3-64 of the rows it names as the cache holds
+    them, unless ``changed`` says why not (a block holding them changed after the request was held) or ``refused``
+    (the check does not fit this rank)."""
+
+    request_id: str
+    digest: int | None = None
+    changed: str = ""
+    refused: str = ""
 
 
 class PushPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,7 +186,16 @@ class PushOutcome(msgspec.Struct, tag="push_outcome", frozen=True, forbid_unknow
 #: What a reader reports about a request (counted towards freeing it).
 ReaderReport = Union[ReadDone, ReadFailed, ReleaseUnread]
 PeerMessage = Union[
-    ReadDone, ReadFailed, ReleaseUnread, LeaseHeartbeat, LeaseConfirm, PushSetup, PushReady, PushOrder, PushOutcome
+    ReadDone,
+    ReadFailed,
+    ReleaseUnread,
+    LeaseHeartbeat,
+    LeaseConfirm,
+    RowDigest,
+    PushSetup,
+    PushReady,
+    PushOrder,
+    PushOutcome,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

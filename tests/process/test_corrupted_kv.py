@@ -1,10 +1,11 @@
 """KV changed in a prefill's cache after its forward is caught by the decode's digests, never answered (issue 42).
 
-A KV-moving stand-in prefill (``pd_transfer.sim.kv_standin``, transport ``tcp``) changes one byte of every third
-request's KV once the request is held (``--corrupt-every 3``: a block, plane and offset drawn at random), and three
-stand-in decodes read from it, one per ``verify`` mode. Each decode compares every byte it pulled with the KV of its
-own prompt, so a corrupted request that got through is an answer that says so (``verification failed``: on a real
-engine, wrong tokens). What each mode must show, counted against the prefill's own count of what it corrupted:
+A KV-moving stand-in prefill (``pd_transfer.sim.kv_standin``) changes one byte of every third request's KV once the
+request is held (``--corrupt-every 3``: a block, plane and offset drawn at random), and three stand-in decodes read
+from it, one per ``verify`` mode, by each transport in turn: ``tcp`` (the digest rides with the rows), NIXL reads and
+``process_vm_readv`` in place (read checks). Each decode compares every byte it pulled with the KV of its own prompt,
+so a corrupted request that got through is an answer that says so (``verification failed``: on a real engine, wrong
+tokens). What each mode must show, counted against the prefill's own count of what it corrupted:
 
 - ``all``: every corrupted request fails its pull as a digest mismatch naming the block, none gets through, every
   other request is right (injected = detected);
@@ -44,7 +45,7 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
     return post_json(url, body, HOP_TIMEOUT_S)
 
 
-def one_request(prefill: Server, decode: Server, tag: str) -> tuple[str, bool]:
+def one_request(prefill: Server, decode: Server, tag: str, transport: str) -> tuple[str, bool]:
     """A prompt prefilled and then decoded: what came of it ("right", "detected": a digest mismatch, "through": the
     decode's byte check failed) and whether the prefill corrupted it."""
     before = get_json(prefill.url + "/control/kv")["corrupted"]
@@ -62,6 +63,7 @@ def one_request(prefill: Server, decode: Server, tag: str) -> tuple[str, bool]:
     if status == 200:
         report = report_of(json.loads(text)["choices"][0]["text"])
         assert report["verified"] is True, report  # a 200 is only ever right KV
+        assert report["transport"] == transport, report
         return "right", corrupted
     assert status == 500, (status, text[:500])
     if "DigestMismatch" in text:
@@ -71,9 +73,12 @@ def one_request(prefill: Server, decode: Server, tag: str) -> tuple[str, bool]:
     return "through", corrupted
 
 
-def test_kv_corrupted_after_the_forward_is_caught_by_the_digests_of_each_mode(tmp_path: Path) -> None:
-    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-    common = ["--transport", "tcp", "--num-blocks", str(NUM_BLOCKS), "--lease-seconds", "30"]
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "host_cma"])
+def test_kv_corrupted_after_the_forward_is_caught_by_the_digests_of_each_mode(tmp_path: Path, transport: str) -> None:
+    """Each way a decode reads: ``tcp`` (the digest rides with the rows), NIXL reads and ``process_vm_readv`` in place
+    (read checks: the ``ReadDone`` names the rows, the prefill answers their digest)."""
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PD_TRANSFER_PUSH": "off"}  # NIXL reads, not pushes
+    common = ["--transport", transport, "--num-blocks", str(NUM_BLOCKS), "--lease-seconds", "30"]
     specs: dict[str, tuple[dict[str, str], list[str], str | None]] = {
         "prefill": (env, [*common, "--corrupt-every", str(CORRUPT_EVERY)], None)
     }
@@ -84,7 +89,7 @@ def test_kv_corrupted_after_the_forward_is_caught_by_the_digests_of_each_mode(tm
         counts: dict[str, Counter[tuple[str, bool]]] = {}
         for mode in MODES:
             counts[mode] = Counter(
-                one_request(prefill, servers[f"decode-{mode}"], f"{mode}-{n}-") for n in range(REQUESTS)
+                one_request(prefill, servers[f"decode-{mode}"], f"{mode}-{n}-", transport) for n in range(REQUESTS)
             )
             got = counts[mode]
             injected = sum(count for (_, corrupted), count in got.items() if corrupted)

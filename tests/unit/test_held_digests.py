@@ -1,4 +1,4 @@
-"""tcp/held_digests.py: each held request's blocks digested at its hold, and rows checked against them later."""
+"""connector/held_digests.py: each held request's blocks digested at its hold, and rows checked against them later."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.held_digests import HeldDigests
 from pd_transfer.connector.streams import StreamBoard
-from pd_transfer.connector.transports.tcp.held_digests import HeldDigests
 from pd_transfer.spec import KVCacheLayout, ModelFingerprint, Plane, planes_of
 from pd_transfer.transfer.cma import IOVEC
 

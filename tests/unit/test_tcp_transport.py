@@ -120,7 +120,7 @@ def test_a_pull_goes_by_tcp_and_the_lease_with_it_with_no_nixl_peer(
     prefill: InProcessPrefill, agent_factory: AgentFactory
 ) -> None:
     end = tcp_end(prefill)
-    assert [offer.transport for offer in prefill.rank.offers] == [TCP]
+    assert [offer.transport for offer in prefill.rank.offers] == [TCP, messages.READ_CHECKS_OFFER]
     decode = decode_rank(agent_factory)
     try:
         remote_ids, local_ids, tokens = [9, 2, 30, 17], [4, 0, 21, 13], 16 * 3 + 5

@@ -8,7 +8,8 @@ import torch
 from topology_sim import LOCAL_SENTINEL, RankCache, build_cache, fingerprint
 
 from pd_transfer.spec import KVCacheLayout, planes_of
-from pd_transfer.topology import PeerPlan, TopologyError, plane_views
+from pd_transfer.topology import PeerPlan, TopologyError, UnitShape, plane_views
+from pd_transfer.topology.own_rows import OwnRows
 
 
 def make(**kwargs) -> PeerPlan:
@@ -346,3 +347,63 @@ def test_addresses_are_the_grid_rows_indices_lists(kwargs: dict) -> None:
     remote_ids = [16] * -(-tokens // first.remote_block_size)
     with pytest.raises(ValueError, match="block id 16 is out of range"):
         first.addresses(remote_ids, list(range(-(-tokens // first.local_block_size))), tokens)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"remote_tp": 2},
+        {"local_tp": 2, "rank": 1},
+        {"local_block": 64, "strategy": "direct"},
+        {"local_block": 64, "strategy": "staged"},
+        {"remote_block": 32, "local_layout": "NHD"},
+        {"local_layout": "NHD", "remote_layout": "HND", "local_block": 32},
+        {"remote_layout": "NHD", "local_layout": "NHD", "remote_tp": 2},
+    ],
+    ids=["same", "tp2-to-1", "tp1-to-2", "block-direct", "block-staged", "block-nhd", "hnd-to-nhd", "nhd-tp2"],
+)
+def test_a_prefill_finds_the_rows_a_decode_plan_reads_from_the_shape_alone(kwargs: dict) -> None:
+    """Read checks: a prefill rank, given only a source plan's heads and unit shape, computes from its own layout
+    and regions the very remote addresses the decode's plan reads, in the plan's order."""
+    plan, _, caches = make_with_caches(blocks=16, **kwargs)
+    rng = np.random.default_rng(11)
+    tokens = 70
+    for source in plan.sources:
+        remote = caches[source.remote_rank]
+        own = OwnRows(
+            remote.layout,
+            remote.regions,
+            first_global_head=source.first_global_head,
+            num_heads=source.num_heads,
+            unit=source.unit,
+        )
+        assert own.unit_bytes == source.unit_bytes
+        remote_ids = rng.choice(16, -(-tokens // source.remote_block_size), replace=False)
+        local_ids = rng.choice(16, -(-tokens // source.local_block_size), replace=False)
+        _, expected = source.addresses(remote_ids, local_ids, tokens)
+        assert np.array_equal(own.addresses(remote_ids, tokens), expected)
+
+
+def test_a_prefill_refuses_a_unit_shape_that_does_not_fit_its_blocks() -> None:
+    """Shapes a decode might send that name heads the rank does not hold, units that do not tile its blocks or
+    another head size: each a TopologyError, before any address is computed."""
+    plan, _, caches = make_with_caches(remote_tp=2, blocks=4)
+    source = plan.sources[1]
+    remote = caches[source.remote_rank]
+    unit = source.unit
+
+    def own(first: int, heads: int, shape: UnitShape) -> OwnRows:
+        return OwnRows(remote.layout, remote.regions, first_global_head=first, num_heads=heads, unit=shape)
+
+    own(source.first_global_head, source.num_heads, unit)
+    with pytest.raises(TopologyError, match="not all the rank's"):
+        own(0, source.num_heads, unit)  # rank 1 holds heads 4..7
+    with pytest.raises(TopologyError, match="do not tile"):
+        own(source.first_global_head, source.num_heads, UnitShape(3, unit.tokens, unit.head_size))
+    with pytest.raises(TopologyError, match="head size"):
+        own(source.first_global_head, source.num_heads, UnitShape(unit.heads, unit.tokens, unit.head_size * 2))
+    with pytest.raises(TopologyError, match="positive integer"):
+        own(source.first_global_head, 0, unit)
+    with pytest.raises(ValueError, match="out of range"):
+        own(source.first_global_head, source.num_heads, unit).addresses([4], 16)

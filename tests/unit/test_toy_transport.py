@@ -16,6 +16,7 @@ from toy_socket_transport import NAME, ToyDecodeEnd, ToyPrefillEnd
 
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.messages import READ_CHECKS_OFFER
 from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.transports.registry import UnknownTransport
 from pd_transfer.metrics import TransferMetrics
@@ -52,7 +53,8 @@ def test_the_toy_carries_the_pull_and_the_lease_with_no_nixl_peer(
 ) -> None:
     prefill_end = prefill.rank.ends[NAME]
     assert isinstance(prefill_end, ToyPrefillEnd)
-    assert [offer.transport for offer in prefill.rank.offers] == [NAME]  # NIXL offers nothing beyond the rank
+    # NIXL offers nothing beyond the rank; read checks are the rank's, whatever carries the rows
+    assert [offer.transport for offer in prefill.rank.offers] == [NAME, READ_CHECKS_OFFER]
     decode = decode_rank(agent_factory, TOY)
     try:
         remote_ids, local_ids, tokens = [9, 2, 30, 17], [4, 0, 21, 13], 16 * 3 + 5
@@ -67,6 +69,10 @@ def test_the_toy_carries_the_pull_and_the_lease_with_no_nixl_peer(
             == 1
         )
         assert decode.confirmations.received == 1  # the LeaseConfirm came back on the toy's connection
+        # and the digest of the rows the read checked (verify "sample" by default), compared with them where they landed
+        assert decode.confirmations.digests_received == 1
+        checked = decode.metrics.registry.get_sample_value("pd_transfer_digest_checks_total", {"outcome": "equal"})
+        assert checked == 1
         assert prefill.rank.ledger.readers_complete("toy-1") is not None  # every reader reported (confirmed)
         assert prefill.rank.ledger.blocks_held == 0  # so the blocks are free
         assert not decode.agent.has_peer(prefill.rank.agent.name)  # no NIXL peer, so no NIXL read either
@@ -94,7 +100,7 @@ def test_where_the_toy_is_not_offered_the_next_transport_named_reads(agent_facto
     plain = InProcessPrefill(f"plain-prefill-{time.monotonic_ns()}", LAYOUT, BLOCKS, agent_factory, transport="nixl")
     decode = decode_rank(agent_factory, f"{TOY}, nixl")
     try:
-        assert plain.rank.offers == []
+        assert [offer.transport for offer in plain.rank.offers] == [READ_CHECKS_OFFER]
         plain.rank.hold("not-toy", [5, 6])
         stats = decode.pull_confirmed("not-toy", plain.host, plain.port, [5, 6], [7, 8], 32)
         assert stats.transport == "nixl" and decode.ends[NAME].requests == []  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
 """The lease confirmations a decode rank waits for after its reads: read, then confirm (only for reads that
-cannot rely on the prefill's hold window, see :meth:`.rank.DecodeRank.pull_confirmed`).
+cannot rely on the prefill's hold window, see :meth:`.rank.DecodeRank.pull_confirmed`); and the digests of the rows
+its reads check (``RowDigest``, read checks: :mod:`.read_checks`), awaited the same way.
 
 While a request is awaited (``awaiting``), its ``ReadDone`` notifications carry ``reply_to`` and each
 prefill rank read from answers with a ``LeaseConfirm``: ok only if the request's blocks were still held when
@@ -31,7 +32,9 @@ class LeaseConfirmations:
         self.name = name
         self._cond = threading.Condition()
         self._awaiting: dict[str, dict[str, messages.LeaseConfirm]] = {}  # request -> prefill agent -> answer
+        self._digests: dict[str, dict[str, messages.RowDigest]] = {}  # request -> prefill agent -> its digest
         self.received = 0  # every LeaseConfirm that arrived (a round trip each)
+        self.digests_received = 0  # every RowDigest that arrived (read checks)
 
     def awaits(self, request_id: str) -> bool:
         """Whether ``request_id``'s confirmations are awaited (its ``ReadDone`` should carry ``reply_to``)."""
@@ -49,7 +52,33 @@ class LeaseConfirmations:
         finally:
             with self._cond:
                 self._awaiting.pop(request_id, None)
-                fast_polling(bool(self._awaiting))
+                fast_polling(bool(self._awaiting or self._digests))
+
+    @contextmanager
+    def awaiting_digests(self, request_id: str, fast_polling: Callable[[bool], None]) -> Iterator[None]:
+        """Await ``request_id``'s ``RowDigest`` answers (read checks) for the duration of the block; ``fast_polling``
+        as for :meth:`awaiting`."""
+        with self._cond:
+            self._digests[request_id] = {}
+            fast_polling(True)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._digests.pop(request_id, None)
+                fast_polling(bool(self._awaiting or self._digests))
+
+    def wait_digests(self, request_id: str, peers: list[str], timeout_s: float) -> dict[str, messages.RowDigest]:
+        """The ``RowDigest`` answers to ``request_id`` from ``peers`` (prefill agent names), once every one came or
+        ``timeout_s`` passed (then those that came)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                answers = self._digests.get(request_id, {})
+                remaining = deadline - time.monotonic()
+                if all(peer in answers for peer in peers) or remaining <= 0:
+                    return dict(answers)
+                self._cond.wait(remaining)
 
     def on_notification(self, peer: str, payload: bytes) -> None:
         """A notification from prefill agent ``peer``: a ``LeaseConfirm`` is recorded and wakes the waiters."""
@@ -62,6 +91,9 @@ class LeaseConfirmations:
 
     def on_message(self, peer: str, message: messages.PeerMessage) -> None:
         """A decoded notification from prefill agent ``peer`` (:meth:`on_notification`)."""
+        if isinstance(message, messages.RowDigest):
+            self._on_digest(peer, message)
+            return
         if not isinstance(message, messages.LeaseConfirm):
             logger.warning("decode %s: unexpected %s from %s dropped", self.name, type(message).__name__, peer)
             return
@@ -71,6 +103,22 @@ class LeaseConfirmations:
             if answers is None:
                 logger.info(
                     "decode %s: confirmation of request %s from %s came after we stopped waiting",
+                    self.name,
+                    message.request_id,
+                    peer,
+                )
+                return
+            answers[peer] = message
+            self._cond.notify_all()
+
+    def _on_digest(self, peer: str, message: messages.RowDigest) -> None:
+        """A ``RowDigest`` from prefill agent ``peer``: recorded while its request's digests are awaited."""
+        with self._cond:
+            self.digests_received += 1
+            answers = self._digests.get(message.request_id)
+            if answers is None:
+                logger.info(
+                    "decode %s: digest of request %s from %s came after we stopped waiting",
                     self.name,
                     message.request_id,
                     peer,

@@ -12,7 +12,9 @@ with:
   answers it waits for.
 
 ``pull`` reads; ``pull_confirmed`` reads, then makes sure the read saw live blocks: it ended inside the hold
-window the prefill promised in its params (no round trip), or the prefill confirms the blocks were still held.
+window the prefill promised in its params (no round trip), or the prefill confirms the blocks were still held. Either
+way (and for a plain ``pull``), under ``verify`` (``all``, ``sample``), the rows :class:`~.read_checks.ReadChecks`
+picks are compared with the prefill's digest of them (``RowDigest``: a round trip inside the hold window too).
 
 A prefill restarted at the same address (new NIXL agents, maybe a new engine id) is recognised and handshaken afresh
 (:meth:`.remote_engines.RemoteEngines.refresh`): by ``check_engine`` when a request names another engine id than the
@@ -50,9 +52,10 @@ from pd_transfer.topology import PeerPlan, expected_readers, plane_views
 from pd_transfer.topology.packed import PackedBlockFormat
 from pd_transfer.transfer.agent import NIXL_AGENTS
 from pd_transfer.transfer.agent_protocol import Agent, AgentFactory
-from pd_transfer.transfer.errors import PeerDisconnected, TransferError, TransferTimeout
+from pd_transfer.transfer.errors import DigestMismatch, PeerDisconnected, TransferError, TransferTimeout
 
 from .confirmations import LeaseConfirmations
+from .read_checks import ReadChecks
 from .remote_engines import RemoteEngine, RemoteEngines
 from .reports import ReaderReports
 
@@ -104,12 +107,14 @@ class DecodeRank:
         self.ends: dict[str, DecodeEnd] = {}  # the transports' ends, in order of preference
         try:
             self.agent.register_regions(cache.regions)
+            self.read_checks = ReadChecks(cache, options.verify)
             self.reports = ReaderReports(
                 name,
                 engine_id,
                 cache.layout.tp_rank,
                 reply_to=self.agent.connection_metadata,
                 awaits=self.confirmations.awaits,
+                check_of=self.read_checks.check_of,
             )
             site = DecodeSite(
                 engine_id=engine_id,
@@ -303,10 +308,28 @@ class DecodeRank:
                 remote.port,
             )
 
-    @staticmethod
-    def _read(remote: RemoteEngine, request: PullRequest, deadline: float) -> ReadTotals:
-        """``request``'s blocks from ``remote``, by the link its transport opened."""
-        return remote.link.read(request, deadline)
+    def _read(self, remote: RemoteEngine, request: PullRequest, deadline: float) -> ReadTotals:
+        """``request``'s blocks from ``remote``, by the link its transport opened; the rows read checks pick compared
+        with the prefill's digests of them (:mod:`.read_checks`: ``DigestMismatch`` where one differs, or did not come
+        within ``confirm_timeout_s``)."""
+        checks = self.read_checks.plan(remote.link, remote.engine, request)
+        if not checks:
+            return remote.link.read(request, deadline)
+        request_id = request.request_id
+        with self.confirmations.awaiting_digests(request_id, self.agent.set_expecting_reads):
+            with self.read_checks.announced(request_id, checks):
+                totals = remote.link.read(request, deadline)
+            checks = [check for check in checks if check.peer not in totals.pushed_peers]  # they wrote: no ReadDone
+            landed = self.read_checks.landed(checks)  # while the prefill digests its side
+            peers = [check.peer for check in checks]
+            answers = self.confirmations.wait_digests(request_id, peers, self.options.confirm_timeout_s)
+        try:
+            equal = self.read_checks.compare(request_id, checks, landed, answers)
+        except DigestMismatch:
+            self.metrics.digest_checks.labels("mismatch").inc()
+            raise
+        self.metrics.digest_checks.labels("equal").inc(equal)
+        return totals
 
     def _after_disconnect(self, remote: RemoteEngine, request_id: str, error: PeerDisconnected) -> RemoteEngine:
         """A read from ``remote`` failed because its peer went away: handshake with its address afresh and return

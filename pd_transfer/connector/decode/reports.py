@@ -30,7 +30,8 @@ class ReaderReports:
     """Reports of decode rank ``reader_rank`` of engine ``engine_id`` (``name``: its agent's, for logs).
 
     ``awaits(request_id)`` says whether the request's lease confirmation is awaited; ``reply_to`` is what its
-    ``ReadDone`` then carries (the agent's connection metadata).
+    ``ReadDone`` then carries (the agent's connection metadata), and ``check_of(request_id, peer)`` the rows it checks
+    of that source (read checks).
     """
 
     def __init__(
@@ -41,22 +42,29 @@ class ReaderReports:
         *,
         reply_to: bytes,
         awaits: Callable[[str], bool],
+        check_of: Callable[[str, str], messages.RowCheck | None] = lambda request_id, peer: None,
     ) -> None:
         self.name = name
         self.engine_id = engine_id
         self.reader_rank = reader_rank
         self._reply_to = reply_to
         self._awaits = awaits
+        self._check_of = check_of
 
     def read_done(self, request_id: str, source: Source) -> bytes:
-        """The encoded ``ReadDone`` for the last READ of ``request_id`` from ``source``."""
+        """The encoded ``ReadDone`` for the last READ of ``request_id`` from ``source`` (with the rows it checks
+        there, if any: :mod:`.read_checks`)."""
+        awaited = self._awaits(request_id)
+        check = self._check_of(request_id, source.peer)
         return messages.encode(
             messages.ReadDone(
                 request_id=request_id,
                 reader_engine_id=self.engine_id,
                 reader_rank=self.reader_rank,
                 expected_readers=source.expected_readers,
-                reply_to=self._reply_to if self._awaits(request_id) else b"",
+                reply_to=self._reply_to if awaited or check is not None else b"",
+                check=check,
+                confirm=awaited or check is None,
             )
         )
 

@@ -29,8 +29,10 @@ import msgspec
 from pd_transfer.affinity import unpinning
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.held_digests import HeldDigests
 from pd_transfer.connector.leases import Freed, LeaseLedger, Reply
 from pd_transfer.connector.options import PrefillOptions
+from pd_transfer.connector.prefill.read_checks import RowDigests, Verdict
 from pd_transfer.connector.streams import StreamBoard
 from pd_transfer.connector.transports.registry import select
 from pd_transfer.connector.transports.seam import Answer, PrefillEnd, PrefillSite
@@ -63,7 +65,8 @@ class PrefillRank:
     ``expire`` (lease over), ``abort``, or from ``take_freed`` (every reader reported; collected on the
     notification thread). A ``ReadDone`` carrying ``reply_to`` is answered with a ``LeaseConfirm`` sent back
     to the reader over NIXL, or the way its transport brought the report (on a helper thread, so the progress thread
-    never waits for a connection).
+    never waits for a connection); one with a ``check`` (read checks, a host cache's rank) first with the
+    ``RowDigest`` of the rows it names, computed before the report counts towards freeing the request.
     ``on_release`` fires once per request when every expected reader has reported, on the progress thread.
     """
 
@@ -97,6 +100,10 @@ class PrefillRank:
         self.options = options
         self.ledger = LeaseLedger(options.lease_seconds, clock=clock)
         self.streams = StreamBoard(len({region.layer for region in cache.regions}))
+        self.held = HeldDigests(cache) if cache.place.is_host else None  # each request digested at its hold
+        if self.held is not None:
+            self.streams.observe(self.held)
+        self.row_digests = RowDigests(cache, self.held) if self.held is not None else None
         self._cond = threading.Condition()
         self._freed: list[Freed] = []  # freed by reader reports, until take_freed()
         self._answers: dict[str, Answer] = {}  # reader -> how its confirmations reach it (NIXL: its metadata)
@@ -124,6 +131,7 @@ class PrefillRank:
                 freed=self._freed_by_unpin,
                 streams=self.streams,
                 metrics=self.metrics,
+                held=self.held,
             )
             for transport in transports:
                 self.ends[transport.name] = transport.prefill_end(site)
@@ -135,6 +143,9 @@ class PrefillRank:
             for transport in transports
             if (payload := self.ends[transport.name].offer()) is not None
         ]
+        if self.row_digests is not None:
+            checks = TransportOffer(transport=messages.READ_CHECKS_OFFER, payload=messages.READ_CHECKS_DIGEST)
+            self.offers.append(checks)  # taken by no transport: a decode's ReadDone may name rows to digest
 
     @property
     def rank_metadata(self) -> RankMetadata:
@@ -220,7 +231,12 @@ class PrefillRank:
             return
         if isinstance(
             message,
-            messages.LeaseConfirm | messages.PushReady | messages.PushOutcome | messages.PushSetup | messages.PushOrder,
+            messages.LeaseConfirm
+            | messages.RowDigest
+            | messages.PushReady
+            | messages.PushOutcome
+            | messages.PushSetup
+            | messages.PushOrder,
         ):
             logger.warning("prefill %s: unexpected %s from %s dropped", self.agent.name, type(message).__name__, peer)
             return
@@ -235,9 +251,11 @@ class PrefillRank:
             message = msgspec.structs.replace(message, request_id=request_id)
         reply_to = None
         if isinstance(message, messages.ReadDone) and message.reply_to:
-            reply_to = peer
+            reply_to = peer if message.confirm or message.check is None else None
             with self._cond:
                 self._answers[peer] = answer if answer is not None else self._nixl_answer(peer, message.reply_to)
+            if message.check is not None:
+                self._check_read(peer, message)  # before the report counts: the request still held
         outcome = self.ledger.report(message, reply_to=reply_to)
         newly_freed = [] if outcome.freed is None else [outcome.freed]
         if outcome.freed is not None:
@@ -253,6 +271,26 @@ class PrefillRank:
             if self._on_release is not None:
                 self._on_release(message.request_id, list(reports))
         self._after_change(newly_freed)
+
+    def _check_read(self, peer: str, message: messages.ReadDone) -> None:
+        """Answer reader ``peer`` the digest of the rows its checked ``ReadDone`` names (:mod:`.read_checks`), computed
+        now, sent on the helper thread."""
+        assert message.check is not None
+        if self.row_digests is None:
+            verdict = Verdict(None, refused="this rank offers no read checks")
+        else:
+            verdict = self.row_digests.verdict(message.check)
+        if verdict.changed:
+            logger.error(
+                "prefill %s: request %s read by %s: %s", self.agent.name, message.request_id, peer, verdict.changed
+            )
+        digest = messages.RowDigest(
+            request_id=message.request_id, digest=verdict.digest, changed=verdict.changed, refused=verdict.refused
+        )
+        try:
+            self._replies.submit(self._send_answer, peer, digest)
+        except RuntimeError:  # closed
+            return
 
     def _nixl_answer(self, peer: str, metadata: bytes) -> Answer:
         """How a confirmation reaches reader ``peer`` by NIXL: its agent added as a peer (from ``metadata``, its
@@ -303,18 +341,24 @@ class PrefillRank:
         self.agent.set_expecting_reads(self.ledger.held_requests > 0)
 
     def _send_reply(self, reply: Reply) -> None:
+        self._send_answer(reply.to, reply.confirm)
+
+    def _send_answer(self, to: str, message: messages.LeaseConfirm | messages.RowDigest) -> None:
+        """Send reader ``to`` an answer, the way its report came (logged where it cannot: the reader then counts the
+        read unconfirmed, or unchecked as a mismatch)."""
         try:
             with self._cond:
-                answer = self._answers.get(reply.to)
+                answer = self._answers.get(to)
             if answer is None:
-                raise TransferError(f"no way back to reader {reply.to}")
-            answer(messages.encode(reply.confirm))
+                raise TransferError(f"no way back to reader {to}")
+            answer(messages.encode(message))
         except Exception as error:
             logger.warning(
-                "prefill %s: could not confirm request %s to %s (it will count as unconfirmed): %s",
+                "prefill %s: could not send the %s of request %s to %s: %s",
                 self.agent.name,
-                reply.confirm.request_id,
-                reply.to,
+                type(message).__name__,
+                message.request_id,
+                to,
                 error,
             )
 

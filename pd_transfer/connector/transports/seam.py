@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from pd_transfer.connector.cache import KVCache
+from pd_transfer.connector.held_digests import HeldDigests
 from pd_transfer.connector.leases import Freed, LeaseLedger
 from pd_transfer.connector.messages import PeerMessage
 from pd_transfer.connector.options import DecodeOptions, PrefillOptions
@@ -236,7 +237,9 @@ class PrefillSite:
     answer)``: a message from decode rank ``peer`` (a report: counted towards freeing its request; a heartbeat);
     ``answer``, if given, is how a ``LeaseConfirm`` reaches that reader (else by NIXL, to the ``reply_to`` it sent).
     ``freed(freed)``: a request an unpin freed. ``streams``: how far the rank's requests are written (for writers that
-    stream a request's layers while it is computed). ``metrics``: where the rank records.
+    stream a request's layers while it is computed). ``metrics``: where the rank records. ``held``: the digests of the
+    rank's held requests as their holds found them (a host cache's; None for a cache on a GPU): a writer that sends
+    checked rows re-checks their blocks against them.
     """
 
     engine_id: str
@@ -248,6 +251,7 @@ class PrefillSite:
     receive: Callable[[str, PeerMessage, Answer | None], None]
     freed: Callable[[Freed], None]
     streams: StreamBoard
+    held: HeldDigests | None
     metrics: TransferMetrics
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class TcpLink:
     offered: OfferedEngine
     transport: str = NAME
     reached: list[TcpConnection] = field(default_factory=list)
+    checks_reads: ClassVar[bool] = True  # its reads carry digests of their own: no read checks by the decode rank
 
     def read(self, request: PullRequest, deadline: float) -> ReadTotals:
         planned = [

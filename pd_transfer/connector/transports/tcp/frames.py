@@ -18,8 +18,8 @@ read_id, nbytes]`` and the bytes, or ``["refused", read_id, reason]``; ``["messa
 says ``digests``: a ``read`` may carry a fourth field, rows of the cache (some of those read) whose digest
 (:func:`~pd_transfer.transfer.digests.rows_digest`, of the bytes as the cache holds them when it answers) then comes as
 a fourth field of ``rows``, for the decode to compare with the same rows where they landed; unless a block holding
-them changed since its request was held (:mod:`.held_digests`): then ``["changed", read_id, reason]`` answers instead,
-nothing sent, and the decode fails the read as a mismatch. Streams: :mod:`.stream_sender`.
+them changed since its request was held (:mod:`pd_transfer.connector.held_digests`): then ``["changed", read_id,
+reason]`` answers instead, nothing sent, and the decode fails the read as a mismatch. Streams: :mod:`.stream_sender`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from pd_transfer.transfer.socket_rows import send_rows, set_send_timeout
 
 from ..seam import PrefillSite
 from .frames import BadFrame, encode_offer, expect, fields, receive_frame, send_frame, shut, wake
-from .held_digests import HeldDigests
 from .stream_sender import StreamConnection
 
 logger = logging.getLogger(__name__)
@@ -57,11 +56,10 @@ class TcpPrefillEnd:
         self.bytes_sent = 0  # rows' bytes sent so far, every connection
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self.held = HeldDigests(site.cache) if site.cache.place.is_host else None
-        if self.held is None:
+        self.held = site.held  # each request digested as its hold finds it: checked rows are re-checked
+        if not site.cache.place.is_host:
             logger.info("prefill %s: cache in %s not offered as tcp: it sends host memory", self.name, site.cache.place)
             return
-        site.streams.observe(self.held)  # each request digested as its hold finds it: checked rows are re-checked
         host = site.options.listen_host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, 0), family=family, backlog=64)

@@ -20,7 +20,7 @@ On a connection (:mod:`.frames` has the rest of the protocol):
   values]``: for each of them in order, :func:`~pd_transfer.transfer.digests.rows_digest` of its rows here, computed
   once the request is held (its forward completed: the bytes as the engine left them, which every layer sent before
   must equal); or ``["changed", read_id, reason]`` instead of both, where a block holding them changed since the
-  hold (:mod:`.held_digests`): the decode fails the stream as a mismatch.
+  hold (:mod:`pd_transfer.connector.held_digests`): the decode fails the stream as a mismatch.
 
 Each watch and each stream runs on a thread of its own while it waits (at most :data:`MAX_WAITING` a connection;
 more are refused); a layer's bytes go out under the connection's send lock, other frames between layers.

@@ -1,14 +1,15 @@
 """What a prefill rank's held requests' KV was when they were held: a digest of each of their blocks in each plane,
 so that a read checks the bytes it sends against the forward that wrote them, not only against the wire.
 
-A transport's digests (:mod:`pd_transfer.transfer.digests`) are computed when the rows are sent and compared where
-they landed: they catch what the wire or the decode's side changed. Bytes changed in the prefill's cache after its
-forward and before the read (a stray write, a fault; issue 42 asks for it) would be sent, and digested, as they are
-now. So, with the tcp transport's prefill end observing its rank's :class:`~pd_transfer.connector.streams.StreamBoard`,
-each request is digested here when it is held (every block of it in every plane, on the thread that holds it: about
-10 GB/s a core, a CPU forward's KV in far less than the forward took), and a read or a stream whose rows are checked
-first re-digests the blocks holding those rows (:meth:`HeldDigests.changed`): a block that changed since its hold
-fails the read as a digest mismatch would, naming the block.
+A digest of rows (:mod:`pd_transfer.transfer.digests`) computed when they are sent (tcp) or once a decode read them
+(read checks, :mod:`pd_transfer.connector.prefill.read_checks`) and compared where they landed catches what the wire
+or the decode's side changed. Bytes changed in the prefill's cache after its forward and before the read (a stray
+write, a fault; issue 42 asks for it) would be sent, read and digested as they are now. So the prefill rank (a host
+cache's) observes its :class:`~pd_transfer.connector.streams.StreamBoard` with one of these: each request is digested
+here when it is held (every block of it in every plane, on the thread that holds it: about 10 GB/s a core, a CPU
+forward's KV in far less than the forward took), and the digest of a read's or a stream's checked rows is followed by
+a re-digest of the blocks holding those rows (:meth:`HeldDigests.changed`): a block that changed since its hold fails
+the read as a digest mismatch would, naming the block.
 
 Host caches only. Memory: one digest per block and plane of each held request. Thread-safe.
 """
