@@ -76,6 +76,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench_transfer(args: argparse.Namespace) -> int:
     from pd_transfer.bench.transfer.reads import QUICK_SHAPE
     from pd_transfer.bench.transfer.sections import run_sections, summary_lines
+    from pd_transfer.bench.transfer.verify_cost import TRANSPORTS
     from pd_transfer.settings import read_settings
     from pd_transfer.sim.shape import Shape
 
@@ -85,7 +86,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     settings = read_settings()  # the command's edge: read once, handed to both sides
     sections = [
         s
-        for s, on in (("default", not args.only_tcp), ("tcp", args.tcp or args.only_tcp), ("tcp_netns", args.netns))
+        for s, on in (
+            ("default", not args.only_tcp and not args.only_verify_cost),
+            ("tcp", args.tcp or args.only_tcp),
+            ("tcp_netns", args.netns),
+            ("verify_cost", args.verify_cost or args.only_verify_cost),
+        )
         if on
     ]
     if args.wire_gbit is not None and "tcp_netns" not in sections:
@@ -108,6 +114,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         for c in ("contiguous", "scattered")
         if c in r
     ]
+    checked = result.get("verify_cost") or {}
+    cases += [case for transport in TRANSPORTS if transport in checked for case in checked[transport].values()]
     return 0 if cases and all(c["verified"] for c in cases) else 1
 
 
@@ -228,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument(
         "--only-tcp", action="store_true", help="skip the default-transport (CMA) section (implies --tcp)"
     )
+    transfer.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="also what read checks cost: in-place reads (CMA, NIXL) by decodes of each verify mode, against off",
+    )
+    transfer.add_argument("--only-verify-cost", action="store_true", help="only that section (implies --verify-cost)")
     add_wire_argument(transfer, "with --netns: ")
     transfer.add_argument(
         "--device",

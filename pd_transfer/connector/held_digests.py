@@ -84,17 +84,21 @@ class HeldDigests:
 
     def _covering(self, rows: np.ndarray) -> list[tuple[int, int]]:
         """The (plane, block) pairs holding some byte of ``rows``, in order (a plane's block: ``block_len`` bytes every
-        ``block_stride``; planes may interleave, K and V in each block)."""
-        keys: dict[tuple[int, int], None] = {}
+        ``block_stride``; planes may interleave, K and V in each block). One pass over rows x planes in numpy."""
         bases, strides, lens, counts = self._bases, self._strides, self._lens, self._counts
-        starts = rows["base"].astype(np.int64)
-        lasts = starts + rows["length"].astype(np.int64) - 1
-        for start, last in zip(starts.tolist(), lasts.tolist(), strict=True):
-            first = np.maximum(-((bases + lens - 1 - start) // strides), 0)  # the first block ending at or after start
-            final = np.minimum((last - bases) // strides, counts - 1)  # the last block beginning at or before last
-            for plane in np.nonzero(first <= final)[0].tolist():
-                for block in range(int(first[plane]), int(final[plane]) + 1):
-                    keys[(plane, block)] = None
+        starts = rows["base"].astype(np.int64)[:, None]
+        lasts = starts + rows["length"].astype(np.int64)[:, None] - 1
+        first = np.maximum(-((bases + lens - 1 - starts) // strides), 0)  # the first block ending at or after start
+        final = np.minimum((lasts - bases) // strides, counts - 1)  # the last block beginning at or before last
+        hit_rows, hit_planes = np.nonzero(first <= final)  # in row order, then plane order
+        firsts, finals = first[hit_rows, hit_planes], final[hit_rows, hit_planes]
+        keys: dict[tuple[int, int], None] = {}
+        if np.array_equal(firsts, finals):  # each row inside one block of each plane it touches (a plan's units)
+            keys.update(dict.fromkeys(zip(hit_planes.tolist(), firsts.tolist(), strict=True)))
+            return list(keys)
+        for plane, low, high in zip(hit_planes.tolist(), firsts.tolist(), finals.tolist(), strict=True):
+            for block in range(low, high + 1):
+                keys[(plane, block)] = None
         return list(keys)
 
     def _digest(self, plane: int, block: int) -> int:

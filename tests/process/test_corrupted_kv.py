@@ -11,7 +11,7 @@ tokens). What each mode must show, counted against the prefill's own count of wh
   other request is right (injected = detected);
 - ``sample`` (the default: an eighth of a read's rows, the next eighth for the next request): the corrupted requests
   split into those whose changed byte fell in the rows checked (detected) and the others (through): both counts
-  printed, their sum the injected;
+  printed, their sum the injected (``process_vm_readv``, a same-host read, is checked under ``all`` only: all through);
 - ``off``: every corrupted request gets through (the control: what the digests are for).
 
 At the end neither side holds a block.

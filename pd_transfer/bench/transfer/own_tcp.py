@@ -58,7 +58,7 @@ def run(
         try:
             decode.connect(prefill.host, prefill.port)
             cases = {
-                name: _case(decode, prefill, expected, *ids, shape.request_tokens, repeats, name[0])
+                name: pulled_case(decode, prefill, expected, *ids, shape.request_tokens, repeats, name[0])
                 for name, ids in (("contiguous", contiguous), ("scattered", scattered))
             }
             pulls = one_block_pulls(decode, prefill, shape.block_size, samples=100)
@@ -95,12 +95,12 @@ def _verify_case(
     decode = DecodeRank(f"bench-decode-tcp-{verify}", cache, options)
     try:
         decode.connect(prefill.host, prefill.port)
-        return _case(decode, prefill, expected, *ids, shape.request_tokens, repeats, f"v{verify}")
+        return pulled_case(decode, prefill, expected, *ids, shape.request_tokens, repeats, f"v{verify}")
     finally:
         decode.close()
 
 
-def _case(
+def pulled_case(
     decode: DecodeRank,
     prefill: PrefillProcess,
     expected: list[KVCache],
@@ -109,13 +109,16 @@ def _case(
     num_tokens: int,
     repeats: int,
     label: str,
+    transport: str = "tcp",
 ) -> dict:
+    """``repeats`` pulls of a request held in ``remote_ids`` into ``local_ids`` by ``decode`` (opened by ``transport``),
+    each verified: the median's seconds and GiB/s, the prefill's CPU seconds per GiB."""
     seconds: list[float] = []
     cpus: list[float] = []
     verified = True
     moved = 0
     for index in range(repeats):
-        request_id = f"bench-tcp-{label}-{index}"
+        request_id = f"bench-{transport}-{label}-{index}"
         prefill.request("hold", request_id, remote_ids)
         for tensor in decode.cache.tensors:  # each pull verified on what it wrote itself
             tensor.zero_()
@@ -123,7 +126,7 @@ def _case(
         started = time.perf_counter()
         stats = _with_cpu(prefill, cpus, pull)
         seconds.append(time.perf_counter() - started)
-        assert stats.transport == "tcp", stats.transport
+        assert stats.transport == transport, stats.transport
         moved = stats.bytes
         verified = verified and received_correctly(decode.cache, local_ids, expected, remote_ids, num_tokens)
     median = statistics.median(seconds)

@@ -1,5 +1,5 @@
 """``pd-transfer bench transfer``'s sections, run by name and printed: the default transports (CMA on one host),
-``tcp`` (:mod:`.tcp`) and ``tcp_netns`` (:mod:`.netns`, across a veth)."""
+``tcp`` (:mod:`.tcp`), ``tcp_netns`` (:mod:`.netns`, across a veth) and ``verify_cost`` (:mod:`.verify_cost`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pd_transfer.settings import Settings
 from pd_transfer.sim.shape import Shape
 
-from . import reads, tcp
+from . import reads, tcp, verify_cost
 from .netns import run_netns
 
 
@@ -36,6 +36,8 @@ def run_sections(
         result["tcp"] = tcp.run(
             shape, repeats=repeats, idle_seconds=idle_seconds, busy_prefill=busy_prefill, settings=settings
         )
+    if "verify_cost" in sections:
+        result["verify_cost"] = verify_cost.run(shape, repeats=repeats, settings=settings)
     if "tcp_netns" in sections:
         result["tcp_netns"] = run_netns(
             shape,
@@ -91,4 +93,6 @@ def summary_lines(result: dict) -> list[str]:
             f"  idle CPU {section['idle_cpu_percent']}%  one-block read p50 {section['one_block_p50_us']} us,"
             f" pull ({way}) p50 {section['one_block_pull_p50_us']} us"
         )
+    if "verify_cost" in result:
+        lines.extend(verify_cost.summary_lines(result["verify_cost"]))
     return lines

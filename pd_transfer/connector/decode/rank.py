@@ -105,6 +105,7 @@ class DecodeRank:
             name, on_notification=self._on_notification, read_lanes=options.lane_count, settings=options.settings
         )
         self.ends: dict[str, DecodeEnd] = {}  # the transports' ends, in order of preference
+        self._same_host = {transport.name: transport.same_host for transport in transports}
         try:
             self.agent.register_regions(cache.regions)
             self.read_checks = ReadChecks(cache, options.verify)
@@ -312,7 +313,8 @@ class DecodeRank:
         """``request``'s blocks from ``remote``, by the link its transport opened; the rows read checks pick compared
         with the prefill's digests of them (:mod:`.read_checks`: ``DigestMismatch`` where one differs, or did not come
         within ``confirm_timeout_s``)."""
-        checks = self.read_checks.plan(remote.link, remote.engine, request)
+        same_host = self._same_host.get(remote.transport, False)
+        checks = self.read_checks.plan(remote.link, remote.engine, request, same_host=same_host)
         if not checks:
             return remote.link.read(request, deadline)
         request_id = request.request_id

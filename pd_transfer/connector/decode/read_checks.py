@@ -1,10 +1,12 @@
 """A decode rank's half of read checks (issue 42): the rows of a pull it checks, their digest where they landed, and
 the comparison with the digest the prefill computed of the same rows in its cache.
 
-Which pulls: those of a host cache, under ``verify`` ``all`` or ``sample``
+Which pulls: those of a host cache, under ``verify`` ``all``, or ``sample``
 (:func:`~pd_transfer.transfer.digests.sampled`: a run of an eighth of each source's units, the next eighth for the
-next request), from prefill ranks that offer read checks (:data:`~pd_transfer.connector.messages.READ_CHECKS_OFFER`),
-by a link whose plan lands the rows in place, with no fix-up after (NIXL reads in place, ``process_vm_readv``, any
+next request) where the rows cross a wire (a same-host transport's reads, ``process_vm_readv`` at memory speed, are
+checked under ``all`` only: measured, an eighth's digests on both sides cost 1.8x a 512 MiB read's time there,
+docs/benchmarks.md), from prefill ranks that offer read checks
+(:data:`~pd_transfer.connector.messages.READ_CHECKS_OFFER`), by a link whose plan lands the rows in place, with no fix-up after (NIXL reads in place, ``process_vm_readv``, any
 transport that copies the plan's rows), and that does not check its reads itself (``tcp``: its link says
 ``checks_reads``). Rows that land elsewhere first (staged or packed reads, a push through a landing area) are not
 checked here yet; neither are ranks that pushed (their answer rides on the write, no ``LeaseConfirm``).
@@ -62,11 +64,13 @@ class ReadChecks:
         self._lock = threading.Lock()
         self._announced: dict[str, dict[str, messages.RowCheck]] = {}  # request -> source peer -> its check
 
-    def plan(self, link: Link, engine: EngineMetadata, request: PullRequest) -> list[SourceCheck]:
-        """What a pull of ``request`` by ``link`` (an engine of ``engine``'s) checks, source by source (empty: nothing;
-        see the module's docstring). Block ids that do not fit raise ``ValueError``, as the read would."""
+    def plan(self, link: Link, engine: EngineMetadata, request: PullRequest, *, same_host: bool) -> list[SourceCheck]:
+        """What a pull of ``request`` by ``link`` (an engine of ``engine``'s; ``same_host``: opened by a same-host
+        transport) checks, source by source (empty: nothing; see the module's docstring). Block ids that do not fit
+        raise ``ValueError``, as the read would."""
         if (
             self.verify == "off"
+            or (same_host and self.verify != "all")
             or not self._host
             or link.plan.postprocess is not None
             or getattr(link, "checks_reads", False)
