@@ -6,10 +6,11 @@ Which pulls: those of a host cache, under ``verify`` ``all``, or ``sample``
 next request) where the rows cross a wire (a same-host transport's reads, ``process_vm_readv`` at memory speed, are
 checked under ``all`` only: measured, an eighth's digests on both sides cost 1.8x a 512 MiB read's time there,
 docs/benchmarks.md), from prefill ranks that offer read checks
-(:data:`~pd_transfer.connector.messages.READ_CHECKS_OFFER`), by a link whose plan lands the rows in place, with no fix-up after (NIXL reads in place, ``process_vm_readv``, any
-transport that copies the plan's rows), and that does not check its reads itself (``tcp``: its link says
-``checks_reads``). Rows that land elsewhere first (staged or packed reads, a push through a landing area) are not
-checked here yet; neither are ranks that pushed (their answer rides on the write, no ``LeaseConfirm``).
+(:data:`~pd_transfer.connector.messages.READ_CHECKS_OFFER`), by a link whose plan lands the rows in place, with no
+fix-up after (NIXL reads in place, ``process_vm_readv``, any transport that copies the plan's rows), and that does
+not check its reads itself (``tcp``: its link says ``checks_reads``). Rows that land elsewhere first (staged or
+packed reads, a push through a landing area) are not checked here yet; neither are ranks that pushed (their answer
+rides on the write, no ``ReadDone``).
 
 How: the source's ``ReadDone`` carries a :class:`~pd_transfer.connector.messages.RowCheck` (the plan's unit shape,
 the request's blocks there, the run of units), answered at once with a ``RowDigest`` (whatever the lease: a
