@@ -3,11 +3,12 @@ carries them itself, on its own connection: :mod:`pd_transfer.connector.transpor
 
 Tagged msgspec structs, msgpack on the wire; anything that does not decode is dropped and logged.
 
-Decode -> prefill: ``ReadDone`` (attached to the last read; carries ``reply_to`` when the reader wants a
-``LeaseConfirm``), ``ReadFailed`` (gave up, or will never read), ``ReleaseUnread`` (no decode rank reads
-this prefill rank's copy), ``LeaseHeartbeat`` (still coming: extend the lease).
+Decode -> prefill: ``CheckRows`` (read checks: before a read, the rows whose digest it wants), ``ReadDone`` (attached
+to the last read; carries ``reply_to`` when the reader wants a ``LeaseConfirm``), ``ReadFailed`` (gave up, or will
+never read), ``ReleaseUnread`` (no decode rank reads this prefill rank's copy), ``LeaseHeartbeat`` (still coming:
+extend the lease).
 Prefill -> decode: ``LeaseConfirm`` (were the blocks still held when the ``ReadDone`` arrived?), ``RowDigest`` (the
-digest of the rows a ``ReadDone``'s ``check`` names: read checks).
+digest of the rows a ``CheckRows`` names: read checks).
 
 Push (the prefill writes instead of the decode reading; see :mod:`.transports.nixl.push_writer`): decode -> prefill
 ``PushSetup`` (once per prefill rank: the reader's memory and the plan's rows) and ``PushOrder`` (per request);
@@ -24,7 +25,7 @@ import msgspec
 #: Largest notification payload we decode (bytes).
 MAX_NOTIFICATION_BYTES = 64 * 1024
 #: The name under which a prefill rank's metadata offers read checks (beside its transports' offers, taken by none):
-#: a ``ReadDone`` may then carry a ``RowCheck``. Its payload names the digest.
+#: a decode may then send it ``CheckRows``. Its payload names the digest.
 READ_CHECKS_OFFER = "read_checks"
 READ_CHECKS_DIGEST = b"xxh3-64"
 
@@ -47,10 +48,8 @@ class RowCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     end_unit: int
 
 
-class ReadDone(msgspec.Struct, tag="read_done", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """A decode rank finished reading a request's blocks from this prefill rank. ``check`` goes only to a rank that
-    offers read checks (:data:`READ_CHECKS_OFFER`): one that does not would drop the message (unknown field);
-    left out where unset, so a report without it decodes in any prefill."""
+class ReadDone(msgspec.Struct, tag="read_done", frozen=True, forbid_unknown_fields=True):
+    """A decode rank finished reading a request's blocks from this prefill rank."""
 
     request_id: str
     reader_engine_id: str
@@ -58,8 +57,18 @@ class ReadDone(msgspec.Struct, tag="read_done", frozen=True, forbid_unknown_fiel
     expected_readers: int  # decode ranks that read from this prefill rank for this request
     # the reader's NIXL connection metadata (no memory): when set, the prefill answers with LeaseConfirm
     reply_to: bytes = b""
-    check: RowCheck | None = None  # with reply_to: those rows' digest comes back (RowDigest)
-    confirm: bool = True  # with reply_to: a LeaseConfirm is asked for (False only beside a check)
+
+
+class CheckRows(msgspec.Struct, tag="check_rows", frozen=True, forbid_unknown_fields=True):
+    """A decode rank is about to read a request from this prefill rank (read checks): digest the rows ``check`` names
+    and answer ``RowDigest`` (by NIXL to ``reply_to``, the reader's connection metadata, or on the transport's own
+    connection), while the read runs. Sent only to a rank that offers read checks (:data:`READ_CHECKS_OFFER`)."""
+
+    request_id: str
+    reader_engine_id: str
+    reader_rank: int
+    check: RowCheck
+    reply_to: bytes = b""
 
 
 class ReadFailed(msgspec.Struct, tag="read_failed", frozen=True, forbid_unknown_fields=True):
@@ -99,10 +108,9 @@ class LeaseConfirm(msgspec.Struct, tag="lease_confirm", frozen=True, forbid_unkn
 
 
 class RowDigest(msgspec.Struct, tag="row_digest", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """The prefill's answer to a ``ReadDone`` with a ``check`` (sent at once, whatever the lease: the
-    ``LeaseConfirm``, if asked for, comes apart): ``digest``, the XXH3-64 of the rows it names as the cache holds
-    them, unless ``changed`` says why not (a block holding them changed after the request was held) or ``refused``
-    (the check does not fit this rank)."""
+    """The prefill's answer to a ``CheckRows`` (whatever the lease: a ``LeaseConfirm`` comes apart): ``digest``, the
+    XXH3-64 of the rows it names as the cache holds them, unless ``changed`` says why not (a block holding them
+    changed after the request was held) or ``refused`` (the check does not fit this rank)."""
 
     request_id: str
     digest: int | None = None
@@ -187,6 +195,7 @@ class PushOutcome(msgspec.Struct, tag="push_outcome", frozen=True, forbid_unknow
 ReaderReport = Union[ReadDone, ReadFailed, ReleaseUnread]
 PeerMessage = Union[
     ReadDone,
+    CheckRows,
     ReadFailed,
     ReleaseUnread,
     LeaseHeartbeat,

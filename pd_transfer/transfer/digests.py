@@ -60,17 +60,17 @@ def _bytes_at(length: int) -> type[ctypes.Array[ctypes.c_char]]:
     return ctypes.c_char * length
 
 
-def sampled(verify: str, count: int, turn: int) -> slice | None:
+def sampled(verify: str, count: int, turn: int, every: int = SAMPLE_EVERY) -> slice | None:
     """Which of ``count`` groups (or rows) a request checks under ``verify``, as a slice of them (None: none);
-    ``turn``: the request's number among those checked (any integer that grows by one a request). ``ValueError``
-    for a mode that is none."""
+    ``turn``: the request's number among those checked (any integer that grows by one a request); ``every``:
+    ``sample`` checks one ``every``-th of them. ``ValueError`` for a mode that is none."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify: {verify[:40]!r} is none of {', '.join(VERIFY_MODES)}")
     if verify == "off" or count == 0:
         return None
     if verify == "all":
         return slice(0, count)
-    every = min(SAMPLE_EVERY, count)
+    every = min(every, count)
     share = turn % every
     return slice(count * share // every, count * (share + 1) // every)  # adjacent ones: few, long runs to hash
 

@@ -20,6 +20,7 @@ from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.read_checks import ReadChecks, SourceCheck
 from pd_transfer.connector.options import DecodeOptions
 from pd_transfer.connector.prefill.rank import serve_engine
+from pd_transfer.connector.transports.seam import Source
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.settings import DEFAULTS
 from pd_transfer.sim.verify import received_correctly
@@ -83,8 +84,8 @@ def test_a_pull_checks_what_verify_says_and_the_kv_is_right(
 def test_a_prefill_that_offers_no_checks_is_read_unchecked(
     prefill: InProcessPrefill, agent_factory: AgentFactory
 ) -> None:
-    """A prefill whose metadata has no read-checks offer (an older one, or a cache on a GPU) gets no ``check`` in its
-    ``ReadDone`` (one it would drop as an unknown field) and is read as before."""
+    """A prefill whose metadata has no read-checks offer (an older one, or a cache on a GPU) is sent no ``CheckRows``
+    (a message it would drop as unknown) and is read as before."""
     rank = prefill.rank.rank_metadata
     older = msgspec.structs.replace(
         rank, offers=[offer for offer in rank.offers if offer.transport != messages.READ_CHECKS_OFFER]
@@ -100,38 +101,11 @@ def test_a_prefill_that_offers_no_checks_is_read_unchecked(
         server.stop()
 
 
-class OldReadDone(msgspec.Struct, tag="read_done", frozen=True, forbid_unknown_fields=True):
-    """``ReadDone`` as prefills before read checks decode it."""
-
-    request_id: str
-    reader_engine_id: str
-    reader_rank: int
-    expected_readers: int
-    reply_to: bytes = b""
+def check_rows(check: messages.RowCheck) -> messages.CheckRows:
+    return messages.CheckRows(request_id="checked", reader_engine_id="d", reader_rank=0, check=check, reply_to=b"x")
 
 
-def test_a_read_done_without_a_check_decodes_in_an_older_prefill() -> None:
-    plain = messages.ReadDone(request_id="r", reader_engine_id="d", reader_rank=0, expected_readers=1, reply_to=b"m")
-    old = msgspec.msgpack.decode(messages.encode(plain), type=OldReadDone)
-    assert old == OldReadDone("r", "d", 0, 1, b"m")
-    check = messages.RowCheck(0, 4, 4, 16, 16, [1], 16, 0, 2)
-    with pytest.raises(msgspec.ValidationError, match="unknown field"):  # why only a prefill offering checks gets one
-        msgspec.msgpack.decode(messages.encode(msgspec.structs.replace(plain, check=check)), type=OldReadDone)
-
-
-def checked_read_done(check: messages.RowCheck, *, confirm: bool = False) -> messages.ReadDone:
-    return messages.ReadDone(
-        request_id="checked",
-        reader_engine_id="d",
-        reader_rank=0,
-        expected_readers=1,
-        reply_to=b"x",
-        check=check,
-        confirm=confirm,
-    )
-
-
-def answers_to(prefill: InProcessPrefill, message: messages.ReadDone) -> list[messages.PeerMessage]:
+def answers_to(prefill: InProcessPrefill, message: messages.CheckRows) -> list[messages.PeerMessage]:
     """What the prefill rank sends back to a reader for ``message`` (its answers, decoded), once they came."""
     answers: list[bytes] = []
     prefill.rank.receive("reader", message, answers.append)
@@ -164,12 +138,17 @@ def test_a_check_that_does_not_fit_the_prefill_is_refused_saying_why(
         "first_global_head": 0, "num_heads": 4, "unit_heads": 4, "unit_tokens": 16, "head_size": 16,
         "block_ids": [1], "num_tokens": 16, "first_unit": 0, "end_unit": 6,
     }  # fmt: skip
-    answers = answers_to(prefill, checked_read_done(messages.RowCheck(**{**good, **fields})))  # type: ignore[arg-type]
+    answers = answers_to(prefill, check_rows(messages.RowCheck(**{**good, **fields})))  # type: ignore[arg-type]
     assert len(answers) == 1 and isinstance(answers[0], messages.RowDigest), answers
     assert answers[0].digest is None and refusal in answers[0].refused, answers[0]
-    # the good one is digested (no lease needed; no LeaseConfirm asked with confirm=False)
-    answers = answers_to(prefill, checked_read_done(messages.RowCheck(**good)))  # type: ignore[arg-type]
+    # the good one is digested (no lease needed)
+    answers = answers_to(prefill, check_rows(messages.RowCheck(**good)))  # type: ignore[arg-type]
     assert len(answers) == 1 and isinstance(answers[0], messages.RowDigest) and answers[0].digest is not None
+
+
+class NoCourier:
+    def notify(self, peer: str, payload: bytes) -> None:
+        raise AssertionError("nothing is sent in a comparison")
 
 
 def test_the_decode_takes_any_answer_but_an_equal_digest_as_a_mismatch() -> None:
@@ -177,7 +156,8 @@ def test_the_decode_takes_any_answer_but_an_equal_digest_as_a_mismatch() -> None
     naming the source and the units; equal digests count."""
     cache = KVCache.allocate(LAYOUT, 4)
     rows = merged_rows(np.array([cache.regions[0].base_address], dtype=np.uint64), 64)
-    check = SourceCheck("prefill-0", messages.RowCheck(0, 4, 4, 1, 16, [0], 1, 0, 1), rows)
+    source = Source(remote_rank=0, peer="prefill-0", expected_readers=1, courier=NoCourier())
+    check = SourceCheck(source, messages.RowCheck(0, 4, 4, 1, 16, [0], 1, 0, 1), rows)
     digest = rows_digest(rows)
     assert ReadChecks.compare("r", [check], [digest], {"prefill-0": messages.RowDigest("r", digest=digest)}) == 1
     cases = {

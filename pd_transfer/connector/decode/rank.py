@@ -115,7 +115,6 @@ class DecodeRank:
                 cache.layout.tp_rank,
                 reply_to=self.agent.connection_metadata,
                 awaits=self.confirmations.awaits,
-                check_of=self.read_checks.check_of,
             )
             site = DecodeSite(
                 engine_id=engine_id,
@@ -319,11 +318,11 @@ class DecodeRank:
             return remote.link.read(request, deadline)
         request_id = request.request_id
         with self.confirmations.awaiting_digests(request_id, self.agent.set_expecting_reads):
-            with self.read_checks.announced(request_id, checks):
-                totals = remote.link.read(request, deadline)
-            checks = [check for check in checks if check.peer not in totals.pushed_peers]  # they wrote: no ReadDone
-            landed = self.read_checks.landed(checks)  # while the prefill digests its side
-            peers = [check.peer for check in checks]
+            for check in checks:
+                self.reports.check_rows(check.source, request_id, check.check)  # digested while the read runs
+            totals = remote.link.read(request, deadline)
+            landed = self.read_checks.landed(checks)
+            peers = [check.source.peer for check in checks]
             answers = self.confirmations.wait_digests(request_id, peers, self.options.confirm_timeout_s)
         try:
             equal = self.read_checks.compare(request_id, checks, landed, answers)

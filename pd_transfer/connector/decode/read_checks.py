@@ -2,30 +2,27 @@
 the comparison with the digest the prefill computed of the same rows in its cache.
 
 Which pulls: those of a host cache, under ``verify`` ``all``, or ``sample``
-(:func:`~pd_transfer.transfer.digests.sampled`: a run of an eighth of each source's units, the next eighth for the
-next request) where the rows cross a wire (a same-host transport's reads, ``process_vm_readv`` at memory speed, are
-checked under ``all`` only: measured, an eighth's digests on both sides cost 1.8x a 512 MiB read's time there,
-docs/benchmarks.md), from prefill ranks that offer read checks
+(:func:`~pd_transfer.transfer.digests.sampled`: a run of a 32nd of each source's units, :data:`READ_SAMPLE_EVERY`,
+the next run for the next request) where the rows cross a wire (a same-host transport's reads, ``process_vm_readv``
+at memory speed, are checked under ``all`` only: docs/benchmarks.md), from prefill ranks that offer read checks
 (:data:`~pd_transfer.connector.messages.READ_CHECKS_OFFER`), by a link whose plan lands the rows in place, with no
-fix-up after (NIXL reads in place, ``process_vm_readv``, any transport that copies the plan's rows), and that does
-not check its reads itself (``tcp``: its link says ``checks_reads``). Rows that land elsewhere first (staged or
-packed reads, a push through a landing area) are not checked here yet; neither are ranks that pushed (their answer
-rides on the write, no ``ReadDone``).
+fix-up after (NIXL reads in place, pushes into a host cache, ``process_vm_readv``, any transport that copies the
+plan's rows), and that does not check its reads itself (``tcp``: its link says ``checks_reads``). Rows that land
+elsewhere first (staged or packed reads) are not checked here yet.
 
-How: the source's ``ReadDone`` carries a :class:`~pd_transfer.connector.messages.RowCheck` (the plan's unit shape,
-the request's blocks there, the run of units), answered at once with a ``RowDigest`` (whatever the lease: a
-``LeaseConfirm`` comes apart where asked for); once the read returned, this rank digests the run's local rows
-(:func:`~pd_transfer.transfer.digests.rows_digest`) while the prefill digests its own, then compares the two. A
-difference, a block the prefill found changed since its hold, a check it refused or a digest that does not come
-within ``confirm_timeout_s`` raises :class:`~pd_transfer.transfer.errors.DigestMismatch` naming the prefill rank
-and the rows: the KV is not used (the request is computed here).
+How: before the read, each source checked is sent a ``CheckRows`` naming the rows
+(:class:`~pd_transfer.connector.messages.RowCheck`: the plan's unit shape, the request's blocks there, the run of
+units); it digests them while the read runs (the request pinned meanwhile) and answers ``RowDigest``, whatever the
+lease (a ``LeaseConfirm`` comes apart where asked for). Once the read returned, this rank digests the run's local rows
+(:func:`~pd_transfer.transfer.digests.rows_digest`) and compares the two. A difference, a block the prefill found
+changed since its hold, a check it refused or a digest that does not come within ``confirm_timeout_s`` raises
+:class:`~pd_transfer.transfer.errors.DigestMismatch` naming the prefill rank and the rows: the KV is not used (the
+request is computed here).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,37 +30,39 @@ import numpy as np
 from pd_transfer.connector import messages
 from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.transports.requests import PullRequest
-from pd_transfer.connector.transports.seam import Link
+from pd_transfer.connector.transports.seam import Link, Source
 from pd_transfer.handshake.messages import EngineMetadata
 from pd_transfer.transfer.cma import IOVEC, merged_rows
 from pd_transfer.transfer.digests import next_turn, rows_digest, sampled
 from pd_transfer.transfer.dlists import merged_spans
 from pd_transfer.transfer.errors import DigestMismatch
 
+#: ``sample`` checks one unit in this many of a read (adjacent ones; the next run for the next request): a 32nd, where a
+#: stream or a tcp read checks an eighth, as a read in place goes at memory speed and the digest at about a core's copy
+#: speed: measured (``bench transfer --verify-cost``), an eighth cost 1.18x a 512 MiB NIXL read's time on one host.
+READ_SAMPLE_EVERY = 32
 #: Most block ids a ``RowCheck`` names: a ``ReadDone`` must fit a notification (64 KiB); longer requests go unchecked.
 MAX_CHECK_BLOCKS = 8192
 
 
 @dataclass(frozen=True)
 class SourceCheck:
-    """The rows of one source rank (``peer``) a pull checks: ``check`` as its ``ReadDone`` names them, ``landed``
-    where they are in our cache (:data:`~pd_transfer.transfer.cma.IOVEC` entries, in the plan's order)."""
+    """The rows of one source rank a pull checks: ``check`` as its ``CheckRows`` names them, ``landed`` where they are
+    in our cache (:data:`~pd_transfer.transfer.cma.IOVEC` entries, in the plan's order)."""
 
-    peer: str
+    source: Source
     check: messages.RowCheck
     landed: np.ndarray
 
 
 class ReadChecks:
-    """Read checks of one decode rank's pulls into ``cache`` under ``verify``. Thread-safe."""
+    """Read checks of one decode rank's pulls into ``cache`` under ``verify`` (no state of its own: thread-safe)."""
 
     def __init__(self, cache: KVCache, verify: str) -> None:
         self.verify = verify
         self._host = cache.place.is_host
         spans = np.array(merged_spans(cache.regions), dtype=np.uint64).reshape(-1, 2)
         self._starts, self._ends = spans[:, 0].copy(), spans[:, 1].copy()
-        self._lock = threading.Lock()
-        self._announced: dict[str, dict[str, messages.RowCheck]] = {}  # request -> source peer -> its check
 
     def plan(self, link: Link, engine: EngineMetadata, request: PullRequest, *, same_host: bool) -> list[SourceCheck]:
         """What a pull of ``request`` by ``link`` (an engine of ``engine``'s; ``same_host``: opened by a same-host
@@ -89,7 +88,7 @@ class ReadChecks:
             if source.remote_rank not in offering:
                 continue
             local, _ = plan.addresses(request.remote_block_ids, request.local_block_ids, request.num_tokens)
-            chosen = sampled(self.verify, len(local), turn)
+            chosen = sampled(self.verify, len(local), turn, READ_SAMPLE_EVERY)
             if chosen is None:
                 continue
             landed = merged_rows(local[chosen], plan.unit_bytes)
@@ -107,25 +106,8 @@ class ReadChecks:
                 first_unit=first,
                 end_unit=end,
             )
-            checks.append(SourceCheck(source.peer, check, landed))
+            checks.append(SourceCheck(source, check, landed))
         return checks
-
-    @contextmanager
-    def announced(self, request_id: str, checks: Sequence[SourceCheck]) -> Iterator[None]:
-        """While the block runs, ``request_id``'s ``ReadDone`` to each checked source carries its check
-        (:meth:`check_of`)."""
-        with self._lock:
-            self._announced[request_id] = {check.peer: check.check for check in checks}
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._announced.pop(request_id, None)
-
-    def check_of(self, request_id: str, peer: str) -> messages.RowCheck | None:
-        """The check ``request_id``'s ``ReadDone`` to ``peer`` carries (None: none)."""
-        with self._lock:
-            return self._announced.get(request_id, {}).get(peer)
 
     @staticmethod
     def landed(checks: Sequence[SourceCheck]) -> list[int]:
@@ -144,8 +126,9 @@ class ReadChecks:
         equal. Raises :class:`DigestMismatch` naming the source and the rows at the first that is not (a digest that
         differs; a block the prefill found changed; a check it refused or did not answer)."""
         for check, digest in zip(checks, landed, strict=True):
-            answer = answers.get(check.peer)
-            where = f"units {check.check.first_unit}..{check.check.end_unit} of request {request_id} from {check.peer}"
+            peer = check.source.peer
+            answer = answers.get(peer)
+            where = f"units {check.check.first_unit}..{check.check.end_unit} of request {request_id} from {peer}"
             if answer is None or (answer.digest is None and not answer.changed and not answer.refused):
                 raise DigestMismatch(f"{where}: the prefill sent no digest in time")
             if answer.changed:

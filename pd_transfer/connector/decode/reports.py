@@ -4,6 +4,7 @@ notifications, or a transport's own connection: :mod:`pd_transfer.connector.tran
 * ``ReadDone``: attached to the last READ from each source rank (or sent after a copy); carries ``reply_to`` (our
   connection metadata) while the request's lease confirmation is awaited, so the prefill answers with a
   ``LeaseConfirm``.
+* ``CheckRows``: before a checked read, to each source rank checked (read checks: :mod:`.read_checks`).
 * ``ReadFailed``: to every source rank when a read failed or will not happen (it counts as done for freeing).
 * ``LeaseHeartbeat``: we still mean to read (the request is queued): extend the lease.
 * ``ReleaseUnread``: from decode rank 0, to the prefill ranks no decode rank reads.
@@ -30,8 +31,7 @@ class ReaderReports:
     """Reports of decode rank ``reader_rank`` of engine ``engine_id`` (``name``: its agent's, for logs).
 
     ``awaits(request_id)`` says whether the request's lease confirmation is awaited; ``reply_to`` is what its
-    ``ReadDone`` then carries (the agent's connection metadata), and ``check_of(request_id, peer)`` the rows it checks
-    of that source (read checks).
+    ``ReadDone`` then carries (the agent's connection metadata), as does every ``CheckRows``.
     """
 
     def __init__(
@@ -42,31 +42,36 @@ class ReaderReports:
         *,
         reply_to: bytes,
         awaits: Callable[[str], bool],
-        check_of: Callable[[str, str], messages.RowCheck | None] = lambda request_id, peer: None,
     ) -> None:
         self.name = name
         self.engine_id = engine_id
         self.reader_rank = reader_rank
         self._reply_to = reply_to
         self._awaits = awaits
-        self._check_of = check_of
 
     def read_done(self, request_id: str, source: Source) -> bytes:
-        """The encoded ``ReadDone`` for the last READ of ``request_id`` from ``source`` (with the rows it checks
-        there, if any: :mod:`.read_checks`)."""
-        awaited = self._awaits(request_id)
-        check = self._check_of(request_id, source.peer)
+        """The encoded ``ReadDone`` for the last READ of ``request_id`` from ``source``."""
         return messages.encode(
             messages.ReadDone(
                 request_id=request_id,
                 reader_engine_id=self.engine_id,
                 reader_rank=self.reader_rank,
                 expected_readers=source.expected_readers,
-                reply_to=self._reply_to if awaited or check is not None else b"",
-                check=check,
-                confirm=awaited or check is None,
+                reply_to=self._reply_to if self._awaits(request_id) else b"",
             )
         )
+
+    def check_rows(self, source: Source, request_id: str, check: messages.RowCheck) -> None:
+        """Ask ``source`` for the digest of the rows ``check`` names of ``request_id`` (read checks; before the read,
+        so that the prefill digests them while it runs). ``TransferError`` if it cannot be told."""
+        asked = messages.CheckRows(
+            request_id=request_id,
+            reader_engine_id=self.engine_id,
+            reader_rank=self.reader_rank,
+            check=check,
+            reply_to=self._reply_to,
+        )
+        source.tell(messages.encode(asked))
 
     def tell_read(self, sources: Iterable[Source], request_id: str) -> None:
         """Send each source rank its ``ReadDone`` of ``request_id`` (reads that post no NIXL transfer: copies)."""

@@ -65,8 +65,8 @@ class PrefillRank:
     ``expire`` (lease over), ``abort``, or from ``take_freed`` (every reader reported; collected on the
     notification thread). A ``ReadDone`` carrying ``reply_to`` is answered with a ``LeaseConfirm`` sent back
     to the reader over NIXL, or the way its transport brought the report (on a helper thread, so the progress thread
-    never waits for a connection); one with a ``check`` (read checks, a host cache's rank) first with the
-    ``RowDigest`` of the rows it names, computed before the report counts towards freeing the request.
+    never waits for a connection). A ``CheckRows`` (read checks, a host cache's rank) is answered with the
+    ``RowDigest`` of the rows it names, computed on a thread of its own while the reader reads.
     ``on_release`` fires once per request when every expected reader has reported, on the progress thread.
     """
 
@@ -109,6 +109,9 @@ class PrefillRank:
         self._answers: dict[str, Answer] = {}  # reader -> how its confirmations reach it (NIXL: its metadata)
         self._replies = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pd-transfer-confirm", initializer=unpinning(settings.thread_cpu_set)
+        )
+        self._checks = ThreadPoolExecutor(  # read checks' digests, apart: confirmations never wait behind them
+            max_workers=1, thread_name_prefix="pd-transfer-check", initializer=unpinning(settings.thread_cpu_set)
         )
         rank = cache.layout.tp_rank
         self.agent: Agent = agent_factory(
@@ -227,6 +230,9 @@ class PrefillRank:
             if not self.ledger.heartbeat(self.streams.resolve(message.request_id)):  # by its id or its stream id
                 logger.info("prefill %s: heartbeat for request %s, not held here", self.agent.name, message.request_id)
             return
+        if isinstance(message, messages.CheckRows):
+            self._check_rows(peer, message, answer)
+            return
         if any(end.take(peer, message) for end in self.ends.values()):
             return
         if isinstance(
@@ -251,11 +257,8 @@ class PrefillRank:
             message = msgspec.structs.replace(message, request_id=request_id)
         reply_to = None
         if isinstance(message, messages.ReadDone) and message.reply_to:
-            reply_to = peer if message.confirm or message.check is None else None
-            with self._cond:
-                self._answers[peer] = answer if answer is not None else self._nixl_answer(peer, message.reply_to)
-            if message.check is not None:
-                self._check_read(peer, message)  # before the report counts: the request still held
+            reply_to = peer
+            self._route(peer, message.reply_to, answer)
         outcome = self.ledger.report(message, reply_to=reply_to)
         newly_freed = [] if outcome.freed is None else [outcome.freed]
         if outcome.freed is not None:
@@ -272,25 +275,43 @@ class PrefillRank:
                 self._on_release(message.request_id, list(reports))
         self._after_change(newly_freed)
 
-    def _check_read(self, peer: str, message: messages.ReadDone) -> None:
-        """Answer reader ``peer`` the digest of the rows its checked ``ReadDone`` names (:mod:`.read_checks`), computed
-        now, sent on the helper thread."""
-        assert message.check is not None
-        if self.row_digests is None:
-            verdict = Verdict(None, refused="this rank offers no read checks")
-        else:
-            verdict = self.row_digests.verdict(message.check)
+    def _route(self, peer: str, reply_to: bytes, answer: Answer | None) -> None:
+        """How answers reach reader ``peer``: ``answer`` (its transport's connection), else NIXL to ``reply_to``."""
+        with self._cond:
+            self._answers[peer] = answer if answer is not None else self._nixl_answer(peer, reply_to)
+
+    def _check_rows(self, peer: str, message: messages.CheckRows, answer: Answer | None) -> None:
+        """Reader ``peer`` is about to read: digest the rows it names (:mod:`.read_checks`) on the checking thread
+        while it reads, the request pinned meanwhile (a ``ReadDone`` arriving first frees it once unpinned), and answer
+        ``RowDigest``."""
+        request_id = self.streams.resolve(message.request_id)
+        self._route(peer, message.reply_to, answer)
+        pinned = not self.ledger.pin(request_id, message.check.block_ids)  # "" when pinned
+        try:
+            self._checks.submit(self._answer_check, peer, request_id, message, pinned)
+        except RuntimeError:  # closed
+            if pinned:
+                self.ledger.unpin(request_id)
+
+    def _answer_check(self, peer: str, request_id: str, message: messages.CheckRows, pinned: bool) -> None:
+        try:
+            if self.row_digests is None:
+                verdict = Verdict(None, refused="this rank offers no read checks")
+            else:
+                verdict = self.row_digests.verdict(message.check)
+        except Exception as error:  # answered all the same: the reader must not wait for it
+            logger.exception("prefill %s: checking request %s for %s failed", self.agent.name, request_id, peer)
+            verdict = Verdict(None, refused=f"the check failed here: {str(error)[:200]}")
+        finally:
+            freed = self.ledger.unpin(request_id) if pinned else None
+            if freed is not None:
+                self._freed_by_unpin(freed)
         if verdict.changed:
-            logger.error(
-                "prefill %s: request %s read by %s: %s", self.agent.name, message.request_id, peer, verdict.changed
-            )
+            logger.error("prefill %s: request %s read by %s: %s", self.agent.name, request_id, peer, verdict.changed)
         digest = messages.RowDigest(
             request_id=message.request_id, digest=verdict.digest, changed=verdict.changed, refused=verdict.refused
         )
-        try:
-            self._replies.submit(self._send_answer, peer, digest)
-        except RuntimeError:  # closed
-            return
+        self._send_answer(peer, digest)
 
     def _nixl_answer(self, peer: str, metadata: bytes) -> Answer:
         """How a confirmation reaches reader ``peer`` by NIXL: its agent added as a peer (from ``metadata``, its
@@ -383,6 +404,7 @@ class PrefillRank:
     def close(self) -> None:
         for end in self.ends.values():
             end.close()
+        self._checks.shutdown(wait=True, cancel_futures=True)
         self._replies.shutdown(wait=True, cancel_futures=True)
         self.agent.close()
 
