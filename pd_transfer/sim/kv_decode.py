@@ -95,6 +95,7 @@ class DecodeKV:
             "remote": f"{remote.host}:{remote.port}",
             "tokens": num_tokens,
             "bytes": stats.bytes,
+            "pushed_bytes": stats.pushed_bytes,  # of which the prefill wrote (push)
             "ms": round((pulled - started) * 1e3, 3),  # handshake (first time), reads, lease confirmation
             "pull_ms": round(stats.seconds * 1e3, 3),
             "read_ms": round(stats.read_seconds * 1e3, 3),

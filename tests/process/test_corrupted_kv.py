@@ -2,16 +2,17 @@
 
 A KV-moving stand-in prefill (``pd_transfer.sim.kv_standin``) changes one byte of every third request's KV once the
 request is held (``--corrupt-every 3``: a block, plane and offset drawn at random), and three stand-in decodes read
-from it, one per ``verify`` mode, by each transport in turn: ``tcp`` (the digest rides with the rows), NIXL reads and
-``process_vm_readv`` in place (read checks). Each decode compares every byte it pulled with the KV of its own prompt,
-so a corrupted request that got through is an answer that says so (``verification failed``: on a real engine, wrong
-tokens). What each mode must show, counted against the prefill's own count of what it corrupted:
+from it, one per ``verify`` mode, by each transport in turn: ``tcp`` (the digest rides with the rows), NIXL reads,
+NIXL pushes and ``process_vm_readv`` in place (read checks). Each decode compares every byte it pulled with the KV of
+its own prompt, so a corrupted request that got through is an answer that says so (``verification failed``: on a real
+engine, wrong tokens). What each mode must show, counted against the prefill's own count of what it corrupted:
 
 - ``all``: every corrupted request fails its pull as a digest mismatch naming the block, none gets through, every
   other request is right (injected = detected);
-- ``sample`` (the default: an eighth of a read's rows, the next eighth for the next request): the corrupted requests
-  split into those whose changed byte fell in the rows checked (detected) and the others (through): both counts
-  printed, their sum the injected (``process_vm_readv``, a same-host read, is checked under ``all`` only: all through);
+- ``sample`` (the default: an eighth of a tcp read's rows, a 32nd of a NIXL read's or push's, the next run for the
+  next request): the corrupted requests split into those whose changed byte fell in the rows checked (detected) and
+  the others (through): both counts printed, their sum the injected (``process_vm_readv``, a same-host read, is
+  checked under ``all`` only: all through);
 - ``off``: every corrupted request gets through (the control: what the digests are for).
 
 At the end neither side holds a block.
@@ -45,9 +46,9 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
     return post_json(url, body, HOP_TIMEOUT_S)
 
 
-def one_request(prefill: Server, decode: Server, tag: str, transport: str) -> tuple[str, bool]:
+def one_request(prefill: Server, decode: Server, tag: str, transport: str) -> tuple[str, bool, bool]:
     """A prompt prefilled and then decoded: what came of it ("right", "detected": a digest mismatch, "through": the
-    decode's byte check failed) and whether the prefill corrupted it."""
+    decode's byte check failed), whether the prefill corrupted it and whether it pushed it (known of right ones)."""
     before = get_json(prefill.url + "/control/kv")["corrupted"]
     prompt = words(PROMPT_TOKENS, tag)
     status, text = post(
@@ -64,20 +65,23 @@ def one_request(prefill: Server, decode: Server, tag: str, transport: str) -> tu
         report = report_of(json.loads(text)["choices"][0]["text"])
         assert report["verified"] is True, report  # a 200 is only ever right KV
         assert report["transport"] == transport, report
-        return "right", corrupted
+        return "right", corrupted, report["pushed_bytes"] == report["bytes"]
     assert status == 500, (status, text[:500])
     if "DigestMismatch" in text:
         assert "changed in the prefill's cache after request" in text, text[:500]  # names the block
-        return "detected", corrupted
+        return "detected", corrupted, False
     assert "verification failed" in text, text[:500]
-    return "through", corrupted
+    return "through", corrupted, False
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl", "host_cma"])
-def test_kv_corrupted_after_the_forward_is_caught_by_the_digests_of_each_mode(tmp_path: Path, transport: str) -> None:
-    """Each way a decode reads: ``tcp`` (the digest rides with the rows), NIXL reads and ``process_vm_readv`` in place
-    (read checks: the ``ReadDone`` names the rows, the prefill answers their digest)."""
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PD_TRANSFER_PUSH": "off"}  # NIXL reads, not pushes
+@pytest.mark.parametrize(("transport", "push"), [("tcp", "off"), ("nixl", "off"), ("nixl", "on"), ("host_cma", "off")])
+def test_kv_corrupted_after_the_forward_is_caught_by_the_digests_of_each_mode(
+    tmp_path: Path, transport: str, push: str
+) -> None:
+    """Each way a decode reads: ``tcp`` (the digest rides with the rows), NIXL reads, NIXL pushes (the prefill writes)
+    and ``process_vm_readv`` in place (read checks: the decode's ``CheckRows`` names the rows, the prefill answers
+    their digest)."""
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PD_TRANSFER_PUSH": push, "PD_TRANSFER_PUSH_MIN_BYTES": "0"}
     common = ["--transport", transport, "--num-blocks", str(NUM_BLOCKS), "--lease-seconds", "30"]
     specs: dict[str, tuple[dict[str, str], list[str], str | None]] = {
         "prefill": (env, [*common, "--corrupt-every", str(CORRUPT_EVERY)], None)
@@ -88,9 +92,14 @@ def test_kv_corrupted_after_the_forward_is_caught_by_the_digests_of_each_mode(tm
         prefill = servers["prefill"]
         counts: dict[str, Counter[tuple[str, bool]]] = {}
         for mode in MODES:
-            counts[mode] = Counter(
+            outcomes = [
                 one_request(prefill, servers[f"decode-{mode}"], f"{mode}-{n}-", transport) for n in range(REQUESTS)
-            )
+            ]
+            counts[mode] = Counter((outcome, corrupted) for outcome, corrupted, _ in outcomes)
+            pushed = sum(was_pushed for _, _, was_pushed in outcomes)
+            # pushed where asked (but the first few, read while the push target is set up), else read
+            right = counts[mode]["right", False]
+            assert (pushed >= right // 2) if push == "on" else pushed == 0, (pushed, counts[mode])
             got = counts[mode]
             injected = sum(count for (_, corrupted), count in got.items() if corrupted)
             print(
