@@ -89,9 +89,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # (pd_transfer.connector.transports.registry; docs/architecture.md, "Adding a transport")
     transport: str = "auto"
     # decode: what of a request's rows it checks against the digests the prefill computed of its cache ("all",
-    # "sample": an eighth of its layers or rows, the next eighth for the next request, "off";
-    # pd_transfer.transfer.digests): what differs fails the read, and the request is recomputed as for a dead
-    # prefill (reads over tcp, streamed or not, today)
+    # "sample": over tcp an eighth of its layers or rows, over NIXL reads and pushes a 32nd of its rows, the next run
+    # for the next request, same-host reads in place under "all" only; "off"; pd_transfer.transfer.digests,
+    # pd_transfer.connector.decode.read_checks): what differs fails the read, and the request is recomputed as for a
+    # dead prefill
     verify: Verify = "sample"
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from prometheus_client import generate_latest
 from same_host import pull
 
 from pd_transfer.connector.decode.rank import DecodeRank
+from pd_transfer.connector.messages import READ_CHECKS_OFFER
 from pd_transfer.connector.transports.seam import NoTransport
 from pd_transfer.handshake import HandshakeClient
 from pd_transfer.handshake.messages import HostSegment, decode_rank_ipc
@@ -88,7 +89,8 @@ def test_a_same_host_decode_copies_through_ipc_and_the_lease_is_confirmed(
 
 def test_handles_go_only_to_a_client_that_proves_it_is_on_the_host(shared: PrefillProcess) -> None:
     with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0) as unproven:
-        assert all(rank.offers == [] for rank in unproven.fetch(shared.host, shared.port).ranks)
+        ranks = unproven.fetch(shared.host, shared.port).ranks  # no same-host offer: only the read checks' (any host)
+        assert all([offer.transport for offer in rank.offers] == [READ_CHECKS_OFFER] for rank in ranks)
     with HandshakeClient(FINGERPRINT, secret=SECRET, retries=0, prove_host=True) as proven:
         offered = proven.fetch(shared.host, shared.port).ranks
     offers = [decode_rank_ipc(payload) for rank in offered if (payload := rank.offer("host_ipc")) is not None]

@@ -61,6 +61,7 @@ class ReadChecks:
     def __init__(self, cache: KVCache, verify: str) -> None:
         self.verify = verify
         self._host = cache.place.is_host
+        self._block_size = cache.layout.block_size
         spans = np.array(merged_spans(cache.regions), dtype=np.uint64).reshape(-1, 2)
         self._starts, self._ends = spans[:, 0].copy(), spans[:, 1].copy()
 
@@ -85,8 +86,8 @@ class ReadChecks:
         turn = next_turn()
         checks = []
         for plan, source in zip(link.plan.sources, link.sources, strict=True):
-            if source.remote_rank not in offering:
-                continue
+            if source.remote_rank not in offering or plan.local_block_size != self._block_size:
+                continue  # not offered; or read into a staging cache of other blocks first (packed reads)
             local, _ = plan.addresses(request.remote_block_ids, request.local_block_ids, request.num_tokens)
             chosen = sampled(self.verify, len(local), turn, READ_SAMPLE_EVERY)
             if chosen is None:
