@@ -308,27 +308,20 @@ class TestPlaneViewsAndPostprocess:
             assert torch.equal(plane[1], old[1]) == (index not in (1, 2))
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {},
-        {"remote_tp": 2},
-        {"local_tp": 2, "rank": 1},
-        {"local_block": 64, "strategy": "direct"},
-        {"local_block": 64, "strategy": "staged"},
-        {"remote_block": 32, "local_layout": "NHD"},
-        {"local_layout": "NHD", "remote_layout": "HND", "local_block": 32},
-    ],
-    ids=[
-        "same",
-        "tp2-to-1",
-        "tp1-to-2",
-        "block16-to-64-direct",
-        "block16-to-64-staged",
-        "block32-to-16-nhd",
-        "hnd-to-nhd",
-    ],
-)
+#: Plans of every kind a read takes (TP either way, block sizes direct and staged, layouts), by name.
+GEOMETRIES = {
+    "same": {},
+    "tp2-to-1": {"remote_tp": 2},
+    "tp1-to-2": {"local_tp": 2, "rank": 1},
+    "block16-to-64-direct": {"local_block": 64, "strategy": "direct"},
+    "block16-to-64-staged": {"local_block": 64, "strategy": "staged"},
+    "block32-to-16-nhd": {"remote_block": 32, "local_layout": "NHD"},
+    "hnd-to-nhd": {"local_layout": "NHD", "remote_layout": "HND", "local_block": 32},
+    "nhd-tp2-to-1": {"remote_layout": "NHD", "local_layout": "NHD", "remote_tp": 2},
+}
+
+
+@pytest.mark.parametrize("kwargs", list(GEOMETRIES.values()), ids=list(GEOMETRIES))
 def test_addresses_are_the_grid_rows_indices_lists(kwargs: dict) -> None:
     """What the reads in place use: each source's addresses, computed from the block ids, equal its grids at the rows
     ``indices`` lists, for a request of a partial last block."""
@@ -349,20 +342,7 @@ def test_addresses_are_the_grid_rows_indices_lists(kwargs: dict) -> None:
         first.addresses(remote_ids, list(range(-(-tokens // first.local_block_size))), tokens)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {},
-        {"remote_tp": 2},
-        {"local_tp": 2, "rank": 1},
-        {"local_block": 64, "strategy": "direct"},
-        {"local_block": 64, "strategy": "staged"},
-        {"remote_block": 32, "local_layout": "NHD"},
-        {"local_layout": "NHD", "remote_layout": "HND", "local_block": 32},
-        {"remote_layout": "NHD", "local_layout": "NHD", "remote_tp": 2},
-    ],
-    ids=["same", "tp2-to-1", "tp1-to-2", "block-direct", "block-staged", "block-nhd", "hnd-to-nhd", "nhd-tp2"],
-)
+@pytest.mark.parametrize("kwargs", list(GEOMETRIES.values()), ids=list(GEOMETRIES))
 def test_a_prefill_finds_the_rows_a_decode_plan_reads_from_the_shape_alone(kwargs: dict) -> None:
     """Read checks: a prefill rank, given only a source plan's heads and unit shape, computes from its own layout
     and regions the very remote addresses the decode's plan reads, in the plan's order."""

@@ -19,10 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from pd_transfer.connector import messages
 
 logger = logging.getLogger(__name__)
+
+#: What a prefill rank answers a decode rank's reports with.
+Answer = TypeVar("Answer", messages.LeaseConfirm, messages.RowDigest)
 
 
 class LeaseConfirmations:
@@ -44,28 +48,28 @@ class LeaseConfirmations:
     def awaiting(self, request_id: str, fast_polling: Callable[[bool], None]) -> Iterator[None]:
         """Await ``request_id``'s confirmations for the duration of the block. ``fast_polling(on)`` is told,
         under the lock, whether any request is awaited (the agent then polls for notifications quickly)."""
-        with self._cond:
-            self._awaiting[request_id] = {}
-            fast_polling(True)
-        try:
+        with self._awaited(self._awaiting, request_id, fast_polling):
             yield
-        finally:
-            with self._cond:
-                self._awaiting.pop(request_id, None)
-                fast_polling(bool(self._awaiting or self._digests))
 
     @contextmanager
     def awaiting_digests(self, request_id: str, fast_polling: Callable[[bool], None]) -> Iterator[None]:
         """Await ``request_id``'s ``RowDigest`` answers (read checks) for the duration of the block; ``fast_polling``
         as for :meth:`awaiting`."""
+        with self._awaited(self._digests, request_id, fast_polling):
+            yield
+
+    @contextmanager
+    def _awaited(
+        self, table: dict[str, dict[str, Answer]], request_id: str, fast_polling: Callable[[bool], None]
+    ) -> Iterator[None]:
         with self._cond:
-            self._digests[request_id] = {}
+            table[request_id] = {}
             fast_polling(True)
         try:
             yield
         finally:
             with self._cond:
-                self._digests.pop(request_id, None)
+                table.pop(request_id, None)
                 fast_polling(bool(self._awaiting or self._digests))
 
     def wait_digests(self, request_id: str, peers: list[str], timeout_s: float) -> dict[str, messages.RowDigest]:
@@ -92,40 +96,31 @@ class LeaseConfirmations:
     def on_message(self, peer: str, message: messages.PeerMessage) -> None:
         """A decoded notification from prefill agent ``peer`` (:meth:`on_notification`)."""
         if isinstance(message, messages.RowDigest):
-            self._on_digest(peer, message)
-            return
-        if not isinstance(message, messages.LeaseConfirm):
+            with self._cond:
+                self.digests_received += 1
+                self._record(self._digests, "digest", peer, message)
+        elif isinstance(message, messages.LeaseConfirm):
+            with self._cond:
+                self.received += 1
+                self._record(self._awaiting, "confirmation", peer, message)
+        else:
             logger.warning("decode %s: unexpected %s from %s dropped", self.name, type(message).__name__, peer)
-            return
-        with self._cond:
-            self.received += 1
-            answers = self._awaiting.get(message.request_id)
-            if answers is None:
-                logger.info(
-                    "decode %s: confirmation of request %s from %s came after we stopped waiting",
-                    self.name,
-                    message.request_id,
-                    peer,
-                )
-                return
-            answers[peer] = message
-            self._cond.notify_all()
 
-    def _on_digest(self, peer: str, message: messages.RowDigest) -> None:
-        """A ``RowDigest`` from prefill agent ``peer``: recorded while its request's digests are awaited."""
-        with self._cond:
-            self.digests_received += 1
-            answers = self._digests.get(message.request_id)
-            if answers is None:
-                logger.info(
-                    "decode %s: digest of request %s from %s came after we stopped waiting",
-                    self.name,
-                    message.request_id,
-                    peer,
-                )
-                return
-            answers[peer] = message
-            self._cond.notify_all()
+    def _record(self, table: dict[str, dict[str, Answer]], what: str, peer: str, message: Answer) -> None:
+        """Keep ``message`` (from ``peer``) while its request is awaited in ``table``, and wake the waiters (under
+        the lock)."""
+        answers = table.get(message.request_id)
+        if answers is None:
+            logger.info(
+                "decode %s: %s of request %s from %s came after we stopped waiting",
+                self.name,
+                what,
+                message.request_id,
+                peer,
+            )
+            return
+        answers[peer] = message
+        self._cond.notify_all()
 
     def wait(self, request_id: str, peers: list[str], timeout_s: float) -> tuple[bool, str]:
         """Wait until each of ``peers`` (prefill agent names) answered for ``request_id`` (only while it is
