@@ -19,6 +19,7 @@ from pd_transfer.connector.cache import KVCache
 from pd_transfer.connector.decode.rank import DecodeRank
 from pd_transfer.connector.decode.read_checks import ReadChecks, SourceCheck
 from pd_transfer.connector.options import DecodeOptions
+from pd_transfer.connector.prefill import rank as prefill_rank
 from pd_transfer.connector.prefill.rank import serve_engine
 from pd_transfer.connector.transports.seam import Source
 from pd_transfer.metrics import TransferMetrics
@@ -171,3 +172,15 @@ def test_the_decode_takes_any_answer_but_an_equal_digest_as_a_mismatch() -> None
             ReadChecks.compare("r", [check], [digest], {"prefill-0": answer})
     with pytest.raises(DigestMismatch, match="no digest in time"):
         ReadChecks.compare("r", [check], [digest], {})
+
+
+def test_checks_beyond_the_queue_bound_are_refused_at_once(
+    prefill: InProcessPrefill, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader asking for checks faster than the prefill digests them is refused past the bound (memory and CPU stay
+    bounded), answered at once."""
+    monkeypatch.setattr(prefill_rank, "MAX_QUEUED_CHECKS", 0)
+    check = messages.RowCheck(0, 4, 4, 16, 16, [1], 16, 0, 6)
+    answers = answers_to(prefill, check_rows(check))
+    assert len(answers) == 1 and isinstance(answers[0], messages.RowDigest), answers
+    assert answers[0].digest is None and answers[0].refused == "too many checks queued here"

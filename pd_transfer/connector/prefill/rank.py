@@ -16,6 +16,7 @@ offered to readers (nor written by a push, nor confirmed) before their KV is com
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -46,6 +47,8 @@ from pd_transfer.transfer.errors import PeerDisconnected, TransferError
 
 logger = logging.getLogger(__name__)
 
+#: Read checks a rank queues at most; more are refused at once (a reader asking faster than digests are made).
+MAX_QUEUED_CHECKS = 256
 #: Called once per request when every expected decode reader has reported: (request_id, readers).
 ReleaseHandler = Callable[[str, list[messages.PeerMessage]], None]
 
@@ -113,6 +116,7 @@ class PrefillRank:
         self._checks = ThreadPoolExecutor(  # read checks' digests, apart: confirmations never wait behind them
             max_workers=1, thread_name_prefix="pd-transfer-check", initializer=unpinning(settings.thread_cpu_set)
         )
+        self._checks_queued = 0  # CheckRows taken and not yet answered (at most MAX_QUEUED_CHECKS)
         rank = cache.layout.tp_rank
         self.agent: Agent = agent_factory(
             agent_name or f"{engine_id}-prefill-tp{rank}-{uuid.uuid4().hex[:8]}",
@@ -148,7 +152,7 @@ class PrefillRank:
         ]
         if self.row_digests is not None:
             checks = TransportOffer(transport=messages.READ_CHECKS_OFFER, payload=messages.READ_CHECKS_DIGEST)
-            self.offers.append(checks)  # taken by no transport: a decode's ReadDone may name rows to digest
+            self.offers.append(checks)  # taken by no transport: decodes may send CheckRows
 
     @property
     def rank_metadata(self) -> RankMetadata:
@@ -286,6 +290,14 @@ class PrefillRank:
         ``RowDigest``."""
         request_id = self.streams.resolve(message.request_id)
         self._route(peer, message.reply_to, answer)
+        with self._cond:
+            busy = self._checks_queued >= MAX_QUEUED_CHECKS
+            self._checks_queued += 0 if busy else 1
+        if busy:  # bounded: a reader that asks faster than digests are made is told so, at once
+            refusal = messages.RowDigest(request_id=message.request_id, refused="too many checks queued here")
+            with contextlib.suppress(RuntimeError):  # closed
+                self._replies.submit(self._send_answer, peer, refusal)
+            return
         pinned = not self.ledger.pin(request_id, message.check.block_ids)  # "" when pinned
         try:
             self._checks.submit(self._answer_check, peer, request_id, message, pinned)
@@ -303,6 +315,8 @@ class PrefillRank:
             logger.exception("prefill %s: checking request %s for %s failed", self.agent.name, request_id, peer)
             verdict = Verdict(None, refused=f"the check failed here: {str(error)[:200]}")
         finally:
+            with self._cond:
+                self._checks_queued -= 1
             freed = self.ledger.unpin(request_id) if pinned else None
             if freed is not None:
                 self._freed_by_unpin(freed)
