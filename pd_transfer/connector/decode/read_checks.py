@@ -41,7 +41,7 @@ from pd_transfer.transfer.errors import DigestMismatch
 #: stream or a tcp read checks an eighth, as a read in place goes at memory speed and the digest at about a core's copy
 #: speed: measured (``bench transfer --verify-cost``), an eighth cost 1.18x a 512 MiB NIXL read's time on one host.
 READ_SAMPLE_EVERY = 32
-#: Most block ids a ``RowCheck`` names: a ``ReadDone`` must fit a notification (64 KiB); longer requests go unchecked.
+#: Most block ids a ``RowCheck`` names: a ``CheckRows`` must fit a notification (64 KiB); longer requests go unchecked.
 MAX_CHECK_BLOCKS = 8192
 
 

@@ -1,14 +1,14 @@
 """A prefill rank's half of read checks (issue 42): the digest of the rows a decode read from it, for the decode to
 compare with the same rows where they landed.
 
-A decode that read a request from this rank (in place, over NIXL, with ``process_vm_readv``) names in its ``ReadDone``
-the rows it checks (:class:`~pd_transfer.connector.messages.RowCheck`: its plan's unit shape and a run of its units,
-no address); this rank finds them in its own cache (:class:`~pd_transfer.topology.own_rows.OwnRows`), digests them
-(:func:`~pd_transfer.transfer.digests.rows_digest`, while the request is still held: before the report counts towards
-freeing it), then re-checks the blocks holding them against their digests at the hold
-(:class:`~pd_transfer.connector.held_digests.HeldDigests`), and answers in the ``LeaseConfirm``: the digest, or why a
-block changed, or why the check is refused (a shape or block ids that do not fit this rank). Host caches only: a rank
-whose cache is on a GPU offers no read checks.
+A decode about to read a request from this rank (over NIXL, by a push, with ``process_vm_readv``) names in a
+``CheckRows`` the rows it checks (:class:`~pd_transfer.connector.messages.RowCheck`: its plan's unit shape and a run of
+its units, no address); this rank finds them in its own cache (:class:`~pd_transfer.topology.own_rows.OwnRows`),
+digests them (:func:`~pd_transfer.transfer.digests.rows_digest`, while the read runs, the request pinned), then
+re-checks the blocks holding them against their digests at the hold
+(:class:`~pd_transfer.connector.held_digests.HeldDigests`), and answers ``RowDigest``: the digest, or why a block
+changed, or why the check is refused (a shape or block ids that do not fit this rank). Host caches only: a rank whose
+cache is on a GPU offers no read checks.
 """
 
 from __future__ import annotations
