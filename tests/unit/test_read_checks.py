@@ -6,6 +6,7 @@ and ``process_vm_readv``: tests/process/test_corrupted_kv.py."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 
@@ -184,3 +185,26 @@ def test_checks_beyond_the_queue_bound_are_refused_at_once(
     answers = answers_to(prefill, check_rows(check))
     assert len(answers) == 1 and isinstance(answers[0], messages.RowDigest), answers
     assert answers[0].digest is None and answers[0].refused == "too many checks queued here"
+
+
+def test_a_request_stays_held_while_its_rows_are_digested(prefill: InProcessPrefill) -> None:
+    """A ``CheckRows`` pins the request until its digest is made: the reader's ``ReadDone`` arriving first (its read
+    was quick) does not free the blocks under the digest; they are freed once it is answered."""
+    rank = prefill.rank
+    rank.hold("pinned", [1])
+    busy = threading.Event()
+    rank._checks.submit(busy.wait, 10.0)  # noqa: SLF001 (the checking thread busy: the check waits its turn)
+    answers: list[bytes] = []
+    check = messages.RowCheck(0, 4, 4, 16, 16, [1], 16, 0, 6)
+    asked = messages.CheckRows(request_id="pinned", reader_engine_id="d", reader_rank=0, check=check, reply_to=b"x")
+    rank.receive("reader", asked, answers.append)
+    done = messages.ReadDone(request_id="pinned", reader_engine_id="d", reader_rank=0, expected_readers=1)
+    rank.receive("reader", done, answers.append)
+    assert rank.ledger.status("pinned") == "held" and rank.ledger.blocks_held == 1  # read, but pinned
+    busy.set()
+    deadline = time.monotonic() + 5.0
+    while (not answers or rank.ledger.blocks_held) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    digest = messages.decode(answers[0])
+    assert isinstance(digest, messages.RowDigest) and digest.digest is not None, digest
+    assert rank.ledger.blocks_held == 0 and [freed.request_id for freed in rank.take_freed()] == ["pinned"]
