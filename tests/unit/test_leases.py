@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 
 from pd_transfer.connector.leases import LeaseLedger
@@ -57,6 +58,17 @@ def test_freed_once_when_every_distinct_reader_reported(ledger: LeaseLedger) -> 
     assert ledger.abort("r") is None
     assert ledger.expire() == []
     assert ledger.reports_after_free == 1
+
+
+def test_a_gone_request_keeps_its_reports_without_the_readers_connection_metadata(ledger: LeaseLedger) -> None:
+    """Tombstones (up to 65,536 of them) keep each reader's report but not its ``reply_to`` (a kilobyte or more of
+    UCX addresses a report carries while its confirmation is awaited): the freed request's reports as they came, its
+    tombstone's without it."""
+    metadata = b"u" * 2048
+    ledger.hold("r", [1])
+    outcome = ledger.report(msgspec.structs.replace(done("r"), reply_to=metadata), reply_to="reader")
+    assert outcome.freed is not None and outcome.freed.reports[0].reply_to == metadata  # type: ignore[union-attr]
+    assert ledger.readers_complete("r") == (done("r"),)  # the same report, reply_to left out
 
 
 def test_a_failed_reader_counts_towards_freeing(ledger: LeaseLedger) -> None:
