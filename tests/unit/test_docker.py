@@ -117,15 +117,22 @@ def merge(base: Any, override: Any, key: str = "") -> Any:
 
 
 def load_compose(paths: list[Path], env: Mapping[str, str]) -> dict[str, Any]:
-    """The services of ``paths`` (later files override earlier ones), interpolated with ``env``."""
+    """The services of ``paths`` (later files override earlier ones), interpolated with ``env``; every named volume
+    a service mounts is declared by one of the files."""
     services: dict[str, Any] = {}
+    declared: set[str] = set()
     for path in paths:
         document = yaml.safe_load(path.read_text())
         assert isinstance(document, dict), f"{path}: not a mapping"
-        unknown = sorted(key for key in document if key != "services" and not key.startswith("x-"))
-        assert not unknown, f"{path}: top-level keys besides services and x-*: {unknown}"
+        unknown = sorted(key for key in document if key not in ("services", "volumes") and not key.startswith("x-"))
+        assert not unknown, f"{path}: top-level keys besides services, volumes and x-*: {unknown}"
+        declared |= set(document.get("volumes") or {})
         for name, service in interpolate(document["services"], env).items():
             services[name] = merge(services[name], service) if name in services else service
+    for name, service in services.items():
+        sources = [str(mount).split(":")[0] for mount in service.get("volumes", [])]
+        named = [source for source in sources if not source.startswith(("/", ".", "~"))]
+        assert set(named) <= declared, f"{name} mounts volumes no file declares: {sorted(set(named) - declared)}"
     return services
 
 
