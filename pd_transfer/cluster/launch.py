@@ -19,6 +19,7 @@ from typing import Literal
 from pd_transfer.cluster.processes import ManagedProcess
 from pd_transfer.connector.config import transport_names
 from pd_transfer.settings import child_environment
+from pd_transfer.transfer.digests import VERIFY_MODES
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -81,6 +82,8 @@ class ServerSpec:
     #: the connector's ``read_timeout_s`` (a decode's wait for one request's KV, a streamed one's prefill included);
     #: None: its default
     read_timeout_s: float | None = None
+    #: the connector's ``verify`` (a decode's checks of what it moved: all, sample or off); None: its default
+    verify: str | None = None
     secret_env: str | None = None
     cpu_bind: str | None = None
     kvcache_gib: float = 1.0
@@ -121,6 +124,8 @@ class ServerSpec:
             problems.append(f"tp_size must be at least 1, not {self.tp_size}")
         if self.lease_seconds is not None and not self.lease_seconds > 0:
             problems.append(f"lease_seconds must be positive, not {self.lease_seconds}")
+        if self.verify is not None and self.verify not in VERIFY_MODES:
+            problems.append(f"verify must be one of {', '.join(VERIFY_MODES)}, not {self.verify!r}")
         if self.failure_policy is not None and self.failure_policy not in ("recompute", "fail"):
             problems.append(f"failure_policy must be recompute or fail, not {self.failure_policy!r}")
         if self.transport is not None:
@@ -186,6 +191,8 @@ def _pd_transfer_config(spec: ServerSpec) -> dict[str, object]:
         extra["transport"] = spec.transport
     if spec.read_timeout_s is not None:
         extra["read_timeout_s"] = spec.read_timeout_s
+    if spec.verify is not None:
+        extra["verify"] = spec.verify
     if spec.secret_env is not None:
         extra["secret_env"] = spec.secret_env
     return {

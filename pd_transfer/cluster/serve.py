@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from pd_transfer.cluster.launch import ROLES, ServerSpec, transport_setting, vllm_command, vllm_env
 from pd_transfer.settings import child_environment
+from pd_transfer.transfer.digests import VERIFY_MODES
 
 __all__ = ["add_arguments", "main", "run", "shell_line", "spec_from_args"]
 
@@ -38,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the transports a decode opens prefills with, in order, and a prefill offers: auto (default: same-host"
         " IPC where it can, else NIXL), nixl, ipc, or names (module:attribute for a transport of your own)",
+    )
+    parser.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default=None,
+        help="what a decode checks of the KV it moved, against the prefill's digests: all, sample (the connector's"
+        " default: a share of each request, all of it over time) or off",
     )
     parser.add_argument(
         "--secret-env",
@@ -70,6 +78,7 @@ def spec_from_args(args: argparse.Namespace) -> ServerSpec:
         lease_seconds=args.lease_seconds,
         failure_policy=args.failure_policy,
         transport=args.transport,
+        verify=args.verify,
         secret_env=args.secret_env,
         cpu_bind=args.cpu_bind,
         kvcache_gib=args.kvcache_gib,

@@ -99,6 +99,7 @@ def plan_servers(
             drain_seconds=DRAIN_S if connector else None,
             eager=args.eager,
             transport=args.transport if connector else None,
+            verify=args.verify if connector else None,
             **(_kv_events(args.base_port, k, log_dir or Path(".")) if connector and kind in kv_roles else {}),
             **(_offload(args) if connector and _mounts_offload(args, kind, counts[kind] - 1) else {}),
         )

@@ -45,6 +45,7 @@ def test_vllm_command_runs_the_api_server_with_our_connector() -> None:
         tp_size=2,
         lease_seconds=12.5,
         failure_policy="fail",
+        verify="all",
         secret_env="PD_SECRET",
         extra_args=("--enforce-eager",),
         dtype="float32",
@@ -79,12 +80,13 @@ def test_vllm_command_runs_the_api_server_with_our_connector() -> None:
         "side_channel_port": 8201,
         "lease_seconds": 12.5,
         "failure_policy": "fail",
+        "verify": "all",
         "secret_env": "PD_SECRET",
     }
     # The connector accepts exactly this extra config, and reads the secret from the named variable.
     config = ConnectorConfig.from_dict(extra, env={"PD_SECRET": "s3cret"}, settings=DEFAULTS)
     assert (config.side_channel_host, config.side_channel_port, config.secret) == ("10.0.0.2", 8201, "s3cret")
-    assert (config.lease_seconds, config.failure_policy) == (12.5, "fail")
+    assert (config.lease_seconds, config.failure_policy, config.verify) == (12.5, "fail", "all")
     assert "s3cret" not in " ".join(command)
 
 
@@ -161,6 +163,7 @@ def test_vllm_env(tmp_path: Path) -> None:
         ({"side_channel_port": 8100}, "port and side_channel_port are both 8100"),
         ({"tp_size": 0}, "tp_size must be at least 1"),
         ({"failure_policy": "retry"}, "failure_policy must be recompute or fail"),
+        ({"verify": "some"}, "verify must be one of all, sample, off, not 'some'"),
         ({"kvcache_gib": 0.0}, "kvcache_gib must be positive"),
     ],
 )
@@ -201,6 +204,33 @@ def test_up_eager_runs_every_server_eager_and_only_when_asked() -> None:
         assert [p.name for p in planned] == ["prefill-0", "decode-0", "reference"]  # the plain one too
         for server in planned:
             assert ("--enforce-eager" in vllm_command(server.spec, connector=server.connector)) is eager
+
+
+def test_verify_reaches_every_connector_server_of_up_and_serve() -> None:
+    """``up --verify`` and ``serve --verify``: the connector's ``verify`` of each server with our connector (not the
+    plain reference); unset, the connector's default; a mode that does not exist refused by the parser."""
+    import argparse
+
+    from pd_transfer.cluster import serve
+    from pd_transfer.cluster.up import add_arguments, plan_servers, validate
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, verify in ((["--demo", "--verify", "all"], "all"), (["--demo"], None)):
+        args = parser.parse_args(flags)
+        assert validate(args) == []
+        for server in plan_servers(args, MODEL_DIR, "tiny"):
+            extra = kv_transfer_config(server.spec)["kv_connector_extra_config"]
+            assert extra.get("verify") == (verify if server.connector else None), (server.name, extra)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--verify", "some"])
+    serve_parser = argparse.ArgumentParser()
+    serve.add_arguments(serve_parser)
+    args = serve_parser.parse_args(
+        ["--role", "decode", "--model", MODEL_DIR, "--port", "8100", "--side-channel-port", "8200", "--verify", "off"]
+    )
+    extra = kv_transfer_config(serve.spec_from_args(args))["kv_connector_extra_config"]
+    assert ConnectorConfig.from_dict(extra, env={}, settings=DEFAULTS).verify == "off"
 
 
 def test_up_offload_dir_wires_every_connector_server(tmp_path: Path) -> None:
