@@ -12,6 +12,9 @@ timed at the client (request sent to first token). Reported per prompt length:
 TTFT p50 of both modes and their ratio, whether both modes' tokens were equal for every prompt, and the KV bytes of
 one prompt. ``--nixl`` then runs a NixlConnector pair on the same wire (UCX on TCP, as between hosts), sequential,
 the same prompts: its TTFT p50 beside ours. The plain server's TTFT (no P/D) is ``bench vllm --scale``'s.
+``--verify-cost`` (issue 42) runs a decode of each ``verify`` mode (``off``, ``sample``, ``all``: what the decode
+checks of the KV it moved) beside the one prefill, each behind a proxy of its own, every prompt sent through each
+(both ways, the decodes' order turning): each mode's TTFT p50 against ``off``'s.
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ from pd_transfer.bench.vllm.scale import stream_completion
 from pd_transfer.cluster.http_client import answer_tokens, free_port, metric_value
 from pd_transfer.cluster.launch import TINY_MODEL_DIR, ServerSpec, server_process
 from pd_transfer.cluster.processes import ManagedProcess, stop_all, wait_ready
+from pd_transfer.connector.config import ConnectorConfig
 from pd_transfer.proxy.server import Proxy, ProxyConfig
+from pd_transfer.transfer.digests import VERIFY_MODES
 
 LENGTHS = (512, 1024, 1792)
 MAX_TOKENS = 4
 TAIL = "vllm:pd_transfer_stream_tail_seconds"  # the decode's histogram: last layer to usable KV, per streamed request
 STARTUP_TIMEOUT_S = 900.0
+DEFAULT_VERIFY = ConnectorConfig().verify  # the rows of --verify-cost that make the summary: the default decode's
 
 
 def _servers(
@@ -51,14 +57,16 @@ def _servers(
     kvcache_gib: float,
     nixl: bool = False,
     batched_tokens: int | None = None,
+    verify_modes: tuple[str | None, ...] = (None,),
 ) -> list[ManagedProcess]:
-    """The prefill (in ``net``'s namespace when given) and the decode, not started: with PdTransferConnector over the
-    tcp transport, or (``nixl``) with vLLM's NixlConnector, UCX on TCP between them as between hosts;
-    ``batched_tokens``: vLLM's ``--max-num-batched-tokens`` (a prompt longer than it is computed in several steps,
-    and streams only at its hold)."""
+    """The prefill (in ``net``'s namespace when given) and a decode of each of ``verify_modes`` (None: the connector's
+    default), not started: with PdTransferConnector over the tcp transport, or (``nixl``) with vLLM's NixlConnector,
+    UCX on TCP between them as between hosts; ``batched_tokens``: vLLM's ``--max-num-batched-tokens`` (a prompt
+    longer than it is computed in several steps, and streams only at its hold)."""
     batching = ("--max-num-batched-tokens", str(batched_tokens)) if batched_tokens else ()
     servers = []
-    for index, role in enumerate(("prefill", "decode")):
+    roles = [("prefill", None), *(("decode", verify) for verify in verify_modes)]
+    for index, (role, verify) in enumerate(roles):
         host = net.inner_address if net is not None and role == "prefill" else "127.0.0.1"
         spec = ServerSpec(
             role=role,  # type: ignore[arg-type]
@@ -68,7 +76,8 @@ def _servers(
             host=host,
             side_channel_host=host,
             transport="tcp",
-            cpu_bind=allowed_cpu(index),
+            verify=verify,
+            cpu_bind=allowed_cpu(min(index, 1)),  # the prefill on the first core, the decodes on the second
             kvcache_gib=kvcache_gib,
             dtype="float32",
             max_model_len=2048 if Path(model).name == Path(TINY_MODEL_DIR).name else 4608,
@@ -76,7 +85,7 @@ def _servers(
             eager=True,
             extra_args=("--no-enable-prefix-caching", *batching),  # no prefix caching: each prompt goes both ways
         )
-        name = f"nixl-{role}" if nixl else role
+        name = f"nixl-{role}" if nixl else role if verify is None else f"{role}-{verify}"
         server = (nixl_server if nixl else server_process)(name, spec, logs / f"{name}.log", python=python)
         device = (net.inner if role == "prefill" else net.outer) if net is not None else "lo"
         env = {**server.env, "UCX_NET_DEVICES": device, **({"UCX_TLS": "tcp,self"} if nixl else {})}
@@ -87,20 +96,25 @@ def _servers(
 
 async def _sitting(
     prefill: str,
-    decode: str,
+    decodes: dict[str | None, str],
     model: str,
     lengths: tuple[int, ...],
     requests: int,
     modes: tuple[bool, ...] = (False, True),
 ) -> list[dict[str, Any]]:
-    """Each prompt through the proxy in each of ``modes`` (``stream_kv`` off, on), the order alternating."""
-    config = ProxyConfig(prefill=[prefill], decode=[decode], tokenize=False, health_interval_s=600.0)
+    """Each prompt through a proxy of each of ``decodes`` (its verify mode, None for the default -> its URL), in each
+    of ``modes`` (``stream_kv`` off, on), the orders alternating (the decodes' turning by one each prompt)."""
     vocab = vocab_size(model)
     rows: list[dict[str, Any]] = []
-    async with Proxy(config) as proxy:
-        url = await proxy.start()
+    async with contextlib.AsyncExitStack() as stack:
+        proxies: dict[str | None, tuple[Proxy, str, str]] = {}
+        for verify, decode in decodes.items():
+            config = ProxyConfig(prefill=[prefill], decode=[decode], tokenize=False, health_interval_s=600.0)
+            proxy = await stack.enter_async_context(Proxy(config))
+            proxies[verify] = (proxy, await proxy.start(), decode)
 
-        def ask(prompt: list[int], stream_kv: bool, tag: str) -> dict[str, Any]:
+        def ask(verify: str | None, prompt: list[int], stream_kv: bool, tag: str) -> dict[str, Any]:
+            proxy, url, decode = proxies[verify]
             proxy.config.stream_kv = stream_kv  # read by the proxy per request
             tails = _tails(decode) if stream_kv else None
             answer = stream_completion(url, model, prompt, MAX_TOKENS, None, tag)
@@ -110,23 +124,30 @@ async def _sitting(
                 out["tail_s"] = round(total / count, 4) if count > 0 else None
             return out
 
-        await asyncio.to_thread(ask, make_prompt(min(lengths), 1, vocab), False, "warm-up")
+        for verify in proxies:  # each proxy learns the prefill's engine from its first answer
+            await asyncio.to_thread(ask, verify, make_prompt(min(lengths), 1, vocab), False, f"warm-up-{verify}")
+        turn = 0
         for index in range(requests):
             for length in lengths:
                 prompt = make_prompt(length, 1000 + 10 * index + length, vocab)
                 order = modes if (index + length) % 2 == 0 else modes[::-1]
-                answers = {}
-                for stream_kv in order:
-                    tag = f"{'stream' if stream_kv else 'seq'}-{length}-{index}-{time.time_ns()}"
-                    answers[stream_kv] = await asyncio.to_thread(ask, prompt, stream_kv, tag)
-                row: dict[str, Any] = {"length": length, "tokens": answers[modes[0]]["tokens"]}
-                for stream_kv, answer in answers.items():
-                    row["streamed_ttft_s" if stream_kv else "sequential_ttft_s"] = answer["ttft_s"]
-                    if "tail_s" in answer:
-                        row["stream_tail_s"] = answer["tail_s"]
-                row["tokens_equal"] = all(answer["tokens"] == row["tokens"] for answer in answers.values())
-                rows.append(row)
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                verifies = list(proxies)[turn % len(proxies) :] + list(proxies)[: turn % len(proxies)]
+                turn += 1
+                for verify in verifies:
+                    answers = {}
+                    for stream_kv in order:
+                        tag = f"{'stream' if stream_kv else 'seq'}-{length}-{index}-{verify}-{time.time_ns()}"
+                        answers[stream_kv] = await asyncio.to_thread(ask, verify, prompt, stream_kv, tag)
+                    row: dict[str, Any] = {"length": length, "prompt": index, "tokens": answers[modes[0]]["tokens"]}
+                    if verify is not None:
+                        row["verify"] = verify
+                    for stream_kv, answer in answers.items():
+                        row["streamed_ttft_s" if stream_kv else "sequential_ttft_s"] = answer["ttft_s"]
+                        if "tail_s" in answer:
+                            row["stream_tail_s"] = answer["tail_s"]
+                    row["tokens_equal"] = all(answer["tokens"] == row["tokens"] for answer in answers.values())
+                    rows.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), file=sys.stderr, flush=True)
     return rows
 
 
@@ -194,14 +215,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["path"] = "loopback" if net is None else "veth"
         result["wire_gbit"] = args.wire_gbit
         result["max_num_batched_tokens"] = args.max_num_batched_tokens
-        ours = _servers(model, logs, net, args.python, args.kvcache_gib, batched_tokens=args.max_num_batched_tokens)
-        rows = _phase(ours, model, lengths, args.requests)
+        verify_modes: tuple[str | None, ...] = VERIFY_MODES if args.verify_cost else (None,)
+        ours = _servers(
+            model, logs, net, args.python, args.kvcache_gib, False, args.max_num_batched_tokens, verify_modes
+        )
+        rows = _phase(ours, model, lengths, args.requests, verify_modes=verify_modes)
         nixl: list[dict[str, Any]] = []
         if args.nixl:  # after ours, never beside it: four servers on two cores would measure their contention
             servers = _servers(model, logs, net, args.python, args.kvcache_gib, True, args.max_num_batched_tokens)
             nixl = _phase(servers, model, lengths, args.requests, modes=(False,))
     result["rows"], result["nixl_rows"] = rows, nixl
-    result["summary"] = _summary(rows, nixl, lengths, _kv_bytes_per_token(model))
+    default = [row for row in rows if row.get("verify", DEFAULT_VERIFY) == DEFAULT_VERIFY]
+    result["summary"] = _summary(default, nixl, lengths, _kv_bytes_per_token(model))
+    if args.verify_cost:
+        result["verify_cost"] = _verify_summary(rows, lengths)
     for each in (*rows, *nixl):
         each.pop("tokens", None)
     return result
@@ -213,15 +240,44 @@ def _phase(
     lengths: tuple[int, ...],
     requests: int,
     modes: tuple[bool, ...] = (False, True),
+    verify_modes: tuple[str | None, ...] = (None,),
 ) -> list[dict[str, Any]]:
-    """``servers`` started, the sitting run through them, stopped."""
+    """``servers`` (the prefill, then a decode of each of ``verify_modes``) started, the sitting run through them,
+    stopped."""
     try:
         for server in servers:
             server.start()
         wait_ready(servers, STARTUP_TIMEOUT_S)
-        return asyncio.run(_sitting(servers[0].url, servers[1].url, model, lengths, requests, modes))
+        decodes = dict(zip(verify_modes, (server.url for server in servers[1:]), strict=True))
+        return asyncio.run(_sitting(servers[0].url, decodes, model, lengths, requests, modes))
     finally:
         stop_all(servers)
+
+
+def _verify_summary(rows: list[dict[str, Any]], lengths: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Per prompt length and verify mode: TTFT p50 both ways, and each against ``off``'s (1.05: 5 % slower)."""
+    out = []
+    for length in lengths:
+        mine = [row for row in rows if row["length"] == length]
+        p50 = {
+            (verify, way): statistics.median(row[f"{way}_ttft_s"] for row in mine if row["verify"] == verify)
+            for verify in VERIFY_MODES
+            for way in ("sequential", "streamed")
+        }
+        for verify in VERIFY_MODES:
+            summary: dict[str, Any] = {"length": length, "verify": verify}
+            for way in ("sequential", "streamed"):
+                summary[f"{way}_ttft_p50_s"] = round(p50[(verify, way)], 4)
+                summary[f"{way}_vs_off"] = round(p50[(verify, way)] / p50[("off", way)], 3)
+            out.append(summary)
+        answers: dict[int, set[tuple[str, ...]]] = {}
+        for row in mine:
+            answers.setdefault(row["prompt"], set()).add(tuple(row["tokens"]))
+        for summary in out[-len(VERIFY_MODES) :]:  # every mode answered each prompt alike, both ways
+            summary["tokens_equal"] = all(len(seen) == 1 for seen in answers.values()) and all(
+                row["tokens_equal"] for row in mine
+            )
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +300,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nixl", action="store_true", help="then a NixlConnector pair on the same wire, sequential (UCX on TCP)"
     )
+    parser.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="a decode of each verify mode (off, sample, all) beside the prefill: each one's TTFT against off's",
+    )
     add_wire_argument(parser)
 
 
@@ -252,6 +313,8 @@ def cli_run(args: argparse.Namespace) -> int:
         raise SystemExit("--requests and every --lengths must be at least 1")
     if args.wire_gbit is not None and not args.netns:
         raise SystemExit("--wire-gbit shapes the veth: drop --no-netns")
+    if args.verify_cost and args.nixl:
+        raise SystemExit("--verify-cost and --nixl: one at a time (five servers on two cores measure their contention)")
     result = run(args)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -266,5 +329,11 @@ def cli_run(args: argparse.Namespace) -> int:
                     if "nixl_ttft_p50_s" in row
                     else ""
                 )
+            )
+        for row in result.get("verify_cost", []):
+            print(
+                f"{row['length']:5d} tokens, verify {row['verify']:6s}: sequential {row['sequential_ttft_p50_s']:.3f} s"
+                f" ({row['sequential_vs_off']} x off's), streamed {row['streamed_ttft_p50_s']:.3f} s"
+                f" ({row['streamed_vs_off']} x off's); tokens equal {row['tokens_equal']}"
             )
     return 0
