@@ -48,6 +48,17 @@ def transport_setting(text: str) -> str:
     return text
 
 
+def add_verify_argument(parser: argparse.ArgumentParser) -> None:
+    """``--verify`` (``serve``, ``up``): the connector's ``verify`` setting; None when not given (its default)."""
+    parser.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default=None,
+        help="what a decode checks of the KV it moved, against the prefill's digests: all, sample (the connector's"
+        " default: a share of each request, all of it over time) or off",
+    )
+
+
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"

@@ -8,9 +8,15 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
-from pd_transfer.cluster.launch import ROLES, ServerSpec, transport_setting, vllm_command, vllm_env
+from pd_transfer.cluster.launch import (
+    ROLES,
+    ServerSpec,
+    add_verify_argument,
+    transport_setting,
+    vllm_command,
+    vllm_env,
+)
 from pd_transfer.settings import child_environment
-from pd_transfer.transfer.digests import VERIFY_MODES
 
 __all__ = ["add_arguments", "main", "run", "shell_line", "spec_from_args"]
 
@@ -40,13 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the transports a decode opens prefills with, in order, and a prefill offers: auto (default: same-host"
         " IPC where it can, else NIXL), nixl, ipc, or names (module:attribute for a transport of your own)",
     )
-    parser.add_argument(
-        "--verify",
-        choices=VERIFY_MODES,
-        default=None,
-        help="what a decode checks of the KV it moved, against the prefill's digests: all, sample (the connector's"
-        " default: a share of each request, all of it over time) or off",
-    )
+    add_verify_argument(parser)
     parser.add_argument(
         "--secret-env",
         default=None,

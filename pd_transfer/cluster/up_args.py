@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pd_transfer.cluster.launch import TINY_MODEL_DIR, transport_setting
+from pd_transfer.cluster.launch import TINY_MODEL_DIR, add_verify_argument, transport_setting
 from pd_transfer.connector.config import transport_names
 from pd_transfer.proxy.routing import registry
-from pd_transfer.transfer.digests import VERIFY_MODES
 
 MODEL_ENV = "PD_TRANSFER_MODEL"
 MODELS_DIR_ENV = "PD_TRANSFER_MODELS_DIR"  # where the default models are built (default: .models)
@@ -142,13 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the transports a decode opens prefills with, in order, and a prefill offers: auto (default: same-host"
         " IPC where it can, else NIXL), nixl, ipc, or names (module:attribute for a transport of your own)",
     )
-    parser.add_argument(
-        "--verify",
-        choices=VERIFY_MODES,
-        default=None,
-        help="what a decode checks of the KV it moved, against the prefill's digests: all, sample (the connector's"
-        " default: a share of each request, all of it over time) or off",
-    )
+    add_verify_argument(parser)
     parser.add_argument(
         "--offload-host-bytes",
         type=int,
