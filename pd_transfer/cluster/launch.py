@@ -30,6 +30,7 @@ __all__ = [
     "TINY_MODEL_DIR",
     "VLLM_ENTRYPOINT",
     "ServerSpec",
+    "add_verify_argument",
     "cpu_binds",
     "kv_transfer_config",
     "server_process",
